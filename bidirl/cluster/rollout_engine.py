@@ -1,0 +1,475 @@
+"""The vLLM rollout engine: interruptible group generation, partial-rollout resume, weight reload, offload.
+
+One ``RolloutEngine`` is one rollout replica (paper §2.1): a vLLM engine run **in-process** (no engine
+subprocess: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``) in fp32, eager
+mode. Generation is driven step by step through ``LLMEngine.add_request`` / ``step`` so it can be stopped
+between any two decode steps:
+
+* :meth:`start` adds the requests of prompt-level groups (``group_size`` responses each). Response ``i``
+  of group ``g`` samples with its own seed derived from ``(seed, g, i, prefix length)``
+  (:func:`request_seed`), so the same seeds give the same tokens.
+* :meth:`step_until` runs engine steps until a stop condition, a step or time budget, or until nothing is
+  left, and returns the groups that completed, as ``bidirl.core.protocol.GroupState`` with a
+  ``bidirl.rl.samples.GroupPayload`` (token ids and the sampled tokens' log-probs from
+  ``SamplingParams(logprobs=0)``; texts and rewards when a ``reward_fn`` is given).
+* :meth:`interrupt` aborts unfinished requests at a synchronisation point and returns each group's state:
+  finished responses plus the prefixes (tokens and log-probs so far) of unfinished ones (partial rollout,
+  §2.2 / §3.2).
+* Resuming is :meth:`start` with ``resume=`` that state: each unfinished response is submitted as
+  ``prompt + prefix`` with ``max_tokens`` reduced by the prefix length, and the output is stitched so the
+  final response is the old prefix (never regenerated, log-probs kept) followed by the new tokens.
+
+:meth:`load_weights` reloads weights in place through ``collective_rpc`` (the full ``state_dict`` including
+the tied ``lm_head``) — the actor→rollout weight sync (§6.2). :meth:`offload` / :meth:`onload` are the
+rollout half of a hot switch (§3.2, C_in / C_out): on GPU vLLM's ``sleep(level=1)`` / ``wake_up()``; on
+CPU, where vLLM has no sleep mode, the KV cache's memory is released (its storage resized to zero bytes)
+and re-allocated on onload, and the weights are re-installed from the host copy of the last weights
+loaded (or the checkpoint). The CPU path does not free the weights' own memory (vLLM's CPU backend keeps
+them packed in oneDNN handles that only a reload replaces); ``last_switch`` says what was moved.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import numpy as np
+
+from bidirl.core.protocol import GroupState
+from bidirl.rl.samples import GroupPayload
+
+
+def request_seed(seed: int, group_id: int, index: int, offset: int = 0) -> int:
+    """The sampling seed of response ``index`` of group ``group_id`` resumed after ``offset`` tokens."""
+    state = np.random.SeedSequence([int(seed), int(group_id), int(index), int(offset)]).generate_state(1)
+    return int(state[0] & 0x7FFFFFFF)
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """One group to generate: ``group_size`` responses to ``prompt_ids``, each at most ``max_tokens`` long.
+
+    ``resume`` is the ``GroupState`` an earlier :meth:`RolloutEngine.interrupt` returned for this group
+    (its payload must be a ``GroupPayload``); ``meta`` is handed to the engine's ``reward_fn``
+    (e.g. the expected answer).
+    """
+    group_id: int
+    prompt_ids: tuple
+    group_size: int
+    max_tokens: int
+    meta: Any = None
+    resume: Optional[GroupState] = None
+
+
+@dataclass
+class _Response:
+    tokens: list
+    logprobs: list
+    version: int
+    done: bool = False
+    finish_reason: Optional[str] = None
+    request_id: Optional[str] = None
+
+
+@dataclass
+class _Group:
+    request: GroupRequest
+    responses: list
+    started: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        return all(r.done for r in self.responses)
+
+
+# functions run on the vLLM worker through collective_rpc (module level so they pickle by reference)
+def _worker_reload(worker, weights) -> None:
+    worker.reload_weights(weights_iterator=iter(weights))
+
+
+def _kv_tensors(worker) -> list:
+    seen, out = set(), []
+    for t in worker.model_runner.kv_caches:
+        tensors = t if isinstance(t, (list, tuple)) else [t]
+        for x in tensors:
+            ptr = x.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                out.append(x)
+    return out
+
+
+def _worker_release_kv(worker) -> int:
+    released = 0
+    sizes = []
+    for t in _kv_tensors(worker):
+        storage = t.untyped_storage()
+        sizes.append(storage.nbytes())
+        released += storage.nbytes()
+        storage.resize_(0)
+    worker._bidirl_kv_sizes = sizes
+    return released
+
+
+def _worker_restore_kv(worker) -> int:
+    sizes = getattr(worker, "_bidirl_kv_sizes", None)
+    if sizes is None:
+        return 0
+    restored = 0
+    for t, n in zip(_kv_tensors(worker), sizes):
+        t.untyped_storage().resize_(n)
+        t.zero_()
+        restored += n
+    worker._bidirl_kv_sizes = None
+    return restored
+
+
+def _worker_kv_bytes(worker) -> int:
+    return sum(t.untyped_storage().nbytes() for t in _kv_tensors(worker))
+
+
+def _as_items(weights) -> list:
+    import torch
+
+    items = weights.items() if hasattr(weights, "items") else weights
+    out = []
+    for name, value in items:
+        t = value if torch.is_tensor(value) else torch.as_tensor(np.asarray(value))
+        out.append((str(name), t.detach().to("cpu")))
+    if not out:
+        raise ValueError("load_weights: got no weights; pass the trainer's state_dict() (items)")
+    return out
+
+
+class RolloutEngine:
+    """An interruptible vLLM rollout replica (see the module docstring)."""
+
+    def __init__(self, model_dir: Union[str, Path], seed: int = 0, max_model_len: int = 64,
+                 kv_cache_gib: float = 0.0625, *, temperature: float = 1.0, top_p: float = 1.0,
+                 reward_fn: Optional[Callable[[Any, str], float]] = None, max_num_seqs: int = 256,
+                 device: Optional[str] = None, quiet: bool = True):
+        if not (self_dir := Path(model_dir)).joinpath("config.json").exists():
+            raise ValueError(f"RolloutEngine.model_dir {str(self_dir)!r} holds no config.json; create the model "
+                             "first (bidirl.rl.bootstrap.ensure_tiny_model())")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"RolloutEngine.seed must be a non-negative integer, got {seed!r}")
+        if not kv_cache_gib > 0:
+            raise ValueError(f"RolloutEngine.kv_cache_gib must be > 0, got {kv_cache_gib!r}")
+        if not temperature > 0:
+            raise ValueError(f"RolloutEngine.temperature must be > 0 (sampling), got {temperature!r}")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # in-process engine (no __main__ guard needed)
+        if quiet:
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        t0 = time.perf_counter()
+        import torch
+        from vllm import LLM
+
+        self.model_dir, self.seed = self_dir, int(seed)
+        self.max_model_len = int(max_model_len)
+        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.reward_fn = reward_fn
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = device
+        self.gpu = device.startswith("cuda")
+        kwargs = dict(model=str(self_dir), dtype="float32", enforce_eager=True, max_model_len=self.max_model_len,
+                      distributed_executor_backend="uni", seed=self.seed, enable_prefix_caching=False,
+                      max_num_seqs=int(max_num_seqs), disable_log_stats=True)
+        if self.gpu:
+            kwargs["enable_sleep_mode"] = True
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        else:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        self.llm = LLM(**kwargs)
+        self.engine = self.llm.llm_engine
+        from bidirl.rl.tiny_model import load_tokenizer
+        self.tokenizer = load_tokenizer(self_dir)
+        self.eos_id = self.tokenizer.eos_token_id
+        self.version = 0
+        self._groups: dict = {}            # group_id -> _Group (in flight or complete, not yet returned)
+        self._by_request: dict = {}        # request id -> (group_id, index)
+        self._counter = 0
+        self._host_weights: Optional[list] = None
+        self._offloaded = False
+        self.steps = 0
+        self.generated_tokens = 0
+        self.last_switch: dict = {}
+        self.start_seconds = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------------------
+    # generation
+    # ------------------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Whether any request is in flight."""
+        return bool(self._by_request)
+
+    @property
+    def group_ids(self) -> list:
+        return sorted(self._groups)
+
+    def _params(self, max_tokens: int, seed: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(n=1, max_tokens=int(max_tokens), temperature=self.temperature, top_p=self.top_p,
+                              top_k=0, seed=int(seed), logprobs=0, detokenize=False,
+                              output_kind=RequestOutputKind.DELTA, ignore_eos=False)
+
+    def start(self, requests: Iterable[GroupRequest]) -> int:
+        """Add the requests of ``requests`` (fresh or resumed groups); returns the number of requests added."""
+        if self._offloaded:
+            raise RuntimeError("RolloutEngine.start: the engine is offloaded; call onload() first")
+        requests = list(requests)
+        for req in requests:
+            self._validate(req)
+        added = 0
+        now = time.perf_counter()
+        for req in requests:
+            responses = self._initial_responses(req)
+            group = _Group(req, responses, now)
+            self._groups[req.group_id] = group
+            for i, resp in enumerate(responses):
+                if resp.done:
+                    continue
+                remaining = req.max_tokens - len(resp.tokens)
+                if remaining <= 0:
+                    resp.done, resp.finish_reason = True, "length"
+                    continue
+                rid = f"g{req.group_id}-r{i}-{self._counter}"
+                self._counter += 1
+                prompt = list(req.prompt_ids) + list(resp.tokens)
+                self.engine.add_request(rid, {"prompt_token_ids": prompt},
+                                        self._params(remaining, request_seed(self.seed, req.group_id, i,
+                                                                             len(resp.tokens))))
+                resp.request_id = rid
+                self._by_request[rid] = (req.group_id, i)
+                added += 1
+        return added
+
+    def _validate(self, req: GroupRequest) -> None:
+        if not isinstance(req, GroupRequest):
+            raise ValueError(f"RolloutEngine.start expects GroupRequest items, got {type(req).__name__}")
+        if req.group_id in self._groups:
+            raise ValueError(f"group {req.group_id} is already on this engine; interrupt or collect it first")
+        if req.group_size < 1:
+            raise ValueError(f"group {req.group_id}: group_size must be ≥ 1, got {req.group_size}")
+        if req.max_tokens < 1:
+            raise ValueError(f"group {req.group_id}: max_tokens must be ≥ 1, got {req.max_tokens}")
+        if not req.prompt_ids:
+            raise ValueError(f"group {req.group_id}: prompt_ids is empty")
+        if len(req.prompt_ids) + req.max_tokens > self.max_model_len:
+            raise ValueError(f"group {req.group_id}: prompt ({len(req.prompt_ids)} tokens) + max_tokens "
+                             f"({req.max_tokens}) exceeds max_model_len={self.max_model_len}; lower max_tokens "
+                             "or start the engine with a larger max_model_len")
+        if req.resume is not None:
+            p = req.resume.payload
+            if not isinstance(p, GroupPayload):
+                raise ValueError(f"group {req.group_id}: resume.payload must be a GroupPayload "
+                                 "(the state RolloutEngine.interrupt returned)")
+            if len(p.token_ids) != req.group_size or req.resume.group_id != req.group_id:
+                raise ValueError(f"group {req.group_id}: resume state is for group {req.resume.group_id} with "
+                                 f"{len(p.token_ids)} responses, not {req.group_size}")
+            if tuple(p.prompt_ids) != tuple(req.prompt_ids):
+                raise ValueError(f"group {req.group_id}: resume state has a different prompt")
+
+    def _initial_responses(self, req: GroupRequest) -> list:
+        if req.resume is None:
+            return [_Response([], [], self.version) for _ in range(req.group_size)]
+        p = req.resume.payload
+        out = []
+        for i in range(req.group_size):
+            tokens, lps = list(p.token_ids[i]), list(p.logprobs[i])
+            version = int(p.versions[i]) if tokens else self.version
+            done = bool(req.resume.done[i])
+            out.append(_Response(tokens, lps, version, done, p.finish_reasons[i] if done else None))
+        return out
+
+    def step_until(self, stop: Optional[Callable[[list], bool]] = None, max_steps: Optional[int] = None,
+                   max_seconds: Optional[float] = None) -> list:
+        """Run engine steps; return the groups that completed (each returned once, then forgotten).
+
+        Stops when nothing is in flight, after ``max_steps`` steps, after ``max_seconds`` of wall time, or
+        when ``stop(completed_so_far)`` returns true (checked after each step).
+        """
+        completed = self._collect_complete()
+        if stop is not None and completed and stop(completed):
+            return completed
+        t0 = time.perf_counter()
+        n = 0
+        while self._by_request:
+            if max_steps is not None and n >= max_steps:
+                break
+            if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
+                break
+            outputs = self.engine.step()
+            n += 1
+            self.steps += 1
+            for out in outputs:
+                self._absorb(out)
+            done = self._collect_complete()
+            completed += done
+            if stop is not None and done and stop(completed):
+                break
+        if not self._by_request and self.engine.has_unfinished_requests():
+            raise RuntimeError("RolloutEngine: vLLM reports unfinished requests this engine does not track")
+        return completed
+
+    def _absorb(self, out) -> None:
+        key = self._by_request.get(out.request_id)
+        if key is None:
+            return
+        gid, i = key
+        resp = self._groups[gid].responses[i]
+        comp = out.outputs[0]
+        ids = list(comp.token_ids)
+        if ids:
+            if comp.logprobs is None or len(comp.logprobs) != len(ids):
+                raise RuntimeError("vLLM returned no per-token log-probs; requests must use logprobs=0")
+            resp.tokens += ids
+            resp.logprobs += [float(d[t].logprob) for t, d in zip(ids, comp.logprobs)]
+            self.generated_tokens += len(ids)
+        if out.finished:
+            resp.done = True
+            resp.finish_reason = comp.finish_reason or ("stop" if resp.tokens and resp.tokens[-1] == self.eos_id
+                                                         else "length")
+            resp.request_id = None
+            del self._by_request[out.request_id]
+
+    def _collect_complete(self) -> list:
+        ready = [gid for gid, g in self._groups.items() if g.complete]
+        return [self._state(self._groups.pop(gid)) for gid in sorted(ready)]
+
+    def _state(self, group: _Group) -> GroupState:
+        req = group.request
+        rs = group.responses
+        texts = rewards = None
+        if self.reward_fn is not None:
+            texts = tuple(self.tokenizer.decode(r.tokens, skip_special_tokens=True) for r in rs)
+            rewards = tuple(float(self.reward_fn(req.meta, t)) if r.done else float("nan")
+                            for r, t in zip(rs, texts))
+        payload = GroupPayload(
+            prompt_ids=tuple(req.prompt_ids), token_ids=tuple(tuple(r.tokens) for r in rs),
+            logprobs=tuple(tuple(r.logprobs) for r in rs), versions=tuple(r.version for r in rs),
+            finish_reasons=tuple(r.finish_reason for r in rs), max_tokens=req.max_tokens,
+            texts=texts, rewards=rewards, meta=req.meta)
+        return GroupState(group_id=req.group_id, prompt_len=len(req.prompt_ids),
+                          generated=tuple(len(r.tokens) for r in rs), done=tuple(r.done for r in rs),
+                          version=min(r.version for r in rs), payload=payload)
+
+    def interrupt(self, group_ids: Optional[Sequence[int]] = None) -> list:
+        """Abort the listed groups (``None``: all) and return their states (complete ones included)."""
+        targets = sorted(self._groups) if group_ids is None else [int(g) for g in group_ids]
+        unknown = [g for g in targets if g not in self._groups]
+        if unknown:
+            raise ValueError(f"interrupt: groups {unknown} are not on this engine (on it: {sorted(self._groups)})")
+        abort = []
+        for gid in targets:
+            for r in self._groups[gid].responses:
+                if r.request_id is not None:
+                    abort.append(r.request_id)
+                    del self._by_request[r.request_id]
+                    r.request_id = None
+        if abort:
+            self.engine.abort_request(abort)
+        return [self._state(self._groups.pop(gid)) for gid in targets]
+
+    def generate(self, requests: Iterable[GroupRequest]) -> list:
+        """Start ``requests`` and run until all complete; returns their states in group-id order."""
+        self.start(requests)
+        return sorted(self.step_until(), key=lambda s: s.group_id)
+
+    # ------------------------------------------------------------------------------------------
+    # weights and hot switching
+    # ------------------------------------------------------------------------------------------
+    def _require_idle(self, what: str) -> None:
+        if self._by_request:
+            raise RuntimeError(f"RolloutEngine.{what}: {len(self._by_request)} requests are in flight; "
+                               "interrupt() them first (partial rollout resumes them afterwards)")
+
+    def load_weights(self, state_dict_items, version: Optional[int] = None) -> float:
+        """Reload the weights in place from ``(name, tensor)`` items or a dict; returns seconds.
+
+        Pass the trainer's full ``state_dict()`` (the tied ``lm_head.weight`` included). ``version``
+        becomes the engine's actor version (the staleness tag of tokens generated from now on).
+        """
+        self._require_idle("load_weights")
+        if self._offloaded:
+            raise RuntimeError("RolloutEngine.load_weights: the engine is offloaded; call onload() first")
+        items = _as_items(state_dict_items)
+        t0 = time.perf_counter()
+        self.llm.collective_rpc(_worker_reload, args=(items,))
+        seconds = time.perf_counter() - t0
+        self._host_weights = items
+        if version is not None:
+            self.version = int(version)
+        return seconds
+
+    @property
+    def offloaded(self) -> bool:
+        return self._offloaded
+
+    def offload(self) -> float:
+        """Give the replica's memory up for a hot switch; returns seconds (see the module docstring)."""
+        self._require_idle("offload")
+        if self._offloaded:
+            return 0.0
+        t0 = time.perf_counter()
+        if self.gpu:
+            self.llm.sleep(level=1)
+            self.last_switch = {"mode": "vllm-sleep-1"}
+        else:
+            if self._host_weights is None:
+                self._host_weights = self._checkpoint_items()
+            released = sum(self.llm.collective_rpc(_worker_release_kv))
+            self.last_switch = {"mode": "cpu", "kv_bytes_released": int(released), "weights_released": False}
+        self._offloaded = True
+        seconds = time.perf_counter() - t0
+        self.last_switch["offload_seconds"] = seconds
+        return seconds
+
+    def onload(self) -> float:
+        """Restore what :meth:`offload` gave up (KV cache, weights); returns seconds."""
+        if not self._offloaded:
+            return 0.0
+        t0 = time.perf_counter()
+        if self.gpu:
+            self.llm.wake_up()
+        else:
+            restored = sum(self.llm.collective_rpc(_worker_restore_kv))
+            self.llm.collective_rpc(_worker_reload, args=(self._host_weights,))
+            self.last_switch["kv_bytes_restored"] = int(restored)
+            self.last_switch["weight_bytes_loaded"] = int(sum(t.numel() * t.element_size()
+                                                             for _, t in self._host_weights))
+        self.engine.reset_prefix_cache()
+        self._offloaded = False
+        seconds = time.perf_counter() - t0
+        self.last_switch["onload_seconds"] = seconds
+        return seconds
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV cache currently holds (0 while offloaded on CPU)."""
+        return int(sum(self.llm.collective_rpc(_worker_kv_bytes)))
+
+    def _checkpoint_items(self) -> list:
+        from safetensors.torch import load_file
+
+        items = []
+        for f in sorted(self.model_dir.glob("*.safetensors")):
+            items += [(k, v.clone()) for k, v in load_file(str(f)).items()]
+        names = {k for k, _ in items}
+        if "lm_head.weight" not in names and "model.embed_tokens.weight" in names:   # tied head, stored once
+            items.append(("lm_head.weight", dict(items)["model.embed_tokens.weight"]))
+        return items
+
+    def shutdown(self) -> None:
+        """Abort everything and drop the engine (frees its memory once garbage-collected)."""
+        if getattr(self, "engine", None) is not None and self._by_request:
+            self.engine.abort_request(list(self._by_request))
+        self._by_request.clear()
+        self._groups.clear()
+        self.engine = None
+        self.llm = None

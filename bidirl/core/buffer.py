@@ -1,0 +1,130 @@
+"""The rollout buffer: every admitted prompt group, where it is, and which are ready to train on (§2.2, §5.2).
+
+A group moves ``running`` (on a rollout worker) → ``complete`` (committed, waiting in the buffer) →
+``consumed`` (in a training batch). An interrupted group goes ``running`` → ``partial`` (its prefix kept
+here) → ``running`` again on whichever worker resumes it; it is never regenerated from scratch.
+Group ids are admitted in order 0, 1, 2, …; the driver maps an id to a prompt.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Optional
+
+from bidirl.core.protocol import GroupState
+from bidirl.core.staleness import StalenessRule
+
+
+@dataclass
+class GroupRecord:
+    group_id: int
+    version: int                 # staleness tag: oldest actor version among its tokens
+    status: str = "running"      # running | partial | complete | consumed
+    worker: Optional[str] = None
+    state: Optional[GroupState] = None
+    commit_seq: int = -1
+
+
+@dataclass
+class RolloutBuffer:
+    rule: StalenessRule
+    groups: dict = field(default_factory=dict)       # group_id -> GroupRecord, live groups only
+    consumed_ids: set = field(default_factory=set)   # consumed groups leave ``groups`` (keeps scans short)
+    next_group_id: int = 0
+    commits: int = 0
+    duplicates: int = 0
+
+    # admission -----------------------------------------------------------------------------------
+    def admissible(self, rollout_version: int) -> int:
+        """How many new groups may be admitted now under the run-ahead rule."""
+        return max(0, self.rule.admission_cap(rollout_version) - self.next_group_id)
+
+    def admit(self, rollout_version: int, worker: str) -> int:
+        gid = self.next_group_id
+        self.next_group_id += 1
+        self.groups[gid] = GroupRecord(gid, rollout_version, "running", worker)
+        return gid
+
+    # generation results --------------------------------------------------------------------------
+    def commit(self, state: GroupState) -> bool:
+        """A complete group arrived. Returns False (and counts a duplicate) if it was already committed."""
+        rec = self.groups.get(state.group_id)
+        if rec is None and state.group_id not in self.consumed_ids:
+            raise ValueError(f"group {state.group_id} was never admitted")
+        if rec is None or rec.status == "complete":
+            self.duplicates += 1
+            return False
+        rec.status, rec.worker, rec.state = "complete", None, state
+        rec.version = min(rec.version, state.version)
+        rec.commit_seq = self.commits
+        self.commits += 1
+        return True
+
+    def park(self, state: GroupState) -> None:
+        """An interrupted group's prefix comes back; it waits to be resumed."""
+        rec = self.groups.get(state.group_id)
+        if rec is None or rec.status == "complete":
+            return
+        rec.status, rec.worker, rec.state = "partial", None, state
+        rec.version = min(rec.version, state.version)
+
+    def resume(self, group_id: int, worker: str) -> Optional[GroupState]:
+        rec = self.groups[group_id]
+        rec.status, rec.worker = "running", worker
+        return rec.state
+
+    def partial_ids(self) -> list[int]:
+        """Parked groups, oldest tag first (they are the ones the trainer may have to wait for)."""
+        return sorted((r.group_id for r in self.groups.values() if r.status == "partial"),
+                      key=lambda g: (self.groups[g].version, g))
+
+    def running_on(self, worker: str) -> list[int]:
+        return [g for g, r in self.groups.items() if r.status == "running" and r.worker == worker]
+
+    # consumption ---------------------------------------------------------------------------------
+    def select_batch(self, trainer_version: int) -> Optional[list[int]]:
+        """The batch for ``trainer_version`` if it can be formed now, else None.
+
+        Takes the ``B`` oldest complete groups (by tag, then commit order) and accepts them only if what
+        stays behind can still be consumed in time: after this batch, at most ``k·B`` live groups may carry
+        a tag ``≤ v_t + k − ceil(s)`` for every ``k = 0 … ceil(s)`` (k = 0: nothing too stale for the next
+        batch may be left). Otherwise the trainer waits for the older groups still generating.
+        """
+        B, lag = self.rule.batch, self.rule.max_lag
+        complete = sorted((r for r in self.groups.values() if r.status == "complete"),
+                          key=lambda r: (r.version, r.commit_seq))
+        if len(complete) < B:
+            return None
+        chosen = complete[:B]
+        taken = {r.group_id for r in chosen}
+        left = sorted(r.version for r in self.groups.values() if r.group_id not in taken)
+        for k in range(lag + 1):
+            threshold = trainer_version + k - lag
+            if bisect.bisect_right(left, threshold) > k * B:
+                return None
+        return [r.group_id for r in chosen]
+
+    def deficit(self, trainer_version: int) -> int:
+        """Q_r: groups still generating among the ``B`` oldest live ones (what the next batch waits for)."""
+        live = sorted(self.groups.values(), key=lambda r: (r.version, r.group_id))[: self.rule.batch]
+        missing = sum(1 for r in live if r.status != "complete")
+        return missing + max(0, self.rule.batch - len(live))
+
+    def consume(self, group_ids: list[int]) -> list[GroupState]:
+        out = []
+        for gid in group_ids:
+            rec = self.groups.get(gid)
+            if rec is None or rec.status != "complete":
+                raise AssertionError(f"group {gid} consumed while {rec.status if rec else 'consumed'}")
+            del self.groups[gid]
+            self.consumed_ids.add(gid)
+            out.append(rec.state)
+        return out
+
+    # accounting ----------------------------------------------------------------------------------
+    def counts(self) -> dict:
+        by = {"running": 0, "partial": 0, "complete": 0, "consumed": len(self.consumed_ids)}
+        for rec in self.groups.values():
+            by[rec.status] += 1
+        return by

@@ -1,0 +1,39 @@
+"""Scheduling policies: BiDiRL and the paper's ablation variants (§7.3), selectable by name."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Which borrowing directions are on, and how they decide.
+
+    ``gated``: admit a window only when the stage-time models predict a gain over the switch costs
+    (Eq. 3 for Rollouter-on-TrainerPool, Algorithm 2's T_borrow < T_no for Trainer-on-RolloutPool);
+    otherwise borrow whenever the other pool is idle. ``model_split``: lazy pull plus the model-guided
+    JointTailSplit; otherwise a one-shot split proportional to data-parallel capacity.
+    """
+    name: str
+    rollout_on_trainer_pool: bool
+    trainer_on_rollout_pool: bool
+    gated: bool = True
+    model_split: bool = True
+
+
+POLICIES = {
+    "bidirl": Policy("bidirl", True, True),
+    "no-borrow": Policy("no-borrow", False, False),
+    "rot-only": Policy("rot-only", True, False),          # the paper's "w/o T-on-R"
+    "tor-only": Policy("tor-only", False, True),          # the paper's "w/o R-on-T"
+    "opportunistic": Policy("opportunistic", True, True, gated=False, model_split=False),
+}
+
+
+def get_policy(name: str) -> Policy:
+    if name not in POLICIES:
+        close = difflib.get_close_matches(name, list(POLICIES), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"use one of {', '.join(POLICIES)}"
+        raise ValueError(f"unknown scheduling policy {name!r} — {hint}")
+    return POLICIES[name]

@@ -1,0 +1,88 @@
+"""The online profiler (paper §5.1): execution records, measured switch costs, model recalibration.
+
+Every completed unit gives a record ``(k, x, π, X, d, T̂)``: stage ``k`` (``r`` rollout / ``t`` trainer),
+role ``x`` (primary / auxiliary), pool ``π``, workload summary ``X``, active replicas ``d`` and observed time
+``T̂``, stored with the model's raw prediction for the same work. At weight-sync boundaries (outside any
+worker's critical path) :meth:`Profiler.recalibrate` sets each (stage, role) correction factor to the median
+observed / predicted ratio of the records since the last calibration, and the switch costs to a moving
+average of their measurements. Recent response lengths form the representative workload of M_r.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bidirl.config import SwitchCosts
+
+
+@dataclass(frozen=True)
+class ProfileRecord:
+    t: float
+    k: str            # "r" | "t"
+    x: str            # "primary" | "auxiliary"
+    pool: str
+    workload: dict    # X: stage, prompt/response lengths, units
+    d: int
+    observed: float
+    predicted: float
+
+
+@dataclass
+class Profiler:
+    costs: dict                                    # direction -> SwitchCosts (start: configured values)
+    window: int = 512                              # responses kept for the representative workload
+    smoothing: float = 0.5                         # weight of a new cost measurement
+    records: list = field(default_factory=list)
+    scales: dict = field(default_factory=lambda: {(k, x): 1.0 for k in "rt" for x in ("primary", "auxiliary")})
+    calibrated_upto: int = 0
+    cost_samples: dict = field(default_factory=dict)
+    prompt_lens: deque = field(default_factory=deque)
+    response_lens: deque = field(default_factory=deque)
+
+    def record(self, rec: ProfileRecord) -> None:
+        if rec.observed < 0 or rec.predicted < 0:
+            raise ValueError(f"profiling record with negative time: {rec}")
+        self.records.append(rec)
+
+    def observe_group(self, prompt_len: int, response_lens) -> None:
+        for r in response_lens:
+            self.prompt_lens.append(int(prompt_len))
+            self.response_lens.append(int(r))
+        while len(self.response_lens) > self.window:
+            self.prompt_lens.popleft()
+            self.response_lens.popleft()
+
+    def observe_cost(self, direction: str, which: str, seconds: float) -> None:
+        """A measured C_in / C_out / C_grad for ``direction``; folded in at the next recalibration."""
+        self.cost_samples.setdefault((direction, which), []).append(float(seconds))
+
+    def recalibrate(self) -> dict:
+        """Update correction factors and switch costs from what was measured since the last call."""
+        new = self.records[self.calibrated_upto:]
+        self.calibrated_upto = len(self.records)
+        for key in list(self.scales):
+            ratios = [r.observed / r.predicted for r in new if (r.k, r.x) == key and r.predicted > 0]
+            if ratios:
+                self.scales[key] = float(np.median(ratios))
+        for (direction, which), samples in self.cost_samples.items():
+            old = self.costs[direction]
+            value = (1 - self.smoothing) * getattr(old, which) + self.smoothing * float(np.mean(samples))
+            self.costs[direction] = SwitchCosts(**{**old.__dict__, which: value})
+        self.cost_samples = {}
+        return dict(self.scales)
+
+    def representative(self, n_responses: int, prior: tuple) -> tuple:
+        """``n_responses`` (prompt, response) lengths at evenly spaced quantiles of the recent window."""
+        if self.response_lens:
+            p, r = np.asarray(self.prompt_lens), np.asarray(self.response_lens)
+        else:
+            p, r = np.asarray(prior[0]), np.asarray(prior[1])
+        if n_responses <= 0:
+            return np.zeros(0, int), np.zeros(0, int)
+        q = (np.arange(n_responses) + 0.5) / n_responses
+        order = np.argsort(r, kind="stable")
+        idx = order[np.minimum((q * len(r)).astype(int), len(r) - 1)]
+        return p[idx], r[idx]

@@ -1,0 +1,235 @@
+"""Run a panel's grid (policy × point) with the simulator and compute the paper's speedups (§6.1–§6.3).
+
+Every (point, policy) cell becomes one :class:`Task`. A modelled baseline that cannot run a point
+(:mod:`bidirl.sim.baselines`, ``supports``) is recorded as ``unsupported`` with its reason and never
+simulated; a run that raises (an infeasible memory layout, a simulator error) is recorded as ``failed``.
+Neither counts in a speedup, as the paper excludes "OOM, failed, and unsupported runs" (Fig. eval-main).
+
+Speedup at a point (§6.2 / §6.3): BiDiRL's throughput divided by the strongest valid comparator's — the
+external baselines for end-to-end panels, the ablated variants for ablation panels.
+
+Cells run in a :class:`concurrent.futures.ProcessPoolExecutor` (two workers by default: the machine's two
+cores) with one tqdm bar per panel. ``simulate_fn`` replaces :func:`bidirl.sim.simulate` (tests inject a
+fake); with worker processes it must be a module-level function so it can be pickled.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+import pandas as pd
+
+from bidirl import config as cfgmod
+from bidirl.experiments.specs import PanelSpec
+
+STATUS_OK, STATUS_UNSUPPORTED, STATUS_FAILED = "ok", "unsupported", "failed"
+
+RESULT_COLUMNS = ("panel", "kind", "order", "point", "value", "policy", "status", "reason", "throughput",
+                  "summary_throughput", "total_run_throughput", "utilization", "idle_rollout_pool",
+                  "idle_trainer_pool", "borrows_rollout_on_trainer_pool", "borrows_trainer_on_rollout_pool",
+                  "borrows_rejected", "samples_lost", "samples_duplicated", "steps", "seed", "wall_s")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One simulation: a panel's point under one policy."""
+    panel: str
+    kind: str
+    order: int
+    point: str
+    value: Any
+    policy: str
+    config: dict
+    steps: int
+    seed: int
+    metric: str
+
+
+def tasks(spec: PanelSpec) -> list:
+    """The panel's grid, point-major (every policy of a point before the next point)."""
+    out = []
+    for i, point in enumerate(spec.points):
+        cfg = spec.config(point)
+        for policy in spec.policies:
+            out.append(Task(spec.id, spec.kind, i, point.label, point.value, policy, cfg.to_dict(),
+                            cfg.workload.steps, cfg.seed, spec.metric))
+    return out
+
+
+def _row(task: Task, status: str, reason: str = "", **values) -> dict:
+    row = {c: np.nan for c in RESULT_COLUMNS}
+    row.update(panel=task.panel, kind=task.kind, order=task.order, point=task.point, value=task.value,
+               policy=task.policy, status=status, reason=reason, steps=task.steps, seed=task.seed)
+    row.update(values)
+    return row
+
+
+def unsupported_reason(task: Task) -> Optional[str]:
+    """Why a modelled baseline cannot run this task's job (``None`` for core policies and supported jobs)."""
+    from bidirl.sim.baselines import unsupported_reason as reason_of
+    return reason_of(task.policy, cfgmod.from_dict(task.config))
+
+
+def total_run_throughput(steps_df: pd.DataFrame) -> float:
+    """Tokens of every complete step divided by the time from the first step's start to the last one's end
+    (the paper's ablation / static-split metric, §6.3: "total-run throughput over all complete metric steps")."""
+    if steps_df is None or len(steps_df) == 0:
+        return float("nan")
+    span = float(steps_df["end"].max() - steps_df["start"].min())
+    return float(steps_df["tokens"].sum()) / span if span > 0 else float("nan")
+
+
+def _summary_values(result) -> dict:
+    s = result.summary()
+    idle, borrows, samples = s.get("idle", {}), s.get("borrows", {}), s.get("samples", {})
+    total = float("nan")
+    log = getattr(result, "log", None)
+    if log is not None and hasattr(log, "steps_df"):
+        total = total_run_throughput(log.steps_df())
+    return dict(summary_throughput=float(s["throughput"]), total_run_throughput=total,
+                utilization=s.get("utilization", np.nan),
+                idle_rollout_pool=idle.get("rollout_pool", np.nan), idle_trainer_pool=idle.get("trainer_pool", np.nan),
+                borrows_rollout_on_trainer_pool=borrows.get("rollout_on_trainer_pool", np.nan),
+                borrows_trainer_on_rollout_pool=borrows.get("trainer_on_rollout_pool", np.nan),
+                borrows_rejected=borrows.get("rejected", np.nan),
+                samples_lost=samples.get("lost", np.nan), samples_duplicated=samples.get("duplicated", np.nan))
+
+
+def run_task(task: Task, simulate_fn: Optional[Callable] = None) -> dict:
+    """Simulate one cell; never raises for a run's own failure (the row says ``failed`` and why)."""
+    if simulate_fn is None:
+        from bidirl.sim import simulate as simulate_fn
+    t0 = time.perf_counter()
+    try:
+        cfg = cfgmod.from_dict(task.config)
+        result = simulate_fn(cfg, task.policy, steps=task.steps, seed=task.seed, progress=False)
+        values = _summary_values(result)
+    except Exception as exc:  # noqa: BLE001 — every failure becomes a recorded, excluded run
+        status = STATUS_UNSUPPORTED if type(exc).__name__ == "UnsupportedSetting" else STATUS_FAILED
+        return _row(task, status, f"{type(exc).__name__}: {exc}", wall_s=time.perf_counter() - t0)
+    metric = values["total_run_throughput"] if task.metric == "total_run_throughput" else values["summary_throughput"]
+    if not (isinstance(metric, float) and math.isfinite(metric) and metric > 0):
+        return _row(task, STATUS_FAILED, f"no measurable {task.metric} ({metric!r})",
+                    wall_s=time.perf_counter() - t0, **values)
+    return _row(task, STATUS_OK, "", throughput=metric, wall_s=time.perf_counter() - t0, **values)
+
+
+def run_panel(spec: PanelSpec, *, simulate_fn: Optional[Callable] = None, max_workers: int = 2,
+              progress: bool = True, executor=None) -> pd.DataFrame:
+    """Run every (point, policy) cell of ``spec``; one row per cell (columns :data:`RESULT_COLUMNS`).
+
+    ``max_workers=0`` runs the cells in this process (no pickling). Pass ``executor`` to share one pool
+    across panels (see :func:`run_specs`).
+    """
+    if spec.kind == "stage-model":
+        raise ValueError(f"panel {spec.id} is a stage-model panel: run it with "
+                         "bidirl.experiments.stage_models.run_stage_panel")
+    from tqdm.auto import tqdm
+
+    cells = tasks(spec)
+    rows, pending = [], []
+    for task in cells:
+        try:
+            reason = unsupported_reason(task)
+        except Exception as exc:  # noqa: BLE001 — e.g. the planner finds no feasible layout
+            rows.append(_row(task, STATUS_FAILED, f"{type(exc).__name__}: {exc}"))
+            continue
+        if reason is not None:
+            rows.append(_row(task, STATUS_UNSUPPORTED, reason))
+        else:
+            pending.append(task)
+    bar = tqdm(total=len(cells), desc=spec.id, disable=not progress, leave=True)
+    bar.update(len(rows))
+    try:
+        if max_workers == 0 and executor is None:
+            for task in pending:
+                rows.append(run_task(task, simulate_fn))
+                bar.update(1)
+        else:
+            own = executor is None
+            pool = ProcessPoolExecutor(max_workers=max_workers) if own else executor
+            try:
+                futures = [pool.submit(run_task, task, simulate_fn) for task in pending]
+                for fut in futures:
+                    rows.append(fut.result())
+                    bar.update(1)
+            finally:
+                if own:
+                    pool.shutdown()
+    finally:
+        bar.close()
+    return results_frame(rows)
+
+
+def run_specs(specs: Iterable[PanelSpec], *, simulate_fn: Optional[Callable] = None, max_workers: int = 2,
+              progress: bool = True) -> pd.DataFrame:
+    """Run several simulation panels with one shared process pool; the concatenated results."""
+    specs = [s for s in specs if s.kind != "stage-model"]
+    if not specs:
+        return results_frame([])
+    if max_workers == 0:
+        frames = [run_panel(s, simulate_fn=simulate_fn, max_workers=0, progress=progress) for s in specs]
+    else:
+        with ProcessPoolExecutor(max_workers=max_workers) as pool:
+            frames = [run_panel(s, simulate_fn=simulate_fn, progress=progress, executor=pool) for s in specs]
+    return pd.concat(frames, ignore_index=True)
+
+
+def results_frame(rows: list) -> pd.DataFrame:
+    df = pd.DataFrame(rows, columns=list(RESULT_COLUMNS))
+    if len(df):
+        df = df.sort_values(["panel", "order", "policy"], kind="stable").reset_index(drop=True)
+    return df
+
+
+# --------------------------------------------------------------------------------------------------
+# Speedups
+# --------------------------------------------------------------------------------------------------
+
+def _valid(results: pd.DataFrame) -> pd.DataFrame:
+    ok = results[(results["status"] == STATUS_OK)]
+    return ok[np.isfinite(ok["throughput"].astype(float)) & (ok["throughput"].astype(float) > 0)]
+
+
+def speedups(results: pd.DataFrame, specs: Optional[dict] = None) -> pd.DataFrame:
+    """One row per (panel, point): BiDiRL's throughput, the strongest valid comparator and the speedup over it,
+    plus BiDiRL's ratio over every individual comparator (``over:<policy>``, NaN where that one is invalid).
+
+    The comparators of a panel are its spec's non-BiDiRL policies (``specs`` maps panel id → spec; without it,
+    every other policy present in the results). A point where BiDiRL itself failed has a NaN speedup.
+    """
+    if specs is None:
+        from bidirl.experiments.specs import SPECS as specs
+    rows = []
+    if results is None or len(results) == 0:
+        return pd.DataFrame(columns=["panel", "order", "point", "value", "bidirl", "best", "best_throughput",
+                                     "speedup", "valid_comparators"])
+    valid = _valid(results)
+    for (panel, order), cell in results.groupby(["panel", "order"], sort=True):
+        point = cell["point"].iloc[0]
+        spec = specs.get(panel)
+        comparators = spec.comparators if spec is not None else tuple(p for p in cell["policy"].unique()
+                                                                      if p != "bidirl")
+        v = valid[(valid["panel"] == panel) & (valid["order"] == order)]
+        tp = dict(zip(v["policy"], v["throughput"].astype(float)))
+        bidirl = tp.get("bidirl", float("nan"))
+        comp = {p: tp[p] for p in comparators if p in tp}
+        best = max(comp, key=comp.get) if comp else None
+        best_tp = comp[best] if best else float("nan")
+        row = {"panel": panel, "order": int(order), "point": point, "value": cell["value"].iloc[0],
+               "bidirl": bidirl, "best": best, "best_throughput": best_tp,
+               "speedup": bidirl / best_tp if best else float("nan"),
+               "valid_comparators": len(comp)}
+        for p in comparators:
+            row[f"over:{p}"] = bidirl / comp[p] if p in comp else float("nan")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+__all__ = ["Task", "tasks", "run_task", "run_panel", "run_specs", "results_frame", "speedups",
+           "total_run_throughput", "RESULT_COLUMNS", "STATUS_OK", "STATUS_UNSUPPORTED", "STATUS_FAILED"]

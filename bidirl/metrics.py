@@ -1,0 +1,398 @@
+"""Run metrics from the event log: throughput (paper §7.1), idle time, utilisation, borrow counts.
+
+All functions read the tables of :class:`bidirl.trace.EventLog` (``spans_df()``, ``steps_df()``,
+``decisions_df()``), so the simulator and the Ray runtime are measured by the same code.
+
+Throughput (paper §7.1, Experimental Setup, "Metrics"; DESIGN.md "Throughput", which calls it §6.1): prompt
++ response tokens consumed by the measured steps divided by their time, after dropping ``max(1, ⌈s⌉)`` steps
+from the head and ``⌈s⌉`` from the tail for a staleness bound ``s``. Steps of one trainer run back to back,
+so the time of step ``i`` is ``end[i] − end[i−1]`` (step 0, which has no predecessor, uses
+``end[0] − start[0]``). The measured time is therefore ``end[last kept] − end[step before the first kept]``;
+the head drop is at least one step, so that predecessor always exists and the first kept step's waiting time
+is counted — the same quantity as summing the kept steps' ``end − start`` when each step starts where the
+previous one ended.
+
+Idle time is computed from the *union* of busy intervals on the event log, never from one start/stop pair
+per version (veRL's ``rollouter/idle_ratio`` misses pause windows that way, verl issue #6693).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional, Union
+
+import numpy as np
+import pandas as pd
+
+from bidirl.trace import DIRECTIONS, POOLS, EventLog
+
+SAMPLE_KEYS: tuple = ("generated", "consumed", "lost", "duplicated")
+
+
+# --------------------------------------------------------------------------------------------------
+# interval arithmetic (vectorised: sort + cumulative max)
+# --------------------------------------------------------------------------------------------------
+
+def union_intervals(starts: Any, ends: Any, t0: Optional[float] = None,
+                    t1: Optional[float] = None) -> tuple:
+    """The union of intervals ``[starts[i], ends[i]]`` as disjoint, sorted ``(starts, ends)`` arrays.
+
+    Intervals are first clipped to ``[t0, t1]`` when given (empty ones dropped). Sorting by start and taking
+    the running maximum of ends finds where a new disjoint piece begins: where a start exceeds every end
+    seen before it. Touching intervals merge.
+    """
+    s = np.asarray(starts, dtype=np.float64).ravel()
+    e = np.asarray(ends, dtype=np.float64).ravel()
+    if s.shape != e.shape:
+        raise ValueError(f"starts and ends differ in length ({s.size} vs {e.size})")
+    if t0 is not None:
+        s = np.maximum(s, t0)
+    if t1 is not None:
+        e = np.minimum(e, t1)
+    keep = e > s
+    s, e = s[keep], e[keep]
+    if s.size == 0:
+        return np.empty(0), np.empty(0)
+    order = np.argsort(s, kind="stable")
+    s, e = s[order], e[order]
+    reach = np.maximum.accumulate(e)
+    new = np.empty(s.size, dtype=bool)
+    new[0] = True
+    new[1:] = s[1:] > reach[:-1]
+    first = np.flatnonzero(new)
+    last = np.append(first[1:] - 1, s.size - 1)
+    return s[first], reach[last]
+
+
+def union_length(starts: Any, ends: Any, t0: Optional[float] = None, t1: Optional[float] = None) -> float:
+    """Total length covered by the intervals (clipped to ``[t0, t1]``); overlaps are counted once."""
+    us, ue = union_intervals(starts, ends, t0, t1)
+    return float(np.sum(ue - us))
+
+
+# --------------------------------------------------------------------------------------------------
+# input checks
+# --------------------------------------------------------------------------------------------------
+
+def _frame(data: Any, table: str) -> pd.DataFrame:
+    if isinstance(data, EventLog):
+        return {"spans": data.spans_df, "steps": data.steps_df, "decisions": data.decisions_df}[table]()
+    if not isinstance(data, pd.DataFrame):
+        raise ValueError(f"expected the {table} DataFrame (EventLog.{table}_df()) or an EventLog, "
+                         f"got {type(data).__name__}")
+    return data
+
+
+def _need(df: pd.DataFrame, columns: tuple, table: str) -> None:
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise ValueError(f"the {table} table lacks column(s) {missing}; pass EventLog.{table}_df()")
+
+
+def _window(t0: Any, t1: Any) -> tuple:
+    try:
+        a, b = float(t0), float(t1)
+    except (TypeError, ValueError):
+        raise ValueError(f"t0 and t1 must be numbers of seconds, got {t0!r}, {t1!r}") from None
+    if not (math.isfinite(a) and math.isfinite(b)):
+        raise ValueError(f"t0 and t1 must be finite, got {a!r}, {b!r}")
+    if b < a:
+        raise ValueError(f"t1 ({b}) is before t0 ({a}); pass a window with t0 <= t1")
+    return a, b
+
+
+def _pool(pool: str) -> str:
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {', '.join(POOLS)}; got {pool!r}")
+    return pool
+
+
+def _staleness(staleness: Any) -> float:
+    try:
+        s = float(staleness)
+    except (TypeError, ValueError):
+        raise ValueError(f"staleness must be a number >= 0, got {staleness!r}") from None
+    if not math.isfinite(s) or s < 0:
+        raise ValueError(f"staleness must be a finite number >= 0, got {staleness!r}")
+    return s
+
+
+def _pool_gpus(pool_gpus: Mapping) -> dict:
+    if not isinstance(pool_gpus, Mapping):
+        raise ValueError(f"pool_gpus must map pool name -> GPU count, got {type(pool_gpus).__name__}")
+    out = {}
+    for pool, n in pool_gpus.items():
+        _pool(pool)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer, float)) or not n >= 0:
+            raise ValueError(f"pool_gpus[{pool!r}] must be a GPU count >= 0, got {n!r}")
+        out[pool] = float(n)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# steps and throughput (§7.1)
+# --------------------------------------------------------------------------------------------------
+
+def dropped_steps(staleness: float) -> tuple:
+    """``(head, tail)`` steps dropped for staleness bound ``s``: ``(max(1, ⌈s⌉), ⌈s⌉)`` (paper §7.1)."""
+    c = int(math.ceil(_staleness(staleness)))
+    return max(1, c), c
+
+
+def ordered_steps(steps_df: Union[pd.DataFrame, EventLog]) -> pd.DataFrame:
+    """Step records sorted by step index; checks indices are unique and steps finish in order."""
+    df = _frame(steps_df, "steps")
+    _need(df, ("step", "start", "end", "tokens"), "steps")
+    df = df.sort_values("step", kind="stable").reset_index(drop=True)
+    if df["step"].duplicated().any():
+        dup = sorted(set(df.loc[df["step"].duplicated(), "step"].tolist()))
+        raise ValueError(f"step indices must be unique; step(s) {dup} appear more than once")
+    end = df["end"].to_numpy(dtype=np.float64)
+    if np.any(np.diff(end) < 0):
+        i = int(np.flatnonzero(np.diff(end) < 0)[0])
+        raise ValueError(f"step {int(df['step'].iloc[i + 1])} ends before step {int(df['step'].iloc[i])}; "
+                         "a trainer's steps must finish in step order")
+    return df
+
+
+def step_times(steps_df: Union[pd.DataFrame, EventLog]) -> np.ndarray:
+    """Per-step durations in step order: ``end[i] − end[i−1]``, and ``end[0] − start[0]`` for the first."""
+    df = ordered_steps(steps_df)
+    end = df["end"].to_numpy(dtype=np.float64)
+    if end.size == 0:
+        return np.empty(0)
+    prev = np.concatenate([[float(df["start"].iloc[0])], end[:-1]])
+    return end - prev
+
+
+def measured_window(steps_df: Union[pd.DataFrame, EventLog], staleness: float) -> tuple:
+    """``(t0, t1, kept)``: the measured window of §7.1 and the kept steps (a DataFrame in step order).
+
+    Raises ``ValueError`` when fewer than ``head + tail + 1`` steps exist.
+    """
+    head, tail = dropped_steps(staleness)
+    df = ordered_steps(steps_df)
+    n, need = len(df), head + tail + 1
+    if n < need:
+        raise ValueError(f"throughput needs at least {need} steps for staleness {staleness} (drops {head} head "
+                         f"and {tail} tail steps, keeps >= 1), but the log has {n}; run at least {need} steps")
+    kept = df.iloc[head:n - tail]
+    return float(df["end"].iloc[head - 1]), float(kept["end"].iloc[-1]), kept
+
+
+def throughput(steps_df: Union[pd.DataFrame, EventLog], staleness: float) -> float:
+    """Tokens per second over the measured steps (paper §7.1; see the module docstring for step time).
+
+    ``sum(tokens of kept steps) / (end of last kept − end of the step before the first kept)``.
+    """
+    t0, t1, kept = measured_window(steps_df, staleness)
+    if t1 <= t0:
+        raise ValueError(f"the measured steps take no time (window [{t0}, {t1}]); throughput is undefined")
+    return float(kept["tokens"].to_numpy(dtype=np.float64).sum() / (t1 - t0))
+
+
+# --------------------------------------------------------------------------------------------------
+# idle time and utilisation
+# --------------------------------------------------------------------------------------------------
+
+def _pool_spans(spans_df: Union[pd.DataFrame, EventLog], pool: str) -> pd.DataFrame:
+    df = _frame(spans_df, "spans")
+    _need(df, ("worker", "pool", "start", "end"), "spans")
+    return df[df["pool"] == _pool(pool)]
+
+
+def idle(spans_df: Union[pd.DataFrame, EventLog], pool: str, t0: float, t1: float) -> float:
+    """Seconds in ``[t0, t1]`` during which no worker on ``pool`` is busy.
+
+    A pool is busy whenever any of its workers has a span (any kind: generation, chunks, switches, syncs,
+    merges, optimizer steps); the busy time is the union of those intervals, so overlapping replicas are
+    never double counted. The result lies in ``[0, t1 − t0]``.
+    """
+    a, b = _window(t0, t1)
+    df = _pool_spans(spans_df, pool)
+    return max(0.0, (b - a) - union_length(df["start"].to_numpy(), df["end"].to_numpy(), a, b))
+
+
+def _gpus_of(gpus_per_worker: Mapping, worker: str) -> float:
+    if not isinstance(gpus_per_worker, Mapping):
+        raise ValueError(f"gpus_per_worker must map worker name -> GPUs, got {type(gpus_per_worker).__name__}")
+    if worker not in gpus_per_worker:
+        raise ValueError(f"gpus_per_worker has no entry for worker {worker!r}; add how many GPUs it occupies")
+    g = gpus_per_worker[worker]
+    if isinstance(g, bool) or not isinstance(g, (int, np.integer, float)) or not g >= 0:
+        raise ValueError(f"gpus_per_worker[{worker!r}] must be a GPU count >= 0, got {g!r}")
+    return float(g)
+
+
+def busy_gpu_seconds(spans_df: Union[pd.DataFrame, EventLog], pool: str, gpus_per_worker: Mapping,
+                     pool_gpus: Union[float, Mapping], t0: float, t1: float) -> float:
+    """GPU-seconds in ``[t0, t1]`` during which GPUs of ``pool`` are busy.
+
+    Each worker's spans are merged (union) and weighted by the GPUs it occupies; the pool's load at any
+    instant is capped at its size, so workers sharing GPUs (e.g. a sync on the trainer and on an auxiliary
+    rollouter of the same pool) never count more than the pool holds.
+    """
+    a, b = _window(t0, t1)
+    cap = _pool_gpus(pool_gpus)[pool] if isinstance(pool_gpus, Mapping) else _pool_gpus({pool: pool_gpus})[pool]
+    df = _pool_spans(spans_df, pool)
+    times, deltas = [], []
+    for worker, group in df.groupby("worker", sort=True):
+        g = _gpus_of(gpus_per_worker, str(worker))
+        us, ue = union_intervals(group["start"].to_numpy(), group["end"].to_numpy(), a, b)
+        times += [us, ue]
+        deltas += [np.full(us.size, g), np.full(ue.size, -g)]
+    if not times:
+        return 0.0
+    t, d = np.concatenate(times), np.concatenate(deltas)
+    if t.size == 0:
+        return 0.0
+    order = np.argsort(t, kind="stable")
+    t, load = t[order], np.cumsum(d[order])
+    return float(np.sum(np.minimum(load[:-1], cap) * np.diff(t)))
+
+
+def idle_gpu_seconds(spans_df: Union[pd.DataFrame, EventLog], pool: str, gpus_per_worker: Mapping,
+                     pool_gpus: Union[float, Mapping], t0: float, t1: float) -> float:
+    """GPU-weighted idleness: ``pool_gpus · (t1 − t0) − busy_gpu_seconds(...)`` (see :func:`busy_gpu_seconds`).
+
+    Unlike :func:`idle`, a pool of four replicas with one busy counts three quarters of its GPUs as idle.
+    """
+    a, b = _window(t0, t1)
+    cap = _pool_gpus(pool_gpus)[pool] if isinstance(pool_gpus, Mapping) else _pool_gpus({pool: pool_gpus})[pool]
+    return max(0.0, cap * (b - a) - busy_gpu_seconds(spans_df, pool, gpus_per_worker, cap, a, b))
+
+
+def utilization(spans_df: Union[pd.DataFrame, EventLog], pool_gpus: Mapping, gpus_per_worker: Mapping,
+                t0: float, t1: float) -> float:
+    """Busy GPU-seconds of all pools over the total, ``Σ_pool busy / (Σ_pool GPUs · (t1 − t0))``, in [0, 1]."""
+    a, b = _window(t0, t1)
+    caps = _pool_gpus(pool_gpus)
+    total = sum(caps.values()) * (b - a)
+    if total <= 0:
+        raise ValueError(f"utilization needs GPUs and a window of positive length; got pool_gpus={dict(pool_gpus)} "
+                         f"and window [{a}, {b}]")
+    busy = sum(busy_gpu_seconds(spans_df, pool, gpus_per_worker, caps, a, b) for pool in caps)
+    return float(busy / total)
+
+
+# --------------------------------------------------------------------------------------------------
+# borrowing
+# --------------------------------------------------------------------------------------------------
+
+def borrow_counts(decisions_df: Union[pd.DataFrame, EventLog]) -> dict:
+    """Admitted borrows per direction and rejected opportunities: ``{rollout_on_trainer_pool,
+    trainer_on_rollout_pool, rejected}`` (paper §5.2)."""
+    df = _frame(decisions_df, "decisions")
+    _need(df, ("direction", "admitted"), "decisions")
+    unknown = sorted(set(df["direction"]) - set(DIRECTIONS))
+    if unknown:
+        raise ValueError(f"decision direction(s) {unknown} are unknown; use one of {', '.join(DIRECTIONS)}")
+    admitted = df["admitted"].to_numpy(dtype=bool)
+    out = {d: int(np.sum(admitted & (df["direction"] == d).to_numpy())) for d in DIRECTIONS}
+    out["rejected"] = int(np.sum(~admitted))
+    return out
+
+
+def borrow_windows(spans_df: Union[pd.DataFrame, EventLog], until: Optional[float] = None) -> pd.DataFrame:
+    """Borrowing windows: each ``switch_in`` on a pool paired with the next ``switch_out`` on that pool.
+
+    Returns columns ``pool, direction, start, end`` (start of the switch-in, end of the switch-out). A window
+    still open at the end of the log closes at ``until`` (default: the log's last span end).
+    """
+    df = _frame(spans_df, "spans")
+    _need(df, ("pool", "kind", "start", "end"), "spans")
+    sw = df[df["kind"].isin(["switch_in", "switch_out"])].sort_values(["start", "end"], kind="stable")
+    horizon = float(df["end"].max()) if until is None and len(df) else (float(until) if until is not None else 0.0)
+    rows = []
+    for pool, group in sw.groupby("pool", sort=True):
+        open_at, direction = None, ""
+        for kind, start, end, detail in zip(group["kind"], group["start"], group["end"],
+                                            group["detail"] if "detail" in group else [{}] * len(group)):
+            if kind == "switch_in" and open_at is None:
+                open_at = float(start)
+                direction = str((detail or {}).get("direction", "")) if isinstance(detail, dict) else ""
+            elif kind == "switch_out" and open_at is not None:
+                rows.append((pool, direction, open_at, float(end)))
+                open_at = None
+        if open_at is not None:
+            rows.append((pool, direction, open_at, max(horizon, open_at)))
+    return pd.DataFrame({"pool": pd.Series([r[0] for r in rows], dtype="str"),
+                         "direction": pd.Series([r[1] for r in rows], dtype="str"),
+                         "start": pd.Series([r[2] for r in rows], dtype="float64"),
+                         "end": pd.Series([r[3] for r in rows], dtype="float64")})
+
+
+# --------------------------------------------------------------------------------------------------
+# the simulate / run JSON
+# --------------------------------------------------------------------------------------------------
+
+def _median(values: np.ndarray) -> Optional[float]:
+    return float(np.median(values)) if len(values) else None
+
+
+def summary(log: EventLog, *, policy: str, staleness: float, pool_gpus: Mapping, gpus_per_worker: Mapping,
+            samples: Mapping) -> dict:
+    """The ``bidirl simulate --json`` object of DESIGN.md ("Contracts others rely on").
+
+    Keys: ``policy``; ``throughput`` (tokens/s over the measured steps, §7.1, or ``None`` with a
+    ``throughput_note`` when the run is too short); ``step_times`` (every step, :func:`step_times`);
+    ``idle`` (per pool, the share of the measured window in which no worker of the pool was busy, union
+    based; ``None`` for a pool without GPUs); ``utilization`` (busy GPU-seconds over all GPU-seconds);
+    ``borrows`` (:func:`borrow_counts`); ``samples`` (``generated, consumed, lost, duplicated`` plus any
+    extra counters passed in). Extras: ``idle_gpu`` (GPU-weighted idle share per pool), ``window``
+    (the measured ``[t0, t1]``), ``measured_steps``, and veRL-named metrics where the meaning is the same:
+    ``timing_s/step`` (median step time), ``timing_s/gen`` (median time the trainer waited for its batch),
+    ``fully_async/trainer/idle_ratio`` (waiting time over step time of the measured steps) and
+    ``fully_async/rollouter/idle_ratio`` (share of the window in which no primary rollouter generated).
+
+    The measured window is the throughput window when the run has enough steps, else the whole run.
+    """
+    if not isinstance(log, EventLog):
+        raise ValueError(f"summary expects an EventLog, got {type(log).__name__}")
+    if not isinstance(samples, Mapping):
+        raise ValueError(f"samples must be a dict with keys {', '.join(SAMPLE_KEYS)}, got {type(samples).__name__}")
+    missing = [k for k in SAMPLE_KEYS if k not in samples]
+    if missing:
+        raise ValueError(f"samples lacks key(s) {missing}; pass the counts {', '.join(SAMPLE_KEYS)}")
+    s = _staleness(staleness)
+    caps = _pool_gpus(pool_gpus)
+    spans, steps, decisions = log.spans_df(), ordered_steps(log.steps_df()), log.decisions_df()
+    durations = step_times(steps)
+
+    out: dict = {"policy": str(policy), "throughput": None}
+    try:
+        t0, t1, kept = measured_window(steps, s)
+        out["throughput"] = throughput(steps, s)
+    except ValueError as err:
+        out["throughput_note"] = str(err)
+        kept = steps
+        if len(steps):
+            t0, t1 = float(steps["start"].min()), float(steps["end"].max())
+        elif len(spans):
+            t0, t1 = float(spans["start"].min()), float(spans["end"].max())
+        else:
+            t0 = t1 = 0.0
+    length = t1 - t0
+
+    out["step_times"] = [float(x) for x in durations]
+    out["idle"] = {pool: (idle(spans, pool, t0, t1) / length if length > 0 and caps.get(pool, 0) > 0 else None)
+                   for pool in POOLS}
+    out["utilization"] = (utilization(spans, caps, gpus_per_worker, t0, t1)
+                          if length > 0 and sum(caps.values()) > 0 else None)
+    out["borrows"] = borrow_counts(decisions)
+    out["samples"] = {k: int(v) for k, v in samples.items()}
+
+    out["idle_gpu"] = {pool: (idle_gpu_seconds(spans, pool, gpus_per_worker, caps, t0, t1) / (caps[pool] * length)
+                              if length > 0 and caps.get(pool, 0) > 0 else None) for pool in POOLS}
+    out["window"] = [t0, t1]
+    out["measured_steps"] = int(len(kept))
+    out["timing_s/step"] = _median(durations)
+    out["timing_s/gen"] = _median(steps["wait"].to_numpy(dtype=np.float64)) if "wait" in steps else None
+    kept_time = float(np.sum(step_times(steps)[steps["step"].isin(kept["step"]).to_numpy()])) if len(kept) else 0.0
+    out["fully_async/trainer/idle_ratio"] = (float(kept["wait"].sum()) / kept_time
+                                             if kept_time > 0 and "wait" in kept else None)
+    gen = spans[(spans["pool"] == "rollout_pool") & (spans["role"] == "primary") & (spans["kind"] == "generate")]
+    out["fully_async/rollouter/idle_ratio"] = (
+        1.0 - union_length(gen["start"].to_numpy(), gen["end"].to_numpy(), t0, t1) / length
+        if length > 0 and caps.get("rollout_pool", 0) > 0 else None)
+    return out

@@ -1,0 +1,114 @@
+"""Hot-switch costs and the weight-sync time derived from state sizes and link bandwidths (paper §3.2, §6.3).
+
+Used when no measured value exists (``bidirl.presets.HardwareSpec.switch_costs`` / ``weight_sync_time``; the
+A6000 preset carries the paper's measured Table 3). All transfers of a switch run in parallel on every GPU of
+the pool, so a cost is the per-GPU bytes over the per-GPU bandwidth.
+
+**States per GPU** (N = ``params_total``, ``b`` = dtype bytes, ρ_t = trainer layout, tp = rollout layout):
+
+* primary trainer, what it offloads to host when it yields its pool: fp32 master weights and the two fp32
+  Adam moments, ``S_tp = 12·N/ρ_t`` (gradients are freed at step boundaries);
+* auxiliary trainer (computes gradients only; the optimizer step stays on the primary, §7.2): fp32
+  parameters and fp32 gradient buffers, ``S_ta = 8·N/ρ_t``;
+* rollout engine: its weights, ``S_r = b·N/tp`` (the KV cache is dropped and reallocated, not copied).
+
+**Moves.** ``sleep(S) = SLEEP_FIXED + S/bw`` and ``wake(S) = WAKE_FIXED + S/bw``, over the host link:
+the rollout engine's sleep mode copies to pinned memory (``bw = host_bandwidth``); FSDP offload copies to
+pageable memory (veRL ``offload_fsdp_model_to_cpu``), ``PAGEABLE_FRACTION`` of the pinned rate. The fixed
+parts are vLLM's measured sleep/wake latency for a model whose copy takes ≈0.05 s (Qwen3-0.6B on A100:
+sleep 0.22 s, wake 1.22 s, vLLM PR #48337), assumed to hold for trainer workers too.
+
+* Rollouter-on-TrainerPool (RoT): ``C_in = sleep_pageable(S_tp) + wake_pinned(S_r) + S_r/inter`` — the
+  trainer yields, the auxiliary rollouter wakes and receives the current rollout weights from a primary
+  rollouter on the other pool over the network; ``C_out = sleep_pinned(S_r) + wake_pageable(S_tp)``;
+  ``C_grad = 0``.
+* Trainer-on-RolloutPool (ToR): ``C_in = sleep_pinned(S_r) + wake_pageable(S_ta) + b·N/(ρ_t·inter)`` — the
+  auxiliary trainer receives its shard of the current actor weights from the primary trainer;
+  ``C_out = sleep_pageable(S_ta) + wake_pinned(S_r)``; ``C_grad = G·(k−1)/(k·intra) + G/(k·inter)`` with
+  ``G = 4·N`` fp32 gradient bytes and k = ``gpus_per_node``: the auxiliary replicas reduce-scatter their
+  gradients inside the node, then every GPU sends its 1/k share to the primary trainer.
+
+Both pools are assumed to sit on different nodes (the node-aligned case), so cross-pool traffic uses the
+per-GPU share of the node's network (``inter_node_bandwidth``).
+
+**Weight sync** (trainer → rollouters at every version, §7.2): the trainer all-gathers its FSDP shards inside a
+replica (``b·N·(ρ_t−1)/(ρ_t·intra)``) and broadcasts the bf16 weights to the rollout pool; a pipelined
+broadcast delivers ``b·N`` bytes to every receiving GPU at its network share: ``b·N / inter``.
+
+The trainer layout, when not given, is the smallest power-of-two ρ_t whose sharded model states
+(:func:`bidirl.perf.memory.trainer_state_bytes`) fit the usable memory, i.e. the layout the state alone needs.
+On the A6000 preset the derived costs land within 2× of the paper's measured Table 3 for Qwen3-VL-2B and 4B
+(``tests/test_perf.py`` checks it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from bidirl.perf.memory import layout_candidates, trainer_state_bytes, usable_bytes
+
+#: seconds of fixed latency when a worker wakes / sleeps (vLLM sleep mode, small model; see module doc)
+WAKE_FIXED = 1.1
+SLEEP_FIXED = 0.2
+#: achieved share of the pinned host-link rate for pageable (non-pinned) copies: public measurements give
+#: 0.5 s pinned vs 1.5–3 s pageable for the same FSDP offload, i.e. 1/3 to 1/6; the favourable end is used
+PAGEABLE_FRACTION = 1.0 / 3.0
+#: bytes per parameter of the primary trainer's offloaded state (fp32 master + Adam m, v)
+PRIMARY_TRAINER_STATE = 12
+#: bytes per parameter of an auxiliary trainer's state (fp32 params + fp32 grads)
+AUX_TRAINER_STATE = 8
+#: bytes per parameter of a gradient (fp32 reduction, veRL's FSDP default)
+GRAD_BYTES = 4
+
+
+def state_layout(hw, model) -> int:
+    """Smallest layout (GPUs) whose sharded trainer model states fit in the usable memory of one GPU."""
+    cands = layout_candidates(hw.gpus_per_node, 64 * hw.gpus_per_node)
+    for rho in cands:
+        if trainer_state_bytes(model, rho) <= usable_bytes(hw):
+            return rho
+    return cands[-1]
+
+
+def _layouts(hw, model, trainer_layout, rollout_tp):
+    rho = state_layout(hw, model) if trainer_layout is None else int(trainer_layout)
+    tp = int(rollout_tp)
+    if rho < 1 or tp < 1:
+        raise ValueError("trainer_layout and rollout_tp must be ≥ 1")
+    return rho, tp
+
+
+def derive_switch_costs(hw, model, *, trainer_layout: Optional[int] = None, rollout_tp: int = 1) -> dict:
+    """``{"trainer_on_rollout_pool": SwitchCosts, "rollout_on_trainer_pool": SwitchCosts}`` (module doc)."""
+    from bidirl.config import SwitchCosts
+    rho, tp = _layouts(hw, model, trainer_layout, rollout_tp)
+    n = float(model.params_total)
+    pinned = float(hw.host_bandwidth)
+    pageable = pinned * PAGEABLE_FRACTION
+    inter, intra, k = float(hw.inter_node_bandwidth), float(hw.intra_node_bandwidth), int(hw.gpus_per_node)
+
+    s_tp = PRIMARY_TRAINER_STATE * n / rho
+    s_ta = AUX_TRAINER_STATE * n / rho
+    s_r = model.dtype_bytes * n / tp
+
+    def sleep(size, bw):
+        return SLEEP_FIXED + size / bw
+
+    def wake(size, bw):
+        return WAKE_FIXED + size / bw
+
+    rot = SwitchCosts(c_in=sleep(s_tp, pageable) + wake(s_r, pinned) + s_r / inter,
+                      c_out=sleep(s_r, pinned) + wake(s_tp, pageable),
+                      c_grad=0.0)
+    grad = GRAD_BYTES * n
+    tor = SwitchCosts(c_in=sleep(s_r, pinned) + wake(s_ta, pageable) + model.dtype_bytes * n / (rho * inter),
+                      c_out=sleep(s_ta, pageable) + wake(s_r, pinned),
+                      c_grad=grad * (k - 1) / (k * intra) + grad / (k * inter))
+    return {"trainer_on_rollout_pool": tor, "rollout_on_trainer_pool": rot}
+
+
+def derive_weight_sync(hw, model, *, trainer_layout: Optional[int] = None) -> float:
+    """Seconds to push a new actor version from the trainer pool to the rollout pool (module doc)."""
+    rho, _ = _layouts(hw, model, trainer_layout, 1)
+    w = model.dtype_bytes * float(model.params_total)
+    return w * (rho - 1) / (rho * hw.intra_node_bandwidth) + w / hw.inter_node_bandwidth

@@ -1,0 +1,85 @@
+"""FLOP counts of the appendix's stage-time models ("Stage-Time Models", trainer and rollout models).
+
+Trainer forward FLOPs of a micro-batch ``b`` whose samples have prompt lengths ``p_u`` and response lengths
+``r_u`` (appendix, trainer model):
+
+    F(b) = 2·N_nonemb·Σ(p_u + r_u) + 4·L·H·Σ(p_u + r_u)² + 2·H·V·Σ r_u
+
+(dense matmuls, attention scores and values, and the vocabulary head on the response tokens whose
+log-probabilities are needed). Stage ``s`` multiplies it by ``m_s``: 1 for the forward-only stages
+``old_logprob`` and ``ref_logprob``, 3 for ``actor_update`` (forward + backward ≈ 3 forwards).
+
+Prefill FLOPs of a rollout request set ``R_j`` with ``B_j`` requests (appendix, rollout model):
+
+    F_pre = 2·N·Σ p_i + 4·L·H·Σ p_i² + 2·H·V·B_j
+
+(the head runs once per request, on the last prompt position). ``N`` is ``N_nonemb`` as for the trainer.
+``H`` is the hidden size, ``L`` the number of layers, ``V`` the vocabulary size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: trainer stages in execution order (appendix: old-log-prob, ref-log-prob, actor update)
+STAGES: tuple = ("old_logprob", "ref_logprob", "actor_update")
+#: m_s, the FLOP multiplier of each stage relative to one forward pass
+STAGE_MULTIPLIER: dict = {"old_logprob": 1, "ref_logprob": 1, "actor_update": 3}
+
+
+def check_stage(stage: str) -> str:
+    """``stage`` if it names a trainer stage, else a ValueError listing the valid ones."""
+    if stage not in STAGE_MULTIPLIER:
+        raise ValueError(f"unknown trainer stage {stage!r}; use one of {', '.join(STAGES)}")
+    return stage
+
+
+def stage_multiplier(stage: str) -> int:
+    """m_s: 1 for ``old_logprob`` / ``ref_logprob``, 3 for ``actor_update`` (appendix, trainer model)."""
+    return STAGE_MULTIPLIER[check_stage(stage)]
+
+
+def lengths(prompt_lens, response_lens=None, *, name: str = "prompt_lens"):
+    """Validated int64 arrays of token lengths (1-D, ≥ 0, equal sizes); ValueError naming the argument."""
+    p = np.asarray(prompt_lens)
+    if p.ndim != 1:
+        p = p.reshape(-1)
+    if p.size and (not np.issubdtype(p.dtype, np.number) or np.any(p < 0) or np.any(~np.isfinite(p))):
+        raise ValueError(f"{name} must be non-negative token counts, got {p[:8]!r}")
+    p = p.astype(np.int64)
+    if response_lens is None:
+        return p
+    r = np.asarray(response_lens)
+    if r.ndim != 1:
+        r = r.reshape(-1)
+    if r.size and (not np.issubdtype(r.dtype, np.number) or np.any(r < 0) or np.any(~np.isfinite(r))):
+        raise ValueError(f"response_lens must be non-negative token counts, got {r[:8]!r}")
+    r = r.astype(np.int64)
+    if p.shape != r.shape:
+        raise ValueError(f"prompt_lens ({p.size}) and response_lens ({r.size}) must have one entry per sample")
+    return p, r
+
+
+def sample_forward_flops(model, prompt_lens, response_lens) -> np.ndarray:
+    """Per-sample terms of F(b): ``2·N_nonemb·(p+r) + 4·L·H·(p+r)² + 2·H·V·r`` (float array)."""
+    p, r = lengths(prompt_lens, response_lens)
+    s = (p + r).astype(float)
+    return (2.0 * model.params_nonembedding * s + 4.0 * model.layers * model.hidden * s * s
+            + 2.0 * model.hidden * model.vocab * r.astype(float))
+
+
+def forward_flops(model, prompt_lens, response_lens) -> float:
+    """F(b) of one micro-batch (appendix, trainer model)."""
+    return float(sample_forward_flops(model, prompt_lens, response_lens).sum())
+
+
+def stage_flops(model, stage: str, prompt_lens, response_lens) -> float:
+    """m_s · F(b)."""
+    return stage_multiplier(stage) * forward_flops(model, prompt_lens, response_lens)
+
+
+def prefill_flops(model, prompt_lens) -> float:
+    """F_pre = 2·N·Σp + 4·L·H·Σp² + 2·H·V·B_j for the requests whose prompts are ``prompt_lens``."""
+    p = lengths(prompt_lens).astype(float)
+    return float(2.0 * model.params_nonembedding * p.sum() + 4.0 * model.layers * model.hidden * (p * p).sum()
+                 + 2.0 * model.hidden * model.vocab * p.size)

@@ -1,0 +1,321 @@
+"""Scheduling-aware static planning (paper §4, Algorithm 1).
+
+``plan(config)`` returns the resource envelope E = (g_r, g_t, ρ_r, ρ_t, M_r, M_t) and the whole partition
+sweep behind it:
+
+1. **MinFeasibleLayouts** (§4.1): the smallest rollout and trainer replica sizes ρ_r, ρ_t (GPUs per replica;
+   powers of two up to a node, then whole nodes) whose per-GPU memory fits — model states, activations and
+   KV cache as documented in :mod:`bidirl.perf.memory`, for the workload's longest sequence
+   (``prompt_max + max_response_len``).
+2. **BuildStageModels**: :class:`~bidirl.perf.rollout.RolloutModel` with tp = ρ_r and
+   :class:`~bidirl.perf.trainer.TrainerModel` with layout ρ_t (preset-derived parameters), built once.
+3. **CandidatePartitions(G, Π)**: every (g_r, g_t) with g_r + g_t = G and both ≥ 1; under
+   ``node-aligned`` each pool is a whole number of nodes (any split when G ≤ gpus_per_node).
+4. **Compatible(g_r, g_t, ρ_r, ρ_t)** (§4.1): both pools may host both roles, so each holds a whole number
+   of replicas of each: ``g % ρ_r == g % ρ_t == 0`` for g ∈ {g_r, g_t}.
+5. For each candidate: d_r = ⌊g_r/ρ_r⌋, d_t = ⌊g_t/ρ_t⌋, λ_r = B_p / M_r(B_p, d_r), λ_t = B_p / M_t(U_B, d_t),
+   λ_pipe = min(λ_r, λ_t) (§4.2; rates in prompt groups per second). The envelope is the compatible candidate
+   with the largest λ_pipe (ties: the first, i.e. the fewest rollout GPUs), or ``cluster.partition`` when
+   the job fixes one (it must be a compatible candidate). Incompatible candidates are still evaluated so the
+   sweep is complete.
+
+The representative batch is B_p = ``workload.prompts_per_step`` GRPO groups of ``workload.group_size``
+requests drawn by :func:`bidirl.perf.workload.sample_groups` from the dataset preset at step 0 with the seed
+``[config.seed, 0x504C414E]`` (so one config always plans the same way); U_B is the trainer work of the same
+samples, ``old_logprob`` (``ref_logprob`` when ``rl.reference_model``) and ``actor_update`` in order.
+
+**Complexity** (§4.3): layouts and models are built once; stage times depend on a candidate only through
+its replica counts, and only ``min(d, groups)`` (rollout) / ``min(d, samples)`` (trainer) replicas can be busy,
+so each distinct capped count is evaluated once and shared by every candidate with that count; the scan
+over candidates is vectorised, O(|S_Π|) after the at most ``groups + samples`` model evaluations.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import pandas as pd
+
+from bidirl import config as cfgmod
+from bidirl.config import ConfigError
+from bidirl.perf import memory
+from bidirl.perf.flops import STAGES
+from bidirl.perf.rollout import RolloutModel
+from bidirl.perf.trainer import TrainerModel
+from bidirl.perf.workload import sample_groups
+
+#: stream id mixed into the planner's seed (ASCII "PLAN"), so its draw differs from the simulator's streams
+PLAN_STREAM = 0x504C414E
+#: the keys of ``bidirl plan --json`` fixed by DESIGN.md (extend, never rename)
+ENVELOPE_KEYS = ("rollout_gpus", "trainer_gpus", "rollout_layout", "trainer_layout", "rollout_replicas",
+                 "trainer_replicas", "pipeline_rate")
+CANDIDATE_KEYS = ("rollout_gpus", "trainer_gpus", "compatible", "rollout_time", "trainer_time", "rollout_rate",
+                  "trainer_rate", "pipeline_rate")
+GiB = float(1 << 30)
+
+
+def label(rollout_gpus: int, trainer_gpus: int) -> str:
+    """The sweep key of a partition, e.g. ``rollout:8+trainer:24`` (as ``config.Partition.label``)."""
+    return f"rollout:{int(rollout_gpus)}+trainer:{int(trainer_gpus)}"
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The selected resource envelope E = (g_r, g_t, ρ_r, ρ_t, M_r, M_t) with its predicted rates."""
+    rollout_gpus: int
+    trainer_gpus: int
+    rollout_layout: int
+    trainer_layout: int
+    rollout_replicas: int
+    trainer_replicas: int
+    pipeline_rate: float
+    rollout_time: float
+    trainer_time: float
+    rollout_rate: float
+    trainer_rate: float
+    rollout_model: RolloutModel = field(repr=False, compare=False, default=None)
+    trainer_model: TrainerModel = field(repr=False, compare=False, default=None)
+
+    @property
+    def label(self) -> str:
+        return label(self.rollout_gpus, self.trainer_gpus)
+
+    def to_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in ENVELOPE_KEYS}
+        out.update(label=self.label, rollout_time=self.rollout_time, trainer_time=self.trainer_time,
+                   rollout_rate=self.rollout_rate, trainer_rate=self.trainer_rate)
+        return _jsonable(out)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`plan` returns: the envelope, the sweep (one row per candidate) and the planning inputs."""
+    config: Any
+    envelope: Envelope
+    sweep: pd.DataFrame = field(repr=False)
+    memory: dict = field(repr=False)            # role -> MemoryNeed at the chosen layout
+    batch: tuple = field(repr=False)            # (prompt_lens, response_lens) of the representative batch
+    stages: tuple = STAGES
+    fixed: bool = False                         # True when cluster.partition chose the envelope
+
+    @property
+    def choice(self) -> str:
+        return self.envelope.label
+
+    def to_dict(self) -> dict:
+        """The ``bidirl plan --json`` object (DESIGN.md keys first, then extensions)."""
+        cfg = self.config
+        cands = []
+        for row in self.sweep.itertuples(index=False):
+            d = {k: getattr(row, k) for k in CANDIDATE_KEYS}
+            d.update(label=row.label, rollout_replicas=row.rollout_replicas,
+                     trainer_replicas=row.trainer_replicas, chosen=row.chosen)
+            cands.append(d)
+        p, r = self.batch
+        return _jsonable({
+            "envelope": self.envelope.to_dict(),
+            "candidates": cands,
+            "chosen_by": "cluster.partition" if self.fixed else "planner",
+            "rate_unit": "prompt groups per second",
+            "time_unit": "seconds per step",
+            "inputs": {"model": cfg.model, "hardware": cfg.hardware, "gpus": cfg.cluster.gpus,
+                       "gpus_per_node": cfg.cluster.gpus_per_node, "placement": cfg.cluster.placement,
+                       "dataset": cfg.workload.dataset, "prompts_per_step": cfg.workload.prompts_per_step,
+                       "group_size": cfg.workload.group_size, "max_response_len": cfg.workload.max_response_len,
+                       "micro_batch_per_device": cfg.rl.micro_batch_per_device, "stages": list(self.stages),
+                       "seed": cfg.seed},
+            "representative_batch": {"requests": int(p.size), "mean_prompt_len": float(p.mean()),
+                                     "mean_response_len": float(r.mean()),
+                                     "max_response_len": int(r.max()), "tokens": int(p.sum() + r.sum())},
+            "memory_gib_per_gpu": {role: {**{k: v / GiB for k, v in need.parts.items()},
+                                          "total": need.total / GiB, "usable": need.usable / GiB,
+                                          "layout": need.layout}
+                                   for role, need in self.memory.items()},
+        })
+
+    def to_json(self, indent: Optional[int] = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (np.bool_, bool)):
+        return bool(obj)
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(obj) else None
+    return obj
+
+
+# --------------------------------------------------------------------------------------------------
+# Algorithm 1's steps
+# --------------------------------------------------------------------------------------------------
+
+def candidate_partitions(gpus: int, placement: str, gpus_per_node: int) -> list:
+    """CandidatePartitions(G, Π): ``[(g_r, g_t), ...]`` in increasing g_r."""
+    if placement not in ("node-aligned", "any"):
+        raise ConfigError("cluster.placement", f"{placement!r} is not a placement", "use node-aligned or any")
+    if placement == "any" or gpus <= gpus_per_node:
+        return [(g, gpus - g) for g in range(1, gpus)]
+    return [(g, gpus - g) for g in range(gpus_per_node, gpus, gpus_per_node)]
+
+
+def compatible(rollout_gpus: int, trainer_gpus: int, rollout_layout: int, trainer_layout: int) -> bool:
+    """Compatible(g_r, g_t, ρ_r, ρ_t): each pool holds whole replicas of both roles (§4.1)."""
+    return all(g % rho == 0 and g > 0 for g in (rollout_gpus, trainer_gpus)
+               for rho in (rollout_layout, trainer_layout))
+
+
+def replica_count(gpus: int, layout: int) -> int:
+    """ReplicaCount(g, ρ) = ⌊g / ρ⌋."""
+    return int(gpus) // int(layout)
+
+
+def min_feasible_layouts(cfg) -> tuple:
+    """``(ρ_r, ρ_t, {"rollout": MemoryNeed, "trainer": MemoryNeed})`` or ConfigError naming the budget."""
+    m, hw, w = cfg.model_spec, cfg.hardware_spec, cfg.workload
+    max_seq = cfg.workload_stats.prompt_max + w.max_response_len
+    mb = cfg.rl.micro_batch_per_device
+    cands = memory.layout_candidates(cfg.cluster.gpus_per_node, cfg.cluster.gpus)
+    gib = lambda x: f"{x / GiB:.1f} GiB"  # noqa: E731
+    act = memory.trainer_activation_bytes(m, mb * max_seq)
+    if act > memory.usable_bytes(hw):
+        raise ConfigError("rl.micro_batch_per_device",
+                          f"a micro-batch of {mb} samples × {max_seq} tokens needs {gib(act)} of activations per "
+                          f"GPU, more than the {gib(memory.usable_bytes(hw))} usable on {hw.name}; activations are "
+                          "not sharded, so a bigger trainer replica does not help",
+                          "lower rl.micro_batch_per_device or workload.max_response_len, or use a GPU with more "
+                          "memory")
+    rho_t, need_t = memory.min_feasible_layout(lambda k: memory.trainer_need(m, hw, k, mb, max_seq), cands)
+    rho_r, need_r = memory.min_feasible_layout(lambda k: memory.rollout_need(m, hw, k, w.group_size, max_seq),
+                                               cands)
+    for role, rho, need in (("trainer", rho_t, need_t), ("rollout", rho_r, need_r)):
+        if rho is None:
+            raise ConfigError("cluster.gpus",
+                              f"one {role} replica of {m.name} does not fit in {cfg.cluster.gpus} {hw.name} GPUs "
+                              f"(at {need.layout} GPUs it needs {gib(need.total)} per GPU, {gib(need.usable)} "
+                              "usable)",
+                              "add GPUs, pick a hardware preset with more memory, or a smaller model")
+    if 2 * max(rho_r, rho_t) > cfg.cluster.gpus:
+        raise ConfigError("cluster.gpus",
+                          f"{cfg.cluster.gpus} GPUs cannot hold a rollout pool and a trainer pool that each fit "
+                          f"one replica of both roles (rollout replica {rho_r} GPUs, trainer replica {rho_t} GPUs)",
+                          f"use at least {2 * max(rho_r, rho_t)} GPUs, a GPU with more memory, or a smaller model")
+    return rho_r, rho_t, {"rollout": need_r, "trainer": need_t}
+
+
+def representative_batch(cfg) -> tuple:
+    """``(prompt_lens, response_lens)``: B_p groups of ``group_size`` requests (module doc)."""
+    w = cfg.workload
+    return sample_groups(cfg.workload_stats, w.max_response_len, w.prompts_per_step, w.group_size,
+                         np.random.default_rng([cfg.seed, PLAN_STREAM]), step=0)
+
+
+def stages_of(cfg) -> tuple:
+    return STAGES if cfg.rl.reference_model else tuple(s for s in STAGES if s != "ref_logprob")
+
+
+# --------------------------------------------------------------------------------------------------
+
+def plan(config, *, progress: bool = False) -> Plan:
+    """Algorithm 1 on ``config`` (a JobConfig, a YAML path, an example name or a mapping); see module doc.
+
+    Raises :class:`~bidirl.config.ConfigError` when no replica fits the budget (``cluster.gpus``), no
+    candidate is compatible, or a fixed ``cluster.partition`` is not a compatible candidate.
+    """
+    cfg = cfgmod.load(config)
+    G, gpn, placement = cfg.cluster.gpus, cfg.cluster.gpus_per_node, cfg.cluster.placement
+    if G < 2:
+        raise ConfigError("cluster.gpus", f"{G} GPU cannot be split into a rollout and a trainer pool",
+                          "use at least 2 GPUs")
+    rho_r, rho_t, needs = min_feasible_layouts(cfg)
+    rollout = RolloutModel(cfg.model_spec, cfg.hardware_spec, tp=rho_r)
+    trainer = TrainerModel(cfg.model_spec, cfg.hardware_spec, layout=rho_t)
+    p, r = representative_batch(cfg)
+    stages = stages_of(cfg)
+    w = cfg.workload
+    n_groups, n_samples = w.prompts_per_step, p.size
+
+    cands = candidate_partitions(G, placement, gpn)
+    g_r = np.array([c[0] for c in cands], dtype=np.int64)
+    g_t = np.array([c[1] for c in cands], dtype=np.int64)
+    d_r, d_t = g_r // rho_r, g_t // rho_t
+    ok = ((g_r % rho_r == 0) & (g_r % rho_t == 0) & (g_t % rho_r == 0) & (g_t % rho_t == 0))
+
+    # stage times per distinct (capped) replica count, shared by every candidate with that count
+    cap_r, cap_t = np.minimum(d_r, n_groups), np.minimum(d_t, n_samples)
+    uniq_r, uniq_t = np.unique(cap_r[cap_r > 0]), np.unique(cap_t[cap_t > 0])
+    todo = [("r", int(d)) for d in uniq_r] + [("t", int(d)) for d in uniq_t]
+    if progress:
+        from tqdm.auto import tqdm
+        todo = tqdm(todo, desc="stage times", unit="model")
+    # Pre-sorting the batch the way the models' balanced partition visits it (heaviest first, stable) gives
+    # the same assignment for every d and makes each model call's sort a linear pass over sorted data.
+    g = w.group_size
+    group_order = np.argsort(-(p + r).reshape(n_groups, g).sum(axis=1), kind="stable")
+    p_r = p.reshape(n_groups, g)[group_order].reshape(-1)
+    r_r = r.reshape(n_groups, g)[group_order].reshape(-1)
+    sample_order = np.argsort(-(p + r), kind="stable")
+    p_t, r_t = p[sample_order], r[sample_order]
+    times = {}
+    for kind, d in todo:
+        if kind == "r":
+            times[kind, d] = rollout.stage_time(p_r, r_r, d, g)
+        else:
+            times[kind, d] = trainer.stage_time(p_t, r_t, d, cfg.rl.micro_batch_per_device, stages)
+    t_r = np.array([times["r", int(d)] if d > 0 else math.inf for d in cap_r], dtype=float)
+    t_t = np.array([times["t", int(d)] if d > 0 else math.inf for d in cap_t], dtype=float)
+    with np.errstate(divide="ignore"):
+        lam_r = np.where(np.isfinite(t_r) & (t_r > 0), n_groups / t_r, np.where(t_r == 0, math.inf, 0.0))
+        lam_t = np.where(np.isfinite(t_t) & (t_t > 0), n_groups / t_t, np.where(t_t == 0, math.inf, 0.0))
+    lam = np.minimum(lam_r, lam_t)
+
+    labels = [label(a, b) for a, b in cands]
+    if cfg.cluster.partition is not None:
+        want = (cfg.cluster.partition.rollout, cfg.cluster.partition.trainer)
+        alternatives = ", ".join(lbl for lbl, good in zip(labels, ok) if good)
+        if want not in cands:
+            raise ConfigError("cluster.partition",
+                              f"{label(*want)} is not a {placement} partition of {G} GPUs with {gpn} per node",
+                              f"use a compatible one: {alternatives or 'none exists'}, or set cluster.placement: any")
+        idx = cands.index(want)
+        if not ok[idx]:
+            raise ConfigError("cluster.partition",
+                              f"{label(*want)} is not hot-switch compatible: each pool must hold whole replicas of "
+                              f"both roles (rollout replica {rho_r} GPUs, trainer replica {rho_t} GPUs)",
+                              f"use one of {alternatives}" if alternatives else
+                              "no partition of this budget is compatible; change cluster.gpus")
+        fixed = True
+    else:
+        if not ok.any():
+            step = int(np.lcm(rho_r, rho_t))
+            raise ConfigError("cluster.gpus",
+                              f"no {placement} partition of {G} GPUs is hot-switch compatible with rollout "
+                              f"replicas of {rho_r} GPUs and trainer replicas of {rho_t} GPUs",
+                              f"use a budget that splits into two multiples of {step} GPUs"
+                              + (" or set cluster.placement: any" if placement == "node-aligned" else ""))
+        idx = int(np.argmax(np.where(ok, lam, -math.inf)))
+        fixed = False
+
+    chosen = np.zeros(len(cands), dtype=bool)
+    chosen[idx] = True
+    sweep = pd.DataFrame({
+        "rollout_gpus": g_r, "trainer_gpus": g_t, "label": labels, "compatible": ok,
+        "rollout_replicas": d_r, "trainer_replicas": d_t,
+        "rollout_time": t_r, "trainer_time": t_t,
+        "rollout_rate": lam_r, "trainer_rate": lam_t, "pipeline_rate": lam, "chosen": chosen,
+    })
+    env = Envelope(rollout_gpus=int(g_r[idx]), trainer_gpus=int(g_t[idx]), rollout_layout=rho_r,
+                   trainer_layout=rho_t, rollout_replicas=int(d_r[idx]), trainer_replicas=int(d_t[idx]),
+                   pipeline_rate=float(lam[idx]), rollout_time=float(t_r[idx]), trainer_time=float(t_t[idx]),
+                   rollout_rate=float(lam_r[idx]), trainer_rate=float(lam_t[idx]),
+                   rollout_model=rollout, trainer_model=trainer)
+    return Plan(cfg, env, sweep, needs, (p, r), stages, fixed)

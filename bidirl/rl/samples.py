@@ -1,0 +1,67 @@
+"""Rollout results as data: a group's payload and the response-level training samples built from it.
+
+In GRPO-style RL (paper §2.1) the rollout unit is a prompt-level group and the training unit a
+response-level sample. A rollout engine returns each group as a ``bidirl.core.protocol.GroupState``
+whose ``payload`` is a :class:`GroupPayload`; :func:`samples_from_groups` flattens finished groups into
+:class:`Sample` records in (group, response) order, the order the trainer's chunks keep (§5, Table 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+
+@dataclass(frozen=True)
+class GroupPayload:
+    """What a rollout engine knows about one group: prompt, and per response its tokens so far.
+
+    ``logprobs[i][t]`` is the behaviour policy's log-probability of ``token_ids[i][t]`` as sampled;
+    ``versions[i]`` the oldest actor version that generated any token of response ``i`` (the current
+    version for a response with no tokens yet); ``finish_reasons[i]`` is ``"stop"`` (EOS), ``"length"``
+    (hit ``max_tokens``) or ``None`` while unfinished. ``texts`` and ``rewards`` are filled when the engine
+    was given a reward function; ``meta`` is the caller's per-group datum (e.g. the expected answer).
+    """
+    prompt_ids: tuple
+    token_ids: tuple
+    logprobs: tuple
+    versions: tuple
+    finish_reasons: tuple
+    max_tokens: int
+    texts: Optional[tuple] = None
+    rewards: Optional[tuple] = None
+    meta: Any = None
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One response-level training sample."""
+    group_id: int
+    index: int
+    prompt_ids: tuple
+    response_ids: tuple
+    logprobs: tuple
+    reward: float
+    version: int
+
+    @property
+    def response_len(self) -> int:
+        return len(self.response_ids)
+
+
+def samples_from_groups(groups: Iterable) -> list:
+    """Flatten complete ``GroupState``s (payload :class:`GroupPayload` with rewards) into samples."""
+    out = []
+    for g in groups:
+        p = g.payload
+        if not isinstance(p, GroupPayload):
+            raise ValueError(f"group {g.group_id}: payload is {type(p).__name__}, expected GroupPayload "
+                             "(groups produced by bidirl.cluster.rollout_engine.RolloutEngine)")
+        if not all(g.done):
+            raise ValueError(f"group {g.group_id} is not complete (done={g.done}); resume it before training")
+        if p.rewards is None:
+            raise ValueError(f"group {g.group_id} has no rewards; give the rollout engine a reward_fn")
+        for i, (ids, lps) in enumerate(zip(p.token_ids, p.logprobs)):
+            out.append(Sample(int(g.group_id), i, tuple(p.prompt_ids), tuple(ids), tuple(lps),
+                              float(p.rewards[i]), int(p.versions[i])))
+    return out

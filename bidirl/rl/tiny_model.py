@@ -1,0 +1,145 @@
+"""The built-in tiny actor: a character-level tokenizer and a 2-layer Qwen2-architecture decoder.
+
+Nothing is downloaded: the tokenizer is built with the ``tokenizers`` library over the arithmetic task's
+alphabet (``bidirl.rl.tasks.ALPHABET``) plus special tokens, and the model is a freshly initialised
+``Qwen2ForCausalLM`` (the architecture family the paper trains, §7.1, at toy size). :func:`create` writes a
+standard transformers checkpoint folder (``config.json``, ``model.safetensors``, ``tokenizer.json``,
+``generation_config.json``) that vLLM (rollout) and transformers (trainer) both load, so the same weights
+run on both engines as in the paper's prototype (§6.1).
+
+Every id of the model's vocabulary is a token of the tokenizer (unused ids are named ``<|extra_i|>``
+special tokens), so anything the model samples can be decoded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Union
+
+from bidirl.rl.tasks import ALPHABET
+
+PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
+SPECIAL_TOKENS: tuple = (PAD, EOS, UNK)
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """Architecture of the tiny model (mirrored in ``data/presets/models/tiny.yaml``)."""
+    vocab_size: int = 32
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 64
+    rope_theta: float = 10000.0
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        need = len(SPECIAL_TOKENS) + len(ALPHABET)
+        if self.vocab_size < need:
+            raise ValueError(f"TinyConfig.vocab_size must be ≥ {need} (special tokens + task alphabet), "
+                             f"got {self.vocab_size}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"TinyConfig.hidden_size ({self.hidden_size}) must be divisible by "
+                             f"num_attention_heads ({self.num_attention_heads})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"TinyConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                             f"of num_key_value_heads ({self.num_key_value_heads})")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def vocabulary(vocab_size: int = TinyConfig.vocab_size) -> dict:
+    """Token → id: special tokens first, then the task alphabet, then ``<|extra_i|>`` up to ``vocab_size``."""
+    tokens = list(SPECIAL_TOKENS) + list(ALPHABET)
+    tokens += [f"<|extra_{i}|>" for i in range(vocab_size - len(tokens))]
+    return {tok: i for i, tok in enumerate(tokens)}
+
+
+def build_tokenizer(vocab_size: int = TinyConfig.vocab_size):
+    """A character-level ``PreTrainedTokenizerFast`` (one token per character, no BOS, EOS ends a response)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = vocabulary(vocab_size)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    specials = [t for t in vocab if t.startswith("<|")]
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+                                   model_max_length=TinyConfig.max_position_embeddings, padding_side="right")
+
+
+def qwen2_config(cfg: TinyConfig = TinyConfig()):
+    """The transformers ``Qwen2Config`` of ``cfg`` (fp32, tied embeddings, EOS/PAD ids of the tokenizer)."""
+    from transformers import Qwen2Config
+
+    vocab = vocabulary(cfg.vocab_size)
+    return Qwen2Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        initializer_range=cfg.initializer_range, tie_word_embeddings=True, use_sliding_window=False,
+        eos_token_id=vocab[EOS], pad_token_id=vocab[PAD], bos_token_id=None, dtype="float32",
+    )
+
+
+def parameter_counts(cfg: TinyConfig = TinyConfig()) -> dict:
+    """Total and non-embedding parameters (the preset's ``params_total`` / ``params_nonembedding``)."""
+    h, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    d = h // cfg.num_attention_heads
+    kv = cfg.num_key_value_heads * d
+    attention = (h * h + h) + 2 * (h * kv + kv) + h * h      # q (bias), k, v (bias), o (no bias)
+    mlp = 3 * h * i
+    norms = 2 * h
+    embedding = cfg.vocab_size * h                            # tied with lm_head
+    nonemb = L * (attention + mlp + norms) + h                # + final norm
+    return {"params_total": nonemb + embedding, "params_nonembedding": nonemb, "embedding": embedding}
+
+
+def create(model_dir: Union[str, Path], seed: int = 0, cfg: TinyConfig = TinyConfig()) -> Path:
+    """Write a freshly initialised tiny model + tokenizer to ``model_dir``; byte-identical for a given seed.
+
+    The initialisation draws from a forked torch RNG seeded with ``seed``, so the caller's global RNG
+    state is left untouched.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    out = Path(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(qwen2_config(cfg)).to(torch.float32)
+    save(model, out)
+    vocab = vocabulary(cfg.vocab_size)
+    GenerationConfig(eos_token_id=vocab[EOS], pad_token_id=vocab[PAD], do_sample=True, temperature=1.0,
+                     top_p=1.0, top_k=0).save_pretrained(out)
+    build_tokenizer(cfg.vocab_size).save_pretrained(out)
+    (out / "bidirl_tiny.json").write_text(json.dumps({"seed": seed, "config": cfg.to_dict()}, indent=1,
+                                                     sort_keys=True))
+    return out
+
+
+def save(model, model_dir: Union[str, Path]) -> None:
+    """``save_pretrained`` as safetensors (tied ``lm_head`` stored once, as transformers does)."""
+    model.save_pretrained(Path(model_dir), safe_serialization=True)
+
+
+def load_tokenizer(model_dir: Union[str, Path]):
+    """The tokenizer saved by :func:`create`, loaded as ``PreTrainedTokenizerFast`` from ``tokenizer.json``.
+
+    (``AutoTokenizer`` would pick the Qwen2 tokenizer class from ``config.json``; ids are the same for the
+    task alphabet, but loading the fast tokenizer directly keeps decoding exactly as built here.)
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(model_dir))

@@ -1,0 +1,58 @@
+"""The stage-time models as the control plane and the simulator consume them (appendix; §5.1).
+
+One object answers the two questions the scheduler asks — how long a trainer chunk takes on a gang of
+``d`` replicas, and how long ``d`` rollout replicas need for a set of requests (M_r) — and gives the
+simulated engines their per-iteration cost terms, so simulation and prediction share one model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from bidirl.perf.flops import prefill_flops
+from bidirl.perf.rollout import RolloutModel
+from bidirl.perf.trainer import TrainerModel
+from bidirl.sim.engine import EngineCosts
+
+
+@dataclass
+class StageModels:
+    rollout: RolloutModel
+    trainer: TrainerModel
+    group_size: int
+
+    @classmethod
+    def from_config(cls, cfg, rollout_layout: int, trainer_layout: int) -> "StageModels":
+        m, hw = cfg.model_spec, cfg.hardware_spec
+        return cls(RolloutModel(m, hw, tp=rollout_layout), TrainerModel(m, hw, layout=trainer_layout),
+                   cfg.workload.group_size)
+
+    def __post_init__(self):
+        self._chunk_cache: dict = {}
+
+    def chunk_time(self, stage, prompt_lens, response_lens, d) -> float:
+        """M_t of one chunk (memoised: the scheduler re-evaluates the same chunks while it plans)."""
+        key = (stage, d, tuple(prompt_lens), tuple(response_lens))
+        t = self._chunk_cache.get(key)
+        if t is None:
+            if len(self._chunk_cache) > 200_000:
+                self._chunk_cache.clear()
+            t = self._chunk_cache[key] = float(self.trainer.chunk_time(
+                stage, np.asarray(prompt_lens), np.asarray(response_lens), d))
+        return t
+
+    def rollout_time(self, prompt_lens, response_lens, d) -> float:
+        if len(response_lens) == 0:
+            return 0.0
+        return float(self.rollout.stage_time(np.asarray(prompt_lens), np.asarray(response_lens), d,
+                                             group_size=self.group_size if len(response_lens) % self.group_size == 0 else 1))
+
+    def engine_costs(self) -> EngineCosts:
+        p = self.rollout.params
+        spec = self.rollout.model
+        return EngineCosts(tau_pre=p.tau_pre, alpha_pre=p.alpha_pre, tau_dec=p.tau_dec, beta_tok=p.beta_tok,
+                           beta_hist=p.beta_hist,
+                           prefill_flops=lambda prompts: prefill_flops(spec, prompts),
+                           kv_tokens=int(self.rollout.kv_budget_bytes // self.rollout.kv_bytes_per_token))

@@ -1,0 +1,121 @@
+"""Chunk queue, lazy pull, tail split and ordered merge (paper §5.2 Algorithm 2, Table 2)."""
+
+import itertools
+
+from hypothesis import given, settings, strategies as st
+
+from bidirl.core.chunks import TrainerStep
+from bidirl.core.protocol import GroupState
+
+STAGES = ("old_logprob", "ref_logprob", "actor_update")
+
+
+def make_step(groups=4, size=4, max_chunk=2, stages=STAGES, lengths=None):
+    ids = itertools.count()
+    gs = [GroupState(g, 10 + g, tuple(lengths or [20] * size), (True,) * size, 0) for g in range(groups)]
+    return TrainerStep(step=0, version=0, groups=gs, stages=stages, max_chunk=max_chunk,
+                       next_chunk_id=lambda: next(ids))
+
+
+def linear_time(stage, p, r, d, side):
+    mult = 3 if stage == "actor_update" else 1
+    return mult * (0.01 + sum(a + b for a, b in zip(p, r)) / d / 1000)
+
+
+def test_segments_and_units_are_stage_ordered():
+    step = make_step(groups=2, size=2)
+    assert step.segments == [("old_logprob", "ref_logprob"), ("actor_update",)]
+    assert [u[0] for u in step.units] == ["old_logprob"] * 4 + ["ref_logprob"] * 4
+    no_ref = make_step(stages=("old_logprob", "actor_update"))
+    assert no_ref.segments == [("old_logprob",), ("actor_update",)]
+
+
+def test_lazy_pull_takes_s_max_per_device_and_never_crosses_a_stage():
+    step = make_step(groups=3, size=2, max_chunk=2)  # 6 samples per stage
+    c1 = step.pull("primary", 2, "w")               # 4 units
+    c2 = step.pull("primary", 2, "w")               # only 2 left in old_logprob
+    c3 = step.pull("primary", 2, "w")
+    assert len(c1.units) == 4 and len(c2.units) == 2 and len(c3.units) == 4
+    assert c2.chunk.stage == "old_logprob" and c3.chunk.stage == "ref_logprob"
+    assert c1.chunk.per_device == 2 and c2.chunk.per_device == 1
+
+
+def test_cancel_returns_units_and_only_queued_chunks_are_recoverable():
+    step = make_step()
+    a = step.pull("primary", 2, "w")
+    b = step.pull("auxiliary", 2, "x")
+    step.started(a.chunk.chunk_id, 1.0)
+    assert not step.cancel(a.chunk.chunk_id)         # running: it finishes
+    assert step.cancel(b.chunk.chunk_id)             # queued: recoverable
+    assert step.pending[: len(b.units)] == list(b.units)
+    again = step.pull("primary", 2, "w")
+    assert again.units == b.units
+
+
+@settings(max_examples=60)
+@given(order=st.permutations(range(6)))
+def test_merge_follows_original_order_whatever_the_finish_order(order):
+    step = make_step(groups=3, size=4, max_chunk=1)  # 12 units / 2 per chunk = 6 chunks per stage... first 6
+    chunks = [step.pull("primary" if i % 2 else "auxiliary", 2, "w") for i in range(6)]
+    merged = []
+    for i in order:
+        merged += step.finish(chunks[i].chunk.chunk_id)
+    assert merged == [c.chunk.chunk_id for c in chunks]
+
+
+def test_tail_split_minimises_the_joint_finish_and_respects_minimum_chunk():
+    step = make_step(groups=2, size=4, max_chunk=2)  # 8 units per stage, 16 in the forward segment
+    assert step.in_tail_window(2, 2, tail_window=2)
+    n_a, finish = step.plan_tail(2, 2, ready_p=0.0, ready_a=0.0, chunk_time=linear_time)
+    # brute force over every legal split gives the same optimum
+    units = list(range(16))
+    def side(part, d):
+        return sum(linear_time(step.units[r[0]][0], *step.lens(r), d, "") for r in step.split_runs(part, d))
+    best = min(max(side(units[: 16 - k], 2) if 16 - k else 0.0, side(units[16 - k:], 2) if k else 0.0)
+               for k in range(17) if not (0 < k < 2 or 0 < 16 - k < 2))
+    assert abs(finish - best) < 1e-12
+    assert 0 < n_a < 16
+    # every planned chunk has at least one unit per device, and each side has at most one remainder per stage
+    for side_name, runs in step.tail_plan.items():
+        for run in runs:
+            assert len(run) >= 2 or len(run) == 16
+    covered = sorted(u for runs in step.tail_plan.values() for r in runs for u in r)
+    assert covered == units
+
+
+def test_tail_split_prefers_the_side_that_is_ready():
+    step = make_step(groups=2, size=4, max_chunk=2)
+    n_late, _ = step.plan_tail(2, 2, ready_p=0.0, ready_a=10.0, chunk_time=linear_time)
+    assert n_late == 0                                 # an auxiliary busy for 10 s gets nothing
+
+
+def test_release_plan_returns_everything_to_lazy_pull():
+    step = make_step(groups=2, size=4, max_chunk=2)
+    step.plan_tail(2, 2, 0.0, 0.0, linear_time)
+    first = step.pull("primary", 2, "w")
+    step.release_plan()
+    assert step.tail_plan == {}
+    rest = []
+    while (c := step.pull("primary", 2, "w")) is not None:
+        rest += c.units
+    assert sorted(rest + list(first.units)) == list(range(16))
+
+
+def test_proportional_split_gives_the_auxiliary_its_dp_share():
+    step = make_step(groups=4, size=4, max_chunk=2)   # 32 forward units
+    n_a = step.plan_proportional(3, 1)
+    assert n_a == 8
+
+
+def test_step_completes_after_both_segments():
+    step = make_step(groups=1, size=2, max_chunk=4, stages=("old_logprob", "actor_update"))
+    c = step.pull("primary", 1, "w")
+    while c is not None:
+        step.started(c.chunk.chunk_id, 0)
+        step.finish(c.chunk.chunk_id)
+        c = step.pull("primary", 1, "w")
+    assert step.segment_done and not step.done
+    assert step.advance_segment()
+    c = step.pull("auxiliary", 1, "x")
+    step.finish(c.chunk.chunk_id)
+    assert step.done and step.aux_update_chunks == [c.chunk.chunk_id]

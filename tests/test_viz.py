@@ -1,0 +1,182 @@
+"""Gantt and bar figures: pure array building and figure structure, checked without a browser."""
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from bidirl import viz
+from bidirl.trace import KINDS, EventLog, Span, StepRecord
+
+R0, R1 = "rollout_pool/rollouter/0", "rollout_pool/rollouter/1"
+TR, AUX_R, AUX_T = "trainer_pool/trainer", "trainer_pool/rollouter/0", "rollout_pool/trainer"
+ROT = {"direction": "rollout_on_trainer_pool"}
+
+
+def span(worker, kind, start, end, detail=None, step=0):
+    pool = worker.split("/")[0]
+    home = "rollouter" if pool == "rollout_pool" else "trainer"
+    role = "primary" if worker.split("/")[1] == home else "auxiliary"
+    return Span(worker, pool, role, kind, start, end, step, step, detail or {})
+
+
+def demo_log():
+    log = EventLog(spans=[
+        span(R0, "generate", 0, 4), span(R1, "generate", 0, 5), span(R0, "generate", 5, 7),
+        span(TR, "chunk", 5, 8, {"stage": "actor_update", "chunk_id": 0, "samples": 2}),
+        span(AUX_R, "switch_in", 8, 9, ROT), span(AUX_R, "generate", 9, 11), span(AUX_R, "switch_out", 11, 12, ROT),
+        span(TR, "optimizer", 12, 13), span(TR, "sync", 13, 14), span(R0, "sync", 13, 14)])
+    log.add_step(StepRecord(0, 0, 7, 10, 2))
+    log.add_step(StepRecord(1, 7, 14, 10, 2))
+    return log
+
+
+def test_spans_to_bars_one_entry_per_kind_role_present():
+    spans = demo_log().spans_df()
+    bars = viz.spans_to_bars(spans)
+    present = set(zip(spans["kind"], spans["role"]))
+    assert set(bars) == present and len(bars) == 7
+    assert list(bars) == [k for k in viz.TRACE_KEYS if k in present]
+    lanes = viz.default_lanes(spans)
+    assert lanes == [R0, R1, TR, AUX_R]
+    gen = bars[("generate", "primary")]
+    assert gen["y"].tolist() == [0.0, 1.0, 0.0] and gen["base"].tolist() == [0, 0, 5]
+    assert gen["x"].tolist() == [4, 5, 2]
+    for arrays in bars.values():
+        assert arrays["y"].dtype == arrays["base"].dtype == arrays["x"].dtype == np.float64
+        assert arrays["customdata"].shape == (len(arrays["x"]), len(viz.CUSTOMDATA_COLUMNS))
+    chunk = bars[("chunk", "primary")]["customdata"][0]
+    assert chunk[0] == TR and chunk[1] == 5 and chunk[2] == 8 and "stage=actor_update" in chunk[5]
+    assert viz.spans_to_bars(EventLog().spans_df()) == {}
+
+
+def test_spans_to_bars_respects_given_lanes_and_rejects_missing_workers():
+    spans = demo_log().spans_df()
+    lanes = [AUX_R, TR, R1, R0]
+    bars = viz.spans_to_bars(spans, lanes)
+    assert bars[("generate", "auxiliary")]["y"].tolist() == [0.0]
+    assert bars[("generate", "primary")]["y"].tolist() == [3.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="trainer_pool/rollouter/0"):
+        viz.spans_to_bars(spans, [R0, R1, TR])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([R0, R1, TR, AUX_R, AUX_T]), st.sampled_from(KINDS),
+                          st.floats(0, 100), st.floats(0, 10)), max_size=40))
+def test_bars_hold_every_span_exactly_once(rows):
+    log = EventLog(spans=[span(w, k, s, s + d) for w, k, s, d in rows])
+    spans = log.spans_df()
+    bars = viz.spans_to_bars(spans)
+    assert len(bars) == len(set(zip(spans["kind"], spans["role"])))
+    assert sum(len(b["x"]) for b in bars.values()) == len(rows)
+    total = sum(float(b["x"].sum()) for b in bars.values())
+    assert total == pytest.approx(float((spans["end"] - spans["start"]).sum()))
+
+
+def test_gantt_figure_structure():
+    log = demo_log()
+    fig = viz.gantt_figure(log, title="demo")
+    assert len(fig.data) == 7
+    assert all(isinstance(t, go.Bar) and t.orientation == "h" for t in fig.data)
+    names = [t.name for t in fig.data]
+    assert len(set(names)) == len(names) and "generate (auxiliary)" in names
+    assert fig.layout.xaxis.type == "linear" and list(fig.layout.yaxis.ticktext) == [R0, R1, TR, AUX_R]
+    chunk = next(t for t in fig.data if t.name == "chunk (primary)")
+    assert list(chunk.base) == [5.0] and list(chunk.x) == [3.0]
+    assert chunk.marker.color == viz.COLORS[("chunk", "primary")]
+    aux = next(t for t in fig.data if t.name == "generate (auxiliary)")
+    assert aux.marker.color != next(t for t in fig.data if t.name == "generate (primary)").marker.color
+    windows = [s for s in fig.layout.shapes if s.name == "borrow:rollout_on_trainer_pool"]
+    # the window spans switch_in start .. switch_out end on the trainer pool's lanes (indices 2..3)
+    assert len(windows) == 1 and (windows[0].x0, windows[0].x1) == (8.0, 12.0)
+    assert (windows[0].y0, windows[0].y1) == (1.5, 3.5)
+    assert sorted(s.x0 for s in fig.layout.shapes if s.name == "step_end") == [7.0, 14.0]
+    assert len([s for s in fig.layout.shapes if s.name == "pool_separator"]) == 1
+    # a bare spans table works too (no step lines)
+    fig2 = viz.gantt_figure(log.spans_df())
+    assert len(fig2.data) == 7 and not [s for s in fig2.layout.shapes if s.name == "step_end"]
+
+
+def test_compare_gantt_stacks_runs_on_a_shared_axis():
+    a = demo_log()
+    b = EventLog(spans=[span(R0, "generate", 0, 3), span(TR, "chunk", 3, 6)], steps=[StepRecord(0, 0, 6, 5, 1)])
+    fig = viz.compare_gantt({"bidirl": a, "no-borrow": b})
+    assert len(fig.data) == 7 + 2
+    assert {t.yaxis for t in fig.data} == {"y", "y2"}
+    assert fig.layout.xaxis.matches == "x2" or fig.layout.xaxis2.matches == "x"
+    legend = [t.name for t in fig.data if t.showlegend is not False]
+    assert sorted(legend) == sorted(set(t.name for t in fig.data))
+    assert [a.text for a in fig.layout.annotations] == ["bidirl", "no-borrow"]
+    row2_steps = [s for s in fig.layout.shapes if s.name == "step_end" and s.xref == "x2"]
+    assert [s.x0 for s in row2_steps] == [6.0] and row2_steps[0].yref == "y2 domain"
+    with pytest.raises(ValueError, match="at least one"):
+        viz.compare_gantt({})
+
+
+def test_throughput_bars_single_and_grouped():
+    df = pd.DataFrame({"policy": ["bidirl", "no-borrow"], "throughput": [120.0, 100.0]})
+    fig = viz.throughput_bars(df, title="t")
+    assert len(fig.data) == 1 and list(fig.data[0].x) == ["bidirl", "no-borrow"]
+    assert list(fig.data[0].y) == [120.0, 100.0]
+    grouped = pd.DataFrame({"policy": ["bidirl", "no-borrow"] * 2, "setting": ["s=0", "s=0", "s=1", "s=1"],
+                            "throughput": [1.0, 2.0, 3.0, 4.0], "throughput_std": [0.1] * 4})
+    fig = viz.throughput_bars(grouped)
+    assert [t.name for t in fig.data] == ["bidirl", "no-borrow"] and fig.layout.barmode == "group"
+    assert list(fig.data[1].y) == [2.0, 4.0] and list(fig.data[0].error_y.array) == [0.1, 0.1]
+    with pytest.raises(ValueError, match="throughput"):
+        viz.throughput_bars(pd.DataFrame({"policy": ["a"]}))
+    with pytest.raises(ValueError, match="numeric"):
+        viz.throughput_bars(pd.DataFrame({"policy": ["a"], "throughput": ["fast"]}))
+    with pytest.raises(ValueError, match="empty"):
+        viz.throughput_bars(pd.DataFrame({"policy": [], "throughput": []}))
+
+
+def test_gantt_state_accumulates_like_a_one_shot_build():
+    log = demo_log()
+    spans = log.spans_df()
+    state = viz.GanttState()
+    fig = state.figure()
+    assert len(fig.data) == len(viz.TRACE_KEYS)
+    for chunk in (spans.iloc[:2], spans.iloc[2:5], spans.iloc[5:0], spans.iloc[5:]):
+        out = state.add(chunk)
+        assert list(out) == list(viz.TRACE_KEYS)
+    assert state.lanes == viz.default_lanes(spans) and state.n_spans == len(spans)
+    once = viz.spans_to_bars(spans)
+    for key, arrays in state.arrays().items():
+        if key not in once:
+            assert len(arrays["x"]) == 0
+            continue
+        order = np.lexsort((arrays["y"], arrays["base"]))
+        ref = np.lexsort((once[key]["y"], once[key]["base"]))
+        for name in ("y", "base", "x"):
+            assert arrays[name][order].tolist() == once[key][name][ref].tolist()
+    state.apply(fig, log.steps_df())
+    gen = fig.data[viz.TRACE_KEYS.index(("generate", "primary"))]
+    assert len(gen.x) == 3 and list(fig.layout.yaxis.ticktext) == state.lanes
+    assert len([s for s in fig.layout.shapes if s.name == "step_end"]) == 2
+
+
+def test_gantt_state_relanes_when_a_new_worker_appears():
+    state = viz.GanttState()
+    state.add(EventLog(spans=[span(TR, "chunk", 0, 1), span(R0, "generate", 0, 2)]).spans_df())
+    assert state.lanes == [R0, TR]
+    out = state.add(EventLog(spans=[span(AUX_T, "chunk", 2, 3)]).spans_df())
+    assert state.lanes == [R0, AUX_T, TR]
+    assert out[("chunk", "primary")]["y"].tolist() == [2.0]
+    assert out[("chunk", "auxiliary")]["y"].tolist() == [1.0]
+    fixed = viz.GanttState(lanes=[TR, R0])
+    fixed.add(EventLog(spans=[span(AUX_T, "chunk", 2, 3)]).spans_df())
+    assert fixed.lanes == [TR, R0, AUX_T]
+    with pytest.raises(ValueError, match="GanttState"):
+        viz.GanttState().apply(go.Figure())
+    limited = viz.GanttState(keys=(("generate", "primary"),))
+    with pytest.raises(ValueError, match="no trace"):
+        limited.add(EventLog(spans=[span(TR, "chunk", 0, 1)]).spans_df())
+
+
+def test_figures_serialise_to_html(tmp_path):
+    fig = viz.compare_gantt({"a": demo_log(), "b": demo_log()})
+    path = tmp_path / "g.html"
+    fig.write_html(path, include_plotlyjs=False)
+    assert path.stat().st_size > 0 and "chunk (primary)" in path.read_text()
