@@ -1,6 +1,9 @@
 """The ``bidirl`` command line: one small function per subcommand, registered in :data:`COMMANDS`.
 
 ``bidirl plan CONFIG [--json] [--html FILE]``  Algorithm 1's static planner (paper §4)
+``bidirl simulate CONFIG --policy P [--steps N] [--seed S] [--json] [--trace FILE] [--html FILE]``
+``bidirl run CONFIG [--address ADDR] [--emulate] [--json] [--trace FILE]``   the job on Ray
+``bidirl reproduce [--out DIR] [--only PANEL ...] [--quick]``   the paper's evaluation, claim by claim
 ``bidirl bench [--json] [--quick]``            the benchmarks registered under ``benchmarks/``
 
 Human-readable tables by default; ``--json`` prints one JSON object on stdout (keys fixed by DESIGN.md).
@@ -181,9 +184,117 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
+# simulate / run
+# --------------------------------------------------------------------------------------------------
+
+def _args_run_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="a YAML config path or an example name (e.g. a6000-default)")
+    p.add_argument("--policy", default=None, metavar="P",
+                   help="bidirl, no-borrow, rot-only, tor-only, opportunistic (simulate also: verl-colocated, "
+                        "verl-async, areal, roll); default: the config's scheduler.policy")
+    p.add_argument("--steps", type=int, default=None, metavar="N", help="training steps (default: workload.steps)")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed (default: the config's seed)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="write the event log: Chrome/Perfetto trace for .json, else .parquet or .csv")
+    p.add_argument("--html", metavar="FILE", default=None, help="write the Gantt timeline (plotly HTML)")
+
+
+def _args_simulate(p: argparse.ArgumentParser) -> None:
+    _args_run_common(p)
+
+
+def _args_run(p: argparse.ArgumentParser) -> None:
+    _args_run_common(p)
+    p.add_argument("--address", default=None, metavar="ADDR",
+                   help="a Ray cluster address (default: start an embedded local Ray)")
+    p.add_argument("--emulate", action="store_true",
+                   help="model-timed workers instead of vLLM and torch (many virtual GPUs on one machine)")
+    p.add_argument("--time-scale", type=float, default=20.0, metavar="X",
+                   help="with --emulate: virtual seconds per wall second (default 20)")
+
+
+def format_summary(s: dict) -> str:
+    """The human-readable summary of ``simulate`` / ``run``."""
+    tput = s.get("throughput")
+    lines = [f"policy {s['policy']}: throughput "
+             + (f"{tput:,.0f} tokens/s" if tput is not None else f"n/a ({s.get('throughput_note', 'too few steps')})"),
+             "step times (s): " + " ".join(f"{t:.1f}" for t in s["step_times"]),
+             "idle share: " + ", ".join(f"{k} {v:.1%}" for k, v in s["idle"].items() if v is not None)
+             + f"; utilization {s['utilization']:.1%}",
+             "borrows: " + ", ".join(f"{k} {v}" for k, v in s["borrows"].items()),
+             "samples: " + ", ".join(f"{k} {v}" for k, v in s["samples"].items())]
+    if s.get("costs"):
+        lines.append("measured switch costs (s): " + "; ".join(
+            f"{d} " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()) for d, c in s["costs"].items()))
+    if s.get("reward"):
+        lines.append("mean reward per step: " + " ".join(f"{r:.3f}" for r in s["reward"]))
+    return "\n".join(lines)
+
+
+def _write_outputs(result, args) -> None:
+    try:
+        if args.trace:
+            result.log.save(args.trace)
+        if args.html:
+            from bidirl.viz import gantt_figure
+            gantt_figure(result.log, title=f"{result.policy}").write_html(args.html, include_plotlyjs=True)
+    except OSError as exc:
+        raise CommandError(f"cannot write output: {exc.strerror or exc}") from None
+
+
+def _print_result(result, args) -> int:
+    _write_outputs(result, args)
+    summary = result.summary()
+    if args.json:
+        print(json.dumps(summary, default=float))
+    else:
+        print(format_summary(summary))
+        for what in ("trace", "html"):
+            if getattr(args, what):
+                print(f"{what} written to {getattr(args, what)}")
+    return 0
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from bidirl.sim import UnsupportedSetting, simulate
+    try:
+        result = simulate(args.config, args.policy, steps=args.steps, seed=args.seed, progress=not args.json)
+    except UnsupportedSetting as exc:
+        raise CommandError(str(exc)) from None
+    return _print_result(result, args)
+
+
+def _run_run(args: argparse.Namespace) -> int:
+    from bidirl.cluster.driver import ClusterError, run
+    try:
+        result = run(args.config, args.policy, steps=args.steps, seed=args.seed, emulate=args.emulate,
+                     address=args.address, time_scale=args.time_scale, progress=not args.json)
+    except ClusterError as exc:
+        raise CommandError(str(exc)) from None
+    return _print_result(result, args)
+
+
+# --------------------------------------------------------------------------------------------------
+# reproduce
+# --------------------------------------------------------------------------------------------------
+
+def _args_reproduce(p: argparse.ArgumentParser) -> None:
+    from bidirl.experiments import add_arguments
+    add_arguments(p)
+
+
+def _run_reproduce(args: argparse.Namespace) -> int:
+    from bidirl.experiments import run_args
+    return int(run_args(args) or 0)
+
+# --------------------------------------------------------------------------------------------------
 
 COMMANDS: dict = {
     "plan": Command("static partition planner (paper §4, Algorithm 1)", _args_plan, _run_plan),
+    "simulate": Command("simulate a job under a policy (discrete-event, paper §5)", _args_simulate, _run_simulate),
+    "run": Command("run a job on Ray: engine workers, or --emulate for model-timed workers", _args_run, _run_run),
+    "reproduce": Command("reproduce the paper's evaluation and check each claim", _args_reproduce, _run_reproduce),
     "bench": Command("run the registered benchmarks and report medians", _args_bench, _run_bench),
 }
 

@@ -161,9 +161,12 @@ class JobConfig:
         for key, value in overrides.items():
             node = data
             parts = key.split(".")
-            for part in parts[:-1]:
-                if not isinstance(node.get(part), dict):
-                    node[part] = {} if node.get(part) is None else node[part]
+            for i, part in enumerate(parts[:-1]):
+                if node.get(part) is None:
+                    node[part] = {}
+                elif not isinstance(node[part], dict):
+                    raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section",
+                                      f"override '{'.'.join(parts[: i + 1])}' itself")
                 node = node[part]
             node[parts[-1]] = value
         return from_dict(data)
@@ -181,10 +184,13 @@ def load(source: "str | Path | Mapping[str, Any] | JobConfig") -> JobConfig:
         return from_dict(source)
     path = Path(source)
     if not path.exists():
-        named = presets.example_config_path(str(source))
+        named = presets.example_config_path(str(source)) if path.parent == Path(".") else None
         if named is None:
+            examples = presets.example_configs()
+            close = difflib.get_close_matches(path.stem, examples, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
             raise ConfigError("", f"config file {str(source)!r} does not exist",
-                              f"pass a YAML path or one of the examples: {', '.join(presets.example_configs())}")
+                              f"{hint}pass a YAML path or one of the examples: {', '.join(examples)}")
         path = named
     try:
         data = yaml.safe_load(path.read_text())
@@ -210,6 +216,9 @@ def _build(cls, data: Any, path: str):
             close = difflib.get_close_matches(str(key), list(names), n=1)
             hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
             raise ConfigError(_join(path, str(key)), "unknown key", hint)
+    for f in fields(cls):
+        if f.name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(_join(path, f.name), "missing required key", f"add '{f.name}'")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
@@ -275,8 +284,21 @@ def _positive(path: str, value, allow_zero=False):
                           "use a positive value")
 
 
+def _check_types(obj, path: str = "") -> None:
+    """Configs built from the classes directly get the same type checks as YAML input."""
+    hints = typing.get_type_hints(type(obj))
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        where = _join(path, f.name)
+        if is_dataclass(value):
+            _check_types(value, where)
+        elif value is not None or typing.get_origin(hints[f.name]) is not typing.Union:
+            _coerce(hints[f.name], value, where)
+
+
 def validate(cfg: JobConfig) -> None:
     """Check cross-field rules; raises :class:`ConfigError` naming the first violated field."""
+    _check_types(cfg)
     for name, getter in (("model", presets.model), ("hardware", presets.hardware)):
         try:
             getter(getattr(cfg, name))

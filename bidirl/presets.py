@@ -32,7 +32,9 @@ def data_dir() -> Path:
     env = os.environ.get("BIDIRL_DATA")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent / "data"
+    here = Path(__file__).resolve().parent
+    installed = here / "data"              # a wheel ships data/ as the package bidirl.data
+    return installed if (installed / "presets").is_dir() else here.parent / "data"
 
 
 # --------------------------------------------------------------------------------------------------

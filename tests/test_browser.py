@@ -72,16 +72,18 @@ def _wait_for_server(url: str, proc: subprocess.Popen, log: Path) -> None:
 
 
 def _expected_trace_counts() -> dict:
-    """What notebook 01 draws, computed here with the same inputs (BIDIRL_SMOKE=1 sizes)."""
+    """What notebook 01 draws, computed here with the same inputs (BIDIRL_SMOKE=1 sizes; keep in step with
+    the notebook's cells)."""
     import bidirl.config
     from bidirl.planner import plan
     from bidirl.sim import simulate
     from bidirl.viz import gantt_figure
     from bidirl.viz_plan import sweep_figure
 
-    cfg = bidirl.config.load("a6000-default")
-    sweep = sweep_figure(plan(cfg.with_overrides({"cluster.partition": None})))
-    gantt = gantt_figure(simulate(cfg, "bidirl", steps=4, seed=0).log)
+    free = bidirl.config.load("a6000-default").with_overrides({"cluster.partition": None,
+                                                               "cluster.placement": "any"})
+    sweep = sweep_figure(plan(free))
+    gantt = gantt_figure(simulate(free, "bidirl", steps=4, seed=0).log)
     return {"sweep": len(sweep.data), "gantt": len(gantt.data)}
 
 

@@ -109,11 +109,11 @@ def test_top_level_must_be_a_mapping():
 
 def test_missing_required_key_in_switch_costs():
     data = base(scheduler={"rollout_on_trainer_pool": {"c_in": 1.0}})
-    raises(data, "scheduler.rollout_on_trainer_pool", contains="c_out", fix_contains="missing")
+    raises(data, "scheduler.rollout_on_trainer_pool.c_out", contains="missing", fix_contains="c_out")
 
 
 def test_missing_required_key_in_partition():
-    raises(base(cluster={"partition": {"rollout": 8}}), "cluster.partition", contains="trainer")
+    raises(base(cluster={"partition": {"rollout": 8}}), "cluster.partition.trainer", contains="missing")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -382,7 +382,7 @@ def test_override_fills_an_empty_optional_section():
 def test_override_of_a_partial_optional_section_names_the_section():
     with pytest.raises(ConfigError) as info:
         JobConfig().with_overrides({"scheduler.rollout_on_trainer_pool.c_in": 2.0})
-    assert info.value.field == "scheduler.rollout_on_trainer_pool" and info.value.fix
+    assert info.value.field == "scheduler.rollout_on_trainer_pool.c_out" and info.value.fix
 
 
 def test_override_with_unknown_key_suggests_close_match():
@@ -421,3 +421,21 @@ def test_round_trip_with_every_optional_set(tmp_path):
     again = C.load(path)
     assert again == cfg
     assert C.from_dict(cfg.to_dict()) == cfg
+
+
+def test_override_through_a_value_names_the_value():
+    with pytest.raises(ConfigError) as info:
+        C.load("a6000-default").with_overrides({"rl.staleness.x": 1})
+    assert info.value.field == "rl.staleness" and info.value.fix
+
+
+def test_directly_built_config_is_type_checked():
+    from bidirl.config import ClusterConfig, JobConfig
+    with pytest.raises(ConfigError) as info:
+        JobConfig(cluster=ClusterConfig(gpus="16"))
+    assert info.value.field == "cluster.gpus"
+
+
+def test_missing_path_with_a_folder_does_not_fall_back_to_an_example(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        C.load(str(tmp_path / "nowhere" / "tiny-cpu.yaml"))

@@ -420,6 +420,12 @@ def test_static_evidence_with_a_fake_planner():
     rows = {r["id"]: r for r in rep.evaluate([by["static-choice-4b"], by["static-choice-2b"]],
                                              rep.Evidence(static={spec.id: st}))}
     assert rows["static-choice-4b"]["match"] is True and rows["static-choice-2b"]["status"] == rep.NOT_RUN
+    # a quick run judges the planner on every displayed partition, but the measured best needs the whole sweep
+    quick = rep.static_evidence(S.get("static-4b", quick=True), results.iloc[:2], plan_fn=fake_plan)
+    assert quick["spread"] == st["spread"] and quick["measured_points"] == 2
+    (row,) = rep.evaluate([by["static-choice-is-measured-best"]],
+                          rep.Evidence(static={spec.id: quick, "static-2b": quick}))
+    assert row["status"] == rep.NOT_RUN and row["match"] is None
 
 
 def test_switch_cost_table_claims():

@@ -83,6 +83,9 @@ def test_lengths_are_validated():
         forward_flops(toy_model(), [1, 2], [3, -1])
     with pytest.raises(ValueError, match="one entry per sample"):
         forward_flops(toy_model(), [1, 2], [3])
+    with pytest.raises(ValueError, match="whole token counts"):
+        prefill_flops(toy_model(), [1.5])
+    assert prefill_flops(toy_model(), np.array([1.0, 2.0])) == pytest.approx(920.0)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -159,6 +159,11 @@ def test_live_gantt_run_polls_simulations_in_lockstep(monkeypatch):
             ref_order = np.lexsort((arrays["y"], arrays["base"]))
             np.testing.assert_allclose(_f(got[key].base)[order], arrays["base"][ref_order])
             np.testing.assert_allclose(_f(got[key].x)[order], arrays["x"][ref_order])
+    # each row's height follows its number of lanes
+    spans = {p: len(g.states[p].lanes) for p in policies}
+    heights = {p: g.figure.layout[y].domain[1] - g.figure.layout[y].domain[0]
+               for p, y in zip(policies, ("yaxis", "yaxis2"))}
+    assert heights["bidirl"] / heights["no-borrow"] == pytest.approx(spans["bidirl"] / spans["no-borrow"])
     step_lines = [s for s in g.figure.layout.shapes if s.name == "step_end"]
     assert len(step_lines) == 2 * 3                             # 3 steps per row
     assert list(panel.figure.data[0].x) == list(policies)       # the panel got both summaries

@@ -24,6 +24,8 @@ from bidirl.trace import EventLog
 from bidirl.viz import TRACE_KEYS, GanttState, gantt_shapes
 
 ROW_GAP = 0.08
+WIDTH = 1100          # px; a FigureWidget inside an ipywidgets box does not resize with it (plotly.py#4027)
+LANE_PX = 22          # px per worker lane
 
 
 def _axis_ref(name: str) -> str:
@@ -85,7 +87,7 @@ class LiveGantt:
         fig.update_xaxes(type="linear")
         fig.update_xaxes(title_text="t (s, simulated)", row=rows, col=1)
         fig.update_layout(title=self.title, barmode="overlay", bargap=0.0, margin={"l": 180, "r": 20, "b": 40},
-                          legend={"traceorder": "normal"})
+                          legend={"traceorder": "normal"}, width=WIDTH)
         self._refs = []
         for row in range(1, rows + 1):
             sub = fig.get_subplot(row, 1)
@@ -97,6 +99,17 @@ class LiveGantt:
     def traces_per_row(self) -> int:
         return len(TRACE_KEYS)
 
+    def _domains(self, heights: list) -> list:
+        """Vertical ``[bottom, top]`` paper fractions of each row, top row first, sized by its lane count."""
+        rows = len(heights)
+        usable = 1.0 - ROW_GAP * (rows - 1)
+        total, top, out = float(sum(heights)), 1.0, []
+        for h in heights:
+            bottom = max(0.0, top - usable * h / total)
+            out.append([bottom, top])
+            top = bottom - ROW_GAP
+        return out
+
     def _apply_layout(self, fig) -> None:
         shapes, heights = [], []
         for (xname, yname), label in zip(self._refs, self.labels):
@@ -106,8 +119,14 @@ class LiveGantt:
             shapes += gantt_shapes(state.spans_df(), self._steps[label], state.lanes,
                                    xref=_axis_ref(xname), yref=_axis_ref(yname))
             heights.append(max(1, len(state.lanes)))
+        domains = self._domains(heights)
+        titles = list(fig.layout.annotations)
+        for row, ((_, yname), domain) in enumerate(zip(self._refs, domains)):
+            fig.layout[yname].domain = domain
+            if len(self.labels) > 1 and row < len(titles):
+                titles[row].y = domain[1]           # the row's subplot title sits on its top edge
         fig.layout.shapes = shapes
-        fig.layout.height = 140 + 50 * len(self.labels) + 26 * sum(heights)
+        fig.layout.height = 150 + 60 * len(self.labels) + LANE_PX * sum(heights)
 
     def _redraw(self) -> None:
         """Assign every row's arrays and the layout in one batched message."""

@@ -31,6 +31,7 @@ SERIES: tuple = (
     ("rejected", ("borrows", "rejected"), "borrows rejected", "#969696", 3),
 )
 EXTRA: tuple = (("utilization", ("utilization",)), ("step_time_s", ("timing_s/step",)))
+WIDTH = 1100          # px; a FigureWidget inside an ipywidgets box does not resize with it (plotly.py#4027)
 TITLES: tuple = ("throughput (tokens/s)", "idle share of the measured window", "borrows (§5.2)")
 
 
@@ -112,8 +113,8 @@ class MetricsPanel:
                                  hovertemplate="%{x}: %{y}<extra>" + legend + "</extra>"), row=1, col=col)
         fig.update_yaxes(tickformat=".0%", rangemode="tozero", row=1, col=2)
         fig.update_yaxes(rangemode="tozero")
-        fig.update_layout(title=self.title, barmode="group", height=330, margin={"l": 60, "r": 20, "t": 70, "b": 40},
-                          legend={"orientation": "h", "y": -0.18})
+        fig.update_layout(title=self.title, barmode="group", height=360, width=WIDTH,
+                          margin={"l": 60, "r": 20, "t": 70, "b": 40}, legend={"orientation": "h", "y": -0.2})
         self.figure = go.FigureWidget(fig)
         self.table = ipw.HTML(value="")
         self.widget = ipw.VBox([self.figure, self.table])

@@ -27,6 +27,7 @@ RESPONSE_LENGTHS: tuple = (512, 1024, 2048, 4096, 8192, 16384)
 #: the policies a user picks from for "simulate" (core policies first, then the modelled baselines)
 POLICIES: tuple = cfgmod.POLICIES
 SELECTED_FILL = "rgba(255, 215, 0, 0.18)"
+WIDTH = 1100
 
 
 def _label(row) -> str:
@@ -83,6 +84,7 @@ class PartitionSweep:
         from bidirl.viz_plan import sweep_figure
         self.plan = make_plan(self.config_for_planning())
         self.figure = go.FigureWidget(sweep_figure(self.plan))
+        self.figure.layout.width = WIDTH            # a FigureWidget in a box does not resize (plotly.py#4027)
         self.recomputes = 1
         self._set_partitions()
         self._highlight()

@@ -75,6 +75,8 @@ class RayDriver:
     def _start_ray(self):
         import ray
         G = self.config.cluster.gpus
+        # The metrics agent is not needed here and, on a loaded small machine, its start-up can time out.
+        os.environ.setdefault("RAY_enable_metrics_collection", "0")
         if not ray.is_initialized():
             if self.address:
                 ray.init(address=self.address, namespace="bidirl", log_to_driver=False)

@@ -54,7 +54,8 @@ class GroupRequest:
 
     ``resume`` is the ``GroupState`` an earlier :meth:`RolloutEngine.interrupt` returned for this group
     (its payload must be a ``GroupPayload``); ``meta`` is handed to the engine's ``reward_fn``
-    (e.g. the expected answer).
+    (e.g. the expected answer). ``ignore_eos`` generates exactly ``max_tokens`` tokens per response
+    (fixed-length runs for measurements and tests).
     """
     group_id: int
     prompt_ids: tuple
@@ -62,6 +63,7 @@ class GroupRequest:
     max_tokens: int
     meta: Any = None
     resume: Optional[GroupState] = None
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -151,7 +153,8 @@ class RolloutEngine:
                  kv_cache_gib: float = 0.0625, *, temperature: float = 1.0, top_p: float = 1.0,
                  reward_fn: Optional[Callable[[Any, str], float]] = None, max_num_seqs: int = 256,
                  device: Optional[str] = None, quiet: bool = True):
-        if not (self_dir := Path(model_dir)).joinpath("config.json").exists():
+        self_dir = Path(model_dir)
+        if not (self_dir / "config.json").exists():
             raise ValueError(f"RolloutEngine.model_dir {str(self_dir)!r} holds no config.json; create the model "
                              "first (bidirl.rl.bootstrap.ensure_tiny_model())")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
@@ -177,12 +180,10 @@ class RolloutEngine:
         self.gpu = device.startswith("cuda")
         kwargs = dict(model=str(self_dir), dtype="float32", enforce_eager=True, max_model_len=self.max_model_len,
                       distributed_executor_backend="uni", seed=self.seed, enable_prefix_caching=False,
-                      max_num_seqs=int(max_num_seqs), disable_log_stats=True)
+                      max_num_seqs=int(max_num_seqs), disable_log_stats=True,
+                      kv_cache_memory_bytes=int(kv_cache_gib * 2**30))
         if self.gpu:
-            kwargs["enable_sleep_mode"] = True
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
-        else:
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+            kwargs["enable_sleep_mode"] = True        # sleep(level=1) / wake_up() for hot switching
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         from bidirl.rl.tiny_model import load_tokenizer
@@ -211,13 +212,13 @@ class RolloutEngine:
     def group_ids(self) -> list:
         return sorted(self._groups)
 
-    def _params(self, max_tokens: int, seed: int):
+    def _params(self, max_tokens: int, seed: int, ignore_eos: bool = False):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(n=1, max_tokens=int(max_tokens), temperature=self.temperature, top_p=self.top_p,
                               top_k=0, seed=int(seed), logprobs=0, detokenize=False,
-                              output_kind=RequestOutputKind.DELTA, ignore_eos=False)
+                              output_kind=RequestOutputKind.DELTA, ignore_eos=bool(ignore_eos))
 
     def start(self, requests: Iterable[GroupRequest]) -> int:
         """Add the requests of ``requests`` (fresh or resumed groups); returns the number of requests added."""
@@ -243,8 +244,8 @@ class RolloutEngine:
                 self._counter += 1
                 prompt = list(req.prompt_ids) + list(resp.tokens)
                 self.engine.add_request(rid, {"prompt_token_ids": prompt},
-                                        self._params(remaining, request_seed(self.seed, req.group_id, i,
-                                                                             len(resp.tokens))))
+                                        self._params(remaining, request_seed(self.seed, req.group_id, i, len(resp.tokens)),
+                                             req.ignore_eos))
                 resp.request_id = rid
                 self._by_request[rid] = (req.group_id, i)
                 added += 1

@@ -58,7 +58,15 @@ def _as_1d(x) -> torch.Tensor:
 
 
 class TrainerEngine:
-    """A GRPO trainer over ``Qwen2ForCausalLM`` in fp32 (see the module docstring for the stages)."""
+    """A GRPO trainer over ``Qwen2ForCausalLM`` in fp32 (see the module docstring for the stages).
+
+    ``lr``, ``weight_decay``, ``betas``: AdamW; ``kl_coef``: β of the k3 KL to the reference (the initial
+    weights); ``clip_eps`` / ``clip_eps_high``: PPO clip range; ``loss_agg``: see ``bidirl.rl.grpo``;
+    ``max_grad_norm``: clip the summed gradient (``None``: no clipping). ``seed`` seeds the (forked) torch
+    RNG while the model loads; training itself draws no random numbers (the tiny model has no dropout).
+    ``threads`` sets torch's intra-op thread count for the whole process (for an engine that owns its
+    process, e.g. inside a Ray actor; one thread is fastest for the tiny model on a shared 2-core machine).
+    """
 
     def __init__(self, model_dir: Union[str, Path], lr: float = 1e-3, seed: int = 0, kl_coef: float = 0.0,
                  role: str = "primary", device: str = "cpu", *, clip_eps: float = 0.2,

@@ -206,13 +206,16 @@ def speedups(results: pd.DataFrame, specs: Optional[dict] = None) -> pd.DataFram
     if specs is None:
         from bidirl.experiments.specs import SPECS as specs
     rows = []
+    columns = ["panel", "order", "point", "value", "bidirl", "best", "best_throughput", "speedup",
+               "valid_comparators"]
     if results is None or len(results) == 0:
-        return pd.DataFrame(columns=["panel", "order", "point", "value", "bidirl", "best", "best_throughput",
-                                     "speedup", "valid_comparators"])
+        return pd.DataFrame(columns=columns)
     valid = _valid(results)
     for (panel, order), cell in results.groupby(["panel", "order"], sort=True):
         point = cell["point"].iloc[0]
         spec = specs.get(panel)
+        if spec is not None and "bidirl" not in spec.policies:
+            continue                                  # static-split sweeps compare partitions, not policies
         comparators = spec.comparators if spec is not None else tuple(p for p in cell["policy"].unique()
                                                                       if p != "bidirl")
         v = valid[(valid["panel"] == panel) & (valid["order"] == order)]
@@ -228,7 +231,7 @@ def speedups(results: pd.DataFrame, specs: Optional[dict] = None) -> pd.DataFram
         for p in comparators:
             row[f"over:{p}"] = bidirl / comp[p] if p in comp else float("nan")
         rows.append(row)
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows) if rows else pd.DataFrame(columns=columns)
 
 
 __all__ = ["Task", "tasks", "run_task", "run_panel", "run_specs", "results_frame", "speedups",

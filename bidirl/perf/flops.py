@@ -39,22 +39,28 @@ def stage_multiplier(stage: str) -> int:
     return STAGE_MULTIPLIER[check_stage(stage)]
 
 
+def _token_counts(values, name: str) -> np.ndarray:
+    a = np.asarray(values)
+    if a.ndim != 1:
+        a = a.reshape(-1)
+    if a.dtype.kind in "iu":
+        if a.size and a.min() < 0:
+            raise ValueError(f"{name} must be non-negative token counts, got {a[:8]!r}")
+        return a.astype(np.int64, copy=False)
+    if a.size == 0:
+        return np.zeros(0, np.int64)
+    if a.dtype.kind not in "f" or not np.all(np.isfinite(a)) or a.min() < 0 or np.any(a != np.floor(a)):
+        raise ValueError(f"{name} must be non-negative whole token counts, got {a[:8]!r}")
+    return a.astype(np.int64)
+
+
 def lengths(prompt_lens, response_lens=None, *, name: str = "prompt_lens"):
-    """Validated int64 arrays of token lengths (1-D, ≥ 0, equal sizes); ValueError naming the argument."""
-    p = np.asarray(prompt_lens)
-    if p.ndim != 1:
-        p = p.reshape(-1)
-    if p.size and (not np.issubdtype(p.dtype, np.number) or np.any(p < 0) or np.any(~np.isfinite(p))):
-        raise ValueError(f"{name} must be non-negative token counts, got {p[:8]!r}")
-    p = p.astype(np.int64)
+    """Validated int64 arrays of token lengths (1-D, whole numbers ≥ 0, equal sizes); ValueError naming the
+    argument."""
+    p = _token_counts(prompt_lens, name)
     if response_lens is None:
         return p
-    r = np.asarray(response_lens)
-    if r.ndim != 1:
-        r = r.reshape(-1)
-    if r.size and (not np.issubdtype(r.dtype, np.number) or np.any(r < 0) or np.any(~np.isfinite(r))):
-        raise ValueError(f"response_lens must be non-negative token counts, got {r[:8]!r}")
-    r = r.astype(np.int64)
+    r = _token_counts(response_lens, "response_lens")
     if p.shape != r.shape:
         raise ValueError(f"prompt_lens ({p.size}) and response_lens ({r.size}) must have one entry per sample")
     return p, r

@@ -13,7 +13,7 @@ broadcast to every token of the response. The actor-update stage minimises the P
 where KL_t is the k3 estimator of KL(π ‖ π_ref) (Schulman, "Approximating KL divergence", 2020):
 ``KL_t = exp(log π_ref − log π) − (log π_ref − log π) − 1 ≥ 0``.
 
-Aggregation is explicit because chunked execution (§5, Table 2) splits one step's batch into chunks
+Aggregation is explicit because chunked execution (§5.2, §6.3 and Table 2) splits one step's batch into chunks
 whose gradients are summed in order: every chunk divides by the *step's* normaliser, so the sum of chunk
 gradients equals the gradient of the whole batch (``normalizer`` below). Two rules are offered:
 
@@ -66,7 +66,9 @@ def group_advantages(rewards, group_size: Optional[int] = None, eps: float = 1e-
         return torch.zeros(shape, dtype=r.dtype)
     mean = r.mean(dim=1, keepdim=True)
     std = r.std(dim=1, keepdim=True, correction=1 if unbiased else 0)
-    return ((r - mean) / (std + eps)).reshape(shape)
+    centred = r - mean
+    adv = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
+    return adv.reshape(shape)
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

@@ -47,22 +47,32 @@ class StepStats:
     tokens: int
 
 
-def requests_for(task: ArithmeticTask, tokenizer, start: int, prompts: int, group_size: int, max_tokens: int):
-    """``GroupRequest``s for problems ``start .. start + prompts - 1`` (group id = problem index)."""
+def requests_for(task: ArithmeticTask, tokenizer, start: int, prompts: int, group_size: int, max_tokens: int,
+                 pool: Optional[int] = None):
+    """``GroupRequest``s for problems ``start .. start + prompts - 1`` (group id = problem index).
+
+    With ``pool``, problem indices wrap around modulo ``pool``: training cycles over a fixed prompt set.
+    """
     from bidirl.cluster.rollout_engine import GroupRequest
 
+    idx = [(start + j) % pool if pool else start + j for j in range(prompts)]
+    problems = [task.problem(i) for i in idx]
     return [GroupRequest(p.index, tuple(tokenizer(p.text)["input_ids"]), group_size, max_tokens, p.answer)
-            for p in task.prompts(prompts, start)]
+            for p in problems]
 
 
 def run_grpo(rollout, trainer, task: ArithmeticTask, steps: int, prompts_per_step: int = 8, group_size: int = 8,
-             max_tokens: int = 8, chunk_size: int = 16, progress: bool = False,
+             max_tokens: int = 8, chunk_size: int = 16, prompt_pool: Optional[int] = None, progress: bool = False,
              on_step: Optional[Callable[[StepStats], None]] = None) -> list:
-    """Run ``steps`` GRPO steps; returns one :class:`StepStats` per step (veRL-style timings in seconds)."""
+    """Run ``steps`` GRPO steps; returns one :class:`StepStats` per step (veRL-style timings in seconds).
+
+    Step ``k`` uses problems ``k·prompts_per_step ...`` of ``task`` (modulo ``prompt_pool`` when given).
+    """
     from tqdm.auto import tqdm
 
     for name, v in (("steps", steps), ("prompts_per_step", prompts_per_step), ("group_size", group_size),
-                    ("max_tokens", max_tokens), ("chunk_size", chunk_size)):
+                    ("max_tokens", max_tokens), ("chunk_size", chunk_size)) + \
+            ((("prompt_pool", prompt_pool),) if prompt_pool is not None else ()):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"run_grpo: {name} must be a positive integer, got {v!r}")
     if rollout.reward_fn is None:
@@ -71,7 +81,7 @@ def run_grpo(rollout, trainer, task: ArithmeticTask, steps: int, prompts_per_ste
     for step in tqdm(range(steps), desc="GRPO", disable=not progress):
         t0 = time.perf_counter()
         groups = rollout.generate(requests_for(task, rollout.tokenizer, step * prompts_per_step, prompts_per_step,
-                                               group_size, max_tokens))
+                                               group_size, max_tokens, prompt_pool))
         t_gen = time.perf_counter() - t0
         samples = samples_from_groups(groups)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)

@@ -3,7 +3,7 @@
 In GRPO-style RL (paper §2.1) the rollout unit is a prompt-level group and the training unit a
 response-level sample. A rollout engine returns each group as a ``bidirl.core.protocol.GroupState``
 whose ``payload`` is a :class:`GroupPayload`; :func:`samples_from_groups` flattens finished groups into
-:class:`Sample` records in (group, response) order, the order the trainer's chunks keep (§5, Table 2).
+:class:`Sample` records in (group, response) order, the order the trainer's chunks keep (§6.3, Table 2).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ class GroupPayload:
     ``versions[i]`` the oldest actor version that generated any token of response ``i`` (the current
     version for a response with no tokens yet); ``finish_reasons[i]`` is ``"stop"`` (EOS), ``"length"``
     (hit ``max_tokens``) or ``None`` while unfinished. ``texts`` and ``rewards`` are filled when the engine
-    was given a reward function; ``meta`` is the caller's per-group datum (e.g. the expected answer).
+    was given a reward function (an unfinished response's reward is NaN until it completes); ``meta`` is
+    the caller's per-group datum (e.g. the expected answer).
     """
     prompt_ids: tuple
     token_ids: tuple

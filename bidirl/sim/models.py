@@ -17,6 +17,9 @@ from bidirl.perf.trainer import TrainerModel
 from bidirl.sim.engine import EngineCosts
 
 
+MAX_SEQS = 256   # vLLM's default max_num_seqs: the engine model and M_r share the same concurrency cap
+
+
 @dataclass
 class StageModels:
     rollout: RolloutModel
@@ -26,7 +29,7 @@ class StageModels:
     @classmethod
     def from_config(cls, cfg, rollout_layout: int, trainer_layout: int) -> "StageModels":
         m, hw = cfg.model_spec, cfg.hardware_spec
-        return cls(RolloutModel(m, hw, tp=rollout_layout), TrainerModel(m, hw, layout=trainer_layout),
+        return cls(RolloutModel(m, hw, tp=rollout_layout, max_seqs=MAX_SEQS), TrainerModel(m, hw, layout=trainer_layout),
                    cfg.workload.group_size)
 
     def __post_init__(self):
@@ -55,4 +58,5 @@ class StageModels:
         return EngineCosts(tau_pre=p.tau_pre, alpha_pre=p.alpha_pre, tau_dec=p.tau_dec, beta_tok=p.beta_tok,
                            beta_hist=p.beta_hist,
                            prefill_flops=lambda prompts: prefill_flops(spec, prompts),
-                           kv_tokens=int(self.rollout.kv_budget_bytes // self.rollout.kv_bytes_per_token))
+                           kv_tokens=int(self.rollout.kv_budget_bytes // self.rollout.kv_bytes_per_token),
+                           max_seqs=self.rollout.max_seqs or MAX_SEQS)

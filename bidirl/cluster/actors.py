@@ -1,0 +1,138 @@
+"""Thin Ray actor wrappers around the engines: one engine per actor, every call timed as a span.
+
+The Ray driver (DESIGN.md, "Ray") hosts a :class:`~bidirl.cluster.rollout_engine.RolloutEngine` in a
+``RolloutActor`` and a :class:`~bidirl.cluster.trainer_engine.TrainerEngine` in a ``TrainerActor``. The
+wrappers add nothing but remote access and self-recorded spans: each method returns a :class:`Reply`
+whose ``spans`` list the work it did as ``{"worker", "kind", "start", "end", "detail"}`` records in
+wall-clock seconds (``time.time()``), so the driver places them on its timeline without asking Ray
+(``ray.timeline()`` is only for cross-checks). Span kinds: ``generate``, ``interrupt``, ``sync``
+(weight load), ``offload`` / ``onload`` (the two halves of a hot switch, §3.2), ``logprob``, ``chunk``,
+``optimizer``, ``start`` (engine construction).
+
+``num_cpus`` is always set (DESIGN.md): pass ``RolloutActor.options(num_cpus=..., resources=...)`` to
+place an actor on a pool's bundle.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import ray
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What an actor method returns: its value and the spans it recorded."""
+    value: Any
+    spans: tuple = field(default_factory=tuple)
+
+
+class _Timed:
+    def __init__(self, name: str):
+        self.name = name
+
+    def _reply(self, kind: str, fn, *args, detail: Optional[dict] = None, **kwargs) -> Reply:
+        start = time.time()
+        value = fn(*args, **kwargs)
+        end = time.time()
+        return Reply(value, ({"worker": self.name, "kind": kind, "start": start, "end": end,
+                              "detail": dict(detail or {})},))
+
+
+@ray.remote(num_cpus=1)
+class RolloutActor(_Timed):
+    """A rollout replica: ``RolloutEngine(**engine_kwargs)`` inside a Ray actor."""
+
+    def __init__(self, name: str, model_dir: str, seed: int = 0, **engine_kwargs):
+        super().__init__(name)
+        from bidirl.cluster.rollout_engine import RolloutEngine
+
+        start = time.time()
+        self.engine = RolloutEngine(model_dir, seed=seed, **engine_kwargs)
+        self._start_span = {"worker": name, "kind": "start", "start": start, "end": time.time(), "detail": {}}
+
+    def ready(self) -> Reply:
+        return Reply(self.engine.start_seconds, (self._start_span,))
+
+    def start(self, requests: Sequence) -> Reply:
+        return self._reply("generate", self.engine.start, list(requests), detail={"phase": "submit",
+                                                                                  "groups": len(requests)})
+
+    def step_until(self, min_groups: Optional[int] = None, max_steps: Optional[int] = None,
+                   max_seconds: Optional[float] = None) -> Reply:
+        """Run engine steps; stops once ``min_groups`` groups completed (or the step / time budget)."""
+        stop = None if min_groups is None else (lambda done: len(done) >= min_groups)
+        steps_before = self.engine.steps
+        reply = self._reply("generate", self.engine.step_until, stop=stop, max_steps=max_steps,
+                            max_seconds=max_seconds)
+        reply.spans[0]["detail"].update(steps=self.engine.steps - steps_before, completed=len(reply.value),
+                                        busy=self.engine.busy)
+        return reply
+
+    def interrupt(self, group_ids: Optional[Sequence[int]] = None) -> Reply:
+        return self._reply("interrupt", self.engine.interrupt, group_ids)
+
+    def load_weights(self, state_dict, version: Optional[int] = None) -> Reply:
+        return self._reply("sync", self.engine.load_weights, state_dict, version, detail={"version": version})
+
+    def offload(self) -> Reply:
+        return self._reply("offload", self.engine.offload)
+
+    def onload(self) -> Reply:
+        return self._reply("onload", self.engine.onload)
+
+    def status(self) -> dict:
+        e = self.engine
+        return {"busy": e.busy, "groups": e.group_ids, "version": e.version, "steps": e.steps,
+                "generated_tokens": e.generated_tokens, "offloaded": e.offloaded}
+
+
+@ray.remote(num_cpus=1)
+class TrainerActor(_Timed):
+    """One trainer rank: ``TrainerEngine(**engine_kwargs)`` inside a Ray actor."""
+
+    def __init__(self, name: str, model_dir: str, **engine_kwargs):
+        super().__init__(name)
+        from bidirl.cluster.trainer_engine import TrainerEngine
+
+        start = time.time()
+        self.engine = TrainerEngine(model_dir, **engine_kwargs)
+        self._start_span = {"worker": name, "kind": "start", "start": start, "end": time.time(), "detail": {}}
+
+    def ready(self) -> Reply:
+        return Reply(self.engine.role, (self._start_span,))
+
+    def init_process_group(self, rank: int, world: int, addr: str) -> Reply:
+        return self._reply("start", self.engine.init_process_group, rank, world, addr,
+                           detail={"rank": rank, "world": world})
+
+    def logprobs(self, samples: Sequence, model: str = "actor") -> Reply:
+        return self._reply("logprob", self.engine.logprobs, list(samples), model,
+                           detail={"model": model, "samples": len(samples)})
+
+    def chunk_gradients(self, samples: Sequence, advantages, old_logprobs, ref_logprobs=None,
+                        normalizer: Optional[float] = None, chunk_id: Optional[int] = None) -> Reply:
+        return self._reply("chunk", self.engine.chunk_gradients, list(samples), advantages, old_logprobs,
+                           ref_logprobs, normalizer, detail={"chunk_id": chunk_id, "samples": len(samples)})
+
+    def apply(self, grads_in_chunk_order: Sequence) -> Reply:
+        return self._reply("optimizer", self.engine.apply, list(grads_in_chunk_order))
+
+    def state_dict(self) -> Reply:
+        return self._reply("sync", self.engine.state_dict, detail={"phase": "export"})
+
+    def load_state_dict(self, state: dict, version: Optional[int] = None) -> Reply:
+        return self._reply("sync", self.engine.load_state_dict, state, version, detail={"version": version})
+
+    def offload(self) -> Reply:
+        return self._reply("offload", self.engine.offload)
+
+    def onload(self) -> Reply:
+        return self._reply("onload", self.engine.onload)
+
+    def status(self) -> dict:
+        e = self.engine
+        return {"role": e.role, "version": e.version, "offloaded": e.offloaded, "state_bytes": e.state_bytes(),
+                "rank": e.rank, "world": e.world}

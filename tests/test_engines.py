@@ -1,0 +1,317 @@
+"""The real engines on CPU: vLLM rollout (in-process), torch trainer, DP over gloo, Ray actor wrappers.
+
+Integration tests (``-m integration``): they load vLLM, spawn processes and start a local Ray. The tiny
+model is created and warm-started once per session into a temporary cache (or ``$BIDIRL_CACHE`` when
+set); one vLLM engine is shared by the in-process tests, which reset its weights where they change them.
+Tolerances: fp32 throughout; vLLM's sampled-token log-probs and the trainer's recomputed ones agree to
+max |Δ| ≤ 1e-4 (measured ~2e-6); DP=2 and DP=1 updates agree to 1e-6.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from bidirl.cluster.rollout_engine import GroupRequest, RolloutEngine, request_seed
+from bidirl.cluster.trainer_engine import TrainerEngine
+from bidirl.rl import grpo
+from bidirl.rl.bootstrap import ensure_tiny_model
+from bidirl.rl.loop import requests_for, run_grpo
+from bidirl.rl.samples import Sample, samples_from_groups
+from bidirl.rl.tasks import ArithmeticTask
+
+pytestmark = pytest.mark.integration
+# checked without importing vllm: the DP test's spawned workers import this module and must stay light
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="the rollout engine needs vllm (pip install -e .[cpu])")
+
+LOGPROB_TOL = 1e-4
+TASK = ArithmeticTask(seed=0)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    cache = os.environ.get("BIDIRL_CACHE") or tmp_path_factory.mktemp("bidirl-cache")
+    return ensure_tiny_model(cache_dir=cache)
+
+
+@pytest.fixture(scope="module")
+def initial_state(model_dir):
+    return TrainerEngine(model_dir).state_dict()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("the rollout engine needs vllm (pip install -e .[cpu])")
+    eng = RolloutEngine(model_dir, seed=0, max_model_len=32, reward_fn=TASK.reward)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture
+def fresh(engine, initial_state):
+    """The shared engine with the checkpoint's weights (version 0) and nothing in flight."""
+    if engine.offloaded:
+        engine.onload()
+    engine.interrupt()
+    engine.load_weights(initial_state, version=0)
+    return engine
+
+
+def _requests(engine, n, start=0, group_size=4, max_tokens=8, **kw):
+    return [GroupRequest(p.index, tuple(engine.tokenizer(p.text)["input_ids"]), group_size, max_tokens, p.answer, **kw)
+            for p in TASK.prompts(n, start)]
+
+
+def _max_diff(samples, logprobs):
+    return max(float((torch.tensor(s.logprobs) - lp).abs().max()) for s, lp in zip(samples, logprobs))
+
+
+def test_warm_started_model_is_partly_right(model_dir):
+    import json
+    info = json.loads((model_dir / "bidirl_tiny.json").read_text())
+    stats = info["warm_start_stats"]
+    assert 0.2 <= stats["sample_reward"] <= 0.7, stats        # room for GRPO to improve, and signal to do it
+    assert stats["last_loss"] < stats["first_loss"]
+    assert ensure_tiny_model(cache_dir=model_dir.parent) == model_dir     # cached: same folder, no rebuild
+
+
+def test_vllm_logprobs_match_the_trainer_after_weight_sync(fresh, model_dir):
+    trainer = TrainerEngine(model_dir, lr=3e-4, threads=1)
+    groups = fresh.generate(_requests(fresh, 8))
+    samples = samples_from_groups(groups)
+    assert _max_diff(samples, trainer.logprobs(samples)) <= LOGPROB_TOL
+    # one GRPO update, then sync: vLLM must now sample from the new weights (tied lm_head included)
+    adv = grpo.group_advantages([s.reward for s in samples], group_size=4).float()
+    trainer.apply([trainer.chunk_gradients(samples, adv, trainer.logprobs(samples))])
+    seconds = fresh.load_weights(trainer.state_dict(), version=trainer.version)
+    assert seconds >= 0 and fresh.version == 1
+    after = samples_from_groups(fresh.generate(_requests(fresh, 8, start=100)))
+    assert all(s.version == 1 for s in after)
+    assert _max_diff(after, trainer.logprobs(after)) <= LOGPROB_TOL
+    stale = TrainerEngine(model_dir)                                 # the pre-update weights
+    assert _max_diff(after, stale.logprobs(after)) > 10 * LOGPROB_TOL
+
+
+def test_same_seeds_give_the_same_tokens(fresh):
+    a = fresh.generate(_requests(fresh, 6, group_size=4))
+    b = fresh.generate(_requests(fresh, 6, group_size=4))
+    assert [g.payload.token_ids for g in a] == [g.payload.token_ids for g in b]
+    assert [g.payload.logprobs for g in a] == [g.payload.logprobs for g in b]
+    # responses of a group draw from different streams: not all groups collapse to one answer
+    assert any(len(set(g.payload.token_ids)) > 1 for g in a)
+    assert len({request_seed(0, 3, i) for i in range(8)}) == 8
+    assert request_seed(0, 3, 1) != request_seed(1, 3, 1) != request_seed(0, 3, 1, offset=2)
+    for g in a:
+        assert g.complete and g.payload.texts is not None
+        assert all(r in (0.0, 1.0) for r in g.payload.rewards)
+        assert g.generated == tuple(len(t) for t in g.payload.token_ids)
+
+
+def test_interrupt_and_resume_keep_the_prefix_and_complete_to_length(fresh, model_dir, initial_state):
+    reqs = _requests(fresh, 4, start=200, group_size=3, max_tokens=12, ignore_eos=True)
+    fresh.start(reqs)
+    assert fresh.busy
+    assert fresh.step_until(max_steps=3) == []
+    states = fresh.interrupt()
+    assert not fresh.busy and fresh.group_ids == []
+    assert [s.group_id for s in states] == [r.group_id for r in reqs]
+    for s in states:
+        assert not any(s.done) and all(0 < n < 12 for n in s.generated)
+        assert all(len(t) == len(lp) for t, lp in zip(s.payload.token_ids, s.payload.logprobs))
+    # a weight sync between interrupt and resume: new tokens come from version 1, the prefix stays version 0
+    trainer = TrainerEngine(model_dir, lr=3e-4, threads=1)
+    fresh.load_weights(trainer.state_dict(), version=1)
+    resumed = [GroupRequest(s.group_id, s.payload.prompt_ids, 3, 12, s.payload.meta, resume=s, ignore_eos=True)
+               for s in states]
+    fresh.start(resumed)
+    final = sorted(fresh.step_until(), key=lambda g: g.group_id)
+    for before, after in zip(states, final):
+        assert after.complete and after.version == 0
+        for i, (old, new) in enumerate(zip(before.payload.token_ids, after.payload.token_ids)):
+            assert len(new) == 12 and after.payload.finish_reasons[i] == "length"
+            assert new[:len(old)] == old                                             # never regenerated
+            assert after.payload.logprobs[i][:len(old)] == before.payload.logprobs[i]
+    # the stitched responses are consistent samples of the (unchanged) weights: vLLM == trainer
+    samples = [Sample(g.group_id, i, g.payload.prompt_ids, t, lp, 0.0, 0)
+               for g in final for i, (t, lp) in enumerate(zip(g.payload.token_ids, g.payload.logprobs))]
+    assert _max_diff(samples, trainer.logprobs(samples)) <= LOGPROB_TOL
+    # natural (EOS-ending) groups resume too; a group already complete comes straight back
+    fresh.start(_requests(fresh, 3, start=300, group_size=4, max_tokens=8))
+    fresh.step_until(max_steps=1)
+    part = fresh.interrupt()
+    fresh.start([GroupRequest(s.group_id, s.payload.prompt_ids, 4, 8, s.payload.meta, resume=s) for s in part])
+    done = sorted(fresh.step_until(), key=lambda g: g.group_id)
+    assert [g.group_id for g in done] == [s.group_id for s in part] and all(g.complete for g in done)
+    for s, g in zip(part, done):
+        for old, new in zip(s.payload.token_ids, g.payload.token_ids):
+            assert new[:len(old)] == old
+    fresh.start([GroupRequest(g.group_id, g.payload.prompt_ids, 4, 8, g.payload.meta, resume=g) for g in done[:1]])
+    assert not fresh.busy and fresh.step_until() == done[:1]
+
+
+def test_interrupt_selected_groups_and_input_errors(fresh):
+    fresh.start(_requests(fresh, 3, start=400, max_tokens=12, ignore_eos=True))
+    fresh.step_until(max_steps=1)
+    first = fresh.interrupt([400])
+    assert [s.group_id for s in first] == [400] and fresh.group_ids == [401, 402]
+    with pytest.raises(ValueError, match="not on this engine"):
+        fresh.interrupt([400])
+    with pytest.raises(RuntimeError, match="in flight"):
+        fresh.load_weights({"x": torch.zeros(1)})
+    with pytest.raises(ValueError, match="already on this engine"):
+        fresh.start(_requests(fresh, 1, start=401))
+    rest = fresh.step_until()
+    assert sorted(g.group_id for g in rest) == [401, 402]
+    with pytest.raises(ValueError, match="max_model_len"):
+        fresh.start(_requests(fresh, 1, max_tokens=40))
+    with pytest.raises(ValueError, match="different prompt"):
+        fresh.start([GroupRequest(400, (4, 4, 16), 4, 12, resume=first[0])])
+
+
+def test_offload_releases_memory_and_onload_restores_the_same_outputs(fresh):
+    before = fresh.generate(_requests(fresh, 4, start=500))
+    kv = fresh.kv_cache_bytes()
+    assert kv > 0
+    t_off = fresh.offload()
+    assert fresh.offloaded and fresh.kv_cache_bytes() == 0
+    assert fresh.last_switch["kv_bytes_released"] == kv
+    with pytest.raises(RuntimeError, match="offloaded"):
+        fresh.start(_requests(fresh, 1))
+    t_on = fresh.onload()
+    assert not fresh.offloaded and fresh.kv_cache_bytes() == kv
+    assert t_off >= 0 and t_on >= 0
+    after = fresh.generate(_requests(fresh, 4, start=500))
+    assert [g.payload.token_ids for g in after] == [g.payload.token_ids for g in before]
+    fresh.start(_requests(fresh, 1, start=600, max_tokens=12, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="in flight"):
+        fresh.offload()
+    fresh.interrupt()
+
+
+def test_short_grpo_loop_raises_the_mean_reward(fresh, model_dir):
+    trainer = TrainerEngine(model_dir, lr=3e-4, seed=0, threads=1)
+    history = run_grpo(fresh, trainer, TASK, steps=16, prompts_per_step=8, group_size=8, max_tokens=8,
+                       chunk_size=16, prompt_pool=16)
+    rewards = np.array([h.reward_mean for h in history])
+    q = len(rewards) // 4
+    first, last = rewards[:q].mean(), rewards[-q:].mean()
+    assert last > first + 0.05, rewards.round(3).tolist()
+    assert [h.version for h in history] == list(range(1, 17)) and fresh.version == 16
+    assert all(h.samples == 64 for h in history)
+
+
+# --------------------------------------------------------------------------------------------------
+# data parallelism over gloo: DP=2 equals DP=1 on the same samples
+# --------------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dp_samples(model_dir):
+    from bidirl.rl.tiny_model import load_tokenizer
+    tok = load_tokenizer(model_dir)
+    out = []
+    for i, p in enumerate(TASK.prompts(8, start=700)):
+        answer = p.answer if i % 3 else str(int(p.answer) + 1)
+        out.append(Sample(i // 4, i % 4, tuple(tok(p.text)["input_ids"]),
+                          tuple(tok(answer)["input_ids"] + [tok.eos_token_id]), (), float(i % 3 != 0), 0))
+    return out
+
+
+def _dp_worker(rank, world, addr, model_dir, out_dir):
+    trainer = TrainerEngine(model_dir, lr=1e-3, seed=0, threads=1)
+    trainer.init_process_group(rank, world, addr)
+    try:
+        samples = _dp_samples(model_dir)
+        adv = grpo.group_advantages([s.reward for s in samples], group_size=4).float()
+        old = trainer.logprobs(samples)
+        shard = slice(rank * 4, rank * 4 + 4)
+        grad = trainer.chunk_gradients(samples[shard], adv[shard], old[shard])      # normaliser summed over DP
+        trainer.apply([grad])
+        torch.save({"grad": grad.flat, "state": trainer.state_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        trainer.destroy_process_group()
+
+
+def test_dp2_over_gloo_matches_dp1(model_dir, tmp_path):
+    import torch.multiprocessing as mp
+    addr = f"127.0.0.1:{_free_port()}"
+    mp.spawn(_dp_worker, args=(2, addr, str(model_dir), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+    samples = _dp_samples(model_dir)
+    adv = grpo.group_advantages([s.reward for s in samples], group_size=4).float()
+    ref = TrainerEngine(model_dir, lr=1e-3, seed=0, threads=1)
+    old = ref.logprobs(samples)
+    full = ref.chunk_gradients(samples, adv, old)
+    norm = grpo.loss_normalizer([s.response_len for s in samples])
+    parts = [ref.chunk_gradients(samples[a:a + 4], adv[a:a + 4], old[a:a + 4], normalizer=norm) for a in (0, 4)]
+    ref.apply(parts)                               # DP=1 accumulating the same two micro-batches
+    for r in ranks:
+        torch.testing.assert_close(r["grad"], full.flat, atol=1e-6, rtol=0)
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(r["state"][k], v, atol=1e-6, rtol=0)
+    assert any(not torch.equal(ranks[0]["state"][k], v) for k, v in TrainerEngine(model_dir).state_dict().items())
+
+
+# --------------------------------------------------------------------------------------------------
+# Ray actor wrappers
+# --------------------------------------------------------------------------------------------------
+
+@needs_vllm
+def test_ray_actor_wrappers_run_a_step_and_record_spans(model_dir):
+    ray = pytest.importorskip("ray")
+    from bidirl.cluster.actors import Reply, RolloutActor, TrainerActor
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        rollout = RolloutActor.remote("rollout_pool/rollouter/0", str(model_dir), seed=0, max_model_len=32,
+                                      reward_fn=ArithmeticTask.reward)
+        trainer = TrainerActor.remote("trainer_pool/trainer", str(model_dir), lr=3e-4)
+        replies = ray.get([rollout.ready.remote(), trainer.ready.remote()], timeout=300)
+        assert all(isinstance(r, Reply) for r in replies) and replies[1].value == "primary"
+        spans = [s for r in replies for s in r.spans]
+
+        from bidirl.rl.tiny_model import load_tokenizer
+        reqs = requests_for(TASK, load_tokenizer(model_dir), 0, 4, 4, 8)
+        started = ray.get(rollout.start.remote(reqs))
+        assert started.value == 16
+        groups = []
+        for _ in range(50):
+            if len(groups) == 4:
+                break
+            r = ray.get(rollout.step_until.remote(min_groups=1, max_seconds=5.0))
+            groups += r.value
+            spans += list(started.spans) + list(r.spans)
+        samples = samples_from_groups(groups)
+        old = ray.get(trainer.logprobs.remote(samples))
+        assert _max_diff(samples, old.value) <= LOGPROB_TOL
+        adv = grpo.group_advantages([s.reward for s in samples], group_size=4).float()
+        grad = ray.get(trainer.chunk_gradients.remote(samples, adv, old.value, chunk_id=0))
+        upd = ray.get(trainer.apply.remote([grad.value]))
+        assert upd.value["version"] == 1
+        state = ray.get(trainer.state_dict.remote())
+        sync = ray.get(rollout.load_weights.remote(state.value, 1))
+        off, on = ray.get(rollout.offload.remote()), ray.get(rollout.onload.remote())
+        t_off, t_on = ray.get(trainer.offload.remote()), ray.get(trainer.onload.remote())
+        status = ray.get(rollout.status.remote())
+        assert status["version"] == 1 and not status["busy"] and not status["offloaded"]
+        for r in (old, grad, upd, state, sync, off, on, t_off, t_on):
+            spans += list(r.spans)
+        kinds = {s["kind"] for s in spans}
+        assert {"start", "generate", "logprob", "chunk", "optimizer", "sync", "offload", "onload"} <= kinds
+        for s in spans:
+            assert s["worker"] in ("rollout_pool/rollouter/0", "trainer_pool/trainer")
+            assert s["start"] <= s["end"]
+    finally:
+        ray.shutdown()
