@@ -1,4 +1,4 @@
-"""The modelled external systems (paper §6.1, "Baselines"): what each supports and how it adapts a job."""
+"""The modelled external systems (paper §7.1, "Baselines"): what each supports and how it adapts a job."""
 
 import pytest
 
@@ -81,7 +81,7 @@ def test_areal_divisibility_rule(dp_one_per_gpu):
 
 
 def test_areal_marks_only_the_16_16_point_with_the_real_planner():
-    """Paper §6.1: in the 2B and 4B H100 batch-120 partition sweeps only the 16-16 point violates AReaL's rule."""
+    """Paper §7.1: in the 2B and 4B H100 batch-120 partition sweeps only the 16-16 point violates AReaL's rule."""
     base = BASELINES["areal"]
     for model in ("qwen3-vl-2b", "qwen3-vl-4b"):
         marks = {r: base.supports(h100_partition(model, r)) is not None for r in (8, 16, 24)}

@@ -49,7 +49,11 @@ def initial_state(model_dir):
 def engine(model_dir):
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("the rollout engine needs vllm (pip install -e .[cpu])")
+    torch.manual_seed(1234)
+    expected = torch.rand(2)
+    torch.manual_seed(1234)
     eng = RolloutEngine(model_dir, seed=0, max_model_len=32, reward_fn=TASK.reward)
+    assert torch.equal(torch.rand(2), expected), "starting vLLM in-process must leave the global RNG alone"
     yield eng
     eng.shutdown()
 

@@ -1,4 +1,4 @@
-"""The paper's evaluation as data: specs, grid runs, speedups, claims and the report (paper §6).
+"""The paper's evaluation as data: specs, grid runs, speedups, claims and the report (paper §7).
 
 The simulator, the planner, calibration and the switch-cost derivation are replaced by small fakes here,
 so these tests check the experiment plumbing and the verdict logic; the real stack runs in
@@ -83,7 +83,7 @@ def fake_derive(hw, model):
 
 
 # --------------------------------------------------------------------------------------------------
-# specs against the paper's stated settings (§6.1–§6.4)
+# specs against the paper's stated settings (§7.1–§7.4)
 # --------------------------------------------------------------------------------------------------
 
 def cfgs(panel_id):
@@ -441,7 +441,7 @@ def test_switch_cost_table_claims():
 
 
 # --------------------------------------------------------------------------------------------------
-# stage-time model validation (§6.4)
+# stage-time model validation (§7.4)
 # --------------------------------------------------------------------------------------------------
 
 def prior_fit(kind, records, base_model):

@@ -4,7 +4,7 @@
   "simulate" button;
 * :class:`LiveGantt` — a per-worker timeline that grows while simulations advance (§5's borrowing windows
   shaded), one row per policy on a shared time axis;
-* :class:`MetricsPanel` — throughput (§6.1), idle share per pool and borrow counts (§5.2) per run.
+* :class:`MetricsPanel` — throughput (§7.1), idle share per pool and borrow counts (§5.2) per run.
 
 The widgets call the library's public API (``bidirl.planner``, ``bidirl.sim``, ``bidirl.viz``); they hold no
 scheduling or modelling logic of their own.

@@ -1,7 +1,7 @@
 """``MetricsPanel``: throughput, idle share per pool and borrow counts of one or more runs.
 
 It shows the ``bidirl simulate --json`` summary (DESIGN.md, "Contracts others rely on"; computed by
-:func:`bidirl.metrics.summary`): throughput as the paper defines it (§6.1), idle time per pool from the union
+:func:`bidirl.metrics.summary`): throughput as the paper defines it (§7.1), idle time per pool from the union
 of busy intervals, and the scheduler's borrowing decisions (§5.2: admitted per direction, rejected). The
 panel only lays the numbers out; it computes none of them.
 """

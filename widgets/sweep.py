@@ -5,7 +5,8 @@ response length and prompts per step B_p — and every change re-runs :func:`bid
 :func:`bidirl.viz_plan.sweep_figure`: the predicted rollout rate λ_r, trainer rate λ_t and pipeline rate
 λ_pipe = min(λ_r, λ_t) (§4, eq. for λ) of every candidate partition, incompatible partitions greyed, the
 planner's choice highlighted. The figure widget is created once; a new sweep is copied into its traces inside
-one ``batch_update``. "Simulate" runs :func:`bidirl.sim.simulate` on the selected partition (the planner's
+one ``batch_update`` (on numeric x positions with the partition labels as ticks, see :func:`positional`).
+"Simulate" runs :func:`bidirl.sim.simulate` on the selected partition (the planner's
 choice unless another is picked in the list or by clicking a bar) and shows the summary in a
 :class:`MetricsPanel`.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import ipywidgets as ipw
+import numpy as np
 import plotly.graph_objects as go
 
 from bidirl import config as cfgmod
@@ -28,6 +30,27 @@ RESPONSE_LENGTHS: tuple = (512, 1024, 2048, 4096, 8192, 16384)
 POLICIES: tuple = cfgmod.POLICIES
 SELECTED_FILL = "rgba(255, 215, 0, 0.18)"
 WIDTH = 1100
+
+
+def positional(fig: go.Figure) -> go.Figure:
+    """Put a category-axis figure on positions 0..n-1 with the categories as tick labels (in place).
+
+    plotly.js clears an axis' type whenever a trace's x or y is restyled and then guesses it again from the
+    data; partition labels such as ``10-6`` then read as dates. Numeric positions keep every live update on a
+    linear axis. Annotations placed at a category move to its position; shapes already use positions.
+    """
+    labels = [str(v) for v in (fig.data[0].x if fig.data else ())]
+    if not labels or all(isinstance(v, (int, float, np.integer, np.floating)) for v in fig.data[0].x):
+        return fig
+    index = {label: float(i) for i, label in enumerate(labels)}
+    for trace in fig.data:
+        trace.x = np.array([index[str(v)] for v in trace.x], dtype=np.float64)
+    for note in fig.layout.annotations:
+        if note.xref == "x" and str(note.x) in index:
+            note.x = index[str(note.x)]
+    fig.layout.xaxis.update(type="linear", tickmode="array", tickvals=list(range(len(labels))), ticktext=labels,
+                            range=[-0.5, len(labels) - 0.5], zeroline=False)
+    return fig
 
 
 def _label(row) -> str:
@@ -83,7 +106,7 @@ class PartitionSweep:
         from bidirl.planner import plan as make_plan
         from bidirl.viz_plan import sweep_figure
         self.plan = make_plan(self.config_for_planning())
-        self.figure = go.FigureWidget(sweep_figure(self.plan))
+        self.figure = go.FigureWidget(positional(sweep_figure(self.plan)))
         self.figure.layout.width = WIDTH            # a FigureWidget in a box does not resize (plotly.py#4027)
         self.recomputes = 1
         self._set_partitions()
@@ -140,7 +163,7 @@ class PartitionSweep:
             self.error = str(exc)
             self.status.value = f"<span style='color:#b00'>⚠ {exc}</span>"
             return False
-        new = sweep_figure(plan)
+        new = positional(sweep_figure(plan))
         if [t.type for t in new.data] != [t.type for t in self.figure.data]:
             raise RuntimeError("bidirl.viz_plan.sweep_figure changed its traces "
                                f"({[t.type for t in self.figure.data]} -> {[t.type for t in new.data]}); "
@@ -152,6 +175,8 @@ class PartitionSweep:
                 trace.marker.color = fresh.marker.color
             self.figure.layout.title = new.layout.title
             self.figure.layout.annotations = new.layout.annotations
+            axis = new.layout.xaxis
+            self.figure.layout.xaxis.update(tickvals=axis.tickvals, ticktext=axis.ticktext, range=axis.range)
             self._set_partitions()
             self._highlight(shapes=list(new.layout.shapes))
         self.recomputes += 1

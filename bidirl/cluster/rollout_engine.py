@@ -30,9 +30,10 @@ them packed in oneDNN handles that only a reload replaces); ``last_switch`` says
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -133,6 +134,22 @@ def _worker_kv_bytes(worker) -> int:
     return sum(t.untyped_storage().nbytes() for t in _kv_tensors(worker))
 
 
+@contextlib.contextmanager
+def _preserved_global_rng():
+    """Restore Python's, numpy's and torch's global RNG states after the block."""
+    import random
+
+    import torch
+
+    states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+
+
 def _as_items(weights) -> list:
     import torch
 
@@ -184,7 +201,8 @@ class RolloutEngine:
                       kv_cache_memory_bytes=int(kv_cache_gib * 2**30))
         if self.gpu:
             kwargs["enable_sleep_mode"] = True        # sleep(level=1) / wake_up() for hot switching
-        self.llm = LLM(**kwargs)
+        with _preserved_global_rng():     # in-process vLLM seeds random / numpy / torch globally
+            self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         from bidirl.rl.tiny_model import load_tokenizer
         self.tokenizer = load_tokenizer(self_dir)

@@ -1,8 +1,8 @@
-"""The paper's evaluation (§6) as data, and ``bidirl reproduce``.
+"""The paper's evaluation (§7) as data, and ``bidirl reproduce``.
 
 * :mod:`~bidirl.experiments.specs` — one declarative spec per figure panel;
 * :mod:`~bidirl.experiments.run` — run a panel's (policy × point) grid with the simulator, speedups;
-* :mod:`~bidirl.experiments.stage_models` — stage-time model calibration errors (§6.4);
+* :mod:`~bidirl.experiments.stage_models` — stage-time model calibration errors (§7.4);
 * :mod:`~bidirl.experiments.claims` — the paper's numbers (``data/paper/claims.yaml``) and the tolerance rule;
 * :mod:`~bidirl.experiments.report` — one row per claim, ``report.json`` / ``report.md``;
 * :mod:`~bidirl.experiments.figures` — plotly figures per panel.
@@ -124,7 +124,7 @@ def run_args(args: argparse.Namespace) -> int:
 def cli_reproduce(argv: Optional[Sequence[str]] = None) -> int:
     """``bidirl reproduce [--out DIR] [--only PANEL ...] [--quick] [--json] [--workers N]``; the exit status."""
     p = argparse.ArgumentParser(prog="bidirl reproduce",
-                                description="Reproduce the paper's evaluation (§6) in simulation and check "
+                                description="Reproduce the paper's evaluation (§7) in simulation and check "
                                             "every reported number.")
     add_arguments(p)
     return run_args(p.parse_args(list(argv) if argv is not None else None))

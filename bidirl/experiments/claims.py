@@ -21,7 +21,7 @@ TOLERANCE_KEYS = {"speedup_range": ("gain_rel", "abs", "rel"), "ratio": ("gain_r
 
 @dataclass(frozen=True)
 class Claim:
-    """One number the paper reports (§6), with how it is checked and how close is close enough."""
+    """One number the paper reports (§7), with how it is checked and how close is close enough."""
     id: str
     section: str
     kind: str

@@ -4,15 +4,15 @@ One row per claim: the paper's value or range, the reproduced value or range, th
 (computed by :func:`bidirl.experiments.claims.judge`, never written by hand), a status and a note.
 Evidence comes from four places:
 
-* simulation panels (§6.2, §6.3): :func:`bidirl.experiments.run.speedups` of the results table;
-* static planning (§6.4, Fig. eval-static a/b): :func:`bidirl.planner.plan` on the displayed partitions,
+* simulation panels (§7.2, §7.3): :func:`bidirl.experiments.run.speedups` of the results table;
+* static planning (§7.4, Fig. eval-static a/b): :func:`bidirl.planner.plan` on the displayed partitions,
   compared with the simulated (no-borrow) throughput of the same partitions;
-* stage-time models (§6.4, Fig. eval-static c/d): :mod:`bidirl.experiments.stage_models` (calibration with
+* stage-time models (§7.4, Fig. eval-static c/d): :mod:`bidirl.experiments.stage_models` (calibration with
   :mod:`bidirl.perf.calibrate`);
-* hot-switch costs (§6.3, Table hot-switch-cost): :func:`bidirl.perf.costs.derive_switch_costs`, a physical
+* hot-switch costs (§7.3, Table hot-switch-cost): :func:`bidirl.perf.costs.derive_switch_costs`, a physical
   model independent of the measured values the simulator charges.
 
-Training-convergence claims (§6.5) need real training; they are reported as "not reproducible in
+Training-convergence claims (§7.5) need real training; they are reported as "not reproducible in
 simulation" with ``match = null``.
 """
 
@@ -56,7 +56,7 @@ class Evidence:
 # --------------------------------------------------------------------------------------------------
 
 def static_evidence(spec, results: Optional[pd.DataFrame] = None, plan_fn: Optional[Callable] = None) -> dict:
-    """The planner's view of a static-planning panel (§6.4): its sweep restricted to the displayed
+    """The planner's view of a static-planning panel (§7.4): its sweep restricted to the displayed
     partitions, the predicted spread (max/min λ_pipe over compatible ones), its choice among them, its
     unrestricted envelope, and — when ``results`` hold the panel — the simulated best partition."""
     if plan_fn is None:

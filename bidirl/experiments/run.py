@@ -1,11 +1,11 @@
-"""Run a panel's grid (policy × point) with the simulator and compute the paper's speedups (§6.1–§6.3).
+"""Run a panel's grid (policy × point) with the simulator and compute the paper's speedups (§7.1–§7.3).
 
 Every (point, policy) cell becomes one :class:`Task`. A modelled baseline that cannot run a point
 (:mod:`bidirl.sim.baselines`, ``supports``) is recorded as ``unsupported`` with its reason and never
 simulated; a run that raises (an infeasible memory layout, a simulator error) is recorded as ``failed``.
 Neither counts in a speedup, as the paper excludes "OOM, failed, and unsupported runs" (Fig. eval-main).
 
-Speedup at a point (§6.2 / §6.3): BiDiRL's throughput divided by the strongest valid comparator's — the
+Speedup at a point (§7.2 / §7.3): BiDiRL's throughput divided by the strongest valid comparator's — the
 external baselines for end-to-end panels, the ablated variants for ablation panels.
 
 Cells run in a :class:`concurrent.futures.ProcessPoolExecutor` (two workers by default: the machine's two
@@ -77,7 +77,7 @@ def unsupported_reason(task: Task) -> Optional[str]:
 
 def total_run_throughput(steps_df: pd.DataFrame) -> float:
     """Tokens of every complete step divided by the time from the first step's start to the last one's end
-    (the paper's ablation / static-split metric, §6.3: "total-run throughput over all complete metric steps")."""
+    (the paper's ablation / static-split metric, §7.3: "total-run throughput over all complete metric steps")."""
     if steps_df is None or len(steps_df) == 0:
         return float("nan")
     span = float(steps_df["end"].max() - steps_df["start"].min())

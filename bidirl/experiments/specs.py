@@ -1,11 +1,11 @@
-"""The paper's evaluation (§6) as data: one declarative :class:`PanelSpec` per figure panel.
+"""The paper's evaluation (§7) as data: one declarative :class:`PanelSpec` per figure panel.
 
-Settings common to the paper's runs (§6.1, "Experimental Setup"): Qwen3-VL-2B / Qwen3-VL-4B on Geo3K and
+Settings common to the paper's runs (§7.1, "Experimental Setup"): Qwen3-VL-2B / Qwen3-VL-4B on Geo3K and
 Qwen3-8B on GSM8K; max response length 1K–4K; staleness bounds 0–4; budgets of 8–32 GPUs; default
 Qwen3-VL-4B on Geo3K, max response 2K, 64 prompts per step (128 on H100), GRPO group size 8, s = 1, two
-8-GPU nodes split 8-8 node-aligned for the end-to-end runs (§6.2); ablations on a 4-12 split with 60
-prompts, the Qwen3-8B/GSM8K ablation on 8-8 with 256 prompts (§6.3); static-planning partition sweeps for
-2B on 16 and 4B on 32 GPUs (§6.4).
+8-GPU nodes split 8-8 node-aligned for the end-to-end runs (§7.2); ablations on a 4-12 split with 60
+prompts, the Qwen3-8B/GSM8K ablation on 8-8 with 256 prompts (§7.3); static-planning partition sweeps for
+2B on 16 and 4B on 32 GPUs (§7.4).
 
 Each spec records what the paper says (``paper``) and every value it had to assume (``assumptions``);
 :attr:`PanelSpec.doc` joins both. The paper's figures carry no axis values in the text, so the swept
@@ -26,9 +26,9 @@ from bidirl import config as cfgmod
 KINDS = ("end-to-end", "ablation", "static", "stage-model")
 METRICS = ("throughput", "total_run_throughput")
 
-#: the external systems compared end to end (§6.1, "Baselines")
+#: the external systems compared end to end (§7.1, "Baselines")
 E2E_POLICIES = ("bidirl", "verl-colocated", "verl-async", "areal", "roll")
-#: the ablated variants (§6.3, "Ablation variants"); rot-only = "w/o T-on-R", tor-only = "w/o R-on-T"
+#: the ablated variants (§7.3, "Ablation variants"); rot-only = "w/o T-on-R", tor-only = "w/o R-on-T"
 ABLATION_POLICIES = ("bidirl", "no-borrow", "rot-only", "tor-only", "opportunistic")
 
 #: measured steps per run: the paper's (commented) text says 6 selected steps
@@ -67,12 +67,12 @@ class Point:
 
 @dataclass(frozen=True)
 class PanelSpec:
-    """One figure panel of §6: a grid of (policy × point) runs on one base configuration.
+    """One figure panel of §7: a grid of (policy × point) runs on one base configuration.
 
     ``base`` names an example config (``data/configs/<name>.yaml``) or is a frozen mapping; ``common``
     overrides apply to every point, then the point's own. ``policies`` are simulated at every point
     (``stage-model`` panels simulate nothing). ``metric`` is the throughput the panel compares:
-    ``throughput`` (§6.1, head/tail steps dropped) for end-to-end panels, ``total_run_throughput`` (all
+    ``throughput`` (§7.1, head/tail steps dropped) for end-to-end panels, ``total_run_throughput`` (all
     complete steps) for ablation and static-split sweeps, as the paper's source notes say.
     """
     id: str
@@ -143,7 +143,7 @@ class PanelSpec:
 
     def config(self, point: Union[Point, str]) -> cfgmod.JobConfig:
         """The job for one point: base, then ``hardware`` and ``common``, then the point's overrides,
-        with ``workload.steps`` = measured steps + the steps §6.1 drops for the point's staleness."""
+        with ``workload.steps`` = measured steps + the steps §7.1 drops for the point's staleness."""
         if isinstance(point, str):
             point = self.point(point)
         overrides = {"hardware": self.hardware, "seed": self.seed}
@@ -153,7 +153,7 @@ class PanelSpec:
         return cfg.with_overrides({"workload.steps": self.steps_for(cfg.rl.staleness)})
 
     def steps_for(self, staleness: float) -> int:
-        """Measured steps plus the dropped ones: max(1, ⌈s⌉) at the head and ⌈s⌉ at the tail (§6.1)."""
+        """Measured steps plus the dropped ones: max(1, ⌈s⌉) at the head and ⌈s⌉ at the tail (§7.1)."""
         lag = math.ceil(staleness)
         return self.measured_steps + max(1, lag) + lag
 
@@ -215,17 +215,17 @@ def _model_points(vl_batch: int, vl_partition: tuple, text_batch: int, text_part
 
 
 _DEFAULTS_A6000 = ("a6000-default: Qwen3-VL-4B, Geo3K, 16 A6000 GPUs in 2 nodes split 8-8 node-aligned, "
-                   "64 prompts x group 8, max response 2K, s = 1 (§6.1 defaults)")
+                   "64 prompts x group 8, max response 2K, s = 1 (§7.1 defaults)")
 _DEFAULTS_H100 = ("h100-default: as the A6000 default with 128 prompts per step "
-                  "(§6.1: 'The batch size is doubled on H100 devices')")
-_TEXT_RUN = ("Qwen3-8B/GSM8K uses 256 prompts on an 8-8 split (§6.3: 'the 8-8 partition and prompt batch size "
+                  "(§7.1: 'The batch size is doubled on H100 devices')")
+_TEXT_RUN = ("Qwen3-8B/GSM8K uses 256 prompts on an 8-8 split (§7.3: 'the 8-8 partition and prompt batch size "
              "256 used by the corresponding end-to-end text run'); its max response length stays 2K")
 _STEPS = (f"{MEASURED_STEPS} measured steps per run (the paper's source comment: 'the number of selected steps "
-          "is 6'), plus the max(1, ceil(s)) head and ceil(s) tail steps §6.1 drops")
+          "is 6'), plus the max(1, ceil(s)) head and ceil(s) tail steps §7.1 drops")
 
 
 # --------------------------------------------------------------------------------------------------
-# §6.2 end-to-end panels (Fig. eval-main)
+# §7.2 end-to-end panels (Fig. eval-main)
 # --------------------------------------------------------------------------------------------------
 
 def _e2e(hw: str) -> list:
@@ -244,8 +244,8 @@ def _e2e(hw: str) -> list:
             + (("e2e-h100-default",) if h100 else ("e2e-a6000-overall", "e2e-a6000-response-1k",
                                                    "e2e-a6000-response-2k", "e2e-a6000-response-4k")),
             quick_labels=("1K", "4K"),
-            paper=("Max response lengths 1K-4K (§6.1). " + ("H100: 1.29x-1.47x." if h100 else
-                   "A6000: 1.27x-1.55x; 1.55x / 1.45x / 1.27x at 1K / 2K / 4K (§6.2).")),
+            paper=("Max response lengths 1K-4K (§7.1). " + ("H100: 1.29x-1.47x." if h100 else
+                   "A6000: 1.27x-1.55x; 1.55x / 1.45x / 1.27x at 1K / 2K / 4K (§7.2).")),
             assumptions=(defaults, "points 1K, 2K, 4K = 1024, 2048, 4096 tokens", _STEPS)),
         PanelSpec(
             id=f"e2e-{hw}-staleness", title=f"Staleness ({tag})",
@@ -254,7 +254,7 @@ def _e2e(hw: str) -> list:
             claims=(f"e2e-{hw}-staleness", "e2e-overall", "e2e-s0-colocated", "e2e-unsupported-marks")
             + (("e2e-h100-default",) if h100 else ("e2e-a6000-overall",)),
             quick_labels=("s=0", "s=0.5", "s=1"),
-            paper=("Staleness bounds 0 to 4 (§6.1); fractional 0 < s < 1 is unsupported by ROLL and AReaL (x). "
+            paper=("Staleness bounds 0 to 4 (§7.1); fractional 0 < s < 1 is unsupported by ROLL and AReaL (x). "
                    "At s = 0 BiDiRL is compared with veRL colocated (similar throughput); for s > 0 "
                    + ("1.26x-1.39x on H100." if h100 else "1.45x-1.68x on A6000.")),
             assumptions=(defaults, "points s = 0, 0.5, 1, 2, 4 (the paper names 0-4 and a fractional value; "
@@ -266,7 +266,7 @@ def _e2e(hw: str) -> list:
             policies=E2E_POLICIES, common=_freeze({"workload.prompts_per_step": 128}),
             claims=(f"e2e-{hw}-resource", "e2e-overall", "e2e-unsupported-marks")
             + (() if h100 else ("e2e-a6000-scaleup-max",)),
-            paper=("128 prompts across 8 to 32 devices (§6.2): "
+            paper=("128 prompts across 8 to 32 devices (§7.2): "
                    + ("1.05x-1.53x on H100." if h100 else "1.38x-1.94x on A6000; 'the scale-up setting reaches 1.94x'.")),
             assumptions=(defaults, "budgets 8, 16, 32 GPUs, each split evenly between the pools (4-4, 8-8, "
                          "16-16), node-aligned as the end-to-end runs are", _STEPS)),
@@ -277,7 +277,7 @@ def _e2e(hw: str) -> list:
             policies=E2E_POLICIES,
             claims=(f"e2e-{hw}-model", "e2e-overall", "e2e-unsupported-marks")
             + (("e2e-h100-default",) if h100 else ("e2e-a6000-overall",)),
-            paper=("Qwen3-VL-2B and Qwen3-VL-4B on Geo3K, Qwen3-8B on GSM8K (§6.1): "
+            paper=("Qwen3-VL-2B and Qwen3-VL-4B on Geo3K, Qwen3-8B on GSM8K (§7.1): "
                    + ("1.23x-1.31x on H100." if h100 else "1.34x-1.45x on A6000.")),
             assumptions=(defaults, _TEXT_RUN
                          + (" (the same 256 on H100: the paper states one text-run batch)" if h100 else ""),
@@ -291,7 +291,7 @@ def _e2e(hw: str) -> list:
             claims=(f"e2e-{hw}-scaling", "e2e-overall", "e2e-unsupported-marks")
             + (("e2e-h100-default",) if h100 else ("e2e-a6000-overall",)),
             paper=("'changing batch size together with device count does not make a fixed partition universally "
-                   "balanced' (§6.2): " + ("1.30x-1.41x on H100." if h100 else "1.29x-1.45x on A6000.")),
+                   "balanced' (§7.2): " + ("1.30x-1.41x on H100." if h100 else "1.29x-1.45x on A6000.")),
             assumptions=(defaults, f"batch proportional to the budget: 8/16/32 GPUs with {batch // 2}/{batch}/"
                          f"{batch * 2} prompts, split evenly", _STEPS)),
     ]
@@ -306,8 +306,8 @@ def _e2e(hw: str) -> list:
                 claims=(f"e2e-h100-partition-{model}", "e2e-h100-partition", "e2e-overall",
                         "e2e-unsupported-marks"),
                 quick_labels=("8-24", "16-16"),
-                paper=(f"Resource-partition sweep on 32 H100 GPUs, batch 120: {rng} (§6.2). AReaL needs the batch "
-                       "divisible by rollout data parallelism; the batch-120 16-16 point is unsupported (§6.1)."),
+                paper=(f"Resource-partition sweep on 32 H100 GPUs, batch 120: {rng} (§7.2). AReaL needs the batch "
+                       "divisible by rollout data parallelism; the batch-120 16-16 point is unsupported (§7.1)."),
                 assumptions=(_DEFAULTS_H100 + ", here with 120 prompts and Qwen3-VL-" + model.upper(),
                              "partitions 8-24, 16-16, 24-8 (node-aligned splits of 4 nodes; with them only 16-16 "
                              "breaks AReaL's rule, as the paper says)", _STEPS)))
@@ -315,13 +315,13 @@ def _e2e(hw: str) -> list:
 
 
 # --------------------------------------------------------------------------------------------------
-# §6.3 ablation panels (Fig. eval-ablation), A6000
+# §7.3 ablation panels (Fig. eval-ablation), A6000
 # --------------------------------------------------------------------------------------------------
 
 _ABL_COMMON = {"cluster.partition": (4, 12), "cluster.placement": "any", "workload.prompts_per_step": 60}
-_ABL_ASSUME = ("a6000-default with a 4-12 rollout/trainer split of 16 GPUs and 60 prompts (§6.3); placement "
+_ABL_ASSUME = ("a6000-default with a 4-12 rollout/trainer split of 16 GPUs and 60 prompts (§7.3); placement "
                "'any' because 4-12 is not a whole-node split")
-_ABL_METRIC = ("total-run throughput over all complete steps (§6.3: 'under the total-run throughput metric'; "
+_ABL_METRIC = ("total-run throughput over all complete steps (§7.3: 'under the total-run throughput metric'; "
                "the paper's source notes: ablation runs report total-run throughput)")
 
 
@@ -343,7 +343,7 @@ def _ablation() -> list:
             points=_staleness_points(), policies=ABLATION_POLICIES, common=common,
             metric="total_run_throughput", claims=("abl-staleness",) + claims_all, quick_labels=("s=0", "s=1"),
             paper=("1.06x-1.12x over the strongest ablated variant; s = 0 and 0 < s < 1 with fast rollout expose "
-                   "both T_wait and T_consume windows (§6.3)."),
+                   "both T_wait and T_consume windows (§7.3)."),
             assumptions=(_ABL_ASSUME, "points s = 0, 0.5, 1, 2, 4", _ABL_METRIC, _STEPS)),
         PanelSpec(
             id="abl-resource", title="Ablation: resource, batch 120", figure="Fig. eval-ablation (c)",
@@ -362,13 +362,13 @@ def _ablation() -> list:
             points=_model_points(60, (4, 12), 256, (8, 8)), policies=ABLATION_POLICIES, common=common,
             metric="total_run_throughput", claims=("abl-model",) + claims_all,
             paper=("1.04x-1.13x; the Qwen3-8B/GSM8K ablation uses the 8-8 partition and 256 prompts 'to avoid "
-                   "OOM' (§6.3)."),
+                   "OOM' (§7.3)."),
             assumptions=(_ABL_ASSUME, _TEXT_RUN, _ABL_METRIC, _STEPS)),
     ]
 
 
 # --------------------------------------------------------------------------------------------------
-# §6.4 static planning (Fig. eval-static a/b) and stage-time model validation (c/d)
+# §7.4 static planning (Fig. eval-static a/b) and stage-time model validation (c/d)
 # --------------------------------------------------------------------------------------------------
 
 def _static() -> list:
@@ -385,7 +385,7 @@ def _static() -> list:
             claims=(f"static-spread-{model}", f"static-choice-{model}", "static-choice-is-measured-best"),
             quick_labels=(f"{rollouts[0]}-{gpus - rollouts[0]}", chosen),
             paper=(f"Measured throughput varies by {spread} across the displayed machine-aligned partitions; the "
-                   f"planner selects {chosen}, the measured best (§6.4)."),
+                   f"planner selects {chosen}, the measured best (§7.4)."),
             assumptions=(_DEFAULTS_A6000.split(":")[0] + f" with Qwen3-VL-{model.upper()} on {gpus} GPUs",
                          "displayed partitions: every split in steps of 4 GPUs (half a node); the 4-12 split of "
                          "the ablation is one of them",
@@ -401,7 +401,7 @@ def _static() -> list:
         policies=(), claims=("stage-rollout-median", "stage-rollout-p90"),
         quick_labels=tuple(f"{n}p@{k}K" for k in (2, 4) for n in (2, 4, 8, 16)),   # cheap: quick only repeats less
         paper=("The rollout time increases with prompts per GPU and the 2K and 4K curves stay separated; median "
-               "error 3.12 %, p90 5.77 % (§6.4)."),
+               "error 3.12 %, p90 5.77 % (§7.4)."),
         assumptions=("Qwen3-VL-4B on Geo3K, A6000, one rollout replica per GPU",
                      "x = 2, 4, 8, 16 prompts per GPU (groups of 8 responses) at max response 2K and 4K",
                      "records: seeded draws from the workload preset; 'observed' time = the closed-form model "
@@ -414,7 +414,7 @@ def _static() -> list:
                      for k in (2, 4) for n in (1, 2, 4, 8)),
         policies=(), claims=("stage-trainer-median", "stage-trainer-p90"),
         quick_labels=tuple(f"{n}c@{k}K" for k in (2, 4) for n in (1, 2, 4, 8)),
-        paper=("The trainer time increases with chunks per GPU; median error 2.92 %, p90 4.68 % (§6.4)."),
+        paper=("The trainer time increases with chunks per GPU; median error 2.92 %, p90 4.68 % (§7.4)."),
         assumptions=("Qwen3-VL-4B on Geo3K, A6000, one trainer replica per GPU, micro-batch 4 samples per device",
                      "x = 1, 2, 4, 8 chunks per GPU, each chunk one micro-batch per device, for each stage "
                      "(old_logprob, ref_logprob, actor_update) at max response 2K and 4K",

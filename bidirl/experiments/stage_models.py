@@ -1,4 +1,4 @@
-"""Stage-time model validation (paper §6.4, Fig. eval-static c/d): calibrate M_r and M_t, report their errors.
+"""Stage-time model validation (paper §7.4, Fig. eval-static c/d): calibrate M_r and M_t, report their errors.
 
 The paper profiles real rollout and trainer work, fits the appendix's stage-time models and reports median
 / p90 relative errors of 3.12 % / 5.77 % (rollout) and 2.92 % / 4.68 % (trainer). Without GPUs the

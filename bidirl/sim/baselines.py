@@ -1,4 +1,4 @@
-"""The external systems the paper compares against (§6.1 "Baselines"), modelled as rules over a job.
+"""The external systems the paper compares against (§7.1 "Baselines"), modelled as rules over a job.
 
 The paper compares BiDiRL with veRL v0.7.1, AReaL v1.0.3 and ROLL v0.2.1 and marks settings a system cannot
 run with ×: fractional staleness 0 < s < 1 for ROLL and AReaL, and — for AReaL — a prompt batch that is not a
@@ -15,7 +15,7 @@ A :class:`Baseline` captures each system as
 * ``rules`` — every documented rule with its source, so a reader can check the model against the system.
 
 Sources are the systems' own code and docs as summarised in the project's peer survey (file paths and
-versions are quoted in each rule) and the paper's §6.1 text.
+versions are quoted in each rule) and the paper's §7.1 text.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from bidirl.config import JobConfig
 
 @dataclass(frozen=True)
 class Baseline:
-    """One modelled external system (paper §6.1, "Baselines").
+    """One modelled external system (paper §7.1, "Baselines").
 
     ``supports`` returns ``None`` or the human-readable reason the system cannot run ``config``;
     ``adapt`` returns ``config`` with the system's own settings applied. ``rules`` lists each modelled
@@ -82,7 +82,7 @@ def rollout_data_parallel(config: JobConfig) -> int:
 VERL_COLOCATED_RULES = (
     "Synchronous on-policy only (s = 0): the hybrid engine generates a batch on all GPUs, then trains on the "
     "same GPUs; off-policy training needs the separate fully-async / one-step-off recipes "
-    "(veRL verl/trainer/ppo/ray_trainer.py, actor_rollout_ref.hybrid_engine=True; paper §6.2 compares it "
+    "(veRL verl/trainer/ppo/ray_trainer.py, actor_rollout_ref.hybrid_engine=True; paper §7.2 compares it "
     "at s = 0 only).",
     "One time-shared pool of all G GPUs: rollout and training never overlap "
     "(peer survey §7: veRL 'hybrid engine' colocation).",
@@ -139,14 +139,14 @@ def _verl_async_adapt(cfg: JobConfig) -> JobConfig:
 
 AREAL_RULES = (
     "Integer staleness only: rollout.max_head_offpolicyness is an int, default 0 = synchronous "
-    "(areal/api/cli_args.py); fractional 0 < s < 1 is unsupported (paper §6.1 marks those points ×).",
+    "(areal/api/cli_args.py); fractional 0 < s < 1 is unsupported (paper §7.1 marks those points ×).",
     "Admission capacity min(max_concurrent − running, (max_staleness + version + 1)·batch − (accepted + "
     "running)) (areal/infra/staleness_manager.py::StalenessManager.get_capacity) — identical to "
     "bidirl.core.staleness for integer s.",
     "Interruptible generation: on a weight update requests are aborted with their tokens and log-probs kept "
     "and resubmitted with the prefix (areal/infra/remote_inf_engine.py) — partial rollout on.",
     "The prompt batch must be divisible by the rollout data parallelism (rollout GPUs / rollout TP size); "
-    "otherwise unsupported (paper §6.1: the batch-120 16-16 point of the H100 resource-partition sweeps).",
+    "otherwise unsupported (paper §7.1: the batch-120 16-16 point of the H100 resource-partition sweeps).",
     "Disaggregated fixed pools (scheduling_strategy.type: separation), no borrowing: runs no-borrow.",
 )
 
@@ -173,7 +173,7 @@ def _areal_adapt(cfg: JobConfig) -> JobConfig:
 
 ROLL_RULES = (
     "Asynchronous RLVR needs async_generation_ratio ≥ 1.0 (assert in roll/pipeline/rlvr/rlvr_config.py, "
-    "v0.2.1 line 183): 0 < s < 1 is unsupported (paper §6.1 marks those points ×).",
+    "v0.2.1 line 183): 0 < s < 1 is unsupported (paper §7.1 marks those points ×).",
     "Only integer ratios are supported per the user guide (docs_roll/.../async_training.md: 'currently only "
     "integer is supported'); a non-integer s > 1 is therefore treated as unsupported too.",
     "s = 0 is supported: async_generation_ratio = 0 selects the synchronous pipeline ('0 means synchronous', "
