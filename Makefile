@@ -14,7 +14,7 @@ PYTEST := $(PY) -m pytest
 # Rewritten whenever pyproject.toml changes, so a second `make test` does not reinstall.
 STAMP  := $(VENV)/.bidirl-installed
 
-.PHONY: venv test test-unit test-integration test-notebooks demo bench browser clean distclean
+.PHONY: venv test test-unit test-integration test-notebooks demo bench browser chromium clean distclean
 
 venv: $(STAMP)
 
@@ -40,8 +40,15 @@ test-unit: venv
 	$(PYTEST) -q -n $(JOBS) -m "not integration"
 
 # pytest exits with 5 when no test is selected; that is not a failure here.
-test-integration: venv
+test-integration: venv chromium
 	$(PYTEST) -q -p no:xdist -m integration || test $$? -eq 5
+
+# The browser test drives Debian's chromium; install it when it is missing and we may (root with apt-get).
+chromium:
+	@if command -v chromium >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null; \
+	else echo "chromium is not installed and cannot be installed here: the browser test will be skipped"; fi
 
 # Every notebook runs top to bottom under nbval at CI size (BIDIRL_SMOKE=1).
 test-notebooks: venv

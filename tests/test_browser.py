@@ -5,7 +5,8 @@ copy of ``notebooks/01-quickstart.ipynb`` (the repository copy is never written)
 driven by Playwright's Python package (``executable_path``; Playwright's own browser download is not used),
 opens the notebook, runs all cells and waits for the kernel to finish. The test then checks that the partition
 sweep and the Gantt chart rendered as plotly SVG, with the trace counts the same code gives in this process,
-and saves a screenshot to the test's tmp folder and to ``results/browser/quickstart.png``.
+and saves a screenshot to the test's tmp folder and to ``results/browser/quickstart.png`` (plus the sweep
+figure alone as ``quickstart-sweep.png``).
 
 Skipped, with the reason, only when chromium or Playwright is missing. Run with ``-m integration``.
 """
@@ -200,8 +201,12 @@ def test_quickstart_renders_in_chromium(lab, tmp_path):
             page.wait_for_function("document.querySelectorAll('.js-plotly-plot svg.main-svg').length >= 2",
                                    timeout=30_000)
             plots = page.evaluate(PLOTS_JS)
-            # bring the Gantt into view for the screenshot
-            page.locator(".js-plotly-plot").last.scroll_into_view_if_needed()
+            figures = page.locator(".js-plotly-plot")
+            sweep_shot = tmp_path / "quickstart-sweep.png"
+            figures.first.scroll_into_view_if_needed()
+            figures.first.screenshot(path=str(sweep_shot))
+            # the page as a person sees it, scrolled to the Gantt
+            figures.last.scroll_into_view_if_needed()
             page.wait_for_timeout(500)
             shot = tmp_path / "quickstart.png"
             page.screenshot(path=str(shot))
@@ -210,6 +215,7 @@ def test_quickstart_renders_in_chromium(lab, tmp_path):
 
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(shot, SCREENSHOT)
+    shutil.copy(sweep_shot, SCREENSHOT.with_name("quickstart-sweep.png"))
     assert shot.stat().st_size > 10_000, "the screenshot is suspiciously small"
     assert len(plots) == 2, f"expected the sweep and the Gantt, found {len(plots)} plotly figures: {plots}"
     sweep, gantt = plots

@@ -304,7 +304,7 @@ def test_simulate_button_runs_the_selected_partition(explorer):
     cfg = cfgmod.load("a6000-default").with_overrides({"cluster.partition": list(pick)})
     ref = simulate(cfg, "no-borrow", steps=3, seed=0)
     assert explorer.result.summary() == ref.summary()
-    label = f"no-borrow @ rollout:{pick[0]}+trainer:{pick[1]}"
+    label = f"no-borrow @ {pick[0]}-{pick[1]}"
     assert label in explorer.metrics.summaries
     thr = explorer.metrics.figure.data[0]
     assert list(thr.x) == [label]

@@ -114,7 +114,7 @@ class MetricsPanel:
         fig.update_yaxes(tickformat=".0%", rangemode="tozero", row=1, col=2)
         fig.update_yaxes(rangemode="tozero")
         fig.update_layout(title=self.title, barmode="group", height=360, width=WIDTH,
-                          margin={"l": 60, "r": 20, "t": 70, "b": 40}, legend={"orientation": "h", "y": -0.2})
+                          margin={"l": 60, "r": 20, "t": 70, "b": 90}, legend={"orientation": "h", "y": -0.25})
         self.figure = go.FigureWidget(fig)
         self.table = ipw.HTML(value="")
         self.widget = ipw.VBox([self.figure, self.table])

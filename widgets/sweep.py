@@ -2,13 +2,15 @@
 
 Controls set the planning inputs — model P, hardware, GPU budget G, placement Π, staleness s, maximum
 response length and prompts per step B_p — and every change re-runs :func:`bidirl.planner.plan`. The chart is
-:func:`bidirl.viz_plan.sweep_figure`: the predicted rollout rate λ_r, trainer rate λ_t and pipeline rate
-λ_pipe = min(λ_r, λ_t) (§4, eq. for λ) of every candidate partition, incompatible partitions greyed, the
-planner's choice highlighted. The figure widget is created once; a new sweep is copied into its traces inside
-one ``batch_update`` (on numeric x positions with the partition labels as ticks, see :func:`positional`).
-"Simulate" runs :func:`bidirl.sim.simulate` on the selected partition (the planner's
-choice unless another is picked in the list or by clicking a bar) and shows the summary in a
-:class:`MetricsPanel`.
+:func:`bidirl.viz_plan.sweep_figure`: the predicted rollout rate λ_r = B_p / M_r, trainer rate λ_t = B_p / M_t
+and pipeline rate λ_pipe = min(λ_r, λ_t) (§4.2) of every candidate partition, incompatible partitions greyed,
+the planner's choice highlighted, the partition selected for simulation shaded. The static plan does not
+depend on s (Algorithm 1 balances steady-state rates); s matters to the simulation.
+
+The figure widget is created once; a new sweep is copied into its traces inside one ``batch_update`` (on
+numeric x positions with the partition labels as ticks, see :func:`positional`). "Simulate" runs
+:func:`bidirl.sim.simulate` on the selected partition (the planner's choice unless another is picked in the
+list or by clicking a bar) and shows the summary in a :class:`MetricsPanel`.
 """
 
 from __future__ import annotations
@@ -53,10 +55,6 @@ def positional(fig: go.Figure) -> go.Figure:
     return fig
 
 
-def _label(row) -> str:
-    return str(row["label"]) if "label" in row and row["label"] else f"{int(row['rollout_gpus'])}-{int(row['trainer_gpus'])}"
-
-
 @dataclass
 class PartitionSweep:
     """The partition explorer. ``config`` is a config name/path/JobConfig giving the starting values;
@@ -70,6 +68,7 @@ class PartitionSweep:
     figure: Any = field(init=False, repr=False)
     metrics: Any = field(init=False, repr=False)
     status: Any = field(init=False, repr=False)
+    button: Any = field(init=False, repr=False)
     widget: Any = field(init=False, repr=False)
     plan: Any = field(default=None, init=False, repr=False)
     result: Any = field(default=None, init=False, repr=False)
@@ -188,7 +187,7 @@ class PartitionSweep:
         sweep = self.plan.sweep
         env = self.plan.envelope
         ok = sweep[sweep["compatible"].astype(bool)]
-        options = [(_label(row), (int(row["rollout_gpus"]), int(row["trainer_gpus"]))) for _, row in ok.iterrows()]
+        options = [(str(row["label"]), (int(row["rollout_gpus"]), int(row["trainer_gpus"]))) for _, row in ok.iterrows()]
         chosen = (int(env.rollout_gpus), int(env.trainer_gpus))
         old = self.controls["partition"].value
         values = [v for _, v in options]
@@ -244,7 +243,8 @@ class PartitionSweep:
             return None
         finally:
             self.button.disabled = False
-        self.metrics.update({f"{policy} @ {cfg.cluster.partition.label()}": self.result.summary()})
+        part = cfg.cluster.partition
+        self.metrics.update({f"{policy} @ {part.rollout}-{part.trainer}": self.result.summary()})
         self._status_ok()
         return self.result
 
