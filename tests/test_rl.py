@@ -410,6 +410,14 @@ def test_offload_frees_and_onload_restores_weights_and_optimizer(trainer):
     for k, v in trainer.optimizer.state[trainer.params[0]].items():
         assert torch.equal(v, moments[k])
     trainer.apply([trainer.chunk_gradients(samples, adv, trainer.logprobs(samples))])   # still trains
+    ref = trainer.logprobs(samples, model="reference")          # the reference model travels too
+    with_ref = trainer.state_bytes()
+    assert with_ref == nbytes + trainer.numel * 4
+    trainer.offload()
+    assert trainer.reference_model().model.embed_tokens.weight.untyped_storage().nbytes() == 0
+    trainer.onload()
+    for a, b in zip(trainer.logprobs(samples, model="reference"), ref):
+        assert torch.equal(a, b)
 
 
 def test_trainer_rejects_bad_settings(model_dir, tmp_path):

@@ -170,12 +170,15 @@ class RolloutEngine:
                  kv_cache_gib: float = 0.0625, *, temperature: float = 1.0, top_p: float = 1.0,
                  reward_fn: Optional[Callable[[Any, str], float]] = None, max_num_seqs: int = 256,
                  device: Optional[str] = None, quiet: bool = True):
-        self_dir = Path(model_dir)
-        if not (self_dir / "config.json").exists():
-            raise ValueError(f"RolloutEngine.model_dir {str(self_dir)!r} holds no config.json; create the model "
+        path = Path(model_dir)
+        if not (path / "config.json").exists():
+            raise ValueError(f"RolloutEngine.model_dir {str(path)!r} holds no config.json; create the model "
                              "first (bidirl.rl.bootstrap.ensure_tiny_model())")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"RolloutEngine.seed must be a non-negative integer, got {seed!r}")
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, (int, np.integer)) or max_model_len < 2:
+            raise ValueError(f"RolloutEngine.max_model_len must be an integer ≥ 2 (prompt + response tokens), "
+                             f"got {max_model_len!r}")
         if not kv_cache_gib > 0:
             raise ValueError(f"RolloutEngine.kv_cache_gib must be > 0, got {kv_cache_gib!r}")
         if not temperature > 0:
@@ -187,7 +190,7 @@ class RolloutEngine:
         import torch
         from vllm import LLM
 
-        self.model_dir, self.seed = self_dir, int(seed)
+        self.model_dir, self.seed = path, int(seed)
         self.max_model_len = int(max_model_len)
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.reward_fn = reward_fn
@@ -195,7 +198,7 @@ class RolloutEngine:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = device
         self.gpu = device.startswith("cuda")
-        kwargs = dict(model=str(self_dir), dtype="float32", enforce_eager=True, max_model_len=self.max_model_len,
+        kwargs = dict(model=str(path), dtype="float32", enforce_eager=True, max_model_len=self.max_model_len,
                       distributed_executor_backend="uni", seed=self.seed, enable_prefix_caching=False,
                       max_num_seqs=int(max_num_seqs), disable_log_stats=True,
                       kv_cache_memory_bytes=int(kv_cache_gib * 2**30))
@@ -205,7 +208,7 @@ class RolloutEngine:
             self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         from bidirl.rl.tiny_model import load_tokenizer
-        self.tokenizer = load_tokenizer(self_dir)
+        self.tokenizer = load_tokenizer(path)
         self.eos_id = self.tokenizer.eos_token_id
         self.version = 0
         self._groups: dict = {}            # group_id -> _Group (in flight or complete, not yet returned)

@@ -182,8 +182,12 @@ class TrainerEngine:
     def reference_model(self):
         if self._reference is None:
             from transformers import Qwen2ForCausalLM
-            self._reference = Qwen2ForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
-            self._reference.eval().requires_grad_(False)
+            self._check_onloaded("reference_model")
+            ref = Qwen2ForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
+            ref.eval().requires_grad_(False)
+            for p in ref.parameters():       # own, resizable storage (offloaded with the actor)
+                p.data = p.data.clone()
+            self._reference = ref
         return self._reference
 
     def _pad(self, rows: Sequence, rlen: list, name: str) -> torch.Tensor:
@@ -304,6 +308,8 @@ class TrainerEngine:
     # ------------------------------------------------------------------------------------------
     def _state_tensors(self) -> list:
         tensors = [p.data for p in self.params]
+        if self._reference is not None:
+            tensors += [p.data for p in self._reference.parameters()]
         if self.optimizer is not None:
             for st in self.optimizer.state.values():
                 tensors += [v for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
@@ -320,7 +326,8 @@ class TrainerEngine:
         return self._host is not None
 
     def offload(self) -> float:
-        """Copy weights + optimizer state to a host buffer and free the engine's copy; returns seconds."""
+        """Copy weights, optimizer state (and the reference model, if loaded) to a host buffer and free the
+        engine's copy; returns seconds."""
         if self._host is not None:
             return 0.0
         t0 = time.perf_counter()
