@@ -1,5 +1,6 @@
 """The notebooks are committed clean and CI-ready (they are *run* by nbval, see the Makefile's test-notebooks).
 
+Clean a notebook for committing with ``python notebooks/clean.py notebooks/*.ipynb`` after running it.
 Checks, without a kernel: every notebook parses; no saved widget state (``metadata.widgets``); the smoke
 switch is the first code cell; only ``# NBVAL_CHECK_OUTPUT`` cells carry outputs — plain text, nbval's
 reference — and every other cell is committed unrun; a notebook that uses Ray shuts it down in its last
@@ -55,6 +56,7 @@ def test_notebook_is_committed_clean(path):
             if out.output_type == "execute_result":
                 assert set(out.data) == {"text/plain"}, f"{path.name} cell {i}: keep only text/plain"
     for cell in book.cells:
+        assert "execution" not in cell.metadata, f"{path.name}: run timestamps saved; run notebooks/clean.py"
         text = cell.source + "".join(str(o) for o in cell.get("outputs", []))
         assert not MACHINE_PATHS.search(text), f"{path.name}: a machine-specific path in {cell.source[:60]!r}"
 

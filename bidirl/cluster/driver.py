@@ -57,8 +57,8 @@ class RayDriver:
     def __post_init__(self):
         from bidirl import control
         if not self.emulate:
-            raise ClusterError("engine workers are started by bidirl.cluster.engine_driver; "
-                               "use bidirl.cluster.run(..., emulate=False)")
+            raise ClusterError("RayDriver drives emulated workers; engine workers are started by "
+                               "bidirl.cluster.driver.run(..., emulate=False)")
         self.control = cp = control.build(self.config, self.policy_name, steps=self.steps, seed=self.seed)
         self.topology, self.models, self.coordinator = cp.topology, cp.models, cp.coordinator
         self.pending: dict = {}
@@ -355,6 +355,11 @@ def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, se
     steps = cfg.workload.steps if steps is None else int(steps)
     seed = cfg.seed if seed is None else int(seed)
     if not emulate:
-        from bidirl.cluster.engine_driver import run_engines
+        try:
+            from bidirl.cluster.engine_driver import run_engines
+        except ImportError:
+            raise ClusterError("running vLLM/torch engine workers under the coordinator is not available in this "
+                               "version; use emulate=True (bidirl run --emulate) for the Ray control path, or "
+                               "bidirl.rl.loop.run_grpo for a real GRPO loop without Ray") from None
         return run_engines(cfg, policy, steps=steps, seed=seed, address=address, progress=progress)
     return RayDriver(cfg, policy, steps, seed, emulate=True, time_scale=time_scale, address=address).run(progress)
