@@ -53,8 +53,8 @@ chromium:
 # Every notebook runs top to bottom under nbval at CI size (BIDIRL_SMOKE=1).
 test-notebooks: venv
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
-	  echo "BIDIRL_SMOKE=1 $(PYTEST) -q -p no:xdist --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg notebooks/"; \
-	  BIDIRL_SMOKE=1 $(PYTEST) -q -p no:xdist --nbval-lax --nbval-current-env \
+	  echo "BIDIRL_SMOKE=1 $(PYTEST) -q -p no:xdist --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --nbval-sanitize-with notebooks/sanitize.cfg notebooks/"; \
+	  BIDIRL_SMOKE=1 $(PYTEST) -q -p no:xdist --nbval-lax --nbval-current-env --nbval-cell-timeout=600 \
 	    --nbval-sanitize-with notebooks/sanitize.cfg notebooks/; \
 	else echo "no notebooks to run"; fi
 
