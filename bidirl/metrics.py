@@ -396,3 +396,27 @@ def summary(log: EventLog, *, policy: str, staleness: float, pool_gpus: Mapping,
         1.0 - union_length(gen["start"].to_numpy(), gen["end"].to_numpy(), t0, t1) / length
         if length > 0 and caps.get("rollout_pool", 0) > 0 else None)
     return out
+
+
+ROLE_OF_KIND = {"generate": "rollout", "chunk": "trainer", "optimizer": "trainer", "grad_merge": "trainer"}
+
+
+def role_conflicts(spans_df: Union[pd.DataFrame, EventLog], tol: float = 1e-6) -> list:
+    """``(pool, t)`` for every instant at which a pool ran rollout work and trainer work at once.
+
+    The exclusive-pool rule of §3.2 (preempt-and-yield) says this list is always empty; tests and drivers
+    check it on the event log of simulated and Ray runs alike.
+    """
+    spans = _frame(spans_df, "spans")
+    role = spans["kind"].map(ROLE_OF_KIND)
+    out = []
+    for pool, df in spans.assign(role=role).groupby("pool"):
+        r = df[df["role"] == "rollout"][["start", "end"]].to_numpy(float)
+        t = df[df["role"] == "trainer"][["start", "end"]].to_numpy(float)
+        if not len(r) or not len(t):
+            continue
+        for a0, a1 in r:
+            hit = (t[:, 0] < a1 - tol) & (t[:, 1] > a0 + tol)
+            if hit.any():
+                out.append((pool, float(max(a0, t[hit, 0].min()))))
+    return out

@@ -1,9 +1,8 @@
 """The Ray driver with emulated workers: the real control path on local Ray (integration)."""
 
-import numpy as np
 import pytest
 
-from bidirl import config as cfgmod
+from bidirl import config as cfgmod, metrics
 
 pytestmark = pytest.mark.integration
 
@@ -28,12 +27,7 @@ def ray_session():
 
 
 def _exclusive(spans):
-    role = spans["kind"].map({"generate": "r", "chunk": "t", "optimizer": "t", "grad_merge": "t"})
-    for pool, df in spans.assign(role=role).groupby("pool"):
-        r = df[df.role == "r"][["start", "end"]].to_numpy()
-        t = df[df.role == "t"][["start", "end"]].to_numpy()
-        for a0, a1 in r:
-            assert not np.any((t[:, 0] < a1 - 1e-6) & (t[:, 1] > a0 + 1e-6)), f"{pool} ran both roles"
+    assert metrics.role_conflicts(spans) == []
 
 
 def test_emulated_run_borrows_both_ways_and_keeps_every_sample(ray_session):

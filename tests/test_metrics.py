@@ -280,3 +280,14 @@ def test_summary_input_errors():
     with pytest.raises(ValueError, match="EventLog"):
         metrics.summary(full_log().spans_df(), policy="x", staleness=0, pool_gpus=POOL_GPUS, gpus_per_worker=GPUS,
                         samples=SAMPLES)
+
+
+def test_role_conflicts_finds_a_pool_running_both_roles():
+    from bidirl.metrics import role_conflicts
+    from bidirl.trace import EventLog, Span
+    log = EventLog()
+    log.add_span(Span("rollout_pool/rollouter/0", "rollout_pool", "primary", "generate", 0.0, 10.0))
+    log.add_span(Span("rollout_pool/trainer", "rollout_pool", "auxiliary", "chunk", 10.0, 12.0))
+    assert role_conflicts(log.spans_df()) == []
+    log.add_span(Span("rollout_pool/trainer", "rollout_pool", "auxiliary", "chunk", 9.0, 9.5))
+    assert role_conflicts(log.spans_df()) == [("rollout_pool", 9.0)]

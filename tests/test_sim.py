@@ -4,11 +4,10 @@ Every run asserts the staleness rule on each batch inside the coordinator (``che
 violation fails the run itself; the properties below check what the event log and counters show.
 """
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from bidirl import config as cfgmod
+from bidirl import config as cfgmod, metrics
 from bidirl.sim import simulate
 
 BASE = {
@@ -25,19 +24,9 @@ def small(**over):
     return cfgmod.from_dict(BASE).with_overrides(over)
 
 
-def role_of(kind):
-    return {"generate": "rollout", "chunk": "trainer", "optimizer": "trainer", "grad_merge": "trainer"}.get(kind)
-
-
 def assert_pools_exclusive(spans):
     """No pool ever runs rollout work and trainer work at the same instant."""
-    for pool, df in spans.groupby("pool"):
-        roles = df["kind"].map(role_of)
-        r = df[roles == "rollout"][["start", "end"]].to_numpy()
-        t = df[roles == "trainer"][["start", "end"]].to_numpy()
-        for a0, a1 in r:
-            overlap = (t[:, 0] < a1 - 1e-9) & (t[:, 1] > a0 + 1e-9) if len(t) else []
-            assert not np.any(overlap), f"{pool} hosts both roles around t={a0:.3f}"
+    assert metrics.role_conflicts(spans) == []
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
