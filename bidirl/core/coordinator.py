@@ -281,7 +281,7 @@ class Coordinator:
             self.stopping.discard(w)
         elif self.step is not None:
             for c in self.step.live("auxiliary"):
-                c.status = "queued"
+                c.status = "queued"          # its worker is gone: even a running chunk is recovered
                 self.step.cancel(c.chunk.chunk_id)
             self.step.release_plan()
         if self.owner[pool] == "auxiliary" and pool not in self.revoking:
@@ -460,7 +460,7 @@ class Coordinator:
                 self._revoke(P.TRAINER_POOL)
             return
         groups = self.buffer.consume(batch)
-        check_batch(self.rule, [self.buffer_version(g) for g in groups], self.trainer_version)
+        check_batch(self.rule, [g.version for g in groups], self.trainer_version)
         self.batches.append((len(self.steps), self.trainer_version, [g.group_id for g in groups]))
         self.consume_start = self._now
         self.phase = "consuming"
@@ -470,9 +470,6 @@ class Coordinator:
                                 next_chunk_id=lambda: next(self._chunk_ids))
         self._schedule_chunks()
         self._consider_trainer_on_rollout_pool()
-
-    def buffer_version(self, g: P.GroupState) -> int:
-        return g.version
 
     def _schedule_chunks(self):
         step = self.step

@@ -13,7 +13,6 @@ import math
 
 import numpy as np
 
-from bidirl.core import protocol as P
 from bidirl.sim.engine import EngineSim, SimGroup
 from bidirl.sim.models import StageModels
 from bidirl.trace import EventLog, Span, StepRecord
@@ -21,7 +20,7 @@ from bidirl.trace import EventLog, Span, StepRecord
 
 def simulate_colocated(config, *, steps: int, seed: int, policy: str = "verl-colocated"):
     from bidirl import metrics
-    from bidirl.perf.workload import sample_lengths
+    from bidirl.control import group_lengths, stages_of
     from bidirl.planner import plan as make_plan
     from bidirl.sim.driver import SimResult
     from bidirl.sim.loop import EventLoop
@@ -42,7 +41,7 @@ def simulate_colocated(config, *, steps: int, seed: int, policy: str = "verl-col
                          lambda wk, kind, a, b, det: log.add_span(Span(wk, "rollout_pool", "primary", kind, a, b,
                                                                        len(log.steps), len(log.steps), det)),
                          lambda *a: None) for i in range(d_r)]
-    stages = ("old_logprob", "ref_logprob", "actor_update") if cfg.rl.reference_model else ("old_logprob", "actor_update")
+    stages = stages_of(cfg)
     lane = "rollout_pool/trainer"
     t = 0.0
     gid = 0
@@ -50,9 +49,8 @@ def simulate_colocated(config, *, steps: int, seed: int, policy: str = "verl-col
         start = t
         groups = []
         for k in range(w.prompts_per_step):
-            p, r = sample_lengths(cfg.workload_stats, w.max_response_len, w.group_size,
-                                  np.random.default_rng([seed, 7, gid]), step=gid // w.prompts_per_step)
-            groups.append(SimGroup(gid, int(p[0]), tuple(int(x) for x in r), [0] * w.group_size, step))
+            prompt, targets = group_lengths(cfg, seed, gid)
+            groups.append(SimGroup(gid, prompt, targets, [0] * w.group_size, step))
             gid += 1
         for i, g in enumerate(groups):
             engines[i % d_r].add(g)
