@@ -30,8 +30,16 @@ class Reply:
 
 
 class _Timed:
+    """Common to both actors: a worker name, timed replies, and the hot-switch state moves of ``self.engine``."""
+
     def __init__(self, name: str):
         self.name = name
+
+    def offload(self) -> Reply:
+        return self._reply("offload", self.engine.offload)
+
+    def onload(self) -> Reply:
+        return self._reply("onload", self.engine.onload)
 
     def _reply(self, kind: str, fn, *args, detail: Optional[dict] = None, **kwargs) -> Reply:
         start = time.time()
@@ -77,12 +85,6 @@ class RolloutActor(_Timed):
     def load_weights(self, state_dict, version: Optional[int] = None) -> Reply:
         return self._reply("sync", self.engine.load_weights, state_dict, version, detail={"version": version})
 
-    def offload(self) -> Reply:
-        return self._reply("offload", self.engine.offload)
-
-    def onload(self) -> Reply:
-        return self._reply("onload", self.engine.onload)
-
     def status(self) -> dict:
         e = self.engine
         return {"busy": e.busy, "groups": e.group_ids, "version": e.version, "steps": e.steps,
@@ -125,12 +127,6 @@ class TrainerActor(_Timed):
 
     def load_state_dict(self, state: dict, version: Optional[int] = None) -> Reply:
         return self._reply("sync", self.engine.load_state_dict, state, version, detail={"version": version})
-
-    def offload(self) -> Reply:
-        return self._reply("offload", self.engine.offload)
-
-    def onload(self) -> Reply:
-        return self._reply("onload", self.engine.onload)
 
     def status(self) -> dict:
         e = self.engine
