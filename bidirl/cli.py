@@ -212,6 +212,8 @@ def _args_run(p: argparse.ArgumentParser) -> None:
                    help="model-timed workers instead of vLLM and torch (many virtual GPUs on one machine)")
     p.add_argument("--time-scale", type=float, default=20.0, metavar="X",
                    help="with --emulate: virtual seconds per wall second (default 20)")
+    p.add_argument("--model-dir", default=None, metavar="DIR",
+                   help="engine runs: a Qwen2 checkpoint folder (default: the built-in tiny model)")
 
 
 def format_summary(s: dict) -> str:
@@ -269,7 +271,8 @@ def _run_run(args: argparse.Namespace) -> int:
     from bidirl.cluster.driver import ClusterError, run
     try:
         result = run(args.config, args.policy, steps=args.steps, seed=args.seed, emulate=args.emulate,
-                     address=args.address, time_scale=args.time_scale, progress=not args.json)
+                     address=args.address, time_scale=args.time_scale, model_dir=args.model_dir,
+                     progress=not args.json)
     except ClusterError as exc:
         raise CommandError(str(exc)) from None
     return _print_result(result, args)

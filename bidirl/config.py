@@ -68,21 +68,33 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    """One training step's work (§7.1): B_p prompts, each expanded to a GRPO group of ``group_size``."""
+    """One training step's work (§7.1): B_p prompts, each expanded to a GRPO group of ``group_size``.
+
+    ``prompt_pool``: engine runs draw prompt ``group_id mod prompt_pool`` of the task, i.e. cycle over a
+    fixed training set of that many prompts (empty: every group gets a new prompt).
+    """
     dataset: str = "geo3k"
     prompts_per_step: int = 64
     group_size: int = 8
     max_response_len: int = 2048
     steps: int = 20
+    prompt_pool: Optional[int] = None
 
 
 @dataclass(frozen=True)
 class RLConfig:
-    """Staleness bound s (§2.2; rule in ``bidirl.core.staleness``), partial rollout, micro-batching."""
+    """Staleness bound s (§2.2; rule in ``bidirl.core.staleness``), partial rollout, micro-batching.
+
+    ``lr``, ``kl_coef`` (β of the KL to the reference) and ``clip_eps`` (PPO clip range) are the GRPO
+    trainer's settings; only runs with engine workers use them (the simulator models time, not learning).
+    """
     staleness: float = 1.0
     partial_rollout: bool = True
     micro_batch_per_device: int = 4
     reference_model: bool = True
+    lr: float = 1e-6
+    kl_coef: float = 0.0
+    clip_eps: float = 0.2
 
 
 @dataclass(frozen=True)
@@ -333,6 +345,14 @@ def validate(cfg: JobConfig) -> None:
     r = cfg.rl
     _positive("rl.staleness", r.staleness, allow_zero=True)
     _positive("rl.micro_batch_per_device", r.micro_batch_per_device)
+    _positive("rl.lr", r.lr)
+    _positive("rl.kl_coef", r.kl_coef, allow_zero=True)
+    _positive("rl.clip_eps", r.clip_eps)
+    if r.kl_coef > 0 and not r.reference_model:
+        raise ConfigError("rl.kl_coef", f"is {r.kl_coef} but rl.reference_model is false",
+                          "set rl.reference_model: true (the KL needs the reference log-probs) or kl_coef: 0")
+    if w.prompt_pool is not None:
+        _positive("workload.prompt_pool", w.prompt_pool)
 
     s = cfg.scheduler
     if s.policy not in POLICIES:

@@ -80,7 +80,9 @@ class RolloutActor(_Timed):
         return reply
 
     def interrupt(self, group_ids: Optional[Sequence[int]] = None) -> Reply:
-        return self._reply("interrupt", self.engine.interrupt, group_ids)
+        reply = self._reply("interrupt", self.engine.interrupt, group_ids)
+        reply.spans[0]["detail"].update(stopped=len(reply.value), busy=self.engine.busy)
+        return reply
 
     def load_weights(self, state_dict, version: Optional[int] = None) -> Reply:
         return self._reply("sync", self.engine.load_weights, state_dict, version, detail={"version": version})
@@ -101,10 +103,21 @@ class TrainerActor(_Timed):
 
         start = time.time()
         self.engine = TrainerEngine(model_dir, **engine_kwargs)
+        self._kept: dict = {}
         self._start_span = {"worker": name, "kind": "start", "start": start, "end": time.time(), "detail": {}}
 
     def ready(self) -> Reply:
         return Reply(self.engine.role, (self._start_span,))
+
+    def address(self) -> str:
+        """A free ``host:port`` on this actor's node for a gang's rendezvous (called on rank 0)."""
+        import socket
+
+        import ray
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
 
     def init_process_group(self, rank: int, world: int, addr: str) -> Reply:
         return self._reply("start", self.engine.init_process_group, rank, world, addr,
@@ -121,6 +134,50 @@ class TrainerActor(_Timed):
 
     def apply(self, grads_in_chunk_order: Sequence) -> Reply:
         return self._reply("optimizer", self.engine.apply, list(grads_in_chunk_order))
+
+    # The engine driver's gradient path: a primary gang keeps each chunk gradient where it was computed
+    # (it never leaves the gang); an auxiliary gang returns it as its own object, which the merge moves to
+    # the primary ranks once (C_grad) and which outlives the auxiliary actor if that dies.
+    @ray.method(num_returns=2)
+    def chunk_gradient(self, chunk_id: int, samples: Sequence, advantages, old_logprobs, ref_logprobs=None,
+                       normalizer: Optional[float] = None, keep: bool = True, give: bool = False):
+        """``chunk_gradients`` for this rank's share of a chunk: returns (Reply with the loss statistics,
+        the flat gradient if ``give`` else None); ``keep`` stores it here under ``chunk_id``."""
+        def run():
+            g = self.engine.chunk_gradients(list(samples), advantages, old_logprobs, ref_logprobs, normalizer)
+            if keep:
+                self._kept[int(chunk_id)] = g.flat
+            return dict(g.stats, samples=g.samples, tokens=g.tokens), g.flat
+        reply = self._reply("chunk", run, detail={"chunk_id": chunk_id, "samples": len(samples)})
+        stats, flat = reply.value
+        return Reply(stats, reply.spans), (flat if give else None)
+
+    def receive_gradient(self, chunk_id: int, flat) -> Reply:
+        """Store another gang's chunk gradient under its chunk id (the receiving end of C_grad)."""
+        def run():
+            self._kept[int(chunk_id)] = flat
+            return int(flat.numel())
+        return self._reply("grad_merge", run, detail={"chunk_id": chunk_id})
+
+    def apply_kept(self, chunk_ids_in_order: Sequence[int]) -> Reply:
+        """``apply`` the kept gradients of ``chunk_ids_in_order`` (all of the step's update chunks) and forget
+        every kept gradient."""
+        missing = [c for c in chunk_ids_in_order if int(c) not in self._kept]
+        if missing:
+            raise RuntimeError(f"{self.name}: no gradient kept for chunks {missing}; every update chunk must be "
+                               "computed here or received before the optimizer step")
+        grads = [self._kept[int(c)] for c in chunk_ids_in_order]
+        self._kept.clear()
+        return self._reply("optimizer", self.engine.apply, grads)
+
+    def drop_kept(self) -> int:
+        n = len(self._kept)
+        self._kept.clear()
+        return n
+
+    def weights(self) -> dict:
+        """The full ``state_dict`` as a plain value, so its object ref can be handed to other actors."""
+        return self.engine.state_dict()
 
     def state_dict(self) -> Reply:
         return self._reply("sync", self.engine.state_dict, detail={"phase": "export"})

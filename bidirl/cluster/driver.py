@@ -34,39 +34,40 @@ class RunResult:
     log: EventLog
     summary_dict: dict
     coordinator: object = None
+    weights: object = None          # engine runs: the final actor weights (state_dict)
 
     def summary(self) -> dict:
         return dict(self.summary_dict)
 
 
 @dataclass
-class RayDriver:
-    """Run ``config`` on Ray. ``emulate=True`` uses model-timed workers (``time_scale`` virtual s per wall s)."""
+class PoolDriver:
+    """What every Ray driver shares: the control plane, Ray start-up, the one placement group over the
+    GPU slots, the ``ray.wait`` loop that turns call completions into events, spans and the result.
+
+    Subclasses place their workers (``_place``) and execute the coordinator's commands (``_do_<Command>``).
+    """
     config: cfgmod.JobConfig
     policy_name: str
     steps: int
     seed: int
-    emulate: bool = True
-    time_scale: float = 20.0
     address: Optional[str] = None
-    max_wall: float = 0.05
     start_timeout: float = 120.0
+    stall_timeout: float = 60.0
     log: EventLog = field(default_factory=EventLog)
     on_event: Optional[Callable] = None           # called with each event (live views)
 
+    label = "ray"
+
     def __post_init__(self):
         from bidirl import control
-        if not self.emulate:
-            raise ClusterError("RayDriver drives emulated workers; engine workers are started by "
-                               "bidirl.cluster.driver.run(..., emulate=False)")
         self.control = cp = control.build(self.config, self.policy_name, steps=self.steps, seed=self.seed)
         self.topology, self.models, self.coordinator = cp.topology, cp.models, cp.coordinator
         self.pending: dict = {}
         self.actors: dict = {}
-        self.r_busy, self.r_advancing = {}, {}
-        self.sync_left = 0
         self.measured: dict = {}
-        self._lengths = {}
+        self.pg = None
+        self.t0 = time.time()
 
     # ------------------------------------------------------------------------------------------
     def _resource(self) -> str:
@@ -88,15 +89,12 @@ class RayDriver:
             raise ClusterError(f"the Ray cluster offers {have:g} '{self._resource()}' resources but cluster.gpus "
                                f"is {G}; start Ray with resources={{'{self._resource()}': {G}}} or lower cluster.gpus")
 
-    def _place(self):
+    def _reserve(self):
+        """One placement group of ``G`` bundles: ``[0, g_r)`` the rollout pool, ``[g_r, G)`` the trainer pool."""
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from bidirl.cluster.emulated import EmulatedRollout, EmulatedTrainer
-
-        env = self.control.plan.envelope
-        G, g_r, res = self.config.cluster.gpus, env.rollout_gpus, self._resource()
+        G, res = self.config.cluster.gpus, self._resource()
         self.pg = placement_group([{res: 1.0, "CPU": 0.1}] * G, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=self.start_timeout)
@@ -104,40 +102,37 @@ class RayDriver:
             raise ClusterError(f"could not reserve {G} GPU slots within {self.start_timeout:.0f} s ({exc}); "
                                "check the cluster's free resources") from None
 
-        def at(bundle):
-            return {"num_cpus": 0.05, "resources": {res: 0.5},
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
+    def _at(self, bundle: int, share: float = 0.5, cpus: float = 0.05) -> dict:
+        """Actor options that place it on ``bundle`` holding ``share`` of its GPU slot."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        return {"num_cpus": cpus, "resources": {self._resource(): share},
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
 
-        Rollout = ray.remote(EmulatedRollout)
-        Trainer = ray.remote(EmulatedTrainer)
-        costs = self.models.engine_costs()
-        top = self.topology
-        self.t0 = time.time() + 1.0
-        for i, w in enumerate(top.rollouters):
-            self.actors[w] = Rollout.options(**at(i * env.rollout_layout)).remote(
-                w, costs, self.t0, self.time_scale, [self.seed, 3, i])
-        for j, w in enumerate(top.aux_rollouters):
-            self.actors[w] = Rollout.options(**at(g_r + j * env.rollout_layout)).remote(
-                w, costs, self.t0, self.time_scale, [self.seed, 3, len(top.rollouters) + j])
-        self.actors["trainer_pool/trainer"] = Trainer.options(**at(g_r)).remote("trainer_pool/trainer", self.t0,
-                                                                               self.time_scale)
-        if top.aux_trainer_replicas:
-            self.actors["rollout_pool/trainer"] = Trainer.options(**at(0)).remote("rollout_pool/trainer", self.t0,
-                                                                                 self.time_scale)
-        # every worker is initialised up front and kept (auxiliaries passive)
-        try:
-            ray.get([a.hold.remote(0.0) for a in self.actors.values()], timeout=self.start_timeout)
-        except Exception as exc:
-            raise ClusterError(f"a worker failed to start: {exc}") from None
-        for w in top.rollouters + top.aux_rollouters:
-            self.r_busy[w], self.r_advancing[w] = False, False
+    def _place(self):
+        raise NotImplementedError
 
     def now(self) -> float:
-        return (time.time() - self.t0) * self.time_scale
+        return time.time() - self.t0
 
     # ------------------------------------------------------------------------------------------
-    def _submit(self, worker: str, ref, callback):
-        self.pending[ref] = (worker, callback)
+    def _submit(self, worker: str, ref, callback, on_error: Optional[Callable] = None):
+        """Track a call on ``worker``: ``callback(value)`` when it completes; if the worker's actor died,
+        the coordinator is told and ``on_error()`` runs (for calls whose completion others wait on)."""
+        self.pending[ref] = (worker, callback, on_error)
+
+    def _submit_all(self, worker: str, refs: list, callback):
+        """Call ``callback(values)`` once every call in ``refs`` has completed (a gang's calls)."""
+        values, left = [None] * len(refs), [len(refs)]
+
+        def one(i):
+            def done(value):
+                values[i] = value
+                left[0] -= 1
+                if left[0] == 0:
+                    callback(values)
+            return done
+        for i, ref in enumerate(refs):
+            self._submit(worker, ref, one(i))
 
     def _feed(self, event):
         if self.on_event is not None:
@@ -153,14 +148,170 @@ class RayDriver:
                                step=len(c.steps) if step is None else step, version=c.trainer_version,
                                detail=detail))
 
+    def _measure(self, key, seconds):
+        self.measured.setdefault(key, []).append(seconds)
+
+    def _worker_failed(self, worker: str, exc: Exception):
+        """A call on ``worker`` raised because its actor died: tell the coordinator (once)."""
+        if worker not in self.coordinator.failed:
+            self._feed(P.WorkerFailed(self.now(), worker, str(exc).splitlines()[0]))
+
+    def _begin(self):
+        """Called after placement, right before ``Started``."""
+
+    # ------------------------------------------------------------------------------------------
+    def run(self, progress: bool = False, kill: Optional[Callable] = None) -> RunResult:
+        """Run to the configured number of steps. ``kill(driver)`` is polled each loop (fault tests)."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        self._start_ray()
+        bar = None
+        c = self.coordinator
+        try:
+            self._reserve()
+            self._place()
+            self._begin()
+            if progress:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=self.steps, desc=f"run {self.policy_name} ({self.label})", leave=False)
+            self._feed(P.Started(self.now()))
+            seen = 0
+            while self.pending:
+                ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=self.stall_timeout)
+                if not ready:
+                    raise ClusterError(f"no worker answered for {self.stall_timeout:.0f} s at step {len(c.steps)}; "
+                                       "the job is stuck")
+                for ref in ready:
+                    worker, callback, on_error = self.pending.pop(ref)
+                    try:
+                        value = ray.get(ref)
+                    except (RayActorError, RayTaskError) as exc:
+                        died = isinstance(exc, RayActorError)
+                        if not died and P.is_primary(worker):
+                            raise ClusterError(f"worker {worker} failed: {_root_cause(exc)}") from exc
+                        # an auxiliary worker that died or whose call failed (e.g. a collective broken by a
+                        # dead peer) is given up: the coordinator recovers its work on the primaries
+                        self._worker_failed(worker, exc)
+                        if on_error is not None:
+                            on_error()
+                        continue
+                    callback(value)
+                if kill is not None:
+                    kill(self)
+                if bar is not None and len(c.steps) != seen:
+                    bar.update(len(c.steps) - seen)
+                    seen = len(c.steps)
+        finally:
+            if bar is not None:
+                bar.close()
+            self.shutdown()
+        if not c.finished:
+            raise ClusterError(f"the run ended after {len(c.steps)} of {self.steps} steps with no work left; "
+                               "this is a scheduler bug — please report it with the event log")
+        for s in c.steps:
+            self.log.add_step(s)
+        for d in c.decisions:
+            self.log.add_decision(d)
+        return self._result()
+
+    def shutdown(self):
+        import ray
+        from ray.util.placement_group import remove_placement_group
+        for a in self._all_actors():
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+            self.pg = None
+
+    def _all_actors(self) -> list:
+        return list(self.actors.values())
+
+    def _summary(self) -> dict:
+        import numpy as np
+
+        from bidirl import metrics
+        summary = metrics.summary(self.log, policy=self.policy_name, staleness=self.config.rl.staleness,
+                                  pool_gpus=self.control.pool_gpus, gpus_per_worker=self.control.gpus_per_worker(),
+                                  samples=self.coordinator.sample_counts())
+        costs = {}
+        for (direction, which), values in sorted(self.measured.items()):
+            costs.setdefault(direction, {})[which] = float(np.median(values))
+        summary["costs"] = costs
+        return summary
+
+
+@dataclass
+class RayDriver(PoolDriver):
+    """Run ``config`` on Ray with emulated, model-timed workers (``time_scale`` virtual s per wall s)."""
+    emulate: bool = True
+    time_scale: float = 20.0
+    max_wall: float = 0.05
+
+    label = "emulated"
+
+    def __post_init__(self):
+        if not self.emulate:
+            raise ClusterError("RayDriver drives emulated workers; engine workers are driven by "
+                               "bidirl.cluster.engine_driver.EngineDriver (run(..., emulate=False))")
+        super().__post_init__()
+        self.r_busy, self.r_advancing = {}, {}
+        self.sync_left = 0
+        self._lengths = {}
+
+    def _place(self):
+        import ray
+
+        from bidirl.cluster.emulated import EmulatedRollout, EmulatedTrainer
+
+        env = self.control.plan.envelope
+        g_r = env.rollout_gpus
+        Rollout = ray.remote(EmulatedRollout)
+        Trainer = ray.remote(EmulatedTrainer)
+        costs = self.models.engine_costs()
+        top = self.topology
+        self.t0 = time.time() + 1.0
+        for i, w in enumerate(top.rollouters):
+            self.actors[w] = Rollout.options(**self._at(i * env.rollout_layout)).remote(
+                w, costs, self.t0, self.time_scale, [self.seed, 3, i])
+        for j, w in enumerate(top.aux_rollouters):
+            self.actors[w] = Rollout.options(**self._at(g_r + j * env.rollout_layout)).remote(
+                w, costs, self.t0, self.time_scale, [self.seed, 3, len(top.rollouters) + j])
+        self.actors["trainer_pool/trainer"] = Trainer.options(**self._at(g_r)).remote("trainer_pool/trainer", self.t0,
+                                                                                     self.time_scale)
+        if top.aux_trainer_replicas:
+            self.actors["rollout_pool/trainer"] = Trainer.options(**self._at(0)).remote("rollout_pool/trainer",
+                                                                                       self.t0, self.time_scale)
+        # every worker is initialised up front and kept (auxiliaries passive)
+        try:
+            ray.get([a.hold.remote(0.0) for a in self.actors.values()], timeout=self.start_timeout)
+        except Exception as exc:
+            raise ClusterError(f"a worker failed to start: {exc}") from None
+        for w in top.rollouters + top.aux_rollouters:
+            self.r_busy[w], self.r_advancing[w] = False, False
+
+    def _begin(self):
+        time.sleep(max(0.0, self.t0 - time.time()))
+
+    def now(self) -> float:
+        return (time.time() - self.t0) * self.time_scale
+
+    def _worker_failed(self, worker: str, exc: Exception):
+        self.r_advancing[worker] = False
+        self.r_busy[worker] = False
+        super()._worker_failed(worker, exc)
+
     def _group_lengths(self, gid):
         if gid not in self._lengths:
             from bidirl.control import group_lengths
             self._lengths[gid] = group_lengths(self.config, self.seed, gid)
         return self._lengths[gid]
-
-    def _measure(self, key, seconds):
-        self.measured.setdefault(key, []).append(seconds)
 
     # rollout ------------------------------------------------------------------------------------
     def _rollout_report(self, worker, result):
@@ -258,91 +409,32 @@ class RayDriver:
             self._feed(P.OptimizerStepped(b, cmd.step, cmd.version))
         self._hold("trainer_pool/trainer", self.control.optimizer_time(), finish)
 
-    # ------------------------------------------------------------------------------------------
-    def run(self, progress: bool = False, kill: Optional[Callable] = None) -> RunResult:
-        """Run to the configured number of steps. ``kill(driver)`` is polled each loop (fault tests)."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        self._start_ray()
-        self._place()
-        time.sleep(max(0.0, self.t0 - time.time()))
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=self.steps, desc=f"run {self.policy_name} (emulated)", leave=False)
-        c = self.coordinator
-        self._feed(P.Started(self.now()))
-        seen = 0
-        try:
-            while self.pending:
-                ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=60.0)
-                if not ready:
-                    raise ClusterError(f"no worker answered for 60 s at step {len(c.steps)}; the job is stuck")
-                for ref in ready:
-                    worker, callback = self.pending.pop(ref)
-                    try:
-                        value = ray.get(ref)
-                    except RayActorError as exc:
-                        self.r_advancing[worker] = False
-                        self.r_busy[worker] = False
-                        if worker not in c.failed:
-                            self._feed(P.WorkerFailed(self.now(), worker, str(exc).splitlines()[0]))
-                        continue
-                    callback(value)
-                if kill is not None:
-                    kill(self)
-                if bar is not None and len(c.steps) != seen:
-                    bar.update(len(c.steps) - seen)
-                    seen = len(c.steps)
-        finally:
-            if bar is not None:
-                bar.close()
-            self.shutdown()
-        if not c.finished:
-            raise ClusterError(f"the run ended after {len(c.steps)} of {self.steps} steps with no work left; "
-                               "this is a scheduler bug — please report it with the event log")
-        for s in c.steps:
-            self.log.add_step(s)
-        for d in c.decisions:
-            self.log.add_decision(d)
-        return self._result()
-
-    def shutdown(self):
-        import ray
-        from ray.util.placement_group import remove_placement_group
-        for a in self.actors.values():
-            try:
-                ray.kill(a)
-            except Exception:
-                pass
-        if getattr(self, "pg", None) is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:
-                pass
-            self.pg = None
-
     def _result(self) -> RunResult:
-        import numpy as np
-
-        from bidirl import metrics
-        summary = metrics.summary(self.log, policy=self.policy_name, staleness=self.config.rl.staleness,
-                                  pool_gpus=self.control.pool_gpus, gpus_per_worker=self.control.gpus_per_worker(),
-                                  samples=self.coordinator.sample_counts())
-        costs = {}
-        for (direction, which), values in sorted(self.measured.items()):
-            costs.setdefault(direction, {})[which] = float(np.median(values))
-        summary["costs"] = costs
+        summary = self._summary()
         summary["emulated"] = True
         summary["time_scale"] = self.time_scale
         return RunResult(self.policy_name, self.config, self.log, summary, self.coordinator)
 
 
+def _root_cause(exc: Exception) -> str:
+    """The innermost error message of a failed actor construction or call (one line)."""
+    cause = getattr(exc, "cause", None) or getattr(exc, "__cause__", None)
+    text = str(cause if cause is not None else exc)
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "Error" in ln or "error" in ln:
+            return ln
+    return lines[-1] if lines else type(exc).__name__
+
+
 def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, seed: Optional[int] = None,
-        emulate: bool = True, address: Optional[str] = None, time_scale: float = 20.0,
-        progress: bool = False) -> RunResult:
-    """Run a job on Ray (embedded local Ray unless ``address`` names a cluster). See :class:`RayDriver`."""
+        emulate: bool = False, address: Optional[str] = None, time_scale: float = 20.0,
+        model_dir: Optional[str] = None, progress: bool = False) -> RunResult:
+    """Run a job on Ray (embedded local Ray unless ``address`` names a cluster).
+
+    Engine workers (vLLM rollouters, torch trainers: :class:`~bidirl.cluster.engine_driver.EngineDriver`)
+    by default; ``emulate=True`` runs model-timed workers (:class:`RayDriver`) at ``time_scale``.
+    """
     cfg = cfgmod.load(config)
     policy = policy or cfg.scheduler.policy
     from bidirl.core.policies import get_policy
@@ -355,11 +447,7 @@ def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, se
     steps = cfg.workload.steps if steps is None else int(steps)
     seed = cfg.seed if seed is None else int(seed)
     if not emulate:
-        try:
-            from bidirl.cluster.engine_driver import run_engines
-        except ImportError:
-            raise ClusterError("running vLLM/torch engine workers under the coordinator is not available in this "
-                               "version; use emulate=True (bidirl run --emulate) for the Ray control path, or "
-                               "bidirl.rl.loop.run_grpo for a real GRPO loop without Ray") from None
-        return run_engines(cfg, policy, steps=steps, seed=seed, address=address, progress=progress)
+        from bidirl.cluster.engine_driver import run_engines
+        return run_engines(cfg, policy, steps=steps, seed=seed, address=address, progress=progress,
+                           model_dir=model_dir)
     return RayDriver(cfg, policy, steps, seed, emulate=True, time_scale=time_scale, address=address).run(progress)

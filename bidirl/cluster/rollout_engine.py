@@ -6,8 +6,10 @@ mode. Generation is driven step by step through ``LLMEngine.add_request`` / ``st
 between any two decode steps:
 
 * :meth:`start` adds the requests of prompt-level groups (``group_size`` responses each). Response ``i``
-  of group ``g`` samples with its own seed derived from ``(seed, g, i, prefix length)``
-  (:func:`request_seed`), so the same seeds give the same tokens.
+  of group ``g`` samples with its own seed ``request_seed(seed, g, i)``, and the token at each position is
+  drawn with noise keyed by (that seed, the position) (``bidirl.cluster.position_sampler``): the same seeds
+  give the same tokens, whichever replica generated them, in whatever batch, and however often the
+  response was interrupted and resumed.
 * :meth:`step_until` runs engine steps until a stop condition, a step or time budget, or until nothing is
   left, and returns the groups that completed, as ``bidirl.core.protocol.GroupState`` with a
   ``bidirl.rl.samples.GroupPayload`` (token ids and the sampled tokens' log-probs from
@@ -43,9 +45,9 @@ from bidirl.core.protocol import GroupState
 from bidirl.rl.samples import GroupPayload
 
 
-def request_seed(seed: int, group_id: int, index: int, offset: int = 0) -> int:
-    """The sampling seed of response ``index`` of group ``group_id`` resumed after ``offset`` tokens."""
-    state = np.random.SeedSequence([int(seed), int(group_id), int(index), int(offset)]).generate_state(1)
+def request_seed(seed: int, group_id: int, index: int) -> int:
+    """The sampling seed of response ``index`` of group ``group_id`` (the same when it is resumed)."""
+    state = np.random.SeedSequence([int(seed), int(group_id), int(index)]).generate_state(1)
     return int(state[0] & 0x7FFFFFFF)
 
 
@@ -183,12 +185,17 @@ class RolloutEngine:
             raise ValueError(f"RolloutEngine.kv_cache_gib must be > 0, got {kv_cache_gib!r}")
         if not temperature > 0:
             raise ValueError(f"RolloutEngine.temperature must be > 0 (sampling), got {temperature!r}")
+        if top_p != 1.0:
+            raise ValueError(f"RolloutEngine.top_p must be 1.0, got {top_p!r}: responses are sampled from the "
+                             "full distribution by position-keyed Gumbel-max (bidirl.cluster.position_sampler)")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # in-process engine (no __main__ guard needed)
         if quiet:
             os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         t0 = time.perf_counter()
         import torch
         from vllm import LLM
+
+        from bidirl.cluster.position_sampler import PositionKeyedSampler
 
         self.model_dir, self.seed = path, int(seed)
         self.max_model_len = int(max_model_len)
@@ -201,7 +208,8 @@ class RolloutEngine:
         kwargs = dict(model=str(path), dtype="float32", enforce_eager=True, max_model_len=self.max_model_len,
                       distributed_executor_backend="uni", seed=self.seed, enable_prefix_caching=False,
                       max_num_seqs=int(max_num_seqs), disable_log_stats=True,
-                      kv_cache_memory_bytes=int(kv_cache_gib * 2**30))
+                      kv_cache_memory_bytes=int(kv_cache_gib * 2**30), logprobs_mode="raw_logprobs",
+                      logits_processors=[PositionKeyedSampler])
         if self.gpu:
             kwargs["enable_sleep_mode"] = True        # sleep(level=1) / wake_up() for hot switching
         with _preserved_global_rng():     # in-process vLLM seeds random / numpy / torch globally
@@ -237,9 +245,14 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        return SamplingParams(n=1, max_tokens=int(max_tokens), temperature=self.temperature, top_p=self.top_p,
-                              top_k=0, seed=int(seed), logprobs=0, detokenize=False,
-                              output_kind=RequestOutputKind.DELTA, ignore_eos=bool(ignore_eos))
+        from bidirl.cluster.position_sampler import SEED_KEY, TEMPERATURE_KEY
+
+        # The processor picks the token; vLLM's sampler (seeded, so it never touches the global RNG) only
+        # returns it, and the reported log-probs are the raw policy log-probs.
+        return SamplingParams(n=1, max_tokens=int(max_tokens), temperature=1.0, top_p=1.0, top_k=0, seed=int(seed),
+                              logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA,
+                              ignore_eos=bool(ignore_eos),
+                              extra_args={SEED_KEY: int(seed), TEMPERATURE_KEY: self.temperature})
 
     def start(self, requests: Iterable[GroupRequest]) -> int:
         """Add the requests of ``requests`` (fresh or resumed groups); returns the number of requests added."""
@@ -265,8 +278,8 @@ class RolloutEngine:
                 self._counter += 1
                 prompt = list(req.prompt_ids) + list(resp.tokens)
                 self.engine.add_request(rid, {"prompt_token_ids": prompt},
-                                        self._params(remaining, request_seed(self.seed, req.group_id, i, len(resp.tokens)),
-                                             req.ignore_eos))
+                                        self._params(remaining, request_seed(self.seed, req.group_id, i),
+                                                     req.ignore_eos))
                 resp.request_id = rid
                 self._by_request[rid] = (req.group_id, i)
                 added += 1

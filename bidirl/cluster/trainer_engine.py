@@ -213,6 +213,14 @@ class TrainerEngine:
         With ``reduce`` and a DP group, the gradient is all-reduced (summed) over the gang.
         """
         self._check_onloaded("chunk_gradients")
+        if len(samples) == 0:
+            # A DP rank with no share of a small chunk still joins the gang's all-reduce.
+            if normalizer is None:
+                raise ValueError("chunk_gradients: an empty share needs the step's normalizer")
+            flat = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+            if self._group is not None and reduce:
+                torch.distributed.all_reduce(flat, group=self._group)
+            return ChunkGradient(flat.cpu(), grpo.empty_stats(), 0, 0, 0.0)
         if self.kl_coef > 0 and ref_logprobs is None:
             raise ValueError("chunk_gradients: kl_coef > 0 needs ref_logprobs (run logprobs(samples, 'reference'))")
         t0 = time.perf_counter()

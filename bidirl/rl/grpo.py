@@ -92,6 +92,11 @@ class LossStats:
         return asdict(self)
 
 
+def empty_stats() -> dict:
+    """The :class:`LossStats` dict of a share with no samples (a DP rank left out of a small chunk)."""
+    return LossStats(0.0, 0.0, 0.0, 0.0, 1.0, 0, 0).to_dict()
+
+
 def _check(name, t, shape):
     if t.shape != shape:
         raise ValueError(f"policy_loss: {name} has shape {tuple(t.shape)} but logprobs has {tuple(shape)}; "

@@ -1,0 +1,545 @@
+"""The Ray runtime with real engines: vLLM rollouters and torch trainers driven by the coordinator.
+
+The same :class:`~bidirl.core.coordinator.Coordinator` as the simulator and the emulated runtime, fed by
+completions of Ray calls with the wall clock (paper §3-§6). Placement follows :class:`PoolDriver`: one
+placement group over the GPU slots (logical ``gpu_slot`` resources on a CPU machine, ``GPU`` on a GPU
+cluster), bundles ``[0, g_r)`` the rollout pool and ``[g_r, G)`` the trainer pool. Every worker is started
+once and kept, each holding half of its bundle:
+
+* ``rollout_pool/rollouter/<i>`` and ``trainer_pool/rollouter/<i>``: one :class:`RolloutActor` (vLLM) each;
+* ``trainer_pool/trainer`` and ``rollout_pool/trainer``: a *gang* of ``d`` :class:`TrainerActor` ranks
+  (torch, one data-parallel process group per gang: gloo on CPU, NCCL on GPU).
+
+How each command runs:
+
+* ``Generate`` — the groups' prompts come from the task (``ArithmeticTask``: group ``g`` is problem
+  ``g``, or ``g mod workload.prompt_pool``); a rollouter whose weights are older than the command's
+  version loads them first. Generation advances in ``step_seconds`` slices (``step_until``), so an
+  ``Interrupt`` (sync point, lease revocation, migration) waits at most one slice; completed groups carry
+  token ids, log-probs and rewards. Unfinished groups come back as prefixes and resume without
+  regenerating; sampling is position-keyed, so a resumed response gets the tokens it would have got.
+* ``RunChunk`` — each rank of the gang takes ``per_device`` samples of the chunk: ``old_logprob`` /
+  ``ref_logprob`` recompute log-probs, ``actor_update`` computes the chunk's GRPO gradient (step-level
+  group-normalised advantages and loss normaliser) and all-reduces it over the gang. A primary gang keeps
+  it; an auxiliary gang returns it as an object.
+* ``MergeGradients`` — the auxiliary chunks' gradients are moved to every primary rank (measured: C_grad);
+  ``OptimizerStep`` — each primary rank sums all update-chunk gradients in the original chunk order and
+  takes one AdamW step, so where a chunk ran never changes the update (§6.3).
+* ``SyncWeights`` — the primary trainer's ``state_dict`` goes once into the object store and is loaded in
+  place by the target rollouters (vLLM reload). Auxiliary workers receive the weights they need when
+  they are switched in.
+* ``Switch`` — offload the passive role's state, onload the active one, and bring the active one's
+  weights to the current version (vLLM sleep/wake and trainer offload on GPU; on CPU the KV cache and
+  the trainer's weights and optimizer state are really freed and restored). The measured durations are
+  C_in / C_out, fed back to the profiler through ``SwitchFinished``.
+
+A busy period of a rollouter that ran only fresh groups becomes a ``RolloutRecord`` (§5.1); chunk times
+come with ``ChunkFinished``: the profiler calibrates the stage-time models online from both.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from bidirl import config as cfgmod
+from bidirl.cluster.driver import ClusterError, PoolDriver, RunResult, _root_cause
+from bidirl.core import protocol as P
+
+PRIMARY_TRAINER, AUX_TRAINER = "trainer_pool/trainer", "rollout_pool/trainer"
+ROT, TOR = "rollout_on_trainer_pool", "trainer_on_rollout_pool"
+
+
+@dataclass
+class StepData:
+    """One training step's samples and what the trainer stages computed for them (batch order)."""
+    samples: list
+    index: dict                 # (group_id, response index) -> position in ``samples``
+    advantages: object          # torch tensor [n]
+    normalizer: float
+    old: list
+    ref: list
+    stats: list = field(default_factory=list)     # loss statistics of each update-chunk share
+
+
+@dataclass
+class EngineDriver(PoolDriver):
+    """Run ``config`` with real engine workers. ``model_dir``: a Qwen2 checkpoint folder (default: the
+    built-in tiny model, created once into the cache); ``step_seconds``: wall seconds per generation slice."""
+    model_dir: Optional[str] = None
+    step_seconds: float = 0.05
+    kv_cache_gib: float = 0.0625
+    start_timeout: float = 600.0
+    stall_timeout: float = 300.0
+
+    label = "engines"
+
+    def __post_init__(self):
+        super().__post_init__()
+        from bidirl.rl.tasks import ArithmeticTask
+        from bidirl.rl.tiny_model import load_tokenizer
+
+        cfg = self.config
+        if cfg.workload.dataset != "arithmetic":
+            raise cfgmod.ConfigError("workload.dataset", f"engine runs use the built-in verifiable task, got "
+                                     f"{cfg.workload.dataset!r}", "set workload.dataset: arithmetic")
+        if self.model_dir is None:
+            if cfg.model != "tiny":
+                raise cfgmod.ConfigError("model", f"engine runs need model weights; {cfg.model!r} has none here",
+                                         "use model: tiny (built in), or pass model_dir= a Qwen2 checkpoint folder")
+            from bidirl.rl.bootstrap import ensure_tiny_model
+            self.model_dir = str(ensure_tiny_model())
+        if not self.step_seconds > 0:
+            raise ValueError(f"EngineDriver.step_seconds must be > 0, got {self.step_seconds!r}")
+        self.task = ArithmeticTask(seed=cfg.seed)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.max_model_len = self.task.max_prompt_chars() + 2 + cfg.workload.max_response_len
+        self.gangs = {PRIMARY_TRAINER: [], AUX_TRAINER: []}
+        self.versions: dict = {}          # worker -> weights version it holds
+        self.weights: dict = {0: None}    # version -> object ref of the state_dict (None: the checkpoint)
+        self.r_busy, self.r_advancing, self.period = {}, {}, {}
+        self.step_data: dict = {}
+        self.update_chunks: set = set()
+        self.aux_grads: dict = {}         # chunk id -> object ref of an auxiliary chunk's gradient
+        self.step_stats: list = []
+        self.final_weights = None
+
+    # ------------------------------------------------------------------------------------------
+    # placement and start-up
+    # ------------------------------------------------------------------------------------------
+    def _resource(self) -> str:
+        import ray
+        res = ray.cluster_resources()
+        return "GPU" if res.get("GPU", 0) >= self.config.cluster.gpus and not res.get("gpu_slot") else "gpu_slot"
+
+    def _at(self, bundle: int, share: float = 0.5, cpus: float = 0.05) -> dict:
+        opts = super()._at(bundle, share, cpus)
+        if self._resource() == "GPU":          # Ray places GPU shares through num_gpus
+            opts["num_gpus"] = opts.pop("resources")["GPU"]
+        return opts
+
+    def _place(self):
+        from bidirl.cluster.actors import RolloutActor, TrainerActor
+
+        cfg, env, top = self.config, self.control.plan.envelope, self.topology
+        g_r = env.rollout_gpus
+        gpu = self._resource() == "GPU"
+        rollout_kwargs = dict(max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib,
+                              reward_fn=self.task.reward)
+        trainer_kwargs = dict(lr=cfg.rl.lr, seed=cfg.seed, kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
+                              device="cuda" if gpu else "cpu", threads=None if gpu else 1)
+        for i, w in enumerate(top.rollouters):
+            self.actors[w] = RolloutActor.options(**self._at(i * env.rollout_layout)).remote(
+                w, self.model_dir, cfg.seed, **rollout_kwargs)
+        for i, w in enumerate(top.aux_rollouters):
+            self.actors[w] = RolloutActor.options(**self._at(g_r + i * env.rollout_layout)).remote(
+                w, self.model_dir, cfg.seed, **rollout_kwargs)
+        for j in range(top.trainer_replicas):
+            self.gangs[PRIMARY_TRAINER].append(TrainerActor.options(**self._at(g_r + j * env.trainer_layout)).remote(
+                f"{PRIMARY_TRAINER}/{j}", self.model_dir, role="primary", **trainer_kwargs))
+        for j in range(top.aux_trainer_replicas):
+            self.gangs[AUX_TRAINER].append(TrainerActor.options(**self._at(j * env.trainer_layout)).remote(
+                f"{AUX_TRAINER}/{j}", self.model_dir, role="auxiliary", **trainer_kwargs))
+        self._wait_ready()
+        self._join_gangs()
+        self._passivate()
+        for w in top.rollouters + top.aux_rollouters:
+            self.r_busy[w], self.r_advancing[w] = False, False
+
+    def _named_actors(self) -> list:
+        return list(self.actors.items()) + [(f"{g}/{j}", a) for g, ranks in self.gangs.items()
+                                            for j, a in enumerate(ranks)]
+
+    def _all_actors(self) -> list:
+        return [a for _, a in self._named_actors()]
+
+    def _wait_ready(self):
+        """Every worker constructs its engine; the first failure is reported with the worker's name."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        refs = {a.ready.remote(): name for name, a in self._named_actors()}
+        deadline = time.time() + self.start_timeout
+        while refs:
+            ready, _ = ray.wait(list(refs), num_returns=1, timeout=max(1.0, deadline - time.time()))
+            if not ready:
+                raise ClusterError(f"workers {sorted(refs.values())} did not start within {self.start_timeout:.0f} s; "
+                                   "check the cluster's free CPUs/GPUs and memory (ray status)")
+            for ref in ready:
+                name = refs.pop(ref)
+                try:
+                    reply = ray.get(ref)
+                except (RayActorError, RayTaskError, GetTimeoutError) as exc:
+                    raise ClusterError(f"worker {name} failed to start: {_root_cause(exc)}") from None
+                for sp in reply.spans:
+                    self._measure(("start", name.rsplit("/", 1)[0]), sp["end"] - sp["start"])
+        for name in list(self.actors) + list(self.gangs):
+            self.versions[name] = 0
+
+    def _join_gangs(self):
+        import ray
+        for gang, ranks in self.gangs.items():
+            if len(ranks) > 1:
+                addr = ray.get(ranks[0].address.remote())
+                ray.get([r.init_process_group.remote(i, len(ranks), addr) for i, r in enumerate(ranks)],
+                        timeout=self.start_timeout)
+
+    def _passivate(self):
+        """Auxiliary workers start passive: their state is offloaded until a switch brings them in."""
+        import ray
+        aux = [self.actors[w] for w in self.topology.aux_rollouters] + self.gangs[AUX_TRAINER]
+        ray.get([a.offload.remote() for a in aux], timeout=self.start_timeout)
+
+    def _begin(self):
+        self.t0 = time.time()
+
+    # ------------------------------------------------------------------------------------------
+    # bookkeeping
+    # ------------------------------------------------------------------------------------------
+    def _wall(self, t: float) -> float:
+        return t - self.t0
+
+    def _record_spans(self, reply, kind: str, lane: Optional[str] = None, step=None, **detail):
+        """Put an actor reply's self-recorded spans on the timeline (on ``lane``, default the worker's)."""
+        for sp in reply.spans:
+            self._span(lane or sp["worker"], kind, self._wall(sp["start"]), self._wall(sp["end"]),
+                       dict(sp["detail"], **detail), step=step)
+
+    def _worker_failed(self, worker: str, exc: Exception):
+        import ray
+        if worker in self.gangs:
+            for r in self.gangs[worker]:       # a gang is one worker: its other ranks would hang in collectives
+                try:
+                    ray.kill(r)
+                except Exception:
+                    pass
+        self.r_busy[worker] = self.r_advancing[worker] = False
+        super()._worker_failed(worker, exc)
+
+    def _alive(self, workers) -> list:
+        return [w for w in workers if w not in self.coordinator.failed]
+
+    # ------------------------------------------------------------------------------------------
+    # rollout
+    # ------------------------------------------------------------------------------------------
+    def _request(self, task: P.GroupTask):
+        from bidirl.cluster.rollout_engine import GroupRequest
+        w = self.config.workload
+        problem = self.task.problem(task.group_id % w.prompt_pool if w.prompt_pool else task.group_id)
+        prompt = tuple(self.tokenizer(problem.text)["input_ids"])
+        return GroupRequest(task.group_id, prompt, w.group_size, w.max_response_len, problem.answer,
+                            resume=task.resume)
+
+    def _load_rollout_weights(self, worker: str, version: int, then=None):
+        """Load actor ``version`` into a rollouter (skipped if it holds it); ``then(reply)`` when done."""
+        if self.versions.get(worker) == version:
+            if then is not None:
+                then(None)
+            return
+        self.versions[worker] = version       # calls on one actor run in order: later work sees these weights
+
+        def done(reply):
+            self._record_spans(reply, "sync", version=version)
+            if then is not None:
+                then(reply)
+        self._submit(worker, self.actors[worker].load_weights.remote(self.weights[version], version), done)
+
+    def _do_Generate(self, cmd: P.Generate):
+        w = cmd.worker
+        if not self.r_busy.get(w):
+            self.period[w] = {"since": self.now(), "clean": True, "groups": []}
+        if any(t.resume is not None for t in cmd.tasks):
+            self.period[w]["clean"] = False
+        self._load_rollout_weights(w, cmd.version)
+        self.r_busy[w] = True
+        requests = [self._request(t) for t in cmd.tasks]
+        self._submit(w, self.actors[w].start.remote(requests), lambda reply: None)
+        self._ensure_advance(w)
+
+    def _ensure_advance(self, worker):
+        if self.r_advancing.get(worker) or not self.r_busy.get(worker) or worker in self.coordinator.failed:
+            return
+        self.r_advancing[worker] = True
+
+        def done(reply):
+            self.r_advancing[worker] = False
+            detail = reply.spans[0]["detail"]
+            if detail.get("steps"):
+                self._record_spans(reply, "generate")
+            self._rollout_finished(worker, reply.value)
+            self._set_busy(worker, detail["busy"])
+            self._ensure_advance(worker)
+        self._submit(worker, self.actors[worker].step_until.remote(max_seconds=self.step_seconds), done)
+
+    def _rollout_finished(self, worker, groups):
+        period = self.period.get(worker)
+        for g in groups:
+            if period is not None:
+                period["groups"].append(g)
+            self._feed(P.GroupFinished(self.now(), worker, g, self.now() - period["since"] if period else 0.0))
+
+    def _set_busy(self, worker, busy: bool):
+        """A rollouter went idle: a busy period of fresh groups only becomes a profiling record (§5.1)."""
+        was, self.r_busy[worker] = self.r_busy.get(worker), busy
+        period = self.period.get(worker)
+        if was and not busy and period is not None:
+            if period["clean"] and period["groups"]:
+                prompt = [g.prompt_len for g in period["groups"] for _ in g.generated]
+                resp = [n for g in period["groups"] for n in g.generated]
+                self._feed(P.RolloutRecord(self.now(), {"worker": worker, "prompt_lens": prompt,
+                                                        "response_lens": resp,
+                                                        "elapsed": self.now() - period["since"]}))
+            self.period.pop(worker, None)
+
+    def _do_Interrupt(self, cmd: P.Interrupt):
+        w = cmd.worker
+        if w in self.period:
+            self.period[w]["clean"] = False
+
+        def done(reply):
+            self._feed(P.GenerationStopped(self.now(), w, tuple(reply.value)))
+            self._set_busy(w, reply.spans[0]["detail"]["busy"])
+            self._ensure_advance(w)
+        ids = list(cmd.group_ids) if cmd.group_ids is not None else None
+        self._submit(w, self.actors[w].interrupt.remote(ids), done)
+
+    # ------------------------------------------------------------------------------------------
+    # trainer
+    # ------------------------------------------------------------------------------------------
+    def _data(self, step: int) -> StepData:
+        if step not in self.step_data:
+            from bidirl.rl import grpo
+            from bidirl.rl.samples import samples_from_groups
+            import torch
+
+            groups = self.coordinator.step.groups
+            samples = samples_from_groups(groups)
+            rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+            self.step_data = {step: StepData(
+                samples=samples, index={(s.group_id, s.index): k for k, s in enumerate(samples)},
+                advantages=grpo.group_advantages(rewards, group_size=self.config.workload.group_size).float(),
+                normalizer=grpo.loss_normalizer([s.response_len for s in samples], "token-mean"),
+                old=[None] * len(samples), ref=[None] * len(samples))}
+        return self.step_data[step]
+
+    def _do_RunChunk(self, cmd: P.RunChunk):
+        ch, gang = cmd.chunk, cmd.worker
+        data = self._data(ch.step)
+        idx = [data.index[(g, i)] for g, i in ch.samples]
+        ranks = self.gangs[gang]
+        shares = [idx[r * ch.per_device:(r + 1) * ch.per_device] for r in range(len(ranks))]
+        self._feed(P.ChunkStarted(self.now(), gang, ch.chunk_id))
+        detail = {"stage": ch.stage, "chunk_id": ch.chunk_id, "samples": len(ch.samples)}
+
+        def finished(replies, payload=None):
+            starts = [sp["start"] for r in replies if r is not None for sp in r.spans]
+            ends = [sp["end"] for r in replies if r is not None for sp in r.spans]
+            a, b = self._wall(min(starts)), self._wall(max(ends))
+            self._span(gang, "chunk", a, b, detail, step=ch.step)
+            self._feed(P.ChunkFinished(self.now(), gang, ch.chunk_id, b - a, payload))
+
+        if ch.stage in ("old_logprob", "ref_logprob"):
+            model = "actor" if ch.stage == "old_logprob" else "reference"
+            target = data.old if ch.stage == "old_logprob" else data.ref
+            live = [(r, s) for r, s in zip(ranks, shares) if s]
+
+            def done(replies):
+                for (_, share), reply in zip(live, replies):
+                    for k, lp in zip(share, reply.value):
+                        target[k] = lp
+                finished(replies)
+            self._submit_all(gang, [r.logprobs.remote([data.samples[k] for k in s], model) for r, s in live], done)
+            return
+
+        self.update_chunks.add(ch.chunk_id)
+        primary = gang == PRIMARY_TRAINER
+        refs, grad_ref = [], None
+        for rank, (r, s) in enumerate(zip(ranks, shares)):
+            reply_ref, flat_ref = r.chunk_gradient.remote(
+                ch.chunk_id, [data.samples[k] for k in s], data.advantages[s] if s else [],
+                [data.old[k] for k in s], [data.ref[k] for k in s] if self.config.rl.kl_coef > 0 else None,
+                data.normalizer, keep=primary, give=not primary and rank == 0)
+            refs.append(reply_ref)
+            if not primary and rank == 0:
+                grad_ref = flat_ref
+
+        def done(replies):
+            data.stats += [r.value for r in replies if r.value.get("samples")]
+            if grad_ref is not None:
+                self.aux_grads[ch.chunk_id] = grad_ref
+            finished(replies, payload=ch.chunk_id)
+        self._submit_all(gang, refs, done)
+
+    def _do_CancelChunk(self, cmd: P.CancelChunk):
+        """Chunks are handed to a gang only when it can start them, so nothing is queued to reclaim."""
+
+    def _do_MergeGradients(self, cmd: P.MergeGradients):
+        start = self.now()
+        ranks = self.gangs[PRIMARY_TRAINER]
+        grads = [(cid, self.aux_grads.pop(cid)) for cid in cmd.chunk_ids]
+        refs = [r.receive_gradient.remote(cid, grad) for cid, grad in grads for r in ranks]
+
+        def done(replies):
+            end = self.now()
+            self._measure((TOR, "c_grad"), end - start)
+            self._span(PRIMARY_TRAINER, "grad_merge", start, end, {"chunks": len(cmd.chunk_ids)}, step=cmd.step)
+            self._feed(P.GradientsMerged(end, cmd.step, end - start))
+        self._submit_all(PRIMARY_TRAINER, refs, done)
+
+    def _do_OptimizerStep(self, cmd: P.OptimizerStep):
+        step = self.coordinator.step
+        order = [c for c in step.merge_order if c in self.update_chunks]
+        ranks = self.gangs[PRIMARY_TRAINER]
+        data = self._data(cmd.step)
+
+        def done(replies):
+            out = replies[0].value
+            if out["version"] != cmd.version:
+                raise ClusterError(f"the primary trainer produced version {out['version']}, the scheduler expected "
+                                   f"{cmd.version}; a rank missed an update")
+            self._record_spans(replies[0], "optimizer", lane=PRIMARY_TRAINER, step=cmd.step)
+            self.weights[cmd.version] = ranks[0].weights.remote()
+            self.versions[PRIMARY_TRAINER] = cmd.version
+            self.update_chunks.clear()
+            stats = self._step_stats(cmd.step, data, out)
+            self.step_stats.append(stats)
+            self._feed(P.OptimizerStepped(self.now(), cmd.step, cmd.version, stats))
+        self._submit_all(PRIMARY_TRAINER, [r.apply_kept.remote(order) for r in ranks], done)
+
+    def _step_stats(self, step: int, data: StepData, update: dict) -> dict:
+        """Per-step learning metrics (veRL names where the meaning is the same)."""
+        import torch
+        samples = data.samples
+        tok = np.array([s["tokens"] for s in data.stats], dtype=np.float64)
+        wmean = (lambda key: float(np.dot(tok, [s[key] for s in data.stats]) / max(tok.sum(), 1.0)))
+        # vLLM's log-probs of sampled tokens against the trainer's recomputation (old_logprob) for responses
+        # generated entirely by the weights the trainer held: the weight sync's correctness check.
+        v = self.coordinator.trainer_version
+        gaps = [float((torch.tensor(s.logprobs) - lp).abs().max()) for s, lp in zip(samples, data.old)
+                if s.version == v and s.response_len]
+        return {"step": step, "version": update["version"], "reward": float(np.mean([s.reward for s in samples])),
+                "response_length": float(np.mean([s.response_len for s in samples])),
+                "loss": float(sum(s["loss"] for s in data.stats)), "kl": wmean("kl"),
+                "clip_frac": wmean("clip_frac"), "grad_norm": float(update["grad_norm"]),
+                "on_policy_samples": len(gaps), "logprob_diff_max": max(gaps) if gaps else None}
+
+    # ------------------------------------------------------------------------------------------
+    # weights and switching
+    # ------------------------------------------------------------------------------------------
+    def _do_SyncWeights(self, cmd: P.SyncWeights):
+        start = self.now()
+        targets = self._alive(cmd.targets)
+        if not targets:
+            self._feed(P.SyncFinished(start, cmd.version, tuple(cmd.targets), 0.0))
+            return
+        left = [len(targets)]
+
+        def one(_reply):
+            left[0] -= 1
+            if left[0] == 0:
+                end = self.now()
+                self._measure(("weight_sync", "rollout"), end - start)
+                self._feed(P.SyncFinished(end, cmd.version, tuple(cmd.targets), end - start))
+        for w in targets:
+            self._load_rollout_weights(w, cmd.version, one)
+        self._prune_weights()
+
+    def _prune_weights(self):
+        keep = {self.coordinator.rollout_version, self.coordinator.trainer_version}
+        keep |= {v for w, v in self.versions.items()}
+        for v in [v for v in self.weights if v not in keep and v != max(self.weights)]:
+            del self.weights[v]
+
+    def _do_Switch(self, cmd: P.Switch):
+        """Offload the pool's passive role, onload the active one and bring its weights up to date (§3.2)."""
+        c, top = self.coordinator, self.topology
+        rollouters = top.aux_rollouters if cmd.pool == P.TRAINER_POOL else top.rollouters
+        trainer = PRIMARY_TRAINER if cmd.pool == P.TRAINER_POOL else AUX_TRAINER
+        to_rollout = cmd.to_role == "rollout"
+        start = self.now()
+        lane = PRIMARY_TRAINER if cmd.pool == P.TRAINER_POOL else top.rollouters[0]
+
+        def calls(method, workers):
+            out = []
+            for w in self._alive(workers):
+                if w in self.gangs:
+                    out += [(w, getattr(r, method).remote()) for r in self.gangs[w]]
+                else:
+                    out.append((w, getattr(self.actors[w], method).remote()))
+            return out
+
+        def phase(pairs, then):
+            """Run a set of calls; a worker that dies meanwhile only drops out (the coordinator recovers)."""
+            if not pairs:
+                then()
+                return
+            left = [len(pairs)]
+
+            def one(_value=None):
+                left[0] -= 1
+                if left[0] == 0:
+                    then()
+            for w, ref in pairs:
+                self._submit(w, ref, one, on_error=one)
+
+        def refresh():
+            if to_rollout:
+                version = c.rollout_version
+                pairs = [(w, self.actors[w].load_weights.remote(self.weights[version], version))
+                         for w in self._alive(rollouters) if self.versions.get(w) != version]
+                for w, _ in pairs:
+                    self.versions[w] = version
+            else:
+                version = c.trainer_version
+                pairs = []
+                if trainer not in c.failed and self.versions.get(trainer) != version:
+                    pairs = [(trainer, r.load_state_dict.remote(self.weights[version], version))
+                             for r in self.gangs[trainer]]
+                    self.versions[trainer] = version
+            phase(pairs, finish)
+
+        def finish():
+            end = self.now()
+            which = "c_in" if cmd.phase == "in" else "c_out"
+            self._measure((cmd.direction, which), end - start)
+            self._span(lane, "switch_in" if cmd.phase == "in" else "switch_out", start, end,
+                       {"direction": cmd.direction, "to_role": cmd.to_role})
+            self._feed(P.SwitchFinished(end, cmd.pool, cmd.to_role, end - start))
+
+        passive, active = ([trainer], list(rollouters)) if to_rollout else (list(rollouters), [trainer])
+        phase(calls("offload", passive), lambda: phase(calls("onload", active), refresh))
+
+    # ------------------------------------------------------------------------------------------
+    def shutdown(self):
+        import ray
+        last = max(self.weights)
+        if self.final_weights is None and self.weights.get(last) is not None:
+            try:
+                self.final_weights = ray.get(self.weights[last], timeout=60)
+            except Exception:
+                self.final_weights = None
+        super().shutdown()
+
+    def _result(self) -> RunResult:
+        summary = self._summary()
+        costs = summary["costs"]
+        summary["startup"] = costs.pop("start", {})             # seconds to construct each kind of worker
+        summary["weight_sync"] = costs.pop("weight_sync", {}).get("rollout")
+        summary["emulated"] = False
+        summary["reward"] = [s["reward"] for s in self.step_stats]
+        summary["train"] = list(self.step_stats)
+        gaps = [s["logprob_diff_max"] for s in self.step_stats if s["logprob_diff_max"] is not None]
+        summary["logprob_diff_max"] = max(gaps) if gaps else None
+        summary["model_dir"] = self.model_dir
+        res = RunResult(self.policy_name, self.config, self.log, summary, self.coordinator)
+        res.weights = self.final_weights
+        return res
+
+
+def run_engines(cfg: cfgmod.JobConfig, policy: str, *, steps: int, seed: int, address: Optional[str] = None,
+                progress: bool = False, model_dir: Optional[str] = None, kill=None) -> RunResult:
+    """Run ``cfg`` with real engine workers on Ray (embedded local Ray unless ``address``)."""
+    return EngineDriver(cfg, policy, steps, seed, address=address, model_dir=model_dir).run(progress, kill)
