@@ -265,6 +265,23 @@ def test_micro_batch_must_be_positive(value):
     raises(base(rl={"micro_batch_per_device": value}), "rl.micro_batch_per_device", contains="> 0")
 
 
+@pytest.mark.parametrize("key, value, contains", [("lr", 0, "> 0"), ("lr", -1e-3, "> 0"),
+                                                   ("clip_eps", 0, "> 0"), ("kl_coef", -0.1, "≥ 0")])
+def test_trainer_settings_are_checked(key, value, contains):
+    raises(base(rl={key: value}), f"rl.{key}", contains=contains)
+
+
+def test_a_kl_penalty_needs_the_reference_model():
+    assert C.load(base(rl={"kl_coef": 0.01})).rl.kl_coef == 0.01          # reference_model defaults to true
+    raises(base(rl={"kl_coef": 0.01, "reference_model": False}), "rl.kl_coef", fix_contains="reference_model")
+
+
+def test_prompt_pool_is_optional_and_positive():
+    assert C.load(base()).workload.prompt_pool is None
+    assert C.load(base(workload={"prompt_pool": 16})).workload.prompt_pool == 16
+    raises(base(workload={"prompt_pool": 0}), "workload.prompt_pool", contains="> 0")
+
+
 @pytest.mark.parametrize("policy", C.POLICIES)
 def test_every_named_policy_is_accepted(policy):
     assert C.load(base(scheduler={"policy": policy})).scheduler.policy == policy

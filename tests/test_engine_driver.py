@@ -30,6 +30,15 @@ LOGPROB_TOL = 1e-4
 WEIGHT_TOL = 1e-4
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_ray():
+    """The driver starts an embedded Ray and keeps it for later runs; this module starts and ends its own."""
+    import ray
+    ray.shutdown()
+    yield
+    ray.shutdown()
+
+
 def _run(cfg, policy, model_dir, steps, kill=None):
     from bidirl.cluster.engine_driver import EngineDriver
     return EngineDriver(cfg, policy, steps, cfg.seed, model_dir=str(model_dir)).run(kill=kill)

@@ -307,6 +307,7 @@ def test_ray_actor_wrappers_run_a_step_and_record_spans(model_dir):
     ray = pytest.importorskip("ray")
     from bidirl.cluster.actors import Reply, RolloutActor, TrainerActor
 
+    ray.shutdown()                      # a Ray left running by an earlier module
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         rollout = RolloutActor.remote("rollout_pool/rollouter/0", str(model_dir), seed=0, max_model_len=32,

@@ -2,7 +2,8 @@
 
 Names are imported on first use so that ``import bidirl.cluster`` stays cheap (no Ray, vLLM or torch):
 
-* ``run``, ``RayDriver``, ``RunResult``, ``ClusterError`` — the driver (``bidirl.cluster.driver``);
+* ``run``, ``PoolDriver``, ``RayDriver`` (emulated workers), ``RunResult``, ``ClusterError`` — the Ray driver
+  (``bidirl.cluster.driver``); ``EngineDriver``, ``run_engines`` — the same with real engine workers;
 * ``RolloutEngine``, ``GroupRequest``, ``request_seed`` — the vLLM rollout engine;
 * ``TrainerEngine``, ``ChunkGradient`` — the torch trainer engine;
 * ``RolloutActor``, ``TrainerActor``, ``Reply`` — their Ray actor wrappers.
@@ -15,6 +16,9 @@ import importlib
 _LAZY = {
     "run": "bidirl.cluster.driver",
     "RayDriver": "bidirl.cluster.driver",
+    "PoolDriver": "bidirl.cluster.driver",
+    "EngineDriver": "bidirl.cluster.engine_driver",
+    "run_engines": "bidirl.cluster.engine_driver",
     "RunResult": "bidirl.cluster.driver",
     "ClusterError": "bidirl.cluster.driver",
     "RolloutEngine": "bidirl.cluster.rollout_engine",

@@ -68,6 +68,7 @@ class PoolDriver:
         self.measured: dict = {}
         self.pg = None
         self.t0 = time.time()
+        self.progress = False
 
     # ------------------------------------------------------------------------------------------
     def _resource(self) -> str:
@@ -165,6 +166,7 @@ class PoolDriver:
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
+        self.progress = progress
         self._start_ray()
         bar = None
         c = self.coordinator

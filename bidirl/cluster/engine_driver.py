@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -94,6 +95,9 @@ class EngineDriver(PoolDriver):
             self.model_dir = str(ensure_tiny_model())
         if not self.step_seconds > 0:
             raise ValueError(f"EngineDriver.step_seconds must be > 0, got {self.step_seconds!r}")
+        if not (Path(self.model_dir) / "config.json").exists():
+            raise ValueError(f"EngineDriver.model_dir {self.model_dir!r} holds no config.json; pass a Qwen2 checkpoint "
+                             "folder (save_pretrained) or leave it empty for the built-in tiny model")
         self.task = ArithmeticTask(seed=cfg.seed)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.max_model_len = self.task.max_prompt_chars() + 2 + cfg.workload.max_response_len
@@ -160,22 +164,26 @@ class EngineDriver(PoolDriver):
         """Every worker constructs its engine; the first failure is reported with the worker's name."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        from tqdm.auto import tqdm
 
         refs = {a.ready.remote(): name for name, a in self._named_actors()}
         deadline = time.time() + self.start_timeout
-        while refs:
-            ready, _ = ray.wait(list(refs), num_returns=1, timeout=max(1.0, deadline - time.time()))
-            if not ready:
-                raise ClusterError(f"workers {sorted(refs.values())} did not start within {self.start_timeout:.0f} s; "
-                                   "check the cluster's free CPUs/GPUs and memory (ray status)")
-            for ref in ready:
-                name = refs.pop(ref)
-                try:
-                    reply = ray.get(ref)
-                except (RayActorError, RayTaskError, GetTimeoutError) as exc:
-                    raise ClusterError(f"worker {name} failed to start: {_root_cause(exc)}") from None
-                for sp in reply.spans:
-                    self._measure(("start", name.rsplit("/", 1)[0]), sp["end"] - sp["start"])
+        with tqdm(total=len(refs), desc="starting workers", leave=False, disable=not self.progress) as bar:
+            while refs:
+                ready, _ = ray.wait(list(refs), num_returns=1, timeout=max(1.0, deadline - time.time()))
+                if not ready:
+                    raise ClusterError(f"workers {sorted(refs.values())} did not start within "
+                                       f"{self.start_timeout:.0f} s; check the cluster's free CPUs/GPUs and memory "
+                                       "(ray status)")
+                for ref in ready:
+                    name = refs.pop(ref)
+                    try:
+                        reply = ray.get(ref)
+                    except (RayActorError, RayTaskError, GetTimeoutError) as exc:
+                        raise ClusterError(f"worker {name} failed to start: {_root_cause(exc)}") from None
+                    for sp in reply.spans:
+                        self._measure(("start", name.rsplit("/", 1)[0]), sp["end"] - sp["start"])
+                    bar.update(1)
         for name in list(self.actors) + list(self.gangs):
             self.versions[name] = 0
 
@@ -249,7 +257,7 @@ class EngineDriver(PoolDriver):
 
     def _do_Generate(self, cmd: P.Generate):
         w = cmd.worker
-        if not self.r_busy.get(w):
+        if not self.r_busy.get(w) or w not in self.period:
             self.period[w] = {"since": self.now(), "clean": True, "groups": []}
         if any(t.resume is not None for t in cmd.tasks):
             self.period[w]["clean"] = False
