@@ -21,8 +21,10 @@ each ``fn`` ``--repeats`` times and reports the median of every figure as ``<nam
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import os
 import pkgutil
 import statistics
 import sys
@@ -31,6 +33,27 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from bidirl.config import ConfigError
+
+
+@contextlib.contextmanager
+def stdout_to_stderr(enabled: bool = True):
+    """Send everything written to file descriptor 1 to stderr while the block runs (``--json`` commands).
+
+    Ray's raylet and log monitor print warnings to the driver's stdout, and processes started in the block
+    inherit the redirection, so a ``--json`` command's stdout holds its JSON object and nothing else.
+    """
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 class CommandError(Exception):
@@ -172,7 +195,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         registry = {k: v for k, v in registry.items() if args.only in k}
         if not registry:
             raise CommandError(f"no benchmark name contains {args.only!r}")
-    figures = run_benchmarks(registry, repeats=repeats, quick=args.quick, progress=not args.json)
+    with stdout_to_stderr(args.json):
+        figures = run_benchmarks(registry, repeats=repeats, quick=args.quick, progress=not args.json)
     if args.json:
         print(json.dumps({"figures": figures, "repeats": repeats, "quick": bool(args.quick)}))
     else:
@@ -270,9 +294,10 @@ def _run_simulate(args: argparse.Namespace) -> int:
 def _run_run(args: argparse.Namespace) -> int:
     from bidirl.cluster.driver import ClusterError, run
     try:
-        result = run(args.config, args.policy, steps=args.steps, seed=args.seed, emulate=args.emulate,
-                     address=args.address, time_scale=args.time_scale, model_dir=args.model_dir,
-                     progress=not args.json)
+        with stdout_to_stderr(args.json):
+            result = run(args.config, args.policy, steps=args.steps, seed=args.seed, emulate=args.emulate,
+                         address=args.address, time_scale=args.time_scale, model_dir=args.model_dir,
+                         progress=not args.json)
     except ClusterError as exc:
         raise CommandError(str(exc)) from None
     return _print_result(result, args)

@@ -116,6 +116,10 @@ def real_run(out_dir: Path, steps: int = 6) -> dict:
     print(f"  throughput {tput:,.0f} tokens/s" if tput else f"  throughput n/a ({s.get('throughput_note')})")
     print("  mean reward per step " + " ".join(f"{r:.3f}" for r in s["reward"]))
     print(f"  borrows {s['borrows']}")
+    decisions = res.log.decisions_df()
+    for direction, d in decisions.groupby("direction"):
+        print(f"  {direction}: {int(d['admitted'].sum())} of {len(d)} windows admitted; median predicted gain "
+              f"{d['predicted_gain'].median() * 1e3:.0f} ms vs switch cost {d['cost'].median() * 1e3:.0f} ms")
     for direction, costs in s["costs"].items():
         print(f"  measured {direction}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in costs.items()))
     if s["logprob_diff_max"] is not None:

@@ -69,6 +69,7 @@ class PoolDriver:
         self.pg = None
         self.t0 = time.time()
         self.progress = False
+        self.r_starts: dict = {}          # rollouter -> number of start calls sent (see _still_busy)
 
     # ------------------------------------------------------------------------------------------
     def _resource(self) -> str:
@@ -148,6 +149,14 @@ class PoolDriver:
                                start=float(start), end=float(max(start, end)),
                                step=len(c.steps) if step is None else step, version=c.trainer_version,
                                detail=detail))
+
+    def _count_start(self, worker: str) -> None:
+        self.r_starts[worker] = self.r_starts.get(worker, 0) + 1
+
+    def _still_busy(self, worker: str, reported: bool, starts_before: int) -> bool:
+        """Whether a rollouter is busy after a call that reported ``reported``: a start sent while the call was
+        in flight runs after it on the actor, so the report cannot have seen its requests."""
+        return bool(reported) or self.r_starts.get(worker, 0) != starts_before
 
     def _measure(self, key, seconds):
         self.measured.setdefault(key, []).append(seconds)
@@ -326,10 +335,11 @@ class RayDriver(PoolDriver):
         if self.r_advancing.get(worker) or not self.r_busy.get(worker) or worker in self.coordinator.failed:
             return
         self.r_advancing[worker] = True
+        starts = self.r_starts.get(worker, 0)
 
         def done(result):
             self.r_advancing[worker] = False
-            self.r_busy[worker] = result["busy"]
+            self.r_busy[worker] = self._still_busy(worker, result["busy"], starts)
             self._rollout_report(worker, result)
             self._ensure_advance(worker)
         self._submit(worker, self.actors[worker].advance.remote(self.max_wall), done)
@@ -337,13 +347,16 @@ class RayDriver(PoolDriver):
     def _do_Generate(self, cmd: P.Generate):
         tasks = [(t.group_id, *self._group_lengths(t.group_id), t.resume) for t in cmd.tasks]
         self.r_busy[cmd.worker] = True
+        self._count_start(cmd.worker)
         self._submit(cmd.worker, self.actors[cmd.worker].start.remote(tasks, cmd.version), lambda _: None)
         self._ensure_advance(cmd.worker)
 
     def _do_Interrupt(self, cmd: P.Interrupt):
+        starts = self.r_starts.get(cmd.worker, 0)
+
         def done(result):
             self._rollout_report(cmd.worker, result)
-            self.r_busy[cmd.worker] = result["busy"]
+            self.r_busy[cmd.worker] = self._still_busy(cmd.worker, result["busy"], starts)
             self._feed(P.GenerationStopped(result["t"], cmd.worker, tuple(result["stopped"])))
             self._ensure_advance(cmd.worker)
         self._submit(cmd.worker, self.actors[cmd.worker].interrupt.remote(

@@ -263,6 +263,7 @@ class EngineDriver(PoolDriver):
             self.period[w]["clean"] = False
         self._load_rollout_weights(w, cmd.version)
         self.r_busy[w] = True
+        self._count_start(w)
         requests = [self._request(t) for t in cmd.tasks]
         self._submit(w, self.actors[w].start.remote(requests), lambda reply: None)
         self._ensure_advance(w)
@@ -271,6 +272,7 @@ class EngineDriver(PoolDriver):
         if self.r_advancing.get(worker) or not self.r_busy.get(worker) or worker in self.coordinator.failed:
             return
         self.r_advancing[worker] = True
+        starts = self.r_starts.get(worker, 0)
 
         def done(reply):
             self.r_advancing[worker] = False
@@ -278,7 +280,7 @@ class EngineDriver(PoolDriver):
             if detail.get("steps"):
                 self._record_spans(reply, "generate")
             self._rollout_finished(worker, reply.value)
-            self._set_busy(worker, detail["busy"])
+            self._set_busy(worker, self._still_busy(worker, detail["busy"], starts))
             self._ensure_advance(worker)
         self._submit(worker, self.actors[worker].step_until.remote(max_seconds=self.step_seconds), done)
 
@@ -306,10 +308,11 @@ class EngineDriver(PoolDriver):
         w = cmd.worker
         if w in self.period:
             self.period[w]["clean"] = False
+        starts = self.r_starts.get(w, 0)
 
         def done(reply):
             self._feed(P.GenerationStopped(self.now(), w, tuple(reply.value)))
-            self._set_busy(w, reply.spans[0]["detail"]["busy"])
+            self._set_busy(w, self._still_busy(w, reply.spans[0]["detail"]["busy"], starts))
             self._ensure_advance(w)
         ids = list(cmd.group_ids) if cmd.group_ids is not None else None
         self._submit(w, self.actors[w].interrupt.remote(ids), done)
