@@ -88,7 +88,9 @@ def test_killing_auxiliary_workers_mid_window_loses_no_sample(model_dir):
     import ray
 
     from bidirl.core import protocol as P
-    cfg = cfgmod.load("tiny-cpu")
+    # at s = 0 each pool idles every step (rollout waits for the sync, training waits for the batch), so
+    # borrowing windows in both directions open at every step
+    cfg = cfgmod.load("tiny-cpu").with_overrides({"rl.staleness": 0})
     killed = {}
 
     def kill(driver):
