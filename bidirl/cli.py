@@ -253,6 +253,9 @@ def format_summary(s: dict) -> str:
     if s.get("costs"):
         lines.append("measured switch costs (s): " + "; ".join(
             f"{d} " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()) for d, c in s["costs"].items()))
+    if s.get("calibration"):
+        lines.append("online calibration, measured / predicted stage time: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in s["calibration"]["scales"].items()))
     if s.get("reward"):
         lines.append("mean reward per step: " + " ".join(f"{r:.3f}" for r in s["reward"]))
     return "\n".join(lines)

@@ -190,6 +190,34 @@ def test_position_keyed_noise_samples_the_softmax():
         assert float((freq - expected).abs().max()) < 0.03, (freq, expected)
 
 
+def test_position_sampler_follows_the_batch_as_vllm_reorders_it():
+    """Rows added, removed, moved and swapped keep their own (seed, prompt length, output tokens)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.logits_processor import BatchUpdate
+    from vllm.v1.sample.logits_processor.interface import MoveDirectionality
+
+    from bidirl.cluster.position_sampler import SEED_KEY, PositionKeyedSampler, gumbel_noise
+
+    proc = PositionKeyedSampler(None, torch.device("cpu"), False)
+    params = lambda seed: SimpleNamespace(extra_args={SEED_KEY: seed})            # noqa: E731
+    outs = {k: [] for k in "abc"}
+    proc.update_state(BatchUpdate(3, removed=[], moved=[], added=[
+        (0, params(10), [1, 2], outs["a"]), (1, params(11), [1, 2, 3], outs["b"]),
+        (2, SimpleNamespace(extra_args=None), [1], outs["c"])]))
+    assert sorted(proc.rows) == [0, 1]                   # a request without a seed is left to vLLM
+    proc.update_state(BatchUpdate(2, removed=[0], added=[], moved=[(1, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+    assert list(proc.rows) == [0] and proc.rows[0][0] == 11
+    proc.update_state(BatchUpdate(2, removed=[], moved=[(0, 1, MoveDirectionality.SWAP)],
+                                  added=[(1, params(12), [5], outs["a"])]))        # removed, added, then moved
+    assert proc.rows[0][0] == 12 and proc.rows[1][0] == 11
+    outs["a"].append(4)                                   # the live output list: position = prompt + output
+    picked = proc.apply(torch.zeros(2, 6))
+    expected = [int(torch.argmax(gumbel_noise(seed, pos, 6, "cpu"))) for seed, pos in ((12, 2), (11, 3))]
+    assert [int((row == 0).nonzero()) for row in picked] == expected
+    assert torch.isinf(picked).sum() == 2 * 5
+
+
 def test_interrupt_selected_groups_and_input_errors(fresh):
     fresh.start(_requests(fresh, 3, start=400, max_tokens=12, ignore_eos=True))
     fresh.step_until(max_steps=1)

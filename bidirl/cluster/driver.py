@@ -255,6 +255,13 @@ class PoolDriver:
         for (direction, which), values in sorted(self.measured.items()):
             costs.setdefault(direction, {})[which] = float(np.median(values))
         summary["costs"] = costs
+        # the online profiler's state at the end (§5.1): measured-over-predicted stage-time factors and the
+        # switch costs the scheduler now charges
+        prof = self.coordinator.profiler
+        summary["calibration"] = {
+            "scales": {f"{'rollout' if k == 'r' else 'trainer'}/{side}": v for (k, side), v in prof.scales.items()},
+            "records": len(prof.records),
+            "switch_costs": {d: dict(vars(c)) for d, c in prof.costs.items()}}
         return summary
 
 
