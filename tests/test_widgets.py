@@ -103,6 +103,27 @@ def test_live_gantt_update_adds_only_new_spans_in_one_message(monkeypatch):
     assert list(g.figure.layout.yaxis.ticktext) == ["rollout_pool/rollouter/0", "trainer_pool/trainer"]
 
 
+def test_live_gantt_follows_a_growing_log_at_a_bounded_redraw_rate():
+    clock = [0.0]
+    g = LiveGantt(labels=("run",), clock=lambda: clock[0])
+    log = _log(2)
+    on_event = g.follow(log, refresh_hz=2.0)
+    r0 = g.redraws
+    on_event("an event")
+    assert g.redraws == r0 + 1 and g._seen["run"] == 4
+    log.extend(_log(1, t0=10.0))
+    clock[0] = 0.2
+    on_event("too soon")
+    assert g.redraws == r0 + 1 and g._seen["run"] == 4
+    clock[0] = 0.6
+    on_event("later")
+    assert g.redraws == r0 + 2 and g._seen["run"] == 6
+    with pytest.raises(ValueError, match="no row"):
+        g.follow(log, label="other")
+    with pytest.raises(ValueError, match="refresh_hz"):
+        g.follow(log, refresh_hz=0)
+
+
 def test_live_gantt_rejects_bad_input():
     with pytest.raises(ValueError, match="at least one label"):
         LiveGantt(labels=())

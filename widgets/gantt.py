@@ -168,6 +168,24 @@ class LiveGantt:
         self._redraw()
         return added
 
+    def follow(self, log: EventLog, label: Optional[str] = None, refresh_hz: float = 4.0) -> Callable:
+        """A callback that shows ``log`` live as it grows: pass it as a Ray driver's ``on_event``
+        (``EngineDriver(..., on_event=gantt.follow(driver.log))``). It absorbs the new spans and redraws at most
+        ``refresh_hz`` times per wall second; call :meth:`update` with the final log at the end."""
+        label = self._as_mapping({label: log} if label is not None else log, "log")
+        (label, log), = label.items()
+        if not refresh_hz > 0:
+            raise ValueError(f"refresh_hz must be > 0 (redraws per wall second), got {refresh_hz}")
+        last = [None]
+
+        def on_event(_event=None) -> None:
+            now = self.clock()
+            if last[0] is None or now - last[0] >= 1.0 / refresh_hz:
+                self._absorb(label, log)
+                self._redraw()
+                last[0] = now
+        return on_event
+
     def reset(self) -> None:
         """Forget every span (keeps the traces, so the displayed widget stays the same object)."""
         lanes = dict(self.lanes or {})
