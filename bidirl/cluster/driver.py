@@ -84,12 +84,16 @@ class PoolDriver:
             if self.address:
                 ray.init(address=self.address, namespace="bidirl", log_to_driver=False)
             else:
-                ray.init(num_cpus=max(4, os.cpu_count() or 1), resources={"gpu_slot": float(G)},
+                ray.init(num_cpus=max(4, os.cpu_count() or 1), **self._local_slots(G),
                          include_dashboard=False, log_to_driver=False, namespace="bidirl")
         have = ray.cluster_resources().get(self._resource(), 0)
         if have < G:
             raise ClusterError(f"the Ray cluster offers {have:g} '{self._resource()}' resources but cluster.gpus "
                                f"is {G}; start Ray with resources={{'{self._resource()}': {G}}} or lower cluster.gpus")
+
+    def _local_slots(self, gpus: int) -> dict:
+        """``ray.init`` arguments that give an embedded local Ray its GPU slots: logical ``gpu_slot`` units."""
+        return {"resources": {"gpu_slot": float(gpus)}}
 
     def _reserve(self):
         """One placement group of ``G`` bundles: ``[0, g_r)`` the rollout pool, ``[g_r, G)`` the trainer pool."""

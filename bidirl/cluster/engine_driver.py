@@ -119,6 +119,14 @@ class EngineDriver(PoolDriver):
         res = ray.cluster_resources()
         return "GPU" if res.get("GPU", 0) >= self.config.cluster.gpus and not res.get("gpu_slot") else "gpu_slot"
 
+    def _local_slots(self, gpus: int) -> dict:
+        """On a machine with enough CUDA devices the embedded Ray offers them as ``GPU`` resources, so the
+        engines run on the GPUs; otherwise logical ``gpu_slot`` units (CPU engines)."""
+        import torch
+        if torch.cuda.is_available() and torch.cuda.device_count() >= gpus:
+            return {"num_gpus": int(gpus)}
+        return super()._local_slots(gpus)
+
     def _at(self, bundle: int, share: float = 0.5, cpus: float = 0.05) -> dict:
         opts = super()._at(bundle, share, cpus)
         if self._resource() == "GPU":          # Ray places GPU shares through num_gpus
