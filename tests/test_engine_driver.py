@@ -89,8 +89,10 @@ def test_killing_auxiliary_workers_mid_window_loses_no_sample(model_dir):
 
     from bidirl.core import protocol as P
     # at s = 0 each pool idles every step (rollout waits for the sync, training waits for the batch), so
-    # borrowing windows in both directions open at every step
-    cfg = cfgmod.load("tiny-cpu").with_overrides({"rl.staleness": 0})
+    # borrowing windows in both directions open at every step; 32 x 8 responses per step make generation
+    # outlast a switch, so groups migrate to the auxiliary rollouters (interrupts crossing completions)
+    cfg = cfgmod.load("tiny-cpu").with_overrides({"rl.staleness": 0, "workload.prompts_per_step": 32,
+                                                  "workload.group_size": 8})
     killed = {}
 
     def kill(driver):
@@ -104,7 +106,7 @@ def test_killing_auxiliary_workers_mid_window_loses_no_sample(model_dir):
             killed["trainer"] = len(c.step.live("auxiliary"))
             ray.kill(driver.gangs["rollout_pool/trainer"][0])
 
-    steps = 5
+    steps = 6
     res = _run(cfg, "opportunistic", model_dir, steps, kill=kill)
     s = _check_log(res, steps)
     assert set(killed) == {"rollout", "trainer"}, killed

@@ -80,7 +80,8 @@ class RolloutActor(_Timed):
         return reply
 
     def interrupt(self, group_ids: Optional[Sequence[int]] = None) -> Reply:
-        reply = self._reply("interrupt", self.engine.interrupt, group_ids)
+        """Stop the listed groups (``None``: all); groups already returned as complete are skipped."""
+        reply = self._reply("interrupt", self.engine.interrupt, group_ids, missing_ok=True)
         reply.spans[0]["detail"].update(stopped=len(reply.value), busy=self.engine.busy)
         return reply
 

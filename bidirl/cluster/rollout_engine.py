@@ -395,11 +395,17 @@ class RolloutEngine:
                           generated=tuple(len(r.tokens) for r in rs), done=tuple(r.done for r in rs),
                           version=min(r.version for r in rs), payload=payload)
 
-    def interrupt(self, group_ids: Optional[Sequence[int]] = None) -> list:
-        """Abort the listed groups (``None``: all) and return their states (complete ones included)."""
+    def interrupt(self, group_ids: Optional[Sequence[int]] = None, missing_ok: bool = False) -> list:
+        """Abort the listed groups (``None``: all) and return their states (complete ones included).
+
+        ``missing_ok`` skips listed groups that are not on the engine (already returned as complete: a
+        driver's interrupt can cross a completion in flight) instead of raising.
+        """
         targets = sorted(self._groups) if group_ids is None else [int(g) for g in group_ids]
         unknown = [g for g in targets if g not in self._groups]
-        if unknown:
+        if missing_ok:
+            targets = [g for g in targets if g in self._groups]
+        elif unknown:
             raise ValueError(f"interrupt: groups {unknown} are not on this engine (on it: {sorted(self._groups)})")
         abort = []
         for gid in targets:

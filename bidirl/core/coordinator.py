@@ -152,6 +152,9 @@ class Coordinator:
             self.samples_generated += len(g.generated)
             self.profiler.observe_group(g.prompt_len, g.generated)
         self.aux_assigned.discard(g.group_id)
+        # with an asynchronous driver a group can complete while an Interrupt to migrate it is in flight:
+        # there is nothing left to move, and the interrupt's answer will not list it
+        self.migrating.discard(g.group_id)
         self._after_rollout_change()
 
     def _on_GenerationStopped(self, ev: P.GenerationStopped):
