@@ -171,11 +171,6 @@ class TrainerActor(_Timed):
         self._kept.clear()
         return self._reply("optimizer", self.engine.apply, grads)
 
-    def drop_kept(self) -> int:
-        n = len(self._kept)
-        self._kept.clear()
-        return n
-
     def weights(self) -> dict:
         """The full ``state_dict`` as a plain value, so its object ref can be handed to other actors."""
         return self.engine.state_dict()

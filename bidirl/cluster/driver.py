@@ -69,6 +69,8 @@ class PoolDriver:
         self.pg = None
         self.t0 = time.time()
         self.progress = False
+        self.r_busy: dict = {}            # rollouter -> whether it holds requests
+        self.r_advancing: dict = {}       # rollouter -> whether a generation call is in flight
         self.r_starts: dict = {}          # rollouter -> number of start calls sent (see _still_busy)
 
     # ------------------------------------------------------------------------------------------
@@ -126,19 +128,26 @@ class PoolDriver:
         the coordinator is told and ``on_error()`` runs (for calls whose completion others wait on)."""
         self.pending[ref] = (worker, callback, on_error)
 
-    def _submit_all(self, worker: str, refs: list, callback):
-        """Call ``callback(values)`` once every call in ``refs`` has completed (a gang's calls)."""
-        values, left = [None] * len(refs), [len(refs)]
+    def _when_all(self, calls: list, callback, tolerate: bool = False):
+        """Call ``callback(values)`` once every ``(worker, ref)`` call has completed (at once if there are none).
+
+        With ``tolerate`` a call whose worker died counts as done with value ``None`` (the coordinator is told
+        of the failure and recovers); otherwise such a call never completes and neither does ``callback``.
+        """
+        if not calls:
+            callback([])
+            return
+        values, left = [None] * len(calls), [len(calls)]
 
         def one(i):
-            def done(value):
+            def done(value=None):
                 values[i] = value
                 left[0] -= 1
                 if left[0] == 0:
                     callback(values)
             return done
-        for i, ref in enumerate(refs):
-            self._submit(worker, ref, one(i))
+        for i, (worker, ref) in enumerate(calls):
+            self._submit(worker, ref, one(i), on_error=one(i) if tolerate else None)
 
     def _feed(self, event):
         if self.on_event is not None:
@@ -167,11 +176,34 @@ class PoolDriver:
 
     def _worker_failed(self, worker: str, exc: Exception):
         """A call on ``worker`` raised because its actor died: tell the coordinator (once)."""
+        self.r_busy[worker] = self.r_advancing[worker] = False
         if worker not in self.coordinator.failed:
             self._feed(P.WorkerFailed(self.now(), worker, str(exc).splitlines()[0]))
 
     def _begin(self):
         """Called after placement, right before ``Started``."""
+
+    # rollouters: one generation call in flight per busy rollouter ---------------------------------
+    def _ensure_advance(self, worker: str):
+        """Keep a busy rollouter generating: one ``_advance_call`` in flight, reported to ``_advanced``."""
+        if self.r_advancing.get(worker) or not self.r_busy.get(worker) or worker in self.coordinator.failed:
+            return
+        self.r_advancing[worker] = True
+        starts = self.r_starts.get(worker, 0)
+
+        def done(result):
+            self.r_advancing[worker] = False
+            self._advanced(worker, result, starts)
+            self._ensure_advance(worker)
+        self._submit(worker, self._advance_call(worker), done)
+
+    def _advance_call(self, worker: str):
+        """Submit one generation slice on ``worker``; returns its object ref."""
+        raise NotImplementedError
+
+    def _advanced(self, worker: str, result, starts_before: int) -> None:
+        """Report a generation slice's result (``starts_before``: for :meth:`_still_busy`)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------
     def run(self, progress: bool = False, kill: Optional[Callable] = None) -> RunResult:
@@ -283,7 +315,6 @@ class RayDriver(PoolDriver):
             raise ClusterError("RayDriver drives emulated workers; engine workers are driven by "
                                "bidirl.cluster.engine_driver.EngineDriver (run(..., emulate=False))")
         super().__post_init__()
-        self.r_busy, self.r_advancing = {}, {}
         self.sync_left = 0
         self._lengths = {}
 
@@ -315,19 +346,12 @@ class RayDriver(PoolDriver):
             ray.get([a.hold.remote(0.0) for a in self.actors.values()], timeout=self.start_timeout)
         except Exception as exc:
             raise ClusterError(f"a worker failed to start: {exc}") from None
-        for w in top.rollouters + top.aux_rollouters:
-            self.r_busy[w], self.r_advancing[w] = False, False
 
     def _begin(self):
         time.sleep(max(0.0, self.t0 - time.time()))
 
     def now(self) -> float:
         return (time.time() - self.t0) * self.time_scale
-
-    def _worker_failed(self, worker: str, exc: Exception):
-        self.r_advancing[worker] = False
-        self.r_busy[worker] = False
-        super()._worker_failed(worker, exc)
 
     def _group_lengths(self, gid):
         if gid not in self._lengths:
@@ -342,18 +366,12 @@ class RayDriver(PoolDriver):
         for t, state, elapsed in result.get("finished", []):
             self._feed(P.GroupFinished(t, worker, state, elapsed))
 
-    def _ensure_advance(self, worker):
-        if self.r_advancing.get(worker) or not self.r_busy.get(worker) or worker in self.coordinator.failed:
-            return
-        self.r_advancing[worker] = True
-        starts = self.r_starts.get(worker, 0)
+    def _advance_call(self, worker):
+        return self.actors[worker].advance.remote(self.max_wall)
 
-        def done(result):
-            self.r_advancing[worker] = False
-            self.r_busy[worker] = self._still_busy(worker, result["busy"], starts)
-            self._rollout_report(worker, result)
-            self._ensure_advance(worker)
-        self._submit(worker, self.actors[worker].advance.remote(self.max_wall), done)
+    def _advanced(self, worker, result, starts_before):
+        self.r_busy[worker] = self._still_busy(worker, result["busy"], starts_before)
+        self._rollout_report(worker, result)
 
     def _do_Generate(self, cmd: P.Generate):
         tasks = [(t.group_id, *self._group_lengths(t.group_id), t.resume) for t in cmd.tasks]

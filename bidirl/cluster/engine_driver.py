@@ -104,20 +104,25 @@ class EngineDriver(PoolDriver):
         self.gangs = {PRIMARY_TRAINER: [], AUX_TRAINER: []}
         self.versions: dict = {}          # worker -> weights version it holds
         self.weights: dict = {0: None}    # version -> object ref of the state_dict (None: the checkpoint)
-        self.r_busy, self.r_advancing, self.period = {}, {}, {}
+        self.period: dict = {}            # rollouter -> its current busy period (for profiling records)
         self.step_data: dict = {}
         self.update_chunks: set = set()
         self.aux_grads: dict = {}         # chunk id -> object ref of an auxiliary chunk's gradient
         self.step_stats: list = []
         self.final_weights = None
+        self._resource_name: Optional[str] = None
 
     # ------------------------------------------------------------------------------------------
     # placement and start-up
     # ------------------------------------------------------------------------------------------
     def _resource(self) -> str:
-        import ray
-        res = ray.cluster_resources()
-        return "GPU" if res.get("GPU", 0) >= self.config.cluster.gpus and not res.get("gpu_slot") else "gpu_slot"
+        """``GPU`` on a cluster that offers enough GPUs and no logical slots, else ``gpu_slot`` (read once)."""
+        if self._resource_name is None:
+            import ray
+            res = ray.cluster_resources()
+            gpu = res.get("GPU", 0) >= self.config.cluster.gpus and not res.get("gpu_slot")
+            self._resource_name = "GPU" if gpu else "gpu_slot"
+        return self._resource_name
 
     def _local_slots(self, gpus: int) -> dict:
         """On a machine with enough CUDA devices the embedded Ray offers them as ``GPU`` resources, so the
@@ -158,8 +163,6 @@ class EngineDriver(PoolDriver):
         self._wait_ready()
         self._join_gangs()
         self._passivate()
-        for w in top.rollouters + top.aux_rollouters:
-            self.r_busy[w], self.r_advancing[w] = False, False
 
     def _named_actors(self) -> list:
         return list(self.actors.items()) + [(f"{g}/{j}", a) for g, ranks in self.gangs.items()
@@ -232,7 +235,6 @@ class EngineDriver(PoolDriver):
                     ray.kill(r)
                 except Exception:
                     pass
-        self.r_busy[worker] = self.r_advancing[worker] = False
         super()._worker_failed(worker, exc)
 
     def _alive(self, workers) -> list:
@@ -249,19 +251,25 @@ class EngineDriver(PoolDriver):
         return GroupRequest(task.group_id, prompt, w.group_size, w.max_response_len, problem.answer,
                             resume=task.resume)
 
-    def _load_rollout_weights(self, worker: str, version: int, then=None):
-        """Load actor ``version`` into a rollouter (skipped if it holds it); ``then(reply)`` when done."""
-        if self.versions.get(worker) == version:
-            if then is not None:
-                then(None)
-            return
-        self.versions[worker] = version       # calls on one actor run in order: later work sees these weights
+    def _weight_loads(self, workers, version: int) -> list:
+        """``(worker, ref)`` calls that load actor ``version`` into those of ``workers`` (rollouters, or a
+        trainer gang's ranks) that do not hold it yet. Calls on one actor run in order, so the work sent
+        after these sees the new weights."""
+        calls = []
+        for w in self._alive(workers):
+            if self.versions.get(w) == version:
+                continue
+            self.versions[w] = version
+            if w in self.gangs:
+                calls += [(w, r.load_state_dict.remote(self.weights[version], version)) for r in self.gangs[w]]
+            else:
+                calls.append((w, self.actors[w].load_weights.remote(self.weights[version], version)))
+        return calls
 
-        def done(reply):
-            self._record_spans(reply, "sync", version=version)
-            if then is not None:
-                then(reply)
-        self._submit(worker, self.actors[worker].load_weights.remote(self.weights[version], version), done)
+    def _record_syncs(self, replies, version: int):
+        for reply in replies:
+            if reply is not None:
+                self._record_spans(reply, "sync", version=version)
 
     def _do_Generate(self, cmd: P.Generate):
         w = cmd.worker
@@ -269,28 +277,22 @@ class EngineDriver(PoolDriver):
             self.period[w] = {"since": self.now(), "clean": True, "groups": []}
         if any(t.resume is not None for t in cmd.tasks):
             self.period[w]["clean"] = False
-        self._load_rollout_weights(w, cmd.version)
+        self._when_all(self._weight_loads([w], cmd.version), lambda replies: self._record_syncs(replies, cmd.version))
         self.r_busy[w] = True
         self._count_start(w)
         requests = [self._request(t) for t in cmd.tasks]
         self._submit(w, self.actors[w].start.remote(requests), lambda reply: None)
         self._ensure_advance(w)
 
-    def _ensure_advance(self, worker):
-        if self.r_advancing.get(worker) or not self.r_busy.get(worker) or worker in self.coordinator.failed:
-            return
-        self.r_advancing[worker] = True
-        starts = self.r_starts.get(worker, 0)
+    def _advance_call(self, worker):
+        return self.actors[worker].step_until.remote(max_seconds=self.step_seconds)
 
-        def done(reply):
-            self.r_advancing[worker] = False
-            detail = reply.spans[0]["detail"]
-            if detail.get("steps"):
-                self._record_spans(reply, "generate")
-            self._rollout_finished(worker, reply.value)
-            self._set_busy(worker, self._still_busy(worker, detail["busy"], starts))
-            self._ensure_advance(worker)
-        self._submit(worker, self.actors[worker].step_until.remote(max_seconds=self.step_seconds), done)
+    def _advanced(self, worker, reply, starts_before):
+        detail = reply.spans[0]["detail"]
+        if detail.get("steps"):
+            self._record_spans(reply, "generate")
+        self._rollout_finished(worker, reply.value)
+        self._set_busy(worker, self._still_busy(worker, detail["busy"], starts_before))
 
     def _rollout_finished(self, worker, groups):
         period = self.period.get(worker)
@@ -370,7 +372,7 @@ class EngineDriver(PoolDriver):
                     for k, lp in zip(share, reply.value):
                         target[k] = lp
                 finished(replies)
-            self._submit_all(gang, [r.logprobs.remote([data.samples[k] for k in s], model) for r, s in live], done)
+            self._when_all([(gang, r.logprobs.remote([data.samples[k] for k in s], model)) for r, s in live], done)
             return
 
         self.update_chunks.add(ch.chunk_id)
@@ -381,7 +383,7 @@ class EngineDriver(PoolDriver):
                 ch.chunk_id, [data.samples[k] for k in s], data.advantages[s] if s else [],
                 [data.old[k] for k in s], [data.ref[k] for k in s] if self.config.rl.kl_coef > 0 else None,
                 data.normalizer, keep=primary, give=not primary and rank == 0)
-            refs.append(reply_ref)
+            refs.append((gang, reply_ref))
             if not primary and rank == 0:
                 grad_ref = flat_ref
 
@@ -390,7 +392,7 @@ class EngineDriver(PoolDriver):
             if grad_ref is not None:
                 self.aux_grads[ch.chunk_id] = grad_ref
             finished(replies, payload=ch.chunk_id)
-        self._submit_all(gang, refs, done)
+        self._when_all(refs, done)
 
     def _do_CancelChunk(self, cmd: P.CancelChunk):
         """Chunks are handed to a gang only when it can start them, so nothing is queued to reclaim."""
@@ -399,14 +401,14 @@ class EngineDriver(PoolDriver):
         start = self.now()
         ranks = self.gangs[PRIMARY_TRAINER]
         grads = [(cid, self.aux_grads.pop(cid)) for cid in cmd.chunk_ids]
-        refs = [r.receive_gradient.remote(cid, grad) for cid, grad in grads for r in ranks]
+        calls = [(PRIMARY_TRAINER, r.receive_gradient.remote(cid, grad)) for cid, grad in grads for r in ranks]
 
         def done(replies):
             end = self.now()
             self._measure((TOR, "c_grad"), end - start)
             self._span(PRIMARY_TRAINER, "grad_merge", start, end, {"chunks": len(cmd.chunk_ids)}, step=cmd.step)
             self._feed(P.GradientsMerged(end, cmd.step, end - start))
-        self._submit_all(PRIMARY_TRAINER, refs, done)
+        self._when_all(calls, done)
 
     def _do_OptimizerStep(self, cmd: P.OptimizerStep):
         step = self.coordinator.step
@@ -426,14 +428,13 @@ class EngineDriver(PoolDriver):
             stats = self._step_stats(cmd.step, data, out)
             self.step_stats.append(stats)
             self._feed(P.OptimizerStepped(self.now(), cmd.step, cmd.version, stats))
-        self._submit_all(PRIMARY_TRAINER, [r.apply_kept.remote(order) for r in ranks], done)
+        self._when_all([(PRIMARY_TRAINER, r.apply_kept.remote(order)) for r in ranks], done)
 
     def _step_stats(self, step: int, data: StepData, update: dict) -> dict:
         """Per-step learning metrics (veRL names where the meaning is the same)."""
         import torch
+        from bidirl.rl.grpo import token_weighted
         samples = data.samples
-        tok = np.array([s["tokens"] for s in data.stats], dtype=np.float64)
-        wmean = (lambda key: float(np.dot(tok, [s[key] for s in data.stats]) / max(tok.sum(), 1.0)))
         # vLLM's log-probs of sampled tokens against the trainer's recomputation (old_logprob) for responses
         # generated entirely by the weights the trainer held: the weight sync's correctness check.
         v = self.coordinator.trainer_version
@@ -441,8 +442,8 @@ class EngineDriver(PoolDriver):
                 if s.version == v and s.response_len]
         return {"step": step, "version": update["version"], "reward": float(np.mean([s.reward for s in samples])),
                 "response_length": float(np.mean([s.response_len for s in samples])),
-                "loss": float(sum(s["loss"] for s in data.stats)), "kl": wmean("kl"),
-                "clip_frac": wmean("clip_frac"), "grad_norm": float(update["grad_norm"]),
+                "loss": float(sum(s["loss"] for s in data.stats)), "kl": token_weighted(data.stats, "kl"),
+                "clip_frac": token_weighted(data.stats, "clip_frac"), "grad_norm": float(update["grad_norm"]),
                 "on_policy_samples": len(gaps), "logprob_diff_max": max(gaps) if gaps else None}
 
     # ------------------------------------------------------------------------------------------
@@ -450,20 +451,14 @@ class EngineDriver(PoolDriver):
     # ------------------------------------------------------------------------------------------
     def _do_SyncWeights(self, cmd: P.SyncWeights):
         start = self.now()
-        targets = self._alive(cmd.targets)
-        if not targets:
-            self._feed(P.SyncFinished(start, cmd.version, tuple(cmd.targets), 0.0))
-            return
-        left = [len(targets)]
 
-        def one(_reply):
-            left[0] -= 1
-            if left[0] == 0:
-                end = self.now()
+        def done(replies):
+            end = self.now()
+            self._record_syncs(replies, cmd.version)
+            if replies:
                 self._measure(("weight_sync", "rollout"), end - start)
-                self._feed(P.SyncFinished(end, cmd.version, tuple(cmd.targets), end - start))
-        for w in targets:
-            self._load_rollout_weights(w, cmd.version, one)
+            self._feed(P.SyncFinished(end, cmd.version, tuple(cmd.targets), end - start))
+        self._when_all(self._weight_loads(cmd.targets, cmd.version), done)
         self._prune_weights()
 
     def _prune_weights(self):
@@ -478,6 +473,7 @@ class EngineDriver(PoolDriver):
         rollouters = top.aux_rollouters if cmd.pool == P.TRAINER_POOL else top.rollouters
         trainer = PRIMARY_TRAINER if cmd.pool == P.TRAINER_POOL else AUX_TRAINER
         to_rollout = cmd.to_role == "rollout"
+        passive, active = ([trainer], list(rollouters)) if to_rollout else (list(rollouters), [trainer])
         start = self.now()
         lane = PRIMARY_TRAINER if cmd.pool == P.TRAINER_POOL else top.rollouters[0]
 
@@ -492,33 +488,11 @@ class EngineDriver(PoolDriver):
 
         def phase(pairs, then):
             """Run a set of calls; a worker that dies meanwhile only drops out (the coordinator recovers)."""
-            if not pairs:
-                then()
-                return
-            left = [len(pairs)]
-
-            def one(_value=None):
-                left[0] -= 1
-                if left[0] == 0:
-                    then()
-            for w, ref in pairs:
-                self._submit(w, ref, one, on_error=one)
+            self._when_all(pairs, lambda _values: then(), tolerate=True)
 
         def refresh():
-            if to_rollout:
-                version = c.rollout_version
-                pairs = [(w, self.actors[w].load_weights.remote(self.weights[version], version))
-                         for w in self._alive(rollouters) if self.versions.get(w) != version]
-                for w, _ in pairs:
-                    self.versions[w] = version
-            else:
-                version = c.trainer_version
-                pairs = []
-                if trainer not in c.failed and self.versions.get(trainer) != version:
-                    pairs = [(trainer, r.load_state_dict.remote(self.weights[version], version))
-                             for r in self.gangs[trainer]]
-                    self.versions[trainer] = version
-            phase(pairs, finish)
+            version = c.rollout_version if to_rollout else c.trainer_version
+            phase(self._weight_loads(active, version), finish)
 
         def finish():
             end = self.now()
@@ -528,7 +502,6 @@ class EngineDriver(PoolDriver):
                        {"direction": cmd.direction, "to_role": cmd.to_role})
             self._feed(P.SwitchFinished(end, cmd.pool, cmd.to_role, end - start))
 
-        passive, active = ([trainer], list(rollouters)) if to_rollout else (list(rollouters), [trainer])
         phase(calls("offload", passive), lambda: phase(calls("onload", active), refresh))
 
     # ------------------------------------------------------------------------------------------
@@ -553,9 +526,7 @@ class EngineDriver(PoolDriver):
         gaps = [s["logprob_diff_max"] for s in self.step_stats if s["logprob_diff_max"] is not None]
         summary["logprob_diff_max"] = max(gaps) if gaps else None
         summary["model_dir"] = self.model_dir
-        res = RunResult(self.policy_name, self.config, self.log, summary, self.coordinator)
-        res.weights = self.final_weights
-        return res
+        return RunResult(self.policy_name, self.config, self.log, summary, self.coordinator, self.final_weights)
 
 
 def run_engines(cfg: cfgmod.JobConfig, policy: str, *, steps: int, seed: int, address: Optional[str] = None,

@@ -35,10 +35,15 @@ def position_seed(seed: int, position: int) -> int:
 
 
 def gumbel_noise(seed: int, position: int, vocab: int, device) -> torch.Tensor:
-    """The Gumbel noise vector of one position (fp32, generated on the CPU for reproducibility)."""
-    gen = torch.Generator(device="cpu").manual_seed(position_seed(seed, position))
-    u = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
-    return (-torch.log(-torch.log(u))).to(device=device, dtype=torch.float32)
+    """The Gumbel noise vector of one position, drawn on ``device`` (fp32).
+
+    The draw is a pure function of (seed, position) for one device type; replicas of one run share it (all
+    on CPU, or all on GPU), which is what resume-invariance needs. No host round-trip on the hot path.
+    """
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(position_seed(seed, position))
+    u = torch.rand(vocab, generator=gen, dtype=torch.float32, device=device).clamp_(1e-20, 1.0 - 1e-7)
+    return -torch.log(-torch.log(u))
 
 
 class PositionKeyedSampler(LogitsProcessor):

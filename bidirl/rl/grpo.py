@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 LOSS_AGGS: tuple = ("token-mean", "seq-mean-token-mean")
@@ -90,6 +91,12 @@ class LossStats:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def token_weighted(stats, key: str) -> float:
+    """The token-weighted mean of ``key`` over chunk statistics (``LossStats`` dicts with ``tokens``)."""
+    w = np.array([st["tokens"] for st in stats], dtype=np.float64)
+    return float(np.dot(w, [st[key] for st in stats]) / max(w.sum(), 1.0))
 
 
 def empty_stats() -> dict:

@@ -108,11 +108,10 @@ def run_grpo(rollout, trainer, task: ArithmeticTask, steps: int, prompts_per_ste
         rollout.load_weights(trainer.state_dict(), version=upd["version"])
         t_sync = time.perf_counter() - t0
 
-        w = np.array([s["tokens"] for s in stats], dtype=np.float64)
-        wmean = (lambda key: float(np.dot(w, [s[key] for s in stats]) / max(w.sum(), 1.0)))
         rec = StepStats(step=step, version=upd["version"], reward_mean=float(rewards.mean()),
                         response_len_mean=float(np.mean([s.response_len for s in samples])),
-                        loss=float(sum(s["loss"] for s in stats)), kl=wmean("kl"), clip_frac=wmean("clip_frac"),
+                        loss=float(sum(s["loss"] for s in stats)), kl=grpo.token_weighted(stats, "kl"),
+                        clip_frac=grpo.token_weighted(stats, "clip_frac"),
                         grad_norm=upd["grad_norm"], timing_gen=t_gen, timing_old_logprob=t_old,
                         timing_update=t_upd, timing_sync=t_sync, samples=len(samples),
                         tokens=int(sum(s.response_len + len(s.prompt_ids) for s in samples)))
