@@ -23,13 +23,13 @@ MARGIN = 0.15
 def bench_emulated_vs_simulated(quick: bool) -> dict:
     import ray
 
-    from bidirl.cluster.driver import RayDriver
+    from bidirl.cluster.emulated import EmulatedDriver
     from bidirl.sim import simulate
     steps = 5 if quick else 10
     cfg = cfgmod.load("a6000-default")
     t0 = time.perf_counter()
     try:
-        emulated = RayDriver(cfg, "bidirl", steps, cfg.seed, emulate=True, time_scale=20.0).run().summary()
+        emulated = EmulatedDriver(cfg, "bidirl", steps, cfg.seed, time_scale=20.0).run().summary()
     finally:
         ray.shutdown()
     wall = time.perf_counter() - t0

@@ -18,7 +18,7 @@ POLICIES = ("no-borrow", "bidirl", "opportunistic")
 def bench_tiny_engines(quick: bool) -> dict:
     import ray
 
-    from bidirl.cluster.engine_driver import EngineDriver
+    from bidirl.cluster.engines.driver import EngineDriver
     steps = 4 if quick else 10
     cfg = cfgmod.load("tiny-cpu")
     out, tput = {}, {}

@@ -240,27 +240,6 @@ def _args_run(p: argparse.ArgumentParser) -> None:
                    help="engine runs: a Qwen2 checkpoint folder (default: the built-in tiny model)")
 
 
-def format_summary(s: dict) -> str:
-    """The human-readable summary of ``simulate`` / ``run``."""
-    tput = s.get("throughput")
-    lines = [f"policy {s['policy']}: throughput "
-             + (f"{tput:,.0f} tokens/s" if tput is not None else f"n/a ({s.get('throughput_note', 'too few steps')})"),
-             "step times (s): " + " ".join(f"{t:.1f}" for t in s["step_times"]),
-             "idle share: " + ", ".join(f"{k} {v:.1%}" for k, v in s["idle"].items() if v is not None)
-             + f"; utilization {s['utilization']:.1%}",
-             "borrows: " + ", ".join(f"{k} {v}" for k, v in s["borrows"].items()),
-             "samples: " + ", ".join(f"{k} {v}" for k, v in s["samples"].items())]
-    if s.get("costs"):
-        lines.append("measured switch costs (s): " + "; ".join(
-            f"{d} " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()) for d, c in s["costs"].items()))
-    if s.get("calibration"):
-        lines.append("online calibration, measured / predicted stage time: " + ", ".join(
-            f"{k} {v:.2f}" for k, v in s["calibration"]["scales"].items()))
-    if s.get("reward"):
-        lines.append("mean reward per step: " + " ".join(f"{r:.3f}" for r in s["reward"]))
-    return "\n".join(lines)
-
-
 def _write_outputs(result, args) -> None:
     try:
         if args.trace:
@@ -278,7 +257,8 @@ def _print_result(result, args) -> int:
     if args.json:
         print(json.dumps(summary, default=float))
     else:
-        print(format_summary(summary))
+        from bidirl import metrics
+        print(metrics.format_summary(summary))
         for what in ("trace", "html"):
             if getattr(args, what):
                 print(f"{what} written to {getattr(args, what)}")
@@ -295,7 +275,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 def _run_run(args: argparse.Namespace) -> int:
-    from bidirl.cluster.driver import ClusterError, run
+    from bidirl.cluster.pool import ClusterError
+    from bidirl.cluster.run import run
     try:
         with stdout_to_stderr(args.json):
             result = run(args.config, args.policy, steps=args.steps, seed=args.seed, emulate=args.emulate,

@@ -23,10 +23,10 @@ from typing import Any, Literal, Mapping, Optional
 import yaml
 
 from bidirl import presets
+from bidirl.core.protocol import POLICY_NAMES as POLICIES
+from bidirl.core.protocol import DIRECTIONS, SwitchCosts, trainer_stages
 
 Placement = Literal["node-aligned", "any"]
-POLICIES = ("bidirl", "no-borrow", "rot-only", "tor-only", "opportunistic",
-            "verl-colocated", "verl-async", "areal", "roll")
 
 
 class ConfigError(ValueError):
@@ -96,13 +96,10 @@ class RLConfig:
     kl_coef: float = 0.0
     clip_eps: float = 0.2
 
-
-@dataclass(frozen=True)
-class SwitchCosts:
-    """Hot-switch costs of one borrowing direction in seconds (paper Table 3)."""
-    c_in: float
-    c_out: float
-    c_grad: float = 0.0
+    @property
+    def stages(self) -> tuple:
+        """The trainer stages a step runs (``ref_logprob`` only with a reference model)."""
+        return trainer_stages(self.reference_model)
 
 
 @dataclass(frozen=True)
@@ -361,7 +358,7 @@ def validate(cfg: JobConfig) -> None:
                           f"did you mean '{close[0]}'?" if close else f"use one of {', '.join(POLICIES)}")
     _positive("scheduler.max_chunk", s.max_chunk)
     _positive("scheduler.tail_window", s.tail_window)
-    for direction in ("trainer_on_rollout_pool", "rollout_on_trainer_pool"):
+    for direction in DIRECTIONS:
         costs = getattr(s, direction)
         if costs is not None:
             for k in ("c_in", "c_out", "c_grad"):

@@ -105,7 +105,7 @@ def simulate_both(cfg, steps: int, out: Path) -> dict:
 def real_run(out_dir: Path, steps: int = 6) -> dict:
     """A short real GRPO run of the tiny model under ``bidirl`` on an embedded local Ray (vLLM rollouters,
     torch trainers); prints the measured summary and writes the event log as a Chrome/Perfetto trace."""
-    from bidirl.cluster.driver import run
+    from bidirl.cluster.run import run
     from bidirl.viz import gantt_figure
 
     print(f"\nreal run: the built-in tiny model on the arithmetic task, {steps} steps under bidirl on an embedded "

@@ -24,7 +24,9 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 import pandas as pd
 
-from bidirl.trace import DIRECTIONS, POOLS, EventLog
+from bidirl.core.protocol import (DIRECTIONS, POOLS, PRIMARY, ROLLOUT_ON_TRAINER_POOL, ROLLOUT_POOL,
+                                  TRAINER_ON_ROLLOUT_POOL, TRAINER_POOL)
+from bidirl.trace import EventLog
 
 SAMPLE_KEYS: tuple = ("generated", "consumed", "lost", "duplicated")
 
@@ -391,11 +393,59 @@ def summary(log: EventLog, *, policy: str, staleness: float, pool_gpus: Mapping,
     kept_time = float(np.sum(step_times(steps)[steps["step"].isin(kept["step"]).to_numpy()])) if len(kept) else 0.0
     out["fully_async/trainer/idle_ratio"] = (float(kept["wait"].sum()) / kept_time
                                              if kept_time > 0 and "wait" in kept else None)
-    gen = spans[(spans["pool"] == "rollout_pool") & (spans["role"] == "primary") & (spans["kind"] == "generate")]
+    gen = spans[(spans["pool"] == ROLLOUT_POOL) & (spans["role"] == PRIMARY) & (spans["kind"] == "generate")]
     out["fully_async/rollouter/idle_ratio"] = (
         1.0 - union_length(gen["start"].to_numpy(), gen["end"].to_numpy(), t0, t1) / length
-        if length > 0 and caps.get("rollout_pool", 0) > 0 else None)
+        if length > 0 and caps.get(ROLLOUT_POOL, 0) > 0 else None)
     return out
+
+
+#: the flat numbers of a run summary: (column, path into the summary dict)
+SUMMARY_ROW: tuple = (
+    ("throughput", ("throughput",)),
+    ("utilization", ("utilization",)),
+    ("idle_rollout_pool", ("idle", ROLLOUT_POOL)),
+    ("idle_trainer_pool", ("idle", TRAINER_POOL)),
+    ("borrows_rollout_on_trainer_pool", ("borrows", ROLLOUT_ON_TRAINER_POOL)),
+    ("borrows_trainer_on_rollout_pool", ("borrows", TRAINER_ON_ROLLOUT_POOL)),
+    ("borrows_rejected", ("borrows", "rejected")),
+    ("samples_lost", ("samples", "lost")),
+    ("samples_duplicated", ("samples", "duplicated")),
+    ("step_time_s", ("timing_s/step",)),
+)
+
+
+def summary_row(summary: Mapping) -> dict:
+    """A run summary's numbers as one flat row (:data:`SUMMARY_ROW`; NaN where the summary has none, e.g. a run
+    too short for the throughput window) — what tables of several runs are made of."""
+    out = {}
+    for name, path in SUMMARY_ROW:
+        value: Any = summary
+        for key in path:
+            value = value.get(key) if isinstance(value, Mapping) else None
+        out[name] = math.nan if value is None else float(value)
+    return out
+
+
+def format_summary(s: dict) -> str:
+    """The human-readable summary of ``simulate`` / ``run`` (what ``bidirl simulate`` prints)."""
+    tput = s.get("throughput")
+    lines = [f"policy {s['policy']}: throughput "
+             + (f"{tput:,.0f} tokens/s" if tput is not None else f"n/a ({s.get('throughput_note', 'too few steps')})"),
+             "step times (s): " + " ".join(f"{t:.1f}" for t in s["step_times"]),
+             "idle share: " + ", ".join(f"{k} {v:.1%}" for k, v in s["idle"].items() if v is not None)
+             + f"; utilization {s['utilization']:.1%}",
+             "borrows: " + ", ".join(f"{k} {v}" for k, v in s["borrows"].items()),
+             "samples: " + ", ".join(f"{k} {v}" for k, v in s["samples"].items())]
+    if s.get("costs"):
+        lines.append("measured switch costs (s): " + "; ".join(
+            f"{d} " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()) for d, c in s["costs"].items()))
+    if s.get("calibration"):
+        lines.append("online calibration, measured / predicted stage time: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in s["calibration"]["scales"].items()))
+    if s.get("reward"):
+        lines.append("mean reward per step: " + " ".join(f"{r:.3f}" for r in s["reward"]))
+    return "\n".join(lines)
 
 
 ROLE_OF_KIND = {"generate": "rollout", "chunk": "trainer", "optimizer": "trainer", "grad_merge": "trainer"}

@@ -106,6 +106,25 @@ class Plan:
     def choice(self) -> str:
         return self.envelope.label
 
+    def compatible_partitions(self) -> list:
+        """``[(label, (rollout_gpus, trainer_gpus))]`` of the hot-switch compatible candidates, in sweep order."""
+        ok = self.sweep[self.sweep["compatible"].astype(bool)]
+        return [(str(lbl), (int(a), int(b))) for lbl, a, b in zip(ok["label"], ok["rollout_gpus"], ok["trainer_gpus"])]
+
+    def index_of(self, partition) -> Optional[int]:
+        """The sweep row (position) of ``(rollout_gpus, trainer_gpus)``, or None if it is not a candidate."""
+        if partition is None:
+            return None
+        g_r = self.sweep["rollout_gpus"].to_numpy()
+        g_t = self.sweep["trainer_gpus"].to_numpy()
+        hit = np.flatnonzero((g_r == partition[0]) & (g_t == partition[1]))
+        return int(hit[0]) if hit.size else None
+
+    def candidate(self, index: int) -> tuple:
+        """``(rollout_gpus, trainer_gpus, compatible)`` of sweep row ``index``."""
+        row = self.sweep.iloc[int(index)]
+        return int(row["rollout_gpus"]), int(row["trainer_gpus"]), bool(row["compatible"])
+
     def to_dict(self) -> dict:
         """The ``bidirl plan --json`` object (DESIGN.md keys first, then extensions)."""
         cfg = self.config
@@ -219,10 +238,6 @@ def representative_batch(cfg) -> tuple:
                          np.random.default_rng([cfg.seed, PLAN_STREAM]), step=0)
 
 
-def stages_of(cfg) -> tuple:
-    return STAGES if cfg.rl.reference_model else tuple(s for s in STAGES if s != "ref_logprob")
-
-
 # --------------------------------------------------------------------------------------------------
 
 def plan(config, *, progress: bool = False) -> Plan:
@@ -240,7 +255,7 @@ def plan(config, *, progress: bool = False) -> Plan:
     rollout = RolloutModel(cfg.model_spec, cfg.hardware_spec, tp=rho_r)
     trainer = TrainerModel(cfg.model_spec, cfg.hardware_spec, layout=rho_t)
     p, r = representative_batch(cfg)
-    stages = stages_of(cfg)
+    stages = cfg.rl.stages
     w = cfg.workload
     n_groups, n_samples = w.prompts_per_step, p.size
 

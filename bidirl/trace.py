@@ -31,10 +31,10 @@ from typing import Any, Iterable, Union
 import numpy as np
 import pandas as pd
 
-POOLS: tuple = ("rollout_pool", "trainer_pool")
-ROLES: tuple = ("primary", "auxiliary")
-KINDS: tuple = ("generate", "chunk", "switch_in", "switch_out", "sync", "grad_merge", "optimizer")
-DIRECTIONS: tuple = ("rollout_on_trainer_pool", "trainer_on_rollout_pool")
+from bidirl.core.checks import choice, finite, integer
+from bidirl.core.protocol import (BORROWED_POOL, DIRECTIONS, POOLS, ROLES, ROLLOUT_POOL,  # noqa: F401 (re-exported)
+                                  TRAINER_POOL, Decision, StepRecord)
+from bidirl.core.protocol import SPAN_KINDS as KINDS
 
 SPAN_COLUMNS: dict = {"worker": "str", "pool": "str", "role": "str", "kind": "str", "start": "float64",
                       "end": "float64", "step": "int64", "version": "int64", "detail": "object"}
@@ -50,34 +50,6 @@ FINGERPRINT_DECIMALS = 9
 # --------------------------------------------------------------------------------------------------
 # records
 # --------------------------------------------------------------------------------------------------
-
-def _finite(value: Any, record: str, name: str) -> float:
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{record}.{name} must be a number of seconds, got {value!r}") from None
-    if not math.isfinite(x):
-        raise ValueError(f"{record}.{name} must be finite, got {x!r}")
-    return x
-
-
-def _integer(value: Any, record: str, name: str, minimum: int | None = None) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        if isinstance(value, (float, np.floating)) and float(value).is_integer():
-            value = int(value)
-        else:
-            raise ValueError(f"{record}.{name} must be an integer, got {value!r}")
-    x = int(value)
-    if minimum is not None and x < minimum:
-        raise ValueError(f"{record}.{name} must be >= {minimum}, got {x}")
-    return x
-
-
-def _choice(value: Any, allowed: tuple, record: str, name: str) -> str:
-    if value not in allowed:
-        raise ValueError(f"{record}.{name} must be one of {', '.join(allowed)}; got {value!r}")
-    return str(value)
-
 
 @dataclass(frozen=True)
 class Span:
@@ -98,13 +70,13 @@ class Span:
     detail: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        _choice(self.pool, POOLS, "Span", "pool")
-        _choice(self.role, ROLES, "Span", "role")
-        _choice(self.kind, KINDS, "Span", "kind")
+        choice(self.pool, POOLS, "Span", "pool")
+        choice(self.role, ROLES, "Span", "role")
+        choice(self.kind, KINDS, "Span", "kind")
         if not isinstance(self.worker, str) or not self.worker.startswith(self.pool + "/"):
             raise ValueError(f"Span.worker must be named '<pool>/<role-kind>[/<i>]' on pool {self.pool!r} "
                              f"(see bidirl.core.protocol); got {self.worker!r}")
-        start, end = _finite(self.start, "Span", "start"), _finite(self.end, "Span", "end")
+        start, end = finite(self.start, "Span", "start"), finite(self.end, "Span", "end")
         if end < start:
             raise ValueError(f"Span.end ({end!r}) is before Span.start ({start!r}) for {self.kind} on "
                              f"{self.worker}; a span must end at or after its start")
@@ -112,74 +84,12 @@ class Span:
             raise ValueError(f"Span.detail must be a dict, got {type(self.detail).__name__}")
         object.__setattr__(self, "start", start)
         object.__setattr__(self, "end", end)
-        object.__setattr__(self, "step", _integer(self.step, "Span", "step"))
-        object.__setattr__(self, "version", _integer(self.version, "Span", "version"))
+        object.__setattr__(self, "step", integer(self.step, "Span", "step"))
+        object.__setattr__(self, "version", integer(self.version, "Span", "version"))
 
     @property
     def duration(self) -> float:
         return self.end - self.start
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One training step (paper §7.1's "metric step").
-
-    ``start``: when the trainer began waiting for the step's batch; ``end``: when its optimizer step and weight
-    sync finished; ``tokens``: prompt + response tokens consumed; ``wait`` / ``consume``: the waiting and the
-    consuming part of the step; ``version``: the actor version the step produced.
-    """
-    step: int
-    start: float
-    end: float
-    tokens: int
-    samples: int
-    wait: float = 0.0
-    consume: float = 0.0
-    version: int = 0
-
-    def __post_init__(self):
-        start, end = _finite(self.start, "StepRecord", "start"), _finite(self.end, "StepRecord", "end")
-        if end < start:
-            raise ValueError(f"StepRecord.end ({end!r}) is before StepRecord.start ({start!r}) "
-                             f"for step {self.step}")
-        object.__setattr__(self, "step", _integer(self.step, "StepRecord", "step", 0))
-        object.__setattr__(self, "start", start)
-        object.__setattr__(self, "end", end)
-        object.__setattr__(self, "tokens", _integer(self.tokens, "StepRecord", "tokens", 0))
-        object.__setattr__(self, "samples", _integer(self.samples, "StepRecord", "samples", 0))
-        object.__setattr__(self, "wait", _finite(self.wait, "StepRecord", "wait"))
-        object.__setattr__(self, "consume", _finite(self.consume, "StepRecord", "consume"))
-        object.__setattr__(self, "version", _integer(self.version, "StepRecord", "version"))
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One borrowing opportunity the scheduler evaluated at time ``t`` (paper §5.2, admission rule).
-
-    ``direction`` is ``rollout_on_trainer_pool`` or ``trainer_on_rollout_pool``; ``admitted`` whether the pool
-    was lent; ``predicted_gain`` the predicted time saved; ``cost`` the switch overhead charged
-    (C_in + C_out [+ C_grad]).
-    """
-    t: float
-    direction: str
-    admitted: bool
-    predicted_gain: float
-    cost: float
-    detail: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        object.__setattr__(self, "t", _finite(self.t, "Decision", "t"))
-        _choice(self.direction, DIRECTIONS, "Decision", "direction")
-        if not isinstance(self.admitted, (bool, np.bool_)):
-            raise ValueError(f"Decision.admitted must be a bool, got {self.admitted!r}")
-        object.__setattr__(self, "admitted", bool(self.admitted))
-        for name in ("predicted_gain", "cost"):
-            try:
-                object.__setattr__(self, name, float(getattr(self, name)))
-            except (TypeError, ValueError):
-                raise ValueError(f"Decision.{name} must be a number, got {getattr(self, name)!r}") from None
-        if not isinstance(self.detail, dict):
-            raise ValueError(f"Decision.detail must be a dict, got {type(self.detail).__name__}")
 
 
 Record = Union[Span, StepRecord, Decision]
@@ -383,14 +293,14 @@ class EventLog:
                            "tid": tid[s.worker], "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6,
                            "args": _plain({"step": s.step, "version": s.version, "role": s.role, **s.detail})})
         for d in self.decisions:
-            pool = "trainer_pool" if d.direction == "rollout_on_trainer_pool" else "rollout_pool"
+            pool = BORROWED_POOL[d.direction]
             events.append({"ph": "i", "s": "p", "name": f"{'admit' if d.admitted else 'reject'} {d.direction}",
                            "cat": "decision", "pid": pid[pool], "tid": 0, "ts": d.t * 1e6,
                            "args": _plain({"admitted": d.admitted, "predicted_gain": d.predicted_gain,
                                            "cost": d.cost, **d.detail})})
         for r in self.steps:
             events.append({"ph": "i", "s": "g", "name": f"step {r.step} end", "cat": "step",
-                           "pid": pid["trainer_pool"], "tid": 0, "ts": r.end * 1e6,
+                           "pid": pid[TRAINER_POOL], "tid": 0, "ts": r.end * 1e6,
                            "args": _plain({"step": r.step, "start": r.start, "tokens": r.tokens,
                                            "samples": r.samples, "wait": r.wait, "consume": r.consume,
                                            "version": r.version})})
@@ -494,7 +404,7 @@ def _lane_key(worker: str) -> tuple:
     parts = worker.split("/")
     pool = POOLS.index(parts[0]) if parts[0] in POOLS else len(POOLS)
     kind = parts[1] if len(parts) > 1 else ""
-    home = "rollouter" if parts[0] == "rollout_pool" else "trainer"
+    home = "rollouter" if parts[0] == ROLLOUT_POOL else "trainer"
     index = tuple(int(p) if p.isdigit() else math.inf for p in parts[2:])
     return (pool, 0 if kind == home else 1, kind, index, worker)
 

@@ -22,6 +22,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from bidirl.core.protocol import ROLLOUT_ON_TRAINER_POOL, TRAINER_ON_ROLLOUT_POOL
 from bidirl.metrics import borrow_windows
 from bidirl.trace import KINDS, ROLES, EventLog, lane_order
 
@@ -39,8 +40,8 @@ COLORS: dict = {
     ("optimizer", "primary"): "#d62728", ("optimizer", "auxiliary"): "#fc9272",
 }
 #: fill of borrowing windows per direction
-WINDOW_COLORS: dict = {"rollout_on_trainer_pool": "rgba(31, 119, 180, 0.10)",
-                       "trainer_on_rollout_pool": "rgba(255, 127, 14, 0.12)"}
+WINDOW_COLORS: dict = {ROLLOUT_ON_TRAINER_POOL: "rgba(31, 119, 180, 0.10)",
+                       TRAINER_ON_ROLLOUT_POOL: "rgba(255, 127, 14, 0.12)"}
 DEFAULT_WINDOW_COLOR = "rgba(128, 128, 128, 0.10)"
 BAR_WIDTH = 0.8
 CUSTOMDATA_COLUMNS: tuple = ("worker", "start", "end", "step", "version", "info")

@@ -6,6 +6,10 @@ candidates are grey; the envelope is highlighted (orange bar, shaded column name
 annotation). The figure always has the same three traces, in this order — pipeline, rollout, trainer — with
 one point per sweep row, so a live widget can copy a new sweep into existing traces and map a clicked point
 back to its sweep row.
+
+The x axis is linear, with the partitions at positions 0 … n−1 and their labels as tick text: plotly.js
+re-guesses a category axis' type whenever a trace is restyled, and labels such as ``10-6`` then read as
+dates, so numeric positions keep every live update on a linear axis.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ def sweep_figure(plan) -> go.Figure:
     sweep = plan.sweep.reset_index(drop=True)
     env = plan.envelope
     cfg = plan.config
-    x = [f"{int(a)}-{int(b)}" for a, b in zip(sweep["rollout_gpus"], sweep["trainer_gpus"])]
+    labels = [f"{int(a)}-{int(b)}" for a, b in zip(sweep["rollout_gpus"], sweep["trainer_gpus"])]
+    x = np.arange(len(labels), dtype=np.float64)
     ok = sweep["compatible"].to_numpy(dtype=bool)
     chosen = sweep["chosen"].to_numpy(dtype=bool)
     bar_colors = np.where(chosen, CHOSEN, np.where(ok, COMPATIBLE, INCOMPATIBLE)).tolist()
@@ -55,13 +60,15 @@ def sweep_figure(plan) -> go.Figure:
                                       fillcolor="rgba(245, 133, 24, 0.12)", line={"width": 0}, layer="below",
                                       name="choice"))
         how = "fixed by cluster.partition" if plan.fixed else "planner's choice"
-        notes.append(go.layout.Annotation(x=x[i], y=1.0, xref="x", yref="paper", yanchor="bottom", showarrow=False,
+        notes.append(go.layout.Annotation(x=float(i), y=1.0, xref="x", yref="paper", yanchor="bottom", showarrow=False,
                                           text=f"{how}: {env.label}<br>λ_pipe = {env.pipeline_rate:.3g} groups/s"))
     fig.update_layout(
         title=(f"Partition sweep: {cfg.model} on {cfg.cluster.gpus} × {cfg.hardware} ({cfg.cluster.placement}), "
                f"{cfg.workload.prompts_per_step} prompts × {cfg.workload.group_size}, "
                f"max response {cfg.workload.max_response_len}"),
-        xaxis={"title": "partition (rollout GPUs - trainer GPUs)", "type": "category"},
+        xaxis={"title": "partition (rollout GPUs - trainer GPUs)", "type": "linear", "tickmode": "array",
+               "tickvals": list(range(len(labels))), "ticktext": labels, "range": [-0.5, len(labels) - 0.5],
+               "zeroline": False},
         yaxis={"title": "predicted rate (prompt groups / s)", "rangemode": "tozero"},
         barmode="overlay", shapes=shapes, annotations=notes, template="plotly_white",
         legend={"orientation": "h", "y": -0.2}, margin={"t": 90},

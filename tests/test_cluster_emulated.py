@@ -32,9 +32,9 @@ def _exclusive(spans):
 
 
 def test_emulated_run_borrows_both_ways_and_keeps_every_sample(ray_session):
-    from bidirl.cluster.driver import RayDriver
+    from bidirl.cluster.emulated import EmulatedDriver
     cfg = cfgmod.from_dict(SMALL)
-    res = RayDriver(cfg, "bidirl", steps=3, seed=0, emulate=True, time_scale=100).run()
+    res = EmulatedDriver(cfg, "bidirl", steps=3, seed=0, time_scale=100).run()
     s = res.summary()
     assert len(s["step_times"]) == 3
     assert s["samples"]["lost"] == 0 and s["samples"]["duplicated"] == 0
@@ -45,18 +45,16 @@ def test_emulated_run_borrows_both_ways_and_keeps_every_sample(ray_session):
 
 
 def test_killing_an_auxiliary_trainer_mid_window_loses_nothing(ray_session):
-    from bidirl.cluster.driver import RayDriver
+    from bidirl.cluster.emulated import EmulatedDriver
     cfg = cfgmod.from_dict(SMALL).with_overrides({"cluster.partition": [6, 2], "workload.max_response_len": 256})
     killed = []
 
     def kill(driver):
-        c = driver.coordinator
-        if not killed and c.owner["rollout_pool"] == "auxiliary" and c.step is not None \
-                and c.step.live("auxiliary"):
+        if not killed and driver.chunk_running.get("rollout_pool/trainer") is not None:
             ray_session.kill(driver.actors["rollout_pool/trainer"])
-            killed.append(len(c.steps))
+            killed.append(driver.steps_done)
 
-    res = RayDriver(cfg, "bidirl", steps=3, seed=1, emulate=True, time_scale=100).run(kill=kill)
+    res = EmulatedDriver(cfg, "bidirl", steps=3, seed=1, time_scale=100).run(kill=kill)
     s = res.summary()
     assert killed, "the scenario never lent the rollout pool to auxiliary trainers"
     assert len(s["step_times"]) == 3
@@ -64,7 +62,41 @@ def test_killing_an_auxiliary_trainer_mid_window_loses_nothing(ray_session):
 
 
 def test_a_cluster_without_the_slots_gives_a_clear_error(ray_session):
-    from bidirl.cluster.driver import ClusterError, RayDriver
+    from bidirl.cluster.emulated import EmulatedDriver
+    from bidirl.cluster.pool import ClusterError
     cfg = cfgmod.from_dict(SMALL).with_overrides({"cluster.gpus": 16, "cluster.partition": [8, 8]})
     with pytest.raises(ClusterError, match="gpu_slot"):
-        RayDriver(cfg, "bidirl", steps=1, seed=0).run()
+        EmulatedDriver(cfg, "bidirl", steps=1, seed=0).run()
+
+
+def _lifecycle(messages) -> list:
+    """The run's life as the control plane steered it: steps, switches by pool and phase, merges, syncs."""
+    from bidirl.core import protocol as P
+    out = []
+    for m in messages:
+        if isinstance(m, P.Switch):
+            out.append(f"Switch {m.pool} {m.phase}")
+        elif isinstance(m, (P.StartStep, P.MergeGradients, P.OptimizerStep, P.SyncWeights, P.StepDone, P.RunDone)):
+            out.append(type(m).__name__)
+    return out
+
+
+def test_the_simulator_and_emulated_workers_record_the_same_things(ray_session):
+    """One control plane, two drivers: the same config, seed and policy give logs with the same lanes, kinds and
+    roles, the same life of leases and steps, and utilisation over the same lanes."""
+    from bidirl.cluster.emulated import EmulatedDriver
+    from bidirl.sim.driver import SimDriver
+    cfg = cfgmod.from_dict(SMALL)
+    sim = SimDriver(cfg, "opportunistic", steps=3, seed=0)
+    sim_res = sim.run()
+    emu = EmulatedDriver(cfg, "opportunistic", steps=3, seed=0, time_scale=100)
+    emu_res = emu.run()
+
+    def lanes(res):
+        return {(s.worker, s.kind, s.role) for s in res.log.spans}
+    assert lanes(sim_res) == lanes(emu_res)
+    assert _lifecycle(sim.messages) == _lifecycle(emu.messages)
+    assert {"Switch trainer_pool in", "Switch rollout_pool in"} <= set(_lifecycle(sim.messages))
+    a, b = sim_res.summary(), emu_res.summary()
+    assert a["utilization"] is not None and b["utilization"] is not None
+    assert set(a["idle"]) == set(b["idle"]) and a["provenance"] == "simulated" and b["provenance"] == "emulated"

@@ -1,19 +1,308 @@
-"""Coordinator behaviour that only asynchronous drivers (Ray) exercise: messages that cross in flight."""
+"""The coordinator as a sans-I/O state machine (h11 style): feed events, assert the commands that come out.
 
-from bidirl import config as cfgmod
-from bidirl import control
+Each test walks one borrowing direction through a whole life — admitted, dispatched, revoked on batch-ready,
+revoked on failure, rejected by the gate — with a tiny linear predictor, so every number is easy to follow.
+"""
+
+import numpy as np
+import pytest
+
 from bidirl.core import protocol as P
+from bidirl.core.coordinator import Coordinator, Settings, Topology
+from bidirl.core.lease import Lease, LeaseError, PoolLease
+from bidirl.core.policies import get_policy
+from bidirl.core.profiler import Profiler
+
+ROT, TOR = P.ROLLOUT_ON_TRAINER_POOL, P.TRAINER_ON_ROLLOUT_POOL
+R0, R1 = P.rollouter(P.ROLLOUT_POOL, 0), P.rollouter(P.ROLLOUT_POOL, 1)
+A0, A1 = P.rollouter(P.TRAINER_POOL, 0), P.rollouter(P.TRAINER_POOL, 1)
+
+
+class LinearPredictor:
+    """Rollout: 10 ms per response token spread over the replicas; trainer: 1 ms per token per replica."""
+
+    def rollout_time(self, prompt_lens, response_lens, d):
+        return 0.01 * float(np.sum(response_lens)) / d
+
+    def chunk_time(self, stage, prompt_lens, response_lens, d):
+        return 0.001 * float(np.sum(prompt_lens) + np.sum(response_lens)) / d
+
+
+def coordinator(policy="bidirl", staleness=0.0, cost=0.1, batch=4, steps=2):
+    costs = {d: P.SwitchCosts(cost, cost, cost / 2) for d in P.DIRECTIONS}
+    settings = Settings(batch=batch, group_size=2, staleness=staleness, partial_rollout=True,
+                        stages=("old_logprob", "actor_update"), max_chunk=1, tail_window=2, steps=steps)
+    topology = Topology(rollout_replicas=2, trainer_replicas=2, aux_rollout_replicas=2, aux_trainer_replicas=2)
+    prior = (np.full(64, 10), np.full(64, 100))
+    return Coordinator(settings, topology, get_policy(policy), LinearPredictor(), Profiler(costs=costs), prior)
+
+
+def of(kind, msgs):
+    return [m for m in msgs if isinstance(m, kind)]
+
+
+def done_group(gid, version=0, tokens=100):
+    return P.GroupState(gid, 10, (tokens, tokens), (True, True), version)
+
+
+def prefix(gid, version=0, tokens=3):
+    return P.GroupState(gid, 10, (tokens, tokens), (False, False), version)
+
+
+def where(msgs):
+    """group id -> rollouter, from the Generate commands."""
+    return {t.group_id: g.worker for g in of(P.Generate, msgs) for t in g.tasks}
+
+
+# --------------------------------------------------------------------------------------------------
+# the lease state machine
+# --------------------------------------------------------------------------------------------------
+
+def test_the_lease_goes_round_its_cycle_and_refuses_anything_else():
+    lease = PoolLease(P.TRAINER_POOL)
+    for event, state in (("lend", Lease.SWITCHING_IN), ("switched", Lease.LENT), ("revoke", Lease.REVOKING),
+                         ("yield", Lease.SWITCHING_OUT), ("switched", Lease.PRIMARY)):
+        assert lease.fire(event) is state
+    with pytest.raises(LeaseError, match=r"trainer_pool: 'revoke' is not allowed while the lease is primary"):
+        lease.fire("revoke")
+    lease.fire("lend")
+    with pytest.raises(LeaseError, match=r"'lend' is not allowed while the lease is switching_in .*switched"):
+        lease.fire("lend")
+
+
+# --------------------------------------------------------------------------------------------------
+# Rollouter-on-TrainerPool
+# --------------------------------------------------------------------------------------------------
+
+def test_rollout_on_trainer_pool_admitted_dispatched_and_revoked_when_the_batch_is_ready():
+    c = coordinator(staleness=1.0)
+    out = c.handle(P.Started(0.0))
+    # the run-ahead bound admits (v + 1 + s)·B = 8 groups, dealt to the least-loaded primary rollouter
+    placed = where(out)
+    assert sorted(placed) == list(range(8)) and set(placed.values()) == {R0, R1}
+    # the trainer pool idles (no batch yet): Eq. 3 with a load of 8 groups, Q_r = 4, d_p = d_a = 2
+    (decided,) = of(P.Decided, out)
+    d = decided.decision
+    assert d.direction == ROT and d.admitted and d.detail["deficit"] == 4 and d.detail["load"] == 8
+    assert d.predicted_gain == pytest.approx(8 - 6) and d.cost == pytest.approx(0.2)   # M_r(8,2) − M_r(6,2)
+    assert of(P.Switch, out) == [P.Switch(P.TRAINER_POOL, P.ROLLOUT, ROT, "in", 0.1, 0)]
+    assert c.view().leases[P.TRAINER_POOL] == "switching_in"
+
+    # dispatch (Eq. 4): Q_a = round(2/4 · 4) = 2 groups move from the primaries, latest admitted first
+    out = c.handle(P.SwitchFinished(1.0, P.TRAINER_POOL, P.ROLLOUT, 0.1))
+    interrupts = of(P.Interrupt, out)
+    moved = sorted(g for i in interrupts for g in i.group_ids)
+    assert moved == [6, 7] and {i.worker for i in interrupts} == {placed[6], placed[7]}
+    resumed = []
+    for i in interrupts:
+        out = c.handle(P.GenerationStopped(1.5, i.worker, tuple(prefix(g) for g in i.group_ids)))
+        resumed += [(g.worker, t.group_id, t.resume) for g in of(P.Generate, out) for t in g.tasks]
+    assert {w for w, _, _ in resumed} <= {A0, A1} and sorted(g for _, g, _ in resumed) == [6, 7]
+    assert all(r is not None and r.generated == (3, 3) for _, _, r in resumed), "prefixes resume, never restart"
+
+    # the four oldest groups finish on the primaries: the batch is ready, so the lease is revoked
+    for g in range(3):
+        assert not of(P.Switch, c.handle(P.GroupFinished(2.0, placed[g], done_group(g))))
+    out = c.handle(P.GroupFinished(2.1, placed[3], done_group(3)))
+    revoke = of(P.Interrupt, out)
+    holders = {w for w, _, _ in resumed}
+    assert {i.worker for i in revoke} == holders and all(i.group_ids is None for i in revoke)
+    assert c.view().leases[P.TRAINER_POOL] == "revoking" and not of(P.StartStep, out)
+    # the auxiliaries hand back their prefixes; once all answered the pool switches back
+    for k, i in enumerate(revoke):
+        assert not of(P.Switch, out)
+        held = tuple(prefix(g, tokens=9) for w, g, _ in resumed if w == i.worker)
+        out = c.handle(P.GenerationStopped(2.2 + 0.1 * k, i.worker, held))
+    assert of(P.Switch, out) == [P.Switch(P.TRAINER_POOL, P.TRAINER, ROT, "out", 0.1, 0)]
+    # the returned prefixes go back to the primaries with their tokens
+    back = {t.group_id: t.resume for g in of(P.Generate, out) for t in g.tasks}
+    assert back[6].generated == (9, 9) and back[7].generated == (9, 9)
+    out = c.handle(P.SwitchFinished(2.5, P.TRAINER_POOL, P.TRAINER, 0.2))
+    (start,) = of(P.StartStep, out)
+    assert [g.group_id for g in start.groups] == [0, 1, 2, 3] and start.version == 0
+    assert of(P.RunChunk, out)[0].worker == P.PRIMARY_TRAINER
+    assert c.view().leases[P.TRAINER_POOL] == "primary"
+
+
+def test_rollout_on_trainer_pool_revoked_when_an_auxiliary_rollouter_dies():
+    c = coordinator(staleness=1.0)
+    placed = where(c.handle(P.Started(0.0)))
+    out = c.handle(P.SwitchFinished(1.0, P.TRAINER_POOL, P.ROLLOUT, 0.1))
+    aux = {}
+    for i in of(P.Interrupt, out):
+        for g in of(P.Generate, c.handle(P.GenerationStopped(1.5, i.worker, tuple(prefix(x) for x in i.group_ids)))):
+            aux.update({t.group_id: g.worker for t in g.tasks})
+    dead = aux[6]
+    out = c.handle(P.WorkerFailed(2.0, dead, "actor died"))
+    resumed = {t.group_id: g.worker for g in of(P.Generate, out) for t in g.tasks}
+    # the lease is revoked: surviving auxiliaries holding groups are interrupted, then the pool is given back
+    assert c.view().failed == (dead,)
+    for i in of(P.Interrupt, out):
+        assert i.worker != dead
+        out = c.handle(P.GenerationStopped(2.1, i.worker, tuple(prefix(g) for g, w in aux.items() if w == i.worker)))
+        resumed.update({t.group_id: g.worker for g in of(P.Generate, out) for t in g.tasks})
+    assert [s.phase for s in of(P.Switch, out)] == ["out"] and c.view().leases[P.TRAINER_POOL] == "switching_out"
+    # nothing is lost with the worker: its groups resume on the primaries once they own the pool again
+    c.handle(P.SwitchFinished(2.5, P.TRAINER_POOL, P.TRAINER, 0.1))
+    assert c.view().leases[P.TRAINER_POOL] == "primary"
+    lost = {g for g, w in aux.items() if w == dead}
+    assert lost and all(resumed.get(g) in (R0, R1) for g in lost), resumed
+    with pytest.raises(RuntimeError, match="primary worker .* failed"):
+        c.handle(P.WorkerFailed(3.0, R0, "boom"))
+
+
+def test_rollout_on_trainer_pool_rejected_by_the_gate_when_switching_costs_more_than_it_saves():
+    c = coordinator(staleness=1.0, cost=5.0)
+    out = c.handle(P.Started(0.0))
+    (decided,) = of(P.Decided, out)
+    assert decided.decision.direction == ROT and not decided.decision.admitted
+    assert decided.decision.cost == pytest.approx(10.0) and decided.decision.predicted_gain < 10.0
+    assert not of(P.Switch, out) and c.view().leases[P.TRAINER_POOL] == "primary"
+    # the opportunistic ablation borrows whatever the cost
+    out = coordinator("opportunistic", staleness=1.0, cost=5.0).handle(P.Started(0.0))
+    assert of(P.Decided, out)[0].decision.admitted and of(P.Switch, out)
+
+
+# --------------------------------------------------------------------------------------------------
+# Trainer-on-RolloutPool
+# --------------------------------------------------------------------------------------------------
+
+def _consume_start(c):
+    """At s = 0 the rollouters generate one batch and then idle while it trains: Started, four completions."""
+    placed = where(c.handle(P.Started(0.0)))
+    out = []
+    for g in range(4):
+        out = c.handle(P.GroupFinished(1.0 + g, placed[g], done_group(g)))
+    return out
+
+
+def test_trainer_on_rollout_pool_admitted_pulls_chunks_lazily_merges_in_order_and_yields():
+    c = coordinator("tor-only")
+    out = _consume_start(c)
+    (start,) = of(P.StartStep, out)
+    assert start.step == 0 and len(start.groups) == 4
+    (first,) = of(P.RunChunk, out)
+    assert first.worker == P.PRIMARY_TRAINER and first.chunk.per_device == 1 and len(first.chunk.samples) == 2
+    # Algorithm 2: T_no = 8 chunks of 2 × 110 tokens on 2 replicas; the rollout pool idles, so it is lent
+    (decided,) = of(P.Decided, out)
+    d = decided.decision
+    assert d.direction == TOR and d.admitted and d.detail["t_no"] == pytest.approx(8 * 0.11)
+    assert of(P.Switch, out) == [P.Switch(P.ROLLOUT_POOL, P.TRAINER, TOR, "in", 0.1, 0)]
+    out = c.handle(P.ChunkStarted(4.0, P.PRIMARY_TRAINER, first.chunk.chunk_id))
+    out = c.handle(P.SwitchFinished(4.1, P.ROLLOUT_POOL, P.TRAINER, 0.1))
+    # lazy pull: the auxiliary gang gets the next chunk as soon as it is ready
+    (aux,) = of(P.RunChunk, out)
+    assert aux.worker == P.AUX_TRAINER and aux.chunk.order > first.chunk.order
+    live = {first.chunk.chunk_id: first, aux.chunk.chunk_id: aux}
+    chunks = {cmd.chunk.chunk_id: cmd.chunk for cmd in live.values()}
+    t, finished_order, merged = 4.2, [], None
+    while live:
+        # finish the auxiliary's chunks first when both run: the merge must still follow the original order
+        cid = max(live, key=lambda k: (live[k].worker == P.AUX_TRAINER, k))
+        cmd = live.pop(cid)
+        finished_order.append(cid)
+        c.handle(P.ChunkStarted(t, cmd.worker, cid))
+        out = c.handle(P.ChunkFinished(t + 0.05, cmd.worker, cid, 0.05))
+        t += 0.1
+        for run in of(P.RunChunk, out):
+            live[run.chunk.chunk_id] = run
+            chunks[run.chunk.chunk_id] = run.chunk
+        if of(P.MergeGradients, out) or of(P.OptimizerStep, out):
+            merged = out
+    # the auxiliary did actor-update chunks, so their gradients merge (C_grad) before the optimizer step
+    switch_out = [s for s in of(P.Switch, merged) if s.phase == "out"] or None
+    (merge,) = of(P.MergeGradients, merged)
+    assert finished_order != sorted(finished_order, key=lambda k: chunks[k].order), "chunks finished out of order"
+
+    def in_original_order(ids):
+        return [chunks[k].order for k in ids] == sorted(chunks[k].order for k in ids)
+    assert merge.expected == pytest.approx(0.05) and in_original_order(merge.chunk_ids)
+    assert {chunks[k].stage for k in merge.chunk_ids} == {"actor_update"}
+    out = c.handle(P.GradientsMerged(t, 0, 0.05))
+    (opt,) = of(P.OptimizerStep, out)
+    assert opt.version == 1 and in_original_order(opt.merge_order) and set(merge.chunk_ids) < set(opt.merge_order)
+    assert {chunks[k].stage for k in opt.merge_order} == {"actor_update"}
+    assert sum(len(chunks[k].samples) for k in opt.merge_order) == 8, "every sample's update, once"
+    assert switch_out is not None or c.view().leases[P.ROLLOUT_POOL] == "switching_out"
+    # the new weights wait for the rollout pool to come back to its rollouters
+    out = c.handle(P.OptimizerStepped(t + 0.1, 0, 1))
+    assert not of(P.SyncWeights, out)
+    out = c.handle(P.SwitchFinished(t + 0.2, P.ROLLOUT_POOL, P.ROLLOUT, 0.1))
+    assert of(P.SyncWeights, out) == [P.SyncWeights(1, (R0, R1))]
+    out = c.handle(P.SyncFinished(t + 0.3, 1, (R0, R1), 0.1))
+    (step,) = of(P.StepDone, out)
+    assert step.record.step == 0 and step.record.version == 1 and step.record.samples == 8
+    assert {g.worker for g in of(P.Generate, out)} == {R0, R1}, "the next batch is generated with version 1"
+    assert all(g.version == 1 for g in of(P.Generate, out))
+
+
+def _finish_on_primaries(c, live, t=5.0):
+    """Run every chunk the coordinator sends to the primary gang to completion; returns (chunks run, last out)."""
+    ran, out = [], []
+    while live:
+        cmd = live.pop(0)
+        assert cmd.worker == P.PRIMARY_TRAINER
+        ran.append(cmd.chunk)
+        c.handle(P.ChunkStarted(t, cmd.worker, cmd.chunk.chunk_id))
+        out = c.handle(P.ChunkFinished(t + 0.05, cmd.worker, cmd.chunk.chunk_id, 0.05))
+        live += of(P.RunChunk, out)
+        t += 0.1
+    return ran, out
+
+
+def test_trainer_on_rollout_pool_revoked_when_the_auxiliary_gang_dies_mid_chunk():
+    c = coordinator("tor-only")
+    (first,) = of(P.RunChunk, _consume_start(c))
+    c.handle(P.ChunkStarted(4.0, P.PRIMARY_TRAINER, first.chunk.chunk_id))
+    (aux,) = of(P.RunChunk, c.handle(P.SwitchFinished(4.1, P.ROLLOUT_POOL, P.TRAINER, 0.1)))
+    c.handle(P.ChunkStarted(4.2, P.AUX_TRAINER, aux.chunk.chunk_id))
+    out = c.handle(P.WorkerFailed(4.3, P.AUX_TRAINER, "actor died"))
+    # its running chunk is recovered (its worker is gone), the pool goes back to the rollouters
+    assert of(P.Switch, out) == [P.Switch(P.ROLLOUT_POOL, P.ROLLOUT, TOR, "out", 0.1, 0)]
+    assert P.AUX_TRAINER in c.view().failed
+    ran, out = _finish_on_primaries(c, [first])
+    # the lost chunk's samples are redone on the primaries; nothing of the dead gang is merged
+    assert set(aux.chunk.samples) <= {s for ch in ran if ch.stage == aux.chunk.stage for s in ch.samples}
+    assert not of(P.MergeGradients, out) and of(P.OptimizerStep, out)
+
+
+def test_a_cancelled_chunk_is_pulled_again_and_every_sample_runs_once():
+    c = coordinator("tor-only")
+    (first,) = of(P.RunChunk, _consume_start(c))
+    (aux,) = of(P.RunChunk, c.handle(P.SwitchFinished(4.1, P.ROLLOUT_POOL, P.TRAINER, 0.1)))
+    # the driver reclaimed the queued chunk (Table 2: queued → cancelled): its units are planned again
+    live = [first] + of(P.RunChunk, c.handle(P.ChunkCancelled(4.2, P.AUX_TRAINER, aux.chunk.chunk_id)))
+    finished, t = [], 5.0
+    while live:
+        cmd = live.pop(0)
+        c.handle(P.ChunkStarted(t, cmd.worker, cmd.chunk.chunk_id))
+        out = c.handle(P.ChunkFinished(t + 0.05, cmd.worker, cmd.chunk.chunk_id, 0.05))
+        finished.append(cmd.chunk)
+        live += of(P.RunChunk, out)
+        t += 0.1
+    assert aux.chunk.chunk_id not in {ch.chunk_id for ch in finished}
+    for stage in ("old_logprob", "actor_update"):
+        ran = sorted(s for ch in finished if ch.stage == stage for s in ch.samples)
+        assert ran == sorted((g, i) for g in range(4) for i in range(2)), (stage, ran)
+
+
+def test_trainer_on_rollout_pool_rejected_by_the_gate():
+    c = coordinator("tor-only", cost=5.0)
+    out = _consume_start(c)
+    (decided,) = of(P.Decided, out)
+    d = decided.decision
+    assert d.direction == TOR and not d.admitted and d.detail["t_borrow"] >= d.detail["t_no"]
+    assert not of(P.Switch, out) and c.view().leases[P.ROLLOUT_POOL] == "primary"
 
 
 def test_a_group_that_completes_while_its_migration_is_in_flight_is_not_waited_for():
-    c = control.build(cfgmod.load("tiny-cpu"), "opportunistic", steps=2, seed=0).coordinator
-    cmds = c.handle(P.Started(0.0))
-    gen = next(cmd for cmd in cmds if isinstance(cmd, P.Generate))
-    gid = gen.tasks[0].group_id
-    c.migrating.add(gid)                      # as if an Interrupt(migrate) for it had been sent
-    done = P.GroupState(gid, 5, (3,) * 4, (True,) * 4, 0)
-    c.handle(P.GroupFinished(0.1, gen.worker, done))
-    assert gid not in c.migrating
-    # the interrupt's answer, which no longer lists the group, leaves the buffer consistent
-    c.handle(P.GenerationStopped(0.2, gen.worker, ()))
-    assert c.buffer.groups[gid].status == "complete"
+    c = coordinator("rot-only", staleness=1.0)
+    placed = where(c.handle(P.Started(0.0)))
+    out = c.handle(P.SwitchFinished(1.0, P.TRAINER_POOL, P.ROLLOUT, 0.1))
+    (first, *_), worker = of(P.Interrupt, out)[0].group_ids, of(P.Interrupt, out)[0].worker
+    # the group completes on the primary while the Interrupt to migrate it is in flight
+    c.handle(P.GroupFinished(1.1, worker, done_group(first)))
+    # the interrupt's answer no longer lists it; nothing waits for it and it is not generated twice
+    out = c.handle(P.GenerationStopped(1.2, worker, ()))
+    assert first not in {t.group_id for g in of(P.Generate, out) for t in g.tasks}
+    assert c.view().samples["generated"] == 2 and placed[first] == worker

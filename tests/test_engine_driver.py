@@ -40,7 +40,7 @@ def own_ray():
 
 
 def _run(cfg, policy, model_dir, steps, kill=None):
-    from bidirl.cluster.engine_driver import EngineDriver
+    from bidirl.cluster.engines.driver import EngineDriver
     return EngineDriver(cfg, policy, steps, cfg.seed, model_dir=str(model_dir)).run(kill=kill)
 
 
@@ -65,7 +65,7 @@ def test_borrowing_changes_where_work_runs_not_what_is_learned_and_the_reward_ri
     assert any(k == "generate" and w.startswith("trainer_pool/rollouter") for k, w in kinds)
     assert ("chunk", "rollout_pool/trainer") in kinds
     # same prompt groups per step, same rewards, same weights
-    assert [sorted(g) for _, _, g in base.coordinator.batches] == [sorted(g) for _, _, g in borrow.coordinator.batches]
+    assert [sorted(g) for _, _, g in base.view.batches] == [sorted(g) for _, _, g in borrow.view.batches]
     assert a["reward"] == b["reward"]
     # the model learns: every step trains on the same 16 problems (workload.prompt_pool), on-policy
     first, last = sum(a["reward"][:3]) / 3, sum(a["reward"][-3:]) / 3
@@ -96,28 +96,27 @@ def test_killing_auxiliary_workers_mid_window_loses_no_sample(model_dir):
     killed = {}
 
     def kill(driver):
-        c = driver.coordinator
-        if "rollout" not in killed and c.owner[P.TRAINER_POOL] == "auxiliary":
-            running = [w for w in driver.topology.aux_rollouters if c.buffer.running_on(w)]
+        if "rollout" not in killed:
+            running = [w for w in driver.topology.aux_rollouters if driver.r_busy.get(w)]
             if running:
-                killed["rollout"] = (running[0], len(c.buffer.running_on(running[0])))
+                killed["rollout"] = running[0]
                 ray.kill(driver.actors[running[0]])
-        if "trainer" not in killed and c.step is not None and c.step.live("auxiliary"):
-            killed["trainer"] = len(c.step.live("auxiliary"))
-            ray.kill(driver.gangs["rollout_pool/trainer"][0])
+        if "trainer" not in killed and driver.chunk_running.get(P.AUX_TRAINER) is not None:
+            killed["trainer"] = driver.chunk_running[P.AUX_TRAINER].chunk.chunk_id
+            ray.kill(driver.gangs[P.AUX_TRAINER][0])
 
     steps = 6
     res = _run(cfg, "opportunistic", model_dir, steps, kill=kill)
     s = _check_log(res, steps)
     assert set(killed) == {"rollout", "trainer"}, killed
-    assert killed["rollout"][0] in res.coordinator.failed and "rollout_pool/trainer" in res.coordinator.failed
+    assert killed["rollout"] in res.view.failed and P.AUX_TRAINER in res.view.failed
     consumed = cfg.workload.prompts_per_step * cfg.workload.group_size * steps
     assert s["samples"]["consumed"] == consumed
 
 
 def test_a_worker_that_fails_to_start_names_itself_and_the_cause(model_dir):
-    from bidirl.cluster.driver import ClusterError
-    from bidirl.cluster.engine_driver import EngineDriver
+    from bidirl.cluster.engines.driver import EngineDriver
+    from bidirl.cluster.pool import ClusterError
     cfg = cfgmod.load("tiny-cpu")
     driver = EngineDriver(cfg, "bidirl", 1, 0, model_dir=str(model_dir), kv_cache_gib=0.0)
     with pytest.raises(ClusterError, match=r"rollouter/\d failed to start: .*kv_cache_gib must be > 0"):

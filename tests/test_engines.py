@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from bidirl.cluster.rollout_engine import GroupRequest, RolloutEngine, request_seed
-from bidirl.cluster.trainer_engine import TrainerEngine
+from bidirl.cluster.engines.rollout import GroupRequest, RolloutEngine, request_seed
+from bidirl.cluster.engines.trainer import TrainerEngine
 from bidirl.rl import grpo
 from bidirl.rl.bootstrap import ensure_tiny_model
 from bidirl.rl.loop import requests_for, run_grpo
@@ -178,7 +178,7 @@ def test_a_resumed_response_gets_the_tokens_it_would_have_got(fresh):
 
 def test_position_keyed_noise_samples_the_softmax():
     """Gumbel-max with position-keyed noise draws from softmax(logits / T) (a fixed-seed frequency check)."""
-    from bidirl.cluster.position_sampler import gumbel_noise, position_seed
+    from bidirl.cluster.engines.sampler import gumbel_noise, position_seed
 
     assert position_seed(1, 5) == position_seed(1, 5) != position_seed(1, 6) != position_seed(2, 5)
     logits = torch.tensor([1.0, 0.0, -1.0, 2.0])
@@ -197,7 +197,7 @@ def test_position_sampler_follows_the_batch_as_vllm_reorders_it():
     from vllm.v1.sample.logits_processor import BatchUpdate
     from vllm.v1.sample.logits_processor.interface import MoveDirectionality
 
-    from bidirl.cluster.position_sampler import SEED_KEY, PositionKeyedSampler, gumbel_noise
+    from bidirl.cluster.engines.sampler import SEED_KEY, PositionKeyedSampler, gumbel_noise
 
     proc = PositionKeyedSampler(None, torch.device("cpu"), False)
     params = lambda seed: SimpleNamespace(extra_args={SEED_KEY: seed})            # noqa: E731
@@ -333,7 +333,7 @@ def test_dp2_over_gloo_matches_dp1(model_dir, tmp_path):
 @needs_vllm
 def test_ray_actor_wrappers_run_a_step_and_record_spans(model_dir):
     ray = pytest.importorskip("ray")
-    from bidirl.cluster.actors import Reply, RolloutActor, TrainerActor
+    from bidirl.cluster.engines.actors import Reply, RolloutActor, TrainerActor
 
     ray.shutdown()                      # a Ray left running by an earlier module
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -360,16 +360,17 @@ def test_ray_actor_wrappers_run_a_step_and_record_spans(model_dir):
         old = ray.get(trainer.logprobs.remote(samples))
         assert _max_diff(samples, old.value) <= LOGPROB_TOL
         adv = grpo.group_advantages([s.reward for s in samples], group_size=4).float()
-        grad = ray.get(trainer.chunk_gradients.remote(samples, adv, old.value, chunk_id=0))
-        upd = ray.get(trainer.apply.remote([grad.value]))
+        grad_ref, _ = trainer.chunk_gradient.remote(0, samples, adv, old.value, keep=True)
+        grad = ray.get(grad_ref)
+        assert grad.value["samples"] == len(samples)
+        upd = ray.get(trainer.apply_kept.remote([0]))
         assert upd.value["version"] == 1
-        state = ray.get(trainer.state_dict.remote())
-        sync = ray.get(rollout.load_weights.remote(state.value, 1))
+        sync = ray.get(rollout.load_weights.remote(trainer.weights.remote(), 1))
         off, on = ray.get(rollout.offload.remote()), ray.get(rollout.onload.remote())
         t_off, t_on = ray.get(trainer.offload.remote()), ray.get(trainer.onload.remote())
         status = ray.get(rollout.status.remote())
         assert status["version"] == 1 and not status["busy"] and not status["offloaded"]
-        for r in (old, grad, upd, state, sync, off, on, t_off, t_on):
+        for r in (old, grad, upd, sync, off, on, t_off, t_on):
             spans += list(r.spans)
         kinds = {s["kind"] for s in spans}
         assert {"start", "generate", "logprob", "chunk", "optimizer", "sync", "offload", "onload"} <= kinds

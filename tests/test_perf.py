@@ -15,7 +15,7 @@ from bidirl.perf import (RolloutModel, RolloutParams, TrainerModel, TrainerParam
                          default_trainer_params, derive_switch_costs, derive_weight_sync, forward_flops,
                          overlap, prefill_flops, sample_groups, sample_lengths, stage_multiplier)
 from bidirl.perf import memory
-from bidirl.perf.partition import serpentine
+from bidirl.perf.balance import serpentine
 from bidirl.perf.workload import mean_response, step_jitter
 from bidirl.presets import HardwareSpec, ModelSpec
 

@@ -3,7 +3,7 @@
 import pytest
 
 from bidirl import config as cfgmod
-from bidirl.cluster.engine_driver import EngineDriver
+from bidirl.cluster.engines.driver import EngineDriver
 
 
 def test_engine_runs_need_the_built_in_task():
@@ -25,7 +25,7 @@ def test_generation_slices_must_be_positive(tmp_path):
 
 
 def test_unknown_policy_names_the_field():
-    from bidirl.cluster.driver import run
+    from bidirl.cluster.run import run
     with pytest.raises(cfgmod.ConfigError) as info:
         run("tiny-cpu", "bidirll", steps=1)
     assert info.value.field == "scheduler.policy" and "bidirl" in str(info.value)

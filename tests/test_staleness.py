@@ -1,6 +1,5 @@
 """The staleness rule and the rollout buffer (paper §2.2; bidirl.core.staleness)."""
 
-import itertools
 
 import pytest
 from hypothesis import given, settings, strategies as st

@@ -7,7 +7,6 @@ receive is observed by wrapping the figure's message senders: a batched update i
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 import pytest
 
 import bidirl.config as cfgmod
@@ -151,7 +150,7 @@ def test_live_gantt_run_polls_simulations_in_lockstep(monkeypatch):
     policies = ("bidirl", "no-borrow")
     g = LiveGantt(labels=policies, clock=FakeClock(0.05))
     msgs = Messages(g.figure, monkeypatch)
-    drivers = {p: SimDriver(cfg, p, 0, 3) for p in policies}
+    drivers = {p: SimDriver(cfg, p, steps=3, seed=0) for p in policies}
     slices = {"n": 0}
     original = SimDriver.advance
 
@@ -210,7 +209,8 @@ def test_metrics_panel_shows_the_summary_numbers(monkeypatch):
     assert list(by_name["throughput"].y) == [1234.5]
     assert list(by_name["idle_rollout_pool"].y) == [0.25]
     assert np.isnan(by_name["idle_trainer_pool"].y[0])          # None -> NaN, drawn as no bar
-    assert [by_name[k].y[0] for k in ("rollout_on_trainer_pool", "trainer_on_rollout_pool", "rejected")] == [3, 1, 2]
+    assert [by_name[k].y[0] for k in ("borrows_rollout_on_trainer_pool", "borrows_trainer_on_rollout_pool",
+                                      "borrows_rejected")] == [3, 1, 2]
     assert table.loc[0, "utilization"] == 0.8
     assert "1,234.5" in p.table.value and "25.0 %" in p.table.value
     other = dict(SUMMARY, throughput=None, borrows={"rollout_on_trainer_pool": 0, "trainer_on_rollout_pool": 0,
@@ -263,7 +263,7 @@ def test_sweep_shows_the_planners_sweep(explorer):
     # numeric positions with the labels as ticks: a live restyle cannot re-guess the axis as dates
     assert explorer.figure.layout.xaxis.type == "linear"
     assert list(explorer.figure.data[0].x) == list(range(len(reference.data[0].x)))
-    assert list(explorer.figure.layout.xaxis.ticktext) == list(reference.data[0].x)
+    assert list(explorer.figure.layout.xaxis.ticktext) == list(reference.layout.xaxis.ticktext)
     env = plan(cfg).envelope
     assert explorer.selected() == (env.rollout_gpus, env.trainer_gpus)     # the planner's choice by default
 

@@ -205,53 +205,38 @@ class LiveGantt:
     def _status(self, drivers: Mapping) -> str:
         parts = []
         for label, d in drivers.items():
-            steps_done = len(d.coordinator.steps)
             state = "done" if d.done else "running"
-            parts.append(f"<b>{label}</b>: t = {d.loop.now:,.1f} s, step {steps_done}/{d.steps} ({state})")
+            parts.append(f"<b>{label}</b>: t = {d.now:,.1f} s, step {d.steps_done}/{d.steps} ({state})")
         return " &nbsp;|&nbsp; ".join(parts)
 
     def run(self, drivers: Any, slice_seconds: float = 5.0, refresh_hz: float = 4.0, *,
             metrics: Any = None, progress: bool = False) -> dict:
-        """Advance the driver(s) in slices of ``slice_seconds`` simulated seconds, in lockstep, redrawing at
-        most ``refresh_hz`` times per wall second and once at the end.
+        """Advance the driver(s) in slices of ``slice_seconds`` simulated seconds, in lockstep
+        (:func:`bidirl.sim.driver.advance_together`), redrawing at most ``refresh_hz`` times per wall second
+        and once at the end.
 
-        ``drivers`` is a :class:`bidirl.sim.driver.SimDriver` (one-row Gantt) or ``{label: SimDriver}``.
-        Returns ``{label: SimResult}``; with ``metrics`` (a :class:`MetricsPanel`) the results' summaries are
+        ``drivers`` is a :class:`bidirl.sim.SimDriver` (one-row Gantt) or ``{label: SimDriver}``.
+        Returns ``{label: RunResult}``; with ``metrics`` (a :class:`MetricsPanel`) the results' summaries are
         shown there too.
         """
+        from bidirl.execution import progress_bar
+        from bidirl.sim.driver import advance_together
+
         drivers = self._as_mapping(drivers, "drivers")
-        if not slice_seconds > 0:
-            raise ValueError(f"slice_seconds must be > 0 (simulated seconds per poll), got {slice_seconds}")
         if not refresh_hz > 0:
             raise ValueError(f"refresh_hz must be > 0 (redraws per wall second), got {refresh_hz}")
-        for label, d in drivers.items():
-            if not all(hasattr(d, a) for a in ("start", "advance", "done", "log", "result")):
-                raise ValueError(f"drivers[{label!r}] is a {type(d).__name__}; pass a bidirl.sim.driver.SimDriver")
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=sum(d.steps for d in drivers.values()), desc="simulate", leave=False)
-        interval, last, done_steps = 1.0 / refresh_hz, None, 0
-        for d in drivers.values():
-            d.start()                      # an unstarted driver has an empty event heap and reads as done
-        try:
-            while not all(d.done for d in drivers.values()):
+        slices = advance_together(drivers, slice_seconds)
+        interval, last = 1.0 / refresh_hz, None
+        with progress_bar(sum(d.steps for d in drivers.values()), "simulate", progress) as tick:
+            for steps_done in slices:
                 for label, d in drivers.items():
-                    if not d.done:
-                        d.advance(slice_seconds)
                     self._absorb(label, d.log)
                 now = self.clock()
                 if last is None or now - last >= interval:
                     self.status.value = self._status(drivers)
                     self._redraw()
                     last = now
-                if bar is not None:
-                    total = sum(len(d.coordinator.steps) for d in drivers.values())
-                    bar.update(total - done_steps)
-                    done_steps = total
-        finally:
-            if bar is not None:
-                bar.close()
+                tick(steps_done)
         results = {label: d.result() for label, d in drivers.items()}
         for label, r in results.items():
             self._absorb(label, r.log)

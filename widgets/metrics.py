@@ -9,7 +9,6 @@ panel only lays the numbers out; it computes none of them.
 from __future__ import annotations
 
 import html
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -19,47 +18,31 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-#: (column, summary path, legend name, colour, subplot column) of each trace, in trace order
+#: (summary-row column, legend name, colour, subplot column) of each trace, in trace order
 SERIES: tuple = (
-    ("throughput", ("throughput",), "throughput (tokens/s)", "#1f77b4", 1),
-    ("idle_rollout_pool", ("idle", "rollout_pool"), "idle: rollout pool", "#6baed6", 2),
-    ("idle_trainer_pool", ("idle", "trainer_pool"), "idle: trainer pool", "#fdae6b", 2),
-    ("rollout_on_trainer_pool", ("borrows", "rollout_on_trainer_pool"), "borrows: rollout on trainer pool",
-     "#1f77b4", 3),
-    ("trainer_on_rollout_pool", ("borrows", "trainer_on_rollout_pool"), "borrows: trainer on rollout pool",
-     "#ff7f0e", 3),
-    ("rejected", ("borrows", "rejected"), "borrows rejected", "#969696", 3),
+    ("throughput", "throughput (tokens/s)", "#1f77b4", 1),
+    ("idle_rollout_pool", "idle: rollout pool", "#6baed6", 2),
+    ("idle_trainer_pool", "idle: trainer pool", "#fdae6b", 2),
+    ("borrows_rollout_on_trainer_pool", "borrows: rollout on trainer pool", "#1f77b4", 3),
+    ("borrows_trainer_on_rollout_pool", "borrows: trainer on rollout pool", "#ff7f0e", 3),
+    ("borrows_rejected", "borrows rejected", "#969696", 3),
 )
-EXTRA: tuple = (("utilization", ("utilization",)), ("step_time_s", ("timing_s/step",)))
 WIDTH = 1100          # px; a FigureWidget inside an ipywidgets box does not resize with it (plotly.py#4027)
 TITLES: tuple = ("throughput (tokens/s)", "idle share of the measured window", "borrows (§5.2)")
 
 
-def _get(summary: Mapping, path: tuple) -> float:
-    value: Any = summary
-    for key in path:
-        if not isinstance(value, Mapping) or key not in value:
-            return math.nan
-        value = value[key]
-    return math.nan if value is None else float(value)
-
-
 def summary_table(summaries: Mapping[str, Mapping]) -> pd.DataFrame:
-    """One row per run label with the panel's numbers (NaN where the summary has none, e.g. a run too short
-    for the throughput window)."""
+    """One row per run label with the panel's numbers (:func:`bidirl.metrics.summary_row`)."""
+    from bidirl.metrics import SUMMARY_ROW, summary_row
     if not isinstance(summaries, Mapping):
         raise ValueError(f"summaries must be a dict {{label: summary dict}}, got {type(summaries).__name__}")
     rows = []
     for label, s in summaries.items():
         if not isinstance(s, Mapping):
-            raise ValueError(f"summaries[{label!r}] must be a summary dict (SimResult.summary()), "
+            raise ValueError(f"summaries[{label!r}] must be a summary dict (RunResult.summary()), "
                              f"got {type(s).__name__}")
-        row = {"label": str(label)}
-        row.update({name: _get(s, path) for name, path, *_ in SERIES})
-        row.update({name: _get(s, path) for name, path in EXTRA})
-        rows.append(row)
-    columns = ["label"] + [s[0] for s in SERIES] + [e[0] for e in EXTRA]
-    return pd.DataFrame(rows, columns=columns)
+        rows.append({"label": str(label), **summary_row(s)})
+    return pd.DataFrame(rows, columns=["label"] + [name for name, _ in SUMMARY_ROW])
 
 
 def _fmt(value: float, kind: str) -> str:
@@ -78,7 +61,7 @@ def table_html(table: pd.DataFrame) -> str:
              "borrows R→T pool", "borrows T→R pool", "rejected", "step time (s)")
     kinds = (None, "number", "share", "share", "share", "count", "count", "count", "number")
     cols = ("label", "throughput", "idle_rollout_pool", "idle_trainer_pool", "utilization",
-            "rollout_on_trainer_pool", "trainer_on_rollout_pool", "rejected", "step_time_s")
+            "borrows_rollout_on_trainer_pool", "borrows_trainer_on_rollout_pool", "borrows_rejected", "step_time_s")
     out = ["<table style='border-collapse:collapse'><tr>"]
     out += [f"<th style='padding:2px 8px;text-align:right'>{h}</th>" for h in heads]
     out.append("</tr>")
@@ -107,7 +90,7 @@ class MetricsPanel:
 
     def __post_init__(self):
         fig = make_subplots(rows=1, cols=3, subplot_titles=TITLES, horizontal_spacing=0.08)
-        for name, _path, legend, colour, col in SERIES:
+        for name, legend, colour, col in SERIES:
             fig.add_trace(go.Bar(name=legend, x=[], y=[], marker_color=colour, meta=name,
                                  showlegend=col != 1,
                                  hovertemplate="%{x}: %{y}<extra>" + legend + "</extra>"), row=1, col=col)

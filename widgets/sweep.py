@@ -8,7 +8,7 @@ the planner's choice highlighted, the partition selected for simulation shaded. 
 depend on s (Algorithm 1 balances steady-state rates); s matters to the simulation.
 
 The figure widget is created once; a new sweep is copied into its traces inside one ``batch_update`` (on
-numeric x positions with the partition labels as ticks, see :func:`positional`). "Simulate" runs
+numeric x positions with the partition labels as ticks, as ``sweep_figure`` draws it). "Simulate" runs
 :func:`bidirl.sim.simulate` on the selected partition (the planner's choice unless another is picked in the
 list or by clicking a bar) and shows the summary in a :class:`MetricsPanel`.
 """
@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import ipywidgets as ipw
-import numpy as np
 import plotly.graph_objects as go
 
 from bidirl import config as cfgmod
@@ -32,27 +31,6 @@ RESPONSE_LENGTHS: tuple = (512, 1024, 2048, 4096, 8192, 16384)
 POLICIES: tuple = cfgmod.POLICIES
 SELECTED_FILL = "rgba(255, 215, 0, 0.18)"
 WIDTH = 1100
-
-
-def positional(fig: go.Figure) -> go.Figure:
-    """Put a category-axis figure on positions 0..n-1 with the categories as tick labels (in place).
-
-    plotly.js clears an axis' type whenever a trace's x or y is restyled and then guesses it again from the
-    data; partition labels such as ``10-6`` then read as dates. Numeric positions keep every live update on a
-    linear axis. Annotations placed at a category move to its position; shapes already use positions.
-    """
-    labels = [str(v) for v in (fig.data[0].x if fig.data else ())]
-    if not labels or all(isinstance(v, (int, float, np.integer, np.floating)) for v in fig.data[0].x):
-        return fig
-    index = {label: float(i) for i, label in enumerate(labels)}
-    for trace in fig.data:
-        trace.x = np.array([index[str(v)] for v in trace.x], dtype=np.float64)
-    for note in fig.layout.annotations:
-        if note.xref == "x" and str(note.x) in index:
-            note.x = index[str(note.x)]
-    fig.layout.xaxis.update(type="linear", tickmode="array", tickvals=list(range(len(labels))), ticktext=labels,
-                            range=[-0.5, len(labels) - 0.5], zeroline=False)
-    return fig
 
 
 @dataclass
@@ -105,7 +83,7 @@ class PartitionSweep:
         from bidirl.planner import plan as make_plan
         from bidirl.viz_plan import sweep_figure
         self.plan = make_plan(self.config_for_planning())
-        self.figure = go.FigureWidget(positional(sweep_figure(self.plan)))
+        self.figure = go.FigureWidget(sweep_figure(self.plan))
         self.figure.layout.width = WIDTH            # a FigureWidget in a box does not resize (plotly.py#4027)
         self.recomputes = 1
         self._set_partitions()
@@ -162,7 +140,7 @@ class PartitionSweep:
             self.error = str(exc)
             self.status.value = f"<span style='color:#b00'>⚠ {exc}</span>"
             return False
-        new = positional(sweep_figure(plan))
+        new = sweep_figure(plan)
         if [t.type for t in new.data] != [t.type for t in self.figure.data]:
             raise RuntimeError("bidirl.viz_plan.sweep_figure changed its traces "
                                f"({[t.type for t in self.figure.data]} -> {[t.type for t in new.data]}); "
@@ -184,10 +162,8 @@ class PartitionSweep:
         return True
 
     def _set_partitions(self) -> None:
-        sweep = self.plan.sweep
+        options = self.plan.compatible_partitions()
         env = self.plan.envelope
-        ok = sweep[sweep["compatible"].astype(bool)]
-        options = [(str(row["label"]), (int(row["rollout_gpus"]), int(row["trainer_gpus"]))) for _, row in ok.iterrows()]
         chosen = (int(env.rollout_gpus), int(env.trainer_gpus))
         old = self.controls["partition"].value
         values = [v for _, v in options]
@@ -195,18 +171,11 @@ class PartitionSweep:
         self.controls["partition"].value = old if old in values else (chosen if chosen in values else
                                                                      (values[0] if values else None))
 
-    def _index_of(self, partition: Optional[tuple]) -> Optional[int]:
-        if partition is None:
-            return None
-        sweep = self.plan.sweep.reset_index(drop=True)
-        hit = sweep.index[(sweep["rollout_gpus"] == partition[0]) & (sweep["trainer_gpus"] == partition[1])]
-        return int(hit[0]) if len(hit) else None
-
     def _highlight(self, shapes: Optional[list] = None) -> None:
         """Shade the selected partition's column (the planner's own highlight comes from ``sweep_figure``)."""
         base = [s for s in (self.figure.layout.shapes if shapes is None else shapes)
                 if getattr(s, "name", None) != "selected"]
-        i = self._index_of(self.selected())
+        i = self.plan.index_of(self.selected())
         if i is not None:
             base.append(go.layout.Shape(type="rect", xref="x", yref="paper", x0=i - 0.5, x1=i + 0.5, y0=0, y1=1,
                                         fillcolor=SELECTED_FILL, line={"width": 0}, layer="below", name="selected"))
@@ -215,9 +184,9 @@ class PartitionSweep:
     def _on_click(self, trace, points, _state) -> None:
         if not points.point_inds:
             return
-        row = self.plan.sweep.reset_index(drop=True).iloc[points.point_inds[0]]
-        if bool(row["compatible"]):
-            self.controls["partition"].value = (int(row["rollout_gpus"]), int(row["trainer_gpus"]))
+        g_r, g_t, ok = self.plan.candidate(points.point_inds[0])
+        if ok:
+            self.controls["partition"].value = (g_r, g_t)
 
     def _status_ok(self) -> None:
         env = self.plan.envelope
@@ -229,7 +198,7 @@ class PartitionSweep:
 
     # ------------------------------------------------------------------------------------------
     def simulate(self, progress: bool = False):
-        """Simulate the selected partition under the selected policy; show and return the ``SimResult``."""
+        """Simulate the selected partition under the selected policy; show and return the ``RunResult``."""
         from bidirl.sim import simulate
         cfg = self.config_for_simulation()
         policy = self.controls["policy"].value

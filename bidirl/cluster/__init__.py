@@ -1,12 +1,12 @@
-"""The Ray runtime (DESIGN.md: the ``cluster`` driver) and its workers.
+"""The Ray runtime (``docs/architecture.md``): one placement group over the pools, a ``ray.wait`` loop.
 
 Names are imported on first use so that ``import bidirl.cluster`` stays cheap (no Ray, vLLM or torch):
 
-* ``run``, ``PoolDriver``, ``RayDriver`` (emulated workers), ``RunResult``, ``ClusterError`` — the Ray driver
-  (``bidirl.cluster.driver``); ``EngineDriver``, ``run_engines`` — the same with real engine workers;
-* ``RolloutEngine``, ``GroupRequest``, ``request_seed`` — the vLLM rollout engine;
-* ``TrainerEngine``, ``ChunkGradient`` — the torch trainer engine;
-* ``RolloutActor``, ``TrainerActor``, ``Reply`` — their Ray actor wrappers.
+* ``run`` — a job on Ray (``bidirl.cluster.run``);
+* ``PoolDriver``, ``ClusterError`` — the Ray half every Ray driver shares (``bidirl.cluster.pool``);
+* ``EmulatedDriver`` — model-timed workers (``bidirl.cluster.emulated``);
+* ``EngineDriver`` — real engines (``bidirl.cluster.engines``: vLLM ``RolloutEngine``, torch ``TrainerEngine``,
+  their Ray actors ``RolloutActor`` / ``TrainerActor``, position-keyed sampling).
 """
 
 from __future__ import annotations
@@ -14,21 +14,19 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "run": "bidirl.cluster.driver",
-    "RayDriver": "bidirl.cluster.driver",
-    "PoolDriver": "bidirl.cluster.driver",
-    "EngineDriver": "bidirl.cluster.engine_driver",
-    "run_engines": "bidirl.cluster.engine_driver",
-    "RunResult": "bidirl.cluster.driver",
-    "ClusterError": "bidirl.cluster.driver",
-    "RolloutEngine": "bidirl.cluster.rollout_engine",
-    "GroupRequest": "bidirl.cluster.rollout_engine",
-    "request_seed": "bidirl.cluster.rollout_engine",
-    "TrainerEngine": "bidirl.cluster.trainer_engine",
-    "ChunkGradient": "bidirl.cluster.trainer_engine",
-    "RolloutActor": "bidirl.cluster.actors",
-    "TrainerActor": "bidirl.cluster.actors",
-    "Reply": "bidirl.cluster.actors",
+    "run": "bidirl.cluster.run",
+    "PoolDriver": "bidirl.cluster.pool",
+    "ClusterError": "bidirl.cluster.pool",
+    "EmulatedDriver": "bidirl.cluster.emulated",
+    "EngineDriver": "bidirl.cluster.engines.driver",
+    "RolloutEngine": "bidirl.cluster.engines.rollout",
+    "GroupRequest": "bidirl.cluster.engines.rollout",
+    "request_seed": "bidirl.cluster.engines.rollout",
+    "TrainerEngine": "bidirl.cluster.engines.trainer",
+    "ChunkGradient": "bidirl.cluster.engines.trainer",
+    "RolloutActor": "bidirl.cluster.engines.actors",
+    "TrainerActor": "bidirl.cluster.engines.actors",
+    "Reply": "bidirl.cluster.engines.actors",
 }
 
 __all__ = sorted(_LAZY)

@@ -8,7 +8,6 @@ Group ids are admitted in order 0, 1, 2, …; the driver maps an id to a prompt.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -74,6 +73,12 @@ class RolloutBuffer:
         rec.status, rec.worker = "running", worker
         return rec.state
 
+    def lose(self, group_id: int) -> None:
+        """The worker generating the group died: it waits to be resumed from its last known state (the prefix
+        generated since it was last parked is lost with the worker)."""
+        rec = self.groups[group_id]
+        rec.status, rec.worker = "partial", None
+
     def partial_ids(self) -> list[int]:
         """Parked groups, oldest tag first (they are the ones the trainer may have to wait for)."""
         return sorted((r.group_id for r in self.groups.values() if r.status == "partial"),
@@ -91,7 +96,7 @@ class RolloutBuffer:
         a tag ``≤ v_t + k − ceil(s)`` for every ``k = 0 … ceil(s)`` (k = 0: nothing too stale for the next
         batch may be left). Otherwise the trainer waits for the older groups still generating.
         """
-        B, lag = self.rule.batch, self.rule.max_lag
+        B = self.rule.batch
         complete = sorted((r for r in self.groups.values() if r.status == "complete"),
                           key=lambda r: (r.version, r.commit_seq))
         if len(complete) < B:
@@ -99,10 +104,8 @@ class RolloutBuffer:
         chosen = complete[:B]
         taken = {r.group_id for r in chosen}
         left = sorted(r.version for r in self.groups.values() if r.group_id not in taken)
-        for k in range(lag + 1):
-            threshold = trainer_version + k - lag
-            if bisect.bisect_right(left, threshold) > k * B:
-                return None
+        if not self.rule.leaves_consumable(left, trainer_version):
+            return None
         return [r.group_id for r in chosen]
 
     def deficit(self, trainer_version: int) -> int:

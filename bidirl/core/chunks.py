@@ -17,10 +17,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from bidirl.core.protocol import Chunk, GroupState
-
-FORWARD_SEGMENT = ("old_logprob", "ref_logprob")
-UPDATE_SEGMENT = ("actor_update",)
+from bidirl.core.gates import joint_tail_split
+from bidirl.core.protocol import AUXILIARY, FORWARD_STAGES, PRIMARY, UPDATE_STAGES, Chunk
 
 
 @dataclass
@@ -32,7 +30,6 @@ class ChunkRecord:
     worker: str = ""
     started: Optional[float] = None
     predicted: float = 0.0
-    payload: object = None
 
 
 @dataclass
@@ -60,7 +57,7 @@ class TrainerStep:
                 self.prompt_lens.append(g.prompt_len)
                 self.response_lens.append(int(r))
                 self.sample_refs.append((g.group_id, i))
-        self.segments = [tuple(s for s in seg if s in self.stages) for seg in (FORWARD_SEGMENT, UPDATE_SEGMENT)]
+        self.segments = [tuple(s for s in seg if s in self.stages) for seg in (FORWARD_STAGES, UPDATE_STAGES)]
         self.segments = [s for s in self.segments if s]
         self._open_segment()
 
@@ -165,13 +162,9 @@ class TrainerStep:
 
     def plan_tail(self, d_p: int, d_a: int, ready_p: float, ready_a: float,
                   chunk_time: Callable) -> tuple[int, float]:
-        """JointTailSplit: choose how many trailing units the auxiliary side takes.
-
-        Candidates are every integer split point where each side gets nothing or at least one unit per
-        device; each side runs full chunks of s_max plus at most one remainder. The choice minimises the
-        larger predicted completion time (ties: fewer units to the auxiliary side). O(u) candidates.
-        Returns (units given to the auxiliary side, predicted joint completion).
-        """
+        """JointTailSplit over the pending units (:func:`bidirl.core.gates.joint_tail_split`): the auxiliary
+        side takes the trailing ``n_a`` units, each side runs full chunks of s_max plus at most one remainder.
+        Returns (units given to the auxiliary side, predicted joint completion)."""
         units = list(self.pending)
         n = len(units)
 
@@ -182,19 +175,11 @@ class TrainerStep:
                 total += chunk_time(self.units[run[0]][0], p, r, d, side)
             return total
 
-        best = None
-        for n_a in range(0, n + 1):
-            n_p = n - n_a
-            if (0 < n_a < d_a) or (0 < n_p < d_p):
-                continue
-            t_p = ready_p + side_time(units[:n_p], d_p, "primary") if n_p else ready_p
-            t_a = ready_a + side_time(units[n_p:], d_a, "auxiliary") if n_a else ready_a
-            finish = max(t_p, t_a)
-            if best is None or finish < best[1] - 1e-12:
-                best = (n_a, finish)
-        n_a, finish = best
-        self.tail_plan = {"primary": self.split_runs(units[: n - n_a], d_p),
-                          "auxiliary": self.split_runs(units[n - n_a:], d_a)}
+        n_a, finish = joint_tail_split(n, d_p, d_a, ready_p, ready_a,
+                                       lambda k: side_time(units[:k], d_p, PRIMARY),
+                                       lambda k: side_time(units[n - k:], d_a, AUXILIARY))
+        self.tail_plan = {PRIMARY: self.split_runs(units[: n - n_a], d_p),
+                          AUXILIARY: self.split_runs(units[n - n_a:], d_a)}
         self.pending = []
         return n_a, finish
 
@@ -203,8 +188,8 @@ class TrainerStep:
         units = list(self.pending)
         n_a = round(len(units) * d_a / (d_p + d_a))
         n_p = len(units) - n_a
-        self.tail_plan = {"primary": self.split_runs(units[:n_p], d_p),
-                          "auxiliary": self.split_runs(units[n_p:], d_a)}
+        self.tail_plan = {PRIMARY: self.split_runs(units[:n_p], d_p),
+                          AUXILIARY: self.split_runs(units[n_p:], d_a)}
         self.pending = []
         return n_a
 
@@ -215,13 +200,15 @@ class TrainerStep:
             rec.status, rec.started = "running", t
 
     def cancel(self, chunk_id: int) -> bool:
-        """Reclaim a queued chunk: its units return to the queue (Table 2: recoverable)."""
+        """Reclaim a queued chunk: its units return to the queue (Table 2: recoverable). A tail split made
+        before is folded back too, so the returned units are planned again with the rest."""
         rec = self.chunks[chunk_id]
         if rec.status != "queued":
             return False
         rec.status = "cancelled"
         for u in rec.units:
             bisect.insort(self.pending, u)
+        self.release_plan()
         return True
 
     def release_plan(self) -> None:
@@ -232,13 +219,13 @@ class TrainerStep:
                     bisect.insort(self.pending, u)
         self.tail_plan = {}
 
-    def finish(self, chunk_id: int, payload=None) -> list:
+    def finish(self, chunk_id: int) -> list:
         """Mark finished and merge every chunk now contiguous from the front; returns newly merged ids."""
         rec = self.chunks[chunk_id]
         if rec.status == "finished":
             raise AssertionError(f"chunk {chunk_id} finished twice")
-        rec.status, rec.payload = "finished", payload
-        if rec.side == "auxiliary" and rec.chunk.stage == "actor_update":
+        rec.status = "finished"
+        if rec.side == AUXILIARY and rec.chunk.stage in UPDATE_STAGES:
             self.aux_update_chunks.append(chunk_id)
         by_start = {c.units[0]: c for c in self.chunks.values() if c.status == "finished"}
         merged = []
@@ -249,6 +236,10 @@ class TrainerStep:
             self.merge_positions.append((self.segment_index, c.units[0]))
             merged.append(c.chunk.chunk_id)
         return merged
+
+    def update_merge_order(self) -> tuple:
+        """The actor-update chunks' ids in merge (original) order: the order the optimizer applies them."""
+        return tuple(c for c in self.merge_order if c in self.chunks and self.chunks[c].chunk.stage in UPDATE_STAGES)
 
     def live(self, side: Optional[str] = None) -> list:
         return [c for c in self.chunks.values() if c.status in ("queued", "running")

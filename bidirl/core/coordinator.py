@@ -1,8 +1,11 @@
-"""The control plane: one state machine that turns driver events into commands (DESIGN.md; paper §3-§5).
+"""The control plane: event handlers that turn driver events into commands (paper §3-§5).
 
-It owns the rollout buffer and staleness rule, pool ownership and leases, the trainer's chunk queue, the two
-borrowing directions and the online profiler. It has no clock, threads, sleeps or Ray: a driver calls
-:meth:`Coordinator.handle` with an event and executes the commands returned, in order.
+The coordinator owns the rollout buffer and staleness rule (:mod:`~bidirl.core.buffer`,
+:mod:`~bidirl.core.staleness`), one lease per pool (:mod:`~bidirl.core.lease`), the trainer's chunk queue
+(:mod:`~bidirl.core.chunks`) and the online profiler (:mod:`~bidirl.core.profiler`); the decisions themselves
+are the pure functions of :mod:`~bidirl.core.gates`. It has no clock, threads, sleeps or Ray: a driver calls
+:meth:`Coordinator.handle` with an event and executes the commands returned, in order (the messages are in
+:mod:`~bidirl.core.protocol`).
 
 Life of a training step ``k`` (trainer holds version ``v = k``):
 
@@ -10,31 +13,41 @@ Life of a training step ``k`` (trainer holds version ``v = k``):
    **Rollouter-on-TrainerPool** may lend it to auxiliary rollouters (admission Eq. 3, dispatch Eq. 4);
    the lease is revoked when the batch is ready or the auxiliaries finish their share, complete groups stay
    committed, incomplete ones go back to primary rollouters with their prefixes.
-2. *consume* — stage-ordered chunks on the primary trainers. While the rollout pool idles (rollouters
-   blocked by the run-ahead bound), **Trainer-on-RolloutPool** may lend it to auxiliary trainers
-   (Algorithm 2: DrainPrefix, admission, LazyPull, TailWindow + JointTailSplit); auxiliary actor-update
-   gradients are merged in chunk order (C_grad) before the primary's optimizer step.
+2. *consume* — ``StartStep``, then stage-ordered chunks on the primary trainers. While the rollout pool
+   idles (rollouters blocked by the run-ahead bound), **Trainer-on-RolloutPool** may lend it to auxiliary
+   trainers (Algorithm 2: DrainPrefix, admission, LazyPull, TailWindow + JointTailSplit); auxiliary
+   actor-update gradients are merged in chunk order (C_grad) before the primary's optimizer step.
 3. *sync* — the new version goes to the primary rollouters; with partial rollout they are interrupted
    first and their unfinished groups resume afterwards from their prefixes, without it the sync waits for
-   in-flight generation to finish.
+   in-flight generation to finish. Then ``StepDone``.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from bidirl.core import gates
 from bidirl.core import protocol as P
 from bidirl.core.buffer import RolloutBuffer
 from bidirl.core.chunks import TrainerStep
+from bidirl.core.lease import Lease, PoolLease
 from bidirl.core.policies import Policy
 from bidirl.core.profiler import ProfileRecord, Profiler
 from bidirl.core.staleness import StalenessRule, check_batch
-from bidirl.trace import Decision, StepRecord
 
-ROT, TOR = "rollout_on_trainer_pool", "trainer_on_rollout_pool"
-PRIMARY_TRAINER, AUX_TRAINER = "trainer_pool/trainer", "rollout_pool/trainer"
+ROT, TOR = P.ROLLOUT_ON_TRAINER_POOL, P.TRAINER_ON_ROLLOUT_POOL
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"
+    WAITING = "waiting"          # for a batch
+    CONSUMING = "consuming"      # running the step's chunks
+    FINISHING = "finishing"      # gradient merge and optimizer step
+    SYNCING = "syncing"          # pushing the new weights
+    DONE = "done"
 
 
 @dataclass(frozen=True)
@@ -47,11 +60,24 @@ class Topology:
 
     @property
     def rollouters(self) -> tuple:
-        return tuple(f"rollout_pool/rollouter/{i}" for i in range(self.rollout_replicas))
+        return tuple(P.rollouter(P.ROLLOUT_POOL, i) for i in range(self.rollout_replicas))
 
     @property
     def aux_rollouters(self) -> tuple:
-        return tuple(f"trainer_pool/rollouter/{i}" for i in range(self.aux_rollout_replicas))
+        return tuple(P.rollouter(P.TRAINER_POOL, i) for i in range(self.aux_rollout_replicas))
+
+    @property
+    def trainers(self) -> tuple:
+        """The trainer gangs: the primary one, and the auxiliary one if the rollout pool can host it."""
+        return (P.PRIMARY_TRAINER,) + ((P.AUX_TRAINER,) if self.aux_trainer_replicas else ())
+
+    @property
+    def workers(self) -> tuple:
+        return self.rollouters + self.aux_rollouters + self.trainers
+
+    def gang_size(self, worker: str) -> int:
+        """Replicas of a trainer gang."""
+        return self.trainer_replicas if P.is_primary(worker) else self.aux_trainer_replicas
 
 
 @dataclass(frozen=True)
@@ -61,40 +87,53 @@ class Settings:
     staleness: float
     partial_rollout: bool
     stages: tuple
-    max_chunk: int
+    max_chunk: int                 # s_max, samples per device
     tail_window: int
     steps: int
 
 
+@dataclass(frozen=True)
+class CoordinatorView:
+    """A read-only snapshot for widgets, tests and run summaries (plain data; see :meth:`Coordinator.view`)."""
+    phase: str
+    finished: bool
+    steps_done: int
+    trainer_version: int
+    rollout_version: int
+    leases: dict                   # pool -> lease state name
+    failed: tuple
+    samples: dict                  # generated, consumed, buffered, lost, duplicated (samples = responses)
+    calibration: dict              # the online profiler's factors and charged switch costs
+    profile: tuple                 # the online profiler's records (ProfileRecord: observed next to predicted)
+    batches: tuple                 # (step, version, group ids) of every consumed batch
+    merge_log: tuple               # (step, [(segment, first unit) of each chunk in merge order])
+
+
 @dataclass
 class Coordinator:
-    """``models`` predicts raw stage times: ``chunk_time(stage, prompt_lens, response_lens, d)`` and
+    """``predictor`` predicts raw stage times: ``chunk_time(stage, prompt_lens, response_lens, d)`` and
     ``rollout_time(prompt_lens, response_lens, d)``; ``prior`` is a (prompt_lens, response_lens) sample of
     the workload used until the profiler has seen real responses."""
     settings: Settings
     topology: Topology
     policy: Policy
-    models: Any
+    predictor: Any
     profiler: Profiler
     prior: tuple
 
     # state --------------------------------------------------------------------------------------
     trainer_version: int = 0
     rollout_version: int = 0
-    phase: str = "starting"        # starting | waiting | consuming | finishing | syncing | done
-    owner: dict = field(default_factory=lambda: {P.ROLLOUT_POOL: "primary", P.TRAINER_POOL: "primary"})
+    phase: Phase = Phase.STARTING
+    steps_done: int = 0
     step: Optional[TrainerStep] = None
-    steps: list = field(default_factory=list)
-    decisions: list = field(default_factory=list)
     step_start: float = 0.0
     consume_start: float = 0.0
     evaluated: set = field(default_factory=set)       # (direction, step) opportunities already decided
     stopping: set = field(default_factory=set)        # rollout workers with an Interrupt in flight
     aux_assigned: set = field(default_factory=set)    # groups sent to auxiliary rollouters this window
     migrating: set = field(default_factory=set)       # groups being moved from primaries to auxiliaries
-    revoking: set = field(default_factory=set)        # pools whose lease is being given back
     sync_wanted: bool = False
-    merge_wanted: bool = False
     failed: set = field(default_factory=set)
     samples_generated: int = 0
     batches: list = field(default_factory=list)       # (step, version, [group ids])
@@ -104,69 +143,68 @@ class Coordinator:
         s = self.settings
         self.rule = StalenessRule(s.staleness, s.batch)
         self.buffer = RolloutBuffer(self.rule)
+        self.leases = {pool: PoolLease(pool) for pool in P.POOLS}
         self._chunk_ids = itertools.count()
         self._out: list = []
         self._now = 0.0
 
     # =============================================================================================
-    # public
+    # the protocol entry point and the read-only view
     # =============================================================================================
     def handle(self, event) -> list:
-        """Feed one event; returns the commands the driver must execute, in order."""
+        """Feed one event; returns the commands and reports for the driver, in order."""
         self._out = []
         self._now = event.t
         method = getattr(self, "_on_" + type(event).__name__, None)
         if method is None:
             raise TypeError(f"the coordinator does not handle {type(event).__name__}")
         method(event)
-        for pool in list(self.revoking):
-            self._maybe_switch_out(pool)
+        self._yield_revoked()
         out, self._out = self._out, []
         return out
 
-    @property
-    def finished(self) -> bool:
-        return self.phase == "done"
-
-    def sample_counts(self) -> dict:
+    def view(self) -> CoordinatorView:
+        """Plain data about where the run stands (the only state outside the protocol anyone may read)."""
         c = self.buffer.counts()
-        consumed = c["consumed"] * self.settings.group_size
-        buffered = (c["complete"]) * self.settings.group_size
-        generated = self.samples_generated
-        return {"generated": generated, "consumed": consumed, "buffered": buffered,
-                "lost": generated - consumed - buffered,
-                "duplicated": self.buffer.duplicates * self.settings.group_size}
+        g = self.settings.group_size
+        consumed, buffered = c["consumed"] * g, c["complete"] * g
+        return CoordinatorView(
+            phase=self.phase.value, finished=self.phase is Phase.DONE, steps_done=self.steps_done,
+            trainer_version=self.trainer_version, rollout_version=self.rollout_version,
+            leases={pool: lease.state.value for pool, lease in self.leases.items()},
+            failed=tuple(sorted(self.failed)),
+            samples={"generated": self.samples_generated, "consumed": consumed, "buffered": buffered,
+                     "lost": self.samples_generated - consumed - buffered,
+                     "duplicated": self.buffer.duplicates * g},
+            calibration=self.profiler.summary(), profile=tuple(self.profiler.records),
+            batches=tuple((s, v, tuple(ids)) for s, v, ids in self.batches),
+            merge_log=tuple((s, tuple(order)) for s, order in self.merge_log))
 
     # =============================================================================================
-    # events
+    # event handlers
     # =============================================================================================
     def _on_Started(self, ev: P.Started):
-        self.phase = "waiting"
+        self.phase = Phase.WAITING
         self.step_start = ev.t
         self._dispatch_rollouts()
         self._try_start_step()
 
     def _on_GroupFinished(self, ev: P.GroupFinished):
-        g = ev.group
-        if self.buffer.commit(g):
-            self.samples_generated += len(g.generated)
-            self.profiler.observe_group(g.prompt_len, g.generated)
-        self.aux_assigned.discard(g.group_id)
+        self._commit(ev.group)
+        self.aux_assigned.discard(ev.group.group_id)
         # with an asynchronous driver a group can complete while an Interrupt to migrate it is in flight:
         # there is nothing left to move, and the interrupt's answer will not list it
-        self.migrating.discard(g.group_id)
+        self.migrating.discard(ev.group.group_id)
         self._after_rollout_change()
 
     def _on_GenerationStopped(self, ev: P.GenerationStopped):
         self.stopping.discard(ev.worker)
         for g in ev.groups:
             if g.complete:
-                if self.buffer.commit(g):
-                    self.samples_generated += len(g.generated)
-                    self.profiler.observe_group(g.prompt_len, g.generated)
+                self._commit(g)
             else:
                 self.buffer.park(g)
-        handing_over = self.owner[P.TRAINER_POOL] == "auxiliary" and P.TRAINER_POOL not in self.revoking
+        handing_over = self.leases[P.TRAINER_POOL].lent
         moved = []
         for g in ev.groups:
             gid = g.group_id
@@ -180,11 +218,9 @@ class Coordinator:
         self._after_rollout_change()
 
     def _on_RolloutRecord(self, ev: P.RolloutRecord):
-        r = ev.record
-        pred = self.models.rollout_time(r["prompt_lens"], r["response_lens"], 1)
-        self.profiler.record(ProfileRecord(ev.t, "r", "primary" if P.is_primary(r["worker"]) else "auxiliary",
-                                           P.worker_pool(r["worker"]),
-                                           {"requests": len(r["response_lens"])}, 1, r["elapsed"], pred))
+        pred = self.predictor.rollout_time(ev.prompt_lens, ev.response_lens, 1)
+        self.profiler.record(ProfileRecord(ev.t, "r", P.worker_role(ev.worker), P.worker_pool(ev.worker),
+                                           {"requests": len(ev.response_lens)}, 1, ev.elapsed, pred))
 
     def _on_ChunkStarted(self, ev: P.ChunkStarted):
         if self.step is not None and ev.chunk_id in self.step.chunks:
@@ -200,66 +236,56 @@ class Coordinator:
         rec = step.chunks[ev.chunk_id]
         p, r = step.lens(rec.units)
         d = self._gang(rec.side)
-        pred = self.models.chunk_time(rec.chunk.stage, p, r, d)
+        pred = self.predictor.chunk_time(rec.chunk.stage, p, r, d)
         self.profiler.record(ProfileRecord(ev.t, "t", rec.side, P.worker_pool(ev.worker),
                                            {"stage": rec.chunk.stage, "units": len(rec.units)}, d, ev.elapsed, pred))
-        step.finish(ev.chunk_id, ev.payload)
+        step.finish(ev.chunk_id)
         self._schedule_chunks()
 
     def _on_SwitchFinished(self, ev: P.SwitchFinished):
-        pool = ev.pool
-        direction = ROT if pool == P.TRAINER_POOL else TOR
-        lent = (pool == P.TRAINER_POOL) == (ev.to_role == "rollout")
-        self.profiler.observe_cost(direction, "c_in" if lent else "c_out", ev.elapsed)
-        if lent:
-            self.owner[pool] = "auxiliary"
-            if pool == P.TRAINER_POOL:
+        lease = self.leases[ev.pool]
+        lending = lease.state is Lease.SWITCHING_IN
+        self.profiler.observe_cost(P.DIRECTION_OF_POOL[ev.pool], "c_in" if lending else "c_out", ev.elapsed)
+        lease.fire("switched")
+        if lending:
+            if ev.pool == P.TRAINER_POOL:
                 self._start_aux_rollout()
             else:
                 self._start_aux_training()
+        elif ev.pool == P.TRAINER_POOL:
+            self._try_start_step()
         else:
-            self.owner[pool] = "primary"
-            self.revoking.discard(pool)
-            if pool == P.TRAINER_POOL:
-                self._try_start_step()
-            else:
-                self._dispatch_rollouts()
-                self._maybe_sync()
+            self._dispatch_rollouts()
+            self._maybe_sync()
 
     def _on_GradientsMerged(self, ev: P.GradientsMerged):
         self.profiler.observe_cost(TOR, "c_grad", ev.elapsed)
-        self.merge_wanted = False
-        self._out.append(P.OptimizerStep(self.step.step, self.trainer_version + 1))
+        self._out.append(P.OptimizerStep(self.step.step, self.trainer_version + 1, self.step.update_merge_order()))
 
     def _on_OptimizerStepped(self, ev: P.OptimizerStepped):
         self.trainer_version = ev.version
         self.sync_wanted = True
-        self.phase = "syncing"
+        self.phase = Phase.SYNCING
         if self.settings.partial_rollout:
-            for w in self._active_rollouters(P.ROLLOUT_POOL):
-                if self.buffer.running_on(w) and w not in self.stopping:
-                    self.stopping.add(w)
-                    self._out.append(P.Interrupt(w, None, "sync"))
+            self._interrupt_all(self._active_rollouters(P.ROLLOUT_POOL))
         self._maybe_sync()
 
     def _on_SyncFinished(self, ev: P.SyncFinished):
         self.rollout_version = ev.version
         self.profiler.recalibrate()
         st = self.step
-        self.steps.append(StepRecord(step=st.step, start=self.step_start, end=ev.t,
-                                     tokens=sum(g.prompt_len * len(g.generated) + g.response_tokens
-                                                for g in st.groups),
-                                     samples=st.n_samples, wait=self.consume_start - self.step_start,
-                                     consume=ev.t - self.consume_start, version=ev.version))
+        self._out.append(P.StepDone(P.StepRecord(
+            step=st.step, start=self.step_start, end=ev.t, tokens=sum(g.tokens for g in st.groups),
+            samples=st.n_samples, wait=self.consume_start - self.step_start, consume=ev.t - self.consume_start,
+            version=ev.version)))
         self.step = None
-        if len(self.steps) >= self.settings.steps:
-            self.phase = "done"
-            for w in self._active_rollouters(P.ROLLOUT_POOL):
-                if self.buffer.running_on(w) and w not in self.stopping:
-                    self.stopping.add(w)
-                    self._out.append(P.Interrupt(w, None, "finish"))
+        self.steps_done += 1
+        if self.steps_done >= self.settings.steps:
+            self.phase = Phase.DONE
+            self._out.append(P.RunDone(ev.t))
+            self._interrupt_all(self._active_rollouters(P.ROLLOUT_POOL))
             return
-        self.phase = "waiting"
+        self.phase = Phase.WAITING
         self.step_start = ev.t
         self._dispatch_rollouts()
         self._try_start_step()
@@ -275,43 +301,47 @@ class Coordinator:
         if P.is_primary(w):
             raise RuntimeError(f"primary worker {w} failed: {ev.error}")
         self.failed.add(w)
-        pool = P.worker_pool(w)
-        if P.worker_kind(w) == "rollout":
+        if P.worker_kind(w) == P.ROLLOUT:
             for gid in self.buffer.running_on(w):
-                rec = self.buffer.groups[gid]
-                rec.status, rec.worker = "partial", None
+                self.buffer.lose(gid)
                 self.aux_assigned.discard(gid)
             self.stopping.discard(w)
         elif self.step is not None:
-            for c in self.step.live("auxiliary"):
+            for c in self.step.live(P.AUXILIARY):
                 c.status = "queued"          # its worker is gone: even a running chunk is recovered
                 self.step.cancel(c.chunk.chunk_id)
             self.step.release_plan()
-        if self.owner[pool] == "auxiliary" and pool not in self.revoking:
-            self._revoke(pool)
+        self._revoke(P.worker_pool(w))
         self._dispatch_rollouts()
         self._schedule_chunks()
 
     # =============================================================================================
     # rollout side
     # =============================================================================================
-    def _active_rollouters(self, pool: str) -> list:
-        if pool == P.ROLLOUT_POOL:
-            if self.owner[P.ROLLOUT_POOL] != "primary":
-                return []
-            return [w for w in self.topology.rollouters if w not in self.failed]
-        if self.owner[P.TRAINER_POOL] != "auxiliary" or P.TRAINER_POOL in self.revoking:
-            return []
-        return [w for w in self.topology.aux_rollouters if w not in self.failed]
+    def _commit(self, group: P.GroupState) -> None:
+        if self.buffer.commit(group):
+            self.samples_generated += len(group.generated)
+            self.profiler.observe_group(group.prompt_len, group.generated)
 
-    def _rollouts_paused(self) -> bool:
-        """Primaries take no new work while a sync is pending or the run is over."""
-        return self.phase in ("done",) or self.sync_wanted
+    def _alive(self, workers) -> list:
+        return [w for w in workers if w not in self.failed]
+
+    def _active_rollouters(self, pool: str) -> list:
+        """Rollouters that may take work on ``pool``: primaries while they own it, auxiliaries while lent."""
+        if pool == P.ROLLOUT_POOL:
+            return self._alive(self.topology.rollouters) if self.leases[pool].primary else []
+        return self._alive(self.topology.aux_rollouters) if self.leases[pool].lent else []
+
+    def _interrupt_all(self, workers) -> None:
+        for w in workers:
+            if self.buffer.running_on(w) and w not in self.stopping:
+                self.stopping.add(w)
+                self._out.append(P.Interrupt(w, None))
 
     def _dispatch_rollouts(self):
         """Resume parked groups (oldest tag first), then admit new ones up to the run-ahead bound."""
         workers = [w for w in self._active_rollouters(P.ROLLOUT_POOL) if w not in self.stopping]
-        if not workers or self._rollouts_paused():
+        if not workers or self.phase is Phase.DONE or self.sync_wanted:
             return
         load = {w: len(self.buffer.running_on(w)) for w in workers}
         tasks = {w: [] for w in workers}
@@ -327,23 +357,22 @@ class Coordinator:
             load[w] += 1
         for _ in range(self.buffer.admissible(self.rollout_version)):
             w = least_loaded()
-            gid = self.buffer.admit(self.rollout_version, w)
-            tasks[w].append(P.GroupTask(gid))
+            tasks[w].append(P.GroupTask(self.buffer.admit(self.rollout_version, w)))
             load[w] += 1
         for w in workers:
             if tasks[w]:
                 self._out.append(P.Generate(w, tuple(tasks[w]), self.rollout_version))
 
     def _rollout_pool_idle(self) -> bool:
-        if self.owner[P.ROLLOUT_POOL] != "primary":
+        if not self.leases[P.ROLLOUT_POOL].primary:
             return False
         busy = any(self.buffer.running_on(w) for w in self.topology.rollouters) or self.stopping
         return not busy and not self.buffer.partial_ids() and not self.buffer.admissible(self.rollout_version)
 
     def _after_rollout_change(self):
-        if self.phase == "done":
+        if self.phase is Phase.DONE:
             return
-        if self.owner[P.TRAINER_POOL] == "auxiliary" and P.TRAINER_POOL not in self.revoking:
+        if self.leases[P.TRAINER_POOL].lent:
             aux_busy = any(self.buffer.running_on(w) for w in self.topology.aux_rollouters)
             ready = self.buffer.select_batch(self.trainer_version) is not None
             if ready or (not aux_busy and not self.migrating and not self.aux_assigned):
@@ -351,47 +380,31 @@ class Coordinator:
         self._dispatch_rollouts()
         self._maybe_sync()
         self._try_start_step()
-        if self.phase == "consuming":
+        if self.phase is Phase.CONSUMING:
             self._consider_trainer_on_rollout_pool()
 
     # ---- Rollouter-on-TrainerPool ------------------------------------------------------------
     def _consider_rollout_on_trainer_pool(self):
         key = (ROT, self.trainer_version)
-        if (not self.policy.rollout_on_trainer_pool or key in self.evaluated or self.phase != "waiting"
-                or self.owner[P.TRAINER_POOL] != "primary" or not self.topology.aux_rollout_replicas):
+        if (not self.policy.rollout_on_trainer_pool or key in self.evaluated or self.phase is not Phase.WAITING
+                or not self.leases[P.TRAINER_POOL].primary or not self.topology.aux_rollout_replicas):
             return
         q = self.buffer.deficit(self.trainer_version)
         if q <= 0:
             return
         self.evaluated.add(key)
         costs = self.profiler.costs[ROT]
-        d_p = len([w for w in self.topology.rollouters if w not in self.failed])
-        d_a = len([w for w in self.topology.aux_rollouters if w not in self.failed])
-        # Eq. 3 compares M_r(Q_r, d_p) with M_r(Q_r, d_p + d_a). Primaries also carry run-ahead groups
-        # (load L ≥ Q_r in flight, all progressing together under continuous batching), so the deficit
-        # closes when that load drains; after dispatch (Eq. 4) they keep L − Q_a and the auxiliaries take
-        # Q_a. With L = Q_r this is Eq. 3 with a capacity-proportional split.
-        load = max(q, self._primary_load())
-        q_a = round(d_a / (d_p + d_a) * q)
+        d_p, d_a = len(self._alive(self.topology.rollouters)), len(self._alive(self.topology.aux_rollouters))
         g = self.settings.group_size
-        scale = self.profiler.scales[("r", "primary")]
+        scale = self.profiler.scales[("r", P.PRIMARY)]
 
         def m_r(groups, d):
-            if groups <= 0 or d <= 0:
-                return 0.0
             p, r = self.profiler.representative(groups * g, self.prior)
-            return scale * self.models.rollout_time(p, r, d)
+            return scale * self.predictor.rollout_time(p, r, d)
 
-        t_p = m_r(load, d_p)
-        t_j = max(m_r(load - q_a, d_p), m_r(q_a, d_a))
-        gain, cost = t_p - t_j, costs.c_in + costs.c_out
-        admitted = (gain > cost) if self.policy.gated else True
-        self.decisions.append(Decision(t=self._now, direction=ROT, admitted=admitted, predicted_gain=gain,
-                                       cost=cost, detail={"deficit": q, "load": load, "d_p": d_p, "d_a": d_a,
-                                                          "step": self.trainer_version}))
-        if admitted:
-            self.owner[P.TRAINER_POOL] = "switching"
-            self._out.append(P.Switch(P.TRAINER_POOL, "rollout", ROT, "in", costs.c_in))
+        gate = gates.rollout_gate(m_r, q, self._primary_load(), d_p, d_a, costs, self.policy.gated)
+        self._decide(ROT, gate.admitted, gate.gain, gate.cost,
+                     {"deficit": q, "load": gate.load, "d_p": d_p, "d_a": d_a, "step": self.trainer_version})
 
     def _primary_load(self) -> int:
         """Groups generating or waiting to resume on the primary rollouters."""
@@ -401,9 +414,8 @@ class Coordinator:
     def _start_aux_rollout(self):
         """Eq. 4: Q_a = round(d_a / (d_p + d_a) · Q_r) groups go to the auxiliary rollouters."""
         q = self.buffer.deficit(self.trainer_version)
-        d_p = len([w for w in self.topology.rollouters if w not in self.failed])
         d_a = len(self._active_rollouters(P.TRAINER_POOL))
-        q_a = round(d_a / (d_p + d_a) * q) if q > 0 else 0
+        q_a = gates.rollout_dispatch(q, len(self._alive(self.topology.rollouters)), d_a) if d_a else 0
         if q_a <= 0 or self.buffer.select_batch(self.trainer_version) is not None:
             self._revoke(P.TRAINER_POOL)
             return
@@ -417,15 +429,14 @@ class Coordinator:
                  if rec.status == "running" and rec.worker and P.is_primary(rec.worker)
                  and rec.worker not in self.stopping),
             )
-            chosen = candidates[:need]
             by_worker = {}
-            for _, _, gid, w in chosen:
+            for _, _, gid, w in candidates[:need]:
                 by_worker.setdefault(w, []).append(gid)
             for w, gids in sorted(by_worker.items()):
                 self.migrating.update(gids)
                 self.aux_assigned.update(gids)
                 self.stopping.add(w)
-                self._out.append(P.Interrupt(w, tuple(sorted(gids)), "migrate"))
+                self._out.append(P.Interrupt(w, tuple(sorted(gids))))
         if not self.aux_assigned and not self.migrating:
             self._revoke(P.TRAINER_POOL)
 
@@ -446,49 +457,50 @@ class Coordinator:
     # trainer side
     # =============================================================================================
     def _gang(self, side: str) -> int:
-        return self.topology.trainer_replicas if side == "primary" else self.topology.aux_trainer_replicas
+        return self.topology.trainer_replicas if side == P.PRIMARY else self.topology.aux_trainer_replicas
 
     def _chunk_time(self, stage, p, r, d, side) -> float:
-        return self.profiler.scales[("t", side)] * self.models.chunk_time(stage, p, r, d)
+        return self.profiler.scales[("t", side)] * self.predictor.chunk_time(stage, p, r, d)
 
     def _try_start_step(self):
-        if self.phase != "waiting":
+        if self.phase is not Phase.WAITING:
             return
         batch = self.buffer.select_batch(self.trainer_version)
         if batch is None:
             self._consider_rollout_on_trainer_pool()
             return
-        if self.owner[P.TRAINER_POOL] != "primary":
-            if self.owner[P.TRAINER_POOL] == "auxiliary" and P.TRAINER_POOL not in self.revoking:
-                self._revoke(P.TRAINER_POOL)
+        lease = self.leases[P.TRAINER_POOL]
+        if not lease.primary:
+            self._revoke(P.TRAINER_POOL)
             return
         groups = self.buffer.consume(batch)
         check_batch(self.rule, [g.version for g in groups], self.trainer_version)
-        self.batches.append((len(self.steps), self.trainer_version, [g.group_id for g in groups]))
+        self.batches.append((self.steps_done, self.trainer_version, [g.group_id for g in groups]))
         self.consume_start = self._now
-        self.phase = "consuming"
+        self.phase = Phase.CONSUMING
         s = self.settings
-        self.step = TrainerStep(step=len(self.steps), version=self.trainer_version, groups=groups,
+        self.step = TrainerStep(step=self.steps_done, version=self.trainer_version, groups=groups,
                                 stages=s.stages, max_chunk=s.max_chunk,
                                 next_chunk_id=lambda: next(self._chunk_ids))
+        self._out.append(P.StartStep(self.step.step, self.trainer_version, tuple(groups)))
         self._schedule_chunks()
         self._consider_trainer_on_rollout_pool()
 
     def _schedule_chunks(self):
         step = self.step
-        if step is None or self.phase != "consuming":
+        if step is None or self.phase is not Phase.CONSUMING:
             return
         while step.segment_done and step.advance_segment():
             pass
         if step.done:
             self._finish_step()
             return
-        aux_on = self.owner[P.ROLLOUT_POOL] == "auxiliary" and P.ROLLOUT_POOL not in self.revoking
-        sides = [("primary", PRIMARY_TRAINER)] + ([("auxiliary", AUX_TRAINER)] if aux_on else [])
+        aux_on = self.leases[P.ROLLOUT_POOL].lent
+        sides = [(P.PRIMARY, P.PRIMARY_TRAINER)] + ([(P.AUXILIARY, P.AUX_TRAINER)] if aux_on else [])
         if aux_on and self.policy.model_split and step.in_tail_window(
-                self._gang("primary"), self._gang("auxiliary"), self.settings.tail_window):
-            step.plan_tail(self._gang("primary"), self._gang("auxiliary"),
-                           self._ready_in("primary"), self._ready_in("auxiliary"), self._chunk_time)
+                self._gang(P.PRIMARY), self._gang(P.AUXILIARY), self.settings.tail_window):
+            step.plan_tail(self._gang(P.PRIMARY), self._gang(P.AUXILIARY),
+                           self._ready_in(P.PRIMARY), self._ready_in(P.AUXILIARY), self._chunk_time)
         for side, worker in sides:
             if step.live(side):
                 continue
@@ -497,7 +509,7 @@ class Coordinator:
                 p, r = step.lens(rec.units)
                 rec.predicted = self._chunk_time(rec.chunk.stage, p, r, self._gang(side), side)
                 self._out.append(P.RunChunk(worker, rec.chunk, self.trainer_version))
-        if aux_on and not step.live("auxiliary") and not step.has_work("auxiliary") \
+        if aux_on and not step.live(P.AUXILIARY) and not step.has_work(P.AUXILIARY) \
                 and step.segment_index == len(step.segments) - 1:
             self._revoke(P.ROLLOUT_POOL)
 
@@ -512,128 +524,115 @@ class Coordinator:
 
     def _finish_step(self):
         step = self.step
-        self.phase = "finishing"
+        self.phase = Phase.FINISHING
         self.merge_log.append((step.step, list(step.merge_positions)))
-        if self.owner[P.ROLLOUT_POOL] == "auxiliary" and P.ROLLOUT_POOL not in self.revoking:
-            self._revoke(P.ROLLOUT_POOL)
+        self._revoke(P.ROLLOUT_POOL)
         if step.aux_update_chunks:
-            aux_ids = tuple(c for c in step.merge_order if c in set(step.aux_update_chunks))
+            aux = set(step.aux_update_chunks)
+            aux_ids = tuple(c for c in step.merge_order if c in aux)
             self._out.append(P.MergeGradients(step.step, aux_ids, self.profiler.costs[TOR].c_grad))
         else:
-            self._out.append(P.OptimizerStep(step.step, self.trainer_version + 1))
+            self._out.append(P.OptimizerStep(step.step, self.trainer_version + 1, step.update_merge_order()))
 
     # ---- Trainer-on-RolloutPool --------------------------------------------------------------
     def _consider_trainer_on_rollout_pool(self):
-        """Algorithm 2, lines 1-6: DrainPrefix, then T_borrow = C_in + M_t(U', d_p+d_a) + C_out + C_grad < M_t(U, d_p)."""
+        """Algorithm 2, lines 1-6 (:func:`bidirl.core.gates.trainer_gate`) when the rollout pool idles."""
         step = self.step
         key = (TOR, self.trainer_version)
         if (not self.policy.trainer_on_rollout_pool or step is None or key in self.evaluated
-                or self.phase != "consuming" or not self.topology.aux_trainer_replicas
-                or AUX_TRAINER in self.failed or not self._rollout_pool_idle()):
+                or self.phase is not Phase.CONSUMING or not self.topology.aux_trainer_replicas
+                or P.AUX_TRAINER in self.failed or not self._rollout_pool_idle()):
             return
         units = step.remaining_units()
         if not units:
             return
         self.evaluated.add(key)
-        costs = self.profiler.costs[TOR]
-        d_p, d_a = self._gang("primary"), self._gang("auxiliary")
-        t_no, drained = self._workload_time(step, units, d_p, "primary", drain=costs.c_in)
-        rest = units[drained:]
-        t_joint, _ = self._workload_time(step, rest, d_p + d_a, "primary")
-        c_grad = costs.c_grad if any(stage == "actor_update" for stage, _ in rest) else 0.0
-        t_borrow = costs.c_in + t_joint + costs.c_out + c_grad
-        admitted = (t_borrow < t_no) if self.policy.gated else bool(rest)
-        cost = costs.c_in + costs.c_out + c_grad
-        self.decisions.append(Decision(t=self._now, direction=TOR, admitted=admitted,
-                                       predicted_gain=t_no - t_joint, cost=cost,
-                                       detail={"t_no": t_no, "t_borrow": t_borrow, "units": len(units),
-                                               "drained": drained, "step": self.trainer_version}))
-        if admitted:
-            self.owner[P.ROLLOUT_POOL] = "switching"
-            self._out.append(P.Switch(P.ROLLOUT_POOL, "trainer", TOR, "in", costs.c_in))
+        stages = [stage for stage, _ in units]
 
-    def _workload_time(self, step: TrainerStep, units: list, d: int, side: str, drain: float = None):
-        """M_t(U, d): chunks of s_max·d samples per stage, summed. With ``drain``, also the number of
-        leading units the primaries finish within ``drain`` seconds (DrainPrefix)."""
-        total, drained, i = 0.0, 0, 0
-        size = self.settings.max_chunk * d
-        while i < len(units):
-            stage = units[i][0]
-            j = i
-            while j < len(units) and j - i < size and units[j][0] == stage:
-                j += 1
-            idx = [u[1] for u in units[i:j]]
-            t = self._chunk_time(stage, [step.prompt_lens[k] for k in idx],
-                                 [step.response_lens[k] for k in idx], d, side)
-            total += t
-            if drain is not None and total <= drain:
-                drained = j
-            i = j
-        return total, drained
+        def run_time(first, end, d):
+            idx = [units[k][1] for k in range(first, end)]
+            return self._chunk_time(stages[first], [step.prompt_lens[k] for k in idx],
+                                    [step.response_lens[k] for k in idx], d, P.PRIMARY)
+
+        gate = gates.trainer_gate(stages, run_time, self._gang(P.PRIMARY), self._gang(P.AUXILIARY),
+                                  self.settings.max_chunk, self.profiler.costs[TOR], self.policy.gated)
+        self._decide(TOR, gate.admitted, gate.gain, gate.cost,
+                     {"t_no": gate.t_no, "t_borrow": gate.t_borrow, "units": len(units),
+                      "drained": gate.drained, "step": self.trainer_version})
 
     def _start_aux_training(self):
         step = self.step
-        if step is None or self.phase != "consuming" or not step.pending:
+        if step is None or self.phase is not Phase.CONSUMING or not step.pending:
             self._revoke(P.ROLLOUT_POOL)
             return
         if not self.policy.model_split:
-            step.plan_proportional(self._gang("primary"), self._gang("auxiliary"))
+            step.plan_proportional(self._gang(P.PRIMARY), self._gang(P.AUXILIARY))
         self._schedule_chunks()
 
     # =============================================================================================
     # leases and sync
     # =============================================================================================
+    def _decide(self, direction: str, admitted: bool, gain: float, cost: float, detail: dict) -> None:
+        """Report a borrowing decision; if admitted, lend the pool (lease: lend, ``Switch`` in)."""
+        self._out.append(P.Decided(P.Decision(t=self._now, direction=direction, admitted=admitted,
+                                              predicted_gain=gain, cost=cost, detail=detail)))
+        if admitted:
+            pool = P.BORROWED_POOL[direction]
+            self.leases[pool].fire("lend")
+            self._out.append(P.Switch(pool, P.GUEST_ROLE[pool], direction, "in",
+                                      self.profiler.costs[direction].c_in, self._role_version(P.GUEST_ROLE[pool])))
+
+    def _role_version(self, role: str) -> int:
+        """The actor version a role's workers run: rollouters the synced one, trainers the trainer's."""
+        return self.rollout_version if role == P.ROLLOUT else self.trainer_version
+
     def _revoke(self, pool: str):
         """Preempt-and-yield (§3.2): auxiliaries stop taking work, return what is recoverable, then yield."""
-        if self.owner[pool] != "auxiliary" or pool in self.revoking:
+        if not self.leases[pool].lent:
             return
-        self.revoking.add(pool)
+        self.leases[pool].fire("revoke")
         if pool == P.TRAINER_POOL:
-            for w in self.topology.aux_rollouters:
-                if self.buffer.running_on(w) and w not in self.stopping and w not in self.failed:
-                    self.stopping.add(w)
-                    self._out.append(P.Interrupt(w, None, "revoke"))
-        else:
-            step = self.step
-            if step is not None:
-                for c in step.live("auxiliary"):
-                    if c.status == "queued":
-                        self._out.append(P.CancelChunk(AUX_TRAINER, c.chunk.chunk_id))
-                step.release_plan()
+            self._interrupt_all(self._alive(self.topology.aux_rollouters))
+        elif self.step is not None:
+            for c in self.step.live(P.AUXILIARY):
+                if c.status == "queued":
+                    self._out.append(P.CancelChunk(P.AUX_TRAINER, c.chunk.chunk_id))
+            self.step.release_plan()
         self._maybe_switch_out(pool)
 
     def _maybe_switch_out(self, pool: str):
-        if pool not in self.revoking or self.owner[pool] != "auxiliary":
+        """Yield a revoked pool once nothing of the auxiliaries runs on it (lease: yield, ``Switch`` out)."""
+        if not self.leases[pool].revoking:
             return
         if pool == P.TRAINER_POOL:
-            if any(self.buffer.running_on(w) for w in self.topology.aux_rollouters if w not in self.failed) \
-                    or any(w in self.stopping for w in self.topology.aux_rollouters):
+            aux = self._alive(self.topology.aux_rollouters)
+            if any(self.buffer.running_on(w) for w in aux) or any(w in self.stopping for w in
+                                                                  self.topology.aux_rollouters):
                 return
-            costs = self.profiler.costs[ROT]
-            self.owner[pool] = "switching"
             self.aux_assigned.clear()
-            self._out.append(P.Switch(pool, "trainer", ROT, "out", costs.c_out))
-        else:
-            if self.step is not None and self.step.live("auxiliary") and AUX_TRAINER not in self.failed:
-                return
-            costs = self.profiler.costs[TOR]
-            self.owner[pool] = "switching"
-            self._out.append(P.Switch(pool, "rollout", TOR, "out", costs.c_out))
-        self.revoking.discard(pool)
+        elif self.step is not None and self.step.live(P.AUXILIARY) and P.AUX_TRAINER not in self.failed:
+            return
+        self.leases[pool].fire("yield")
+        home = P.HOME_ROLE[pool]
+        direction = P.DIRECTION_OF_POOL[pool]
+        self._out.append(P.Switch(pool, home, direction, "out", self.profiler.costs[direction].c_out,
+                                  self._role_version(home)))
+
+    def _yield_revoked(self):
+        for pool in P.POOLS:
+            self._maybe_switch_out(pool)
 
     def _maybe_sync(self):
         """After the optimizer step: push the new weights once primaries have stopped or drained."""
-        for pool in list(self.revoking):
-            self._maybe_switch_out(pool)
-        if self.phase == "consuming" and self.step is not None:
+        self._yield_revoked()
+        if self.phase is Phase.CONSUMING and self.step is not None:
             self._schedule_chunks()
-        if not self.sync_wanted or self.owner[P.ROLLOUT_POOL] != "primary":
+        if not self.sync_wanted or not self.leases[P.ROLLOUT_POOL].primary:
             return
-        rollouters = [w for w in self.topology.rollouters if w not in self.failed]
+        rollouters = self._alive(self.topology.rollouters)
         if any(w in self.stopping for w in rollouters):
             return
         if not self.settings.partial_rollout and any(self.buffer.running_on(w) for w in rollouters):
             return
         self.sync_wanted = False
-        self._out.append(P.SyncWeights(self.trainer_version, tuple(rollouters),
-                                       expected=0.0))
+        self._out.append(P.SyncWeights(self.trainer_version, tuple(rollouters)))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from bidirl.core.protocol import CORE_POLICIES
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -29,6 +31,7 @@ POLICIES = {
     "tor-only": Policy("tor-only", False, True),          # the paper's "w/o R-on-T"
     "opportunistic": Policy("opportunistic", True, True, gated=False, model_split=False),
 }
+assert tuple(POLICIES) == CORE_POLICIES, "core/policies.py and protocol.CORE_POLICIES name the same policies"
 
 
 def get_policy(name: str) -> Policy:

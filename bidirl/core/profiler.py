@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bidirl.config import SwitchCosts
+from bidirl.core.protocol import ROLES, SwitchCosts
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Profiler:
     window: int = 512                              # responses kept for the representative workload
     smoothing: float = 0.5                         # weight of a new cost measurement
     records: list = field(default_factory=list)
-    scales: dict = field(default_factory=lambda: {(k, x): 1.0 for k in "rt" for x in ("primary", "auxiliary")})
+    scales: dict = field(default_factory=lambda: {(k, x): 1.0 for k in "rt" for x in ROLES})
     calibrated_upto: int = 0
     cost_samples: dict = field(default_factory=dict)
     prompt_lens: deque = field(default_factory=deque)
@@ -73,6 +73,12 @@ class Profiler:
             self.costs[direction] = SwitchCosts(**{**old.__dict__, which: value})
         self.cost_samples = {}
         return dict(self.scales)
+
+    def summary(self) -> dict:
+        """Plain data for run summaries: measured/predicted stage-time factors, record count, charged costs."""
+        return {"scales": {f"{'rollout' if k == 'r' else 'trainer'}/{x}": v for (k, x), v in self.scales.items()},
+                "records": len(self.records),
+                "switch_costs": {d: dict(vars(c)) for d, c in self.costs.items()}}
 
     def representative(self, n_responses: int, prior: tuple) -> tuple:
         """``n_responses`` (prompt, response) lengths at evenly spaced quantiles of the recent window."""

@@ -1,44 +1,176 @@
-"""The messages between the control plane and a driver (DESIGN.md, "One control plane, three data planes").
+"""The contract between the control plane and a driver: names, events, commands and reports.
 
-A driver (the simulator, or the Ray runtime with emulated or engine workers) feeds *events* into
-``Coordinator.handle(event)`` and executes the *commands* it gets back. Events carry the driver's
-timestamp ``t`` in seconds: the core uses it as data (profiling records, idle windows), it never reads
-a clock of its own.
+A driver (the simulator, emulated Ray workers or real engines, ``docs/architecture.md``) feeds *events* into
+``Coordinator.handle(event)`` and gets back a list of *messages*: **commands** it must execute (start
+generation, run a chunk, switch a pool, ...) and **reports** it records (a finished step, a borrowing decision,
+the end of the run). Events carry the driver's timestamp ``t`` in seconds: the core uses it as data
+(profiling records, idle windows), it never reads a clock of its own. Nothing else of the coordinator is part
+of the contract, apart from its documented read-only :meth:`~bidirl.core.coordinator.Coordinator.view`.
 
-Workers are named ``<pool>/<role-kind>[/<index>]``:
+Every name used by more than one module is defined here once: pools, roles, borrowing directions, trainer
+stages, span kinds, policy names and worker names.
 
-* ``rollout_pool/rollouter/<i>``  primary rollout replicas (one vLLM engine each)
+Workers are named ``<pool>/<role-kind>[/<i>]``:
+
+* ``rollout_pool/rollouter/<i>``  primary rollout replicas (one inference engine each)
 * ``trainer_pool/trainer``        primary trainers (one data-parallel gang over the trainer pool)
 * ``trainer_pool/rollouter/<i>``  auxiliary rollout replicas (Rollouter-on-TrainerPool)
 * ``rollout_pool/trainer``        auxiliary trainers (Trainer-on-RolloutPool, one gang)
 
-A trainer gang executes a chunk together: each of its replicas takes one micro-batch of the chunk.
+A trainer gang executes a chunk together: each of its replicas takes an equal share of the chunk.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Optional
 
-Pool = Literal["rollout_pool", "trainer_pool"]
-Role = Literal["rollout", "trainer"]
-Stage = Literal["old_logprob", "ref_logprob", "actor_update"]
+import numpy as np
+
+from bidirl.core.checks import choice, finite, integer
+
+# --------------------------------------------------------------------------------------------------
+# Names
+# --------------------------------------------------------------------------------------------------
+
+ROLLOUT_POOL, TRAINER_POOL = "rollout_pool", "trainer_pool"
+POOLS: tuple = (ROLLOUT_POOL, TRAINER_POOL)
+#: the role of a worker on a pool: ``primary`` on its home pool, ``auxiliary`` on a borrowed one (§3.2)
+PRIMARY, AUXILIARY = "primary", "auxiliary"
+ROLES: tuple = (PRIMARY, AUXILIARY)
+#: what a pool's workers do (``Switch.to_role``)
+ROLLOUT, TRAINER = "rollout", "trainer"
+#: the two borrowing directions (§5.2) and the pool each one borrows
+ROLLOUT_ON_TRAINER_POOL, TRAINER_ON_ROLLOUT_POOL = "rollout_on_trainer_pool", "trainer_on_rollout_pool"
+DIRECTIONS: tuple = (ROLLOUT_ON_TRAINER_POOL, TRAINER_ON_ROLLOUT_POOL)
+BORROWED_POOL = {ROLLOUT_ON_TRAINER_POOL: TRAINER_POOL, TRAINER_ON_ROLLOUT_POOL: ROLLOUT_POOL}
+DIRECTION_OF_POOL = {pool: direction for direction, pool in BORROWED_POOL.items()}
+#: what a pool's own (primary) workers do, and what auxiliary workers on it do
+HOME_ROLE = {ROLLOUT_POOL: ROLLOUT, TRAINER_POOL: TRAINER}
+GUEST_ROLE = {ROLLOUT_POOL: TRAINER, TRAINER_POOL: ROLLOUT}
+
+#: trainer stages in execution order (appendix, trainer model); the first two are forward passes
 STAGES: tuple = ("old_logprob", "ref_logprob", "actor_update")
-ROLLOUT_POOL: Pool = "rollout_pool"
-TRAINER_POOL: Pool = "trainer_pool"
+FORWARD_STAGES: tuple = ("old_logprob", "ref_logprob")
+UPDATE_STAGES: tuple = ("actor_update",)
+
+#: what a span of the event log can be (``bidirl.trace``)
+SPAN_KINDS: tuple = ("generate", "chunk", "switch_in", "switch_out", "sync", "grad_merge", "optimizer")
+
+#: scheduling policies of the control plane (§7.3 ablations) and the modelled external systems (§7.1)
+CORE_POLICIES: tuple = ("bidirl", "no-borrow", "rot-only", "tor-only", "opportunistic")
+BASELINE_POLICIES: tuple = ("verl-colocated", "verl-async", "areal", "roll")
+POLICY_NAMES: tuple = CORE_POLICIES + BASELINE_POLICIES
+
+PRIMARY_TRAINER = f"{TRAINER_POOL}/trainer"
+AUX_TRAINER = f"{ROLLOUT_POOL}/trainer"
 
 
-def worker_pool(worker: str) -> Pool:
-    return worker.split("/", 1)[0]  # type: ignore[return-value]
+def trainer_stages(reference_model: bool) -> tuple:
+    """The stages a trainer step runs: ``ref_logprob`` only with a reference model."""
+    return STAGES if reference_model else tuple(s for s in STAGES if s != "ref_logprob")
 
 
-def worker_kind(worker: str) -> Role:
-    return "rollout" if worker.split("/")[1] == "rollouter" else "trainer"
+def rollouter(pool: str, index: int) -> str:
+    """The rollout replica ``index`` on ``pool`` (primary on the rollout pool, auxiliary on the trainer pool)."""
+    return f"{pool}/rollouter/{int(index)}"
+
+
+def trainer_gang(pool: str) -> str:
+    """The trainer gang on ``pool`` (primary on the trainer pool, auxiliary on the rollout pool)."""
+    return f"{pool}/trainer"
+
+
+def worker_pool(worker: str) -> str:
+    return worker.split("/", 1)[0]
+
+
+def worker_kind(worker: str) -> str:
+    """``rollout`` or ``trainer``: what the worker computes."""
+    return ROLLOUT if worker.split("/")[1] == "rollouter" else TRAINER
 
 
 def is_primary(worker: str) -> bool:
     """Primary workers live on their own pool: rollouters on the rollout pool, trainers on the trainer pool."""
-    return (worker_pool(worker) == ROLLOUT_POOL) == (worker_kind(worker) == "rollout")
+    return HOME_ROLE[worker_pool(worker)] == worker_kind(worker)
+
+
+def worker_role(worker: str) -> str:
+    return PRIMARY if is_primary(worker) else AUXILIARY
+
+
+
+# --------------------------------------------------------------------------------------------------
+# Records (what reports carry, and the switch costs the scheduler charges)
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SwitchCosts:
+    """Hot-switch costs of one borrowing direction in seconds (paper §3.2, Table 3): C_in, C_out, C_grad."""
+    c_in: float
+    c_out: float
+    c_grad: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One training step (paper §7.1's "metric step").
+
+    ``start``: when the trainer began waiting for the step's batch; ``end``: when its optimizer step and weight
+    sync finished; ``tokens``: prompt + response tokens consumed; ``wait`` / ``consume``: the waiting and the
+    consuming part of the step; ``version``: the actor version the step produced.
+    """
+    step: int
+    start: float
+    end: float
+    tokens: int
+    samples: int
+    wait: float = 0.0
+    consume: float = 0.0
+    version: int = 0
+
+    def __post_init__(self):
+        start, end = finite(self.start, "StepRecord", "start"), finite(self.end, "StepRecord", "end")
+        if end < start:
+            raise ValueError(f"StepRecord.end ({end!r}) is before StepRecord.start ({start!r}) "
+                             f"for step {self.step}")
+        object.__setattr__(self, "step", integer(self.step, "StepRecord", "step", 0))
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "end", end)
+        object.__setattr__(self, "tokens", integer(self.tokens, "StepRecord", "tokens", 0))
+        object.__setattr__(self, "samples", integer(self.samples, "StepRecord", "samples", 0))
+        object.__setattr__(self, "wait", finite(self.wait, "StepRecord", "wait"))
+        object.__setattr__(self, "consume", finite(self.consume, "StepRecord", "consume"))
+        object.__setattr__(self, "version", integer(self.version, "StepRecord", "version"))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One borrowing opportunity the scheduler evaluated at time ``t`` (paper §5.2, admission rule).
+
+    ``direction`` is one of :data:`DIRECTIONS`; ``admitted`` whether the pool was lent; ``predicted_gain`` the
+    predicted time saved; ``cost`` the switch overhead charged (C_in + C_out [+ C_grad]).
+    """
+    t: float
+    direction: str
+    admitted: bool
+    predicted_gain: float
+    cost: float
+    detail: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "t", finite(self.t, "Decision", "t"))
+        choice(self.direction, DIRECTIONS, "Decision", "direction")
+        if not isinstance(self.admitted, (bool, np.bool_)):
+            raise ValueError(f"Decision.admitted must be a bool, got {self.admitted!r}")
+        object.__setattr__(self, "admitted", bool(self.admitted))
+        for name in ("predicted_gain", "cost"):
+            try:
+                object.__setattr__(self, name, float(getattr(self, name)))
+            except (TypeError, ValueError):
+                raise ValueError(f"Decision.{name} must be a number, got {getattr(self, name)!r}") from None
+        if not isinstance(self.detail, dict):
+            raise ValueError(f"Decision.detail must be a dict, got {type(self.detail).__name__}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -59,7 +191,7 @@ class GroupState:
     generated: tuple
     done: tuple
     version: int
-    payload: Any = None
+    payload: object = None
 
     @property
     def complete(self) -> bool:
@@ -68,6 +200,11 @@ class GroupState:
     @property
     def response_tokens(self) -> int:
         return int(sum(self.generated))
+
+    @property
+    def tokens(self) -> int:
+        """Prompt + response tokens of every response (what a trainer consumes, §7.1)."""
+        return self.prompt_len * len(self.generated) + self.response_tokens
 
 
 @dataclass(frozen=True)
@@ -93,14 +230,15 @@ class Chunk:
 
 
 # --------------------------------------------------------------------------------------------------
-# Commands: core -> driver
+# Commands: core -> driver (each driver has one handler per command, checked when it is built)
 # --------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Generate:
+    """Generate (or resume) ``tasks`` on rollouter ``worker`` with actor ``version``'s weights."""
     worker: str
     tasks: tuple              # of GroupTask
-    version: int              # the weights the worker holds
+    version: int
 
 
 @dataclass(frozen=True)
@@ -108,11 +246,19 @@ class Interrupt:
     """Stop generating the listed groups (``None``: all of them); answered by ``GenerationStopped``."""
     worker: str
     group_ids: Optional[tuple] = None
-    reason: str = "sync"
+
+
+@dataclass(frozen=True)
+class StartStep:
+    """Training step ``step`` (updating actor ``version``) consumes ``groups``, in batch order."""
+    step: int
+    version: int
+    groups: tuple             # of GroupState
 
 
 @dataclass(frozen=True)
 class RunChunk:
+    """Run ``chunk`` on trainer gang ``worker``; answered by ``ChunkStarted`` then ``ChunkFinished``."""
     worker: str
     chunk: Chunk
     version: int
@@ -127,20 +273,24 @@ class CancelChunk:
 
 @dataclass(frozen=True)
 class Switch:
-    """Hand ``pool`` to ``to_role``: offload the passive role's state, onload the active one (§3.2)."""
+    """Hand ``pool`` to ``to_role``: offload the passive role's state, onload the active one (§3.2).
+
+    ``phase`` is ``in`` (lend the pool) or ``out`` (give it back); ``expected`` the cost the scheduler charged
+    (C_in or C_out); ``version`` the actor version the incoming workers must hold.
+    """
     pool: str
     to_role: str
-    direction: str            # "rollout_on_trainer_pool" | "trainer_on_rollout_pool"
-    phase: str                # "in" (lend the pool) | "out" (give it back)
-    expected: float           # the cost the scheduler charged for it (C_in or C_out)
+    direction: str
+    phase: str
+    expected: float
+    version: int
 
 
 @dataclass(frozen=True)
 class SyncWeights:
-    """Push actor ``version`` from the primary trainer to ``targets`` (rollouters or auxiliary trainers)."""
+    """Push actor ``version`` from the primary trainer to ``targets`` (the primary rollouters)."""
     version: int
     targets: tuple
-    expected: float
 
 
 @dataclass(frozen=True)
@@ -153,9 +303,40 @@ class MergeGradients:
 
 @dataclass(frozen=True)
 class OptimizerStep:
-    """Apply the merged gradients on the primary trainers, producing actor ``version``."""
+    """Apply the step's actor-update gradients on the primary trainers in ``merge_order`` (chunk ids, the
+    original chunk order), producing actor ``version``."""
     step: int
     version: int
+    merge_order: tuple
+
+
+COMMANDS: tuple = (Generate, Interrupt, StartStep, RunChunk, CancelChunk, Switch, SyncWeights, MergeGradients,
+                   OptimizerStep)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reports: core -> driver, records for the event log (the driver's execution layer keeps them)
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepDone:
+    """A training step finished (its weights reached the rollouters)."""
+    record: StepRecord
+
+
+@dataclass(frozen=True)
+class Decided:
+    """The scheduler evaluated a borrowing opportunity (§5.2): admitted or not, with gain and cost."""
+    decision: Decision
+
+
+@dataclass(frozen=True)
+class RunDone:
+    """The configured number of steps is done; in-flight generation is being stopped."""
+    t: float
+
+
+REPORTS: tuple = (StepDone, Decided, RunDone)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -170,10 +351,10 @@ class Started:
 
 @dataclass(frozen=True)
 class GroupFinished:
+    """Every response of ``group`` finished on ``worker``."""
     t: float
     worker: str
     group: GroupState
-    elapsed: float = 0.0      # generation time of this group on the worker
 
 
 @dataclass(frozen=True)
@@ -197,7 +378,6 @@ class ChunkFinished:
     worker: str
     chunk_id: int
     elapsed: float
-    payload: Any = None       # the gradient handle / log-probs, passed through to the merge
 
 
 @dataclass(frozen=True)
@@ -235,7 +415,6 @@ class OptimizerStepped:
     t: float
     step: int
     version: int
-    payload: Any = None       # e.g. loss / reward statistics from the primary trainer
 
 
 @dataclass(frozen=True)
@@ -247,6 +426,14 @@ class WorkerFailed:
 
 @dataclass(frozen=True)
 class RolloutRecord:
-    """A profiling record (§5.1) pushed by a driver outside the group path, e.g. per-engine timings."""
+    """A profiling record (§5.1): ``worker`` generated these responses, alone and from scratch, in
+    ``elapsed`` seconds (one busy period of fresh groups)."""
     t: float
-    record: Any = field(default=None)
+    worker: str
+    prompt_lens: tuple
+    response_lens: tuple
+    elapsed: float
+
+
+EVENTS: tuple = (Started, GroupFinished, GenerationStopped, ChunkStarted, ChunkFinished, ChunkCancelled,
+                 SwitchFinished, SyncFinished, GradientsMerged, OptimizerStepped, WorkerFailed, RolloutRecord)

@@ -33,6 +33,7 @@ starts. Hence
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -65,9 +66,19 @@ class StalenessRule:
         """Most groups that may have been admitted in total while rollouters hold ``rollout_version``."""
         return math.floor((rollout_version + 1 + self.staleness) * self.batch + 1e-9)
 
-    def must_consume(self, group_version: int, trainer_version: int) -> bool:
-        """True if the group cannot wait for a later batch."""
-        return group_version <= trainer_version - self.max_lag
+    def leaves_consumable(self, left_versions: list, trainer_version: int) -> bool:
+        """Whether the groups left after the batch for ``trainer_version`` can still all be consumed in time.
+
+        ``left_versions`` (sorted) are the tags of every live group not in the batch. For every
+        ``k = 0 … max_lag`` at most ``k·B`` of them may carry a tag ``≤ v_t + k − max_lag``: the next ``k``
+        batches are the last that may take them. ``k = 0`` is the must-consume rule (nothing too stale for the
+        next batch may be left); ``k ≥ 1`` is the look-ahead that keeps two "last-chance" groups from being
+        stranded by oldest-first batches.
+        """
+        for k in range(self.max_lag + 1):
+            if bisect.bisect_right(left_versions, trainer_version + k - self.max_lag) > k * self.batch:
+                return False
+        return True
 
 
 def check_batch(rule: StalenessRule, group_versions: list[int], trainer_version: int) -> None:

@@ -85,19 +85,13 @@ def total_run_throughput(steps_df: pd.DataFrame) -> float:
 
 
 def _summary_values(result) -> dict:
-    s = result.summary()
-    idle, borrows, samples = s.get("idle", {}), s.get("borrows", {}), s.get("samples", {})
-    total = float("nan")
+    from bidirl.metrics import summary_row
+    row = summary_row(result.summary())
+    row["summary_throughput"] = row.pop("throughput")
+    row.pop("step_time_s")
     log = getattr(result, "log", None)
-    if log is not None and hasattr(log, "steps_df"):
-        total = total_run_throughput(log.steps_df())
-    return dict(summary_throughput=float(s["throughput"]), total_run_throughput=total,
-                utilization=s.get("utilization", np.nan),
-                idle_rollout_pool=idle.get("rollout_pool", np.nan), idle_trainer_pool=idle.get("trainer_pool", np.nan),
-                borrows_rollout_on_trainer_pool=borrows.get("rollout_on_trainer_pool", np.nan),
-                borrows_trainer_on_rollout_pool=borrows.get("trainer_on_rollout_pool", np.nan),
-                borrows_rejected=borrows.get("rejected", np.nan),
-                samples_lost=samples.get("lost", np.nan), samples_duplicated=samples.get("duplicated", np.nan))
+    row["total_run_throughput"] = total_run_throughput(log.steps_df()) if log is not None else float("nan")
+    return row
 
 
 def run_task(task: Task, simulate_fn: Optional[Callable] = None) -> dict:

@@ -60,10 +60,6 @@ def _models(cfg):
             TrainerModel(cfg.model_spec, cfg.hardware_spec, layout=1))
 
 
-def stages_of(cfg) -> tuple:
-    return ("old_logprob", "ref_logprob", "actor_update") if cfg.rl.reference_model else ("old_logprob", "actor_update")
-
-
 def rollout_records(spec: PanelSpec, truth, *, repeats: int, seed: int) -> pd.DataFrame:
     """One record per (point, repetition): a replica's batch of ``n`` prompts × group, its observed time."""
     from bidirl.perf.workload import sample_groups
@@ -92,7 +88,7 @@ def trainer_records(spec: PanelSpec, truth, *, repeats: int, seed: int) -> pd.Da
         mb = cfg.rl.micro_batch_per_device
         for rep in range(repeats):
             rng = np.random.default_rng([seed, 13, i, rep])
-            for stage in stages_of(cfg):
+            for stage in cfg.rl.stages:
                 for c in range(n_chunks):
                     p, r = sample_lengths(cfg.workload_stats, max_len, mb, rng)
                     true_time = float(truth.chunk_time(stage, p, r, 1))

@@ -9,7 +9,9 @@
 * :mod:`~bidirl.perf.costs` — hot-switch costs and weight-sync time from state sizes and bandwidths;
 * :mod:`~bidirl.perf.memory` — per-GPU memory of a replica (the planner's feasible layouts);
 * :mod:`~bidirl.perf.workload` — seeded prompt/response length draws from a dataset's statistics;
-* :mod:`~bidirl.perf.partition` — balanced assignment of work to replicas (replica-max semantics).
+* :mod:`~bidirl.perf.balance` — balanced assignment of work to replicas (replica-max semantics);
+* :mod:`~bidirl.perf.engine` — the continuous-batching replica model (simulator and emulated workers);
+* :mod:`~bidirl.perf.predictor` — the stage-time predictor every driver and the coordinator use.
 
 Names are resolved lazily (PEP 562), so importing one submodule (the planner needs ``memory`` and the
 models) does not import scipy, which only calibration needs.

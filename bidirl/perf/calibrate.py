@@ -37,8 +37,8 @@ import pandas as pd
 from scipy.optimize import least_squares
 
 from bidirl.perf.flops import STAGES, lengths, sample_forward_flops
-from bidirl.perf.partition import serpentine
-from bidirl.perf.rollout import RolloutFeatures, RolloutModel, RolloutParams, replica_times_from_features
+from bidirl.perf.balance import serpentine
+from bidirl.perf.rollout import RolloutModel, RolloutParams, replica_times_from_features
 from bidirl.perf.trainer import TrainerModel, TrainerParams, microbatch_times
 
 MAX_FACTOR = 1e3

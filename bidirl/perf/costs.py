@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from bidirl.core.protocol import ROLLOUT_ON_TRAINER_POOL, TRAINER_ON_ROLLOUT_POOL
 from bidirl.perf.memory import layout_candidates, trainer_state_bytes, usable_bytes
 
 #: seconds of fixed latency when a worker wakes / sleeps (vLLM sleep mode, small model; see module doc)
@@ -104,7 +105,7 @@ def derive_switch_costs(hw, model, *, trainer_layout: Optional[int] = None, roll
     tor = SwitchCosts(c_in=sleep(s_r, pinned) + wake(s_ta, pageable) + model.dtype_bytes * n / (rho * inter),
                       c_out=sleep(s_ta, pageable) + wake(s_r, pinned),
                       c_grad=grad * (k - 1) / (k * intra) + grad / (k * inter))
-    return {"trainer_on_rollout_pool": tor, "rollout_on_trainer_pool": rot}
+    return {TRAINER_ON_ROLLOUT_POOL: tor, ROLLOUT_ON_TRAINER_POOL: rot}
 
 
 def derive_weight_sync(hw, model, *, trainer_layout: Optional[int] = None) -> float:

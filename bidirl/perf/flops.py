@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-#: trainer stages in execution order (appendix: old-log-prob, ref-log-prob, actor update)
-STAGES: tuple = ("old_logprob", "ref_logprob", "actor_update")
+from bidirl.core.protocol import STAGES  # noqa: F401  (trainer stages in execution order, defined once there)
+
 #: m_s, the FLOP multiplier of each stage relative to one forward pass
 STAGE_MULTIPLIER: dict = {"old_logprob": 1, "ref_logprob": 1, "actor_update": 3}
 

@@ -20,7 +20,7 @@ tp = 1; defaults in :mod:`bidirl.perf.params`).
 
 **Partition.** ``stage_time(..., d, group_size)`` keeps GRPO groups whole: requests are laid out group
 after group (``group_size`` consecutive entries share a prompt) and whole groups are dealt to the replicas
-by :func:`bidirl.perf.partition.serpentine` on their token counts. With ``group_size = 1`` (the default, used
+by :func:`bidirl.perf.balance.serpentine` on their token counts. With ``group_size = 1`` (the default, used
 by the scheduler for arbitrary request sets) requests are dealt individually.
 
 **Known artefact of the appendix's model.** N_max uses the *mean* live length, so adding a request whose
@@ -42,7 +42,7 @@ import numpy as np
 
 from bidirl.perf.flops import lengths
 from bidirl.perf.overlap import overlap
-from bidirl.perf.partition import check_replicas, serpentine
+from bidirl.perf.balance import check_replicas, serpentine
 
 _BIG = float(2 ** 62)
 _BLOCK_CELLS = 4_000_000      # replica × length cells per vectorised block of the decode features

@@ -26,7 +26,7 @@ For ρ = 1 there is no collective (n_s = 0 and α_comm,s = 0 by default). Cross-
 happens once per optimiser step, outside the micro-batch times (the control plane charges the optimizer step).
 
 **Work distribution U.** For every stage in order, the batch's samples are dealt to the d replicas by
-:func:`bidirl.perf.partition.serpentine` on their token counts (balanced counts and tokens, as veRL's
+:func:`bidirl.perf.balance.serpentine` on their token counts (balanced counts and tokens, as veRL's
 ``balance_batch``), and each replica cuts its share, in dealing order, into micro-batches of
 ``micro_batch_per_device · ρ`` samples. A *chunk* (§5.2, the scheduler's unit) is run by a gang of d replicas,
 each taking an equal share of the chunk as one micro-batch.
@@ -41,7 +41,7 @@ import numpy as np
 
 from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_stage, lengths, sample_forward_flops
 from bidirl.perf.overlap import overlap
-from bidirl.perf.partition import check_replicas, serpentine
+from bidirl.perf.balance import check_replicas, serpentine
 
 
 @dataclass(frozen=True)

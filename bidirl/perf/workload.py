@@ -87,3 +87,28 @@ def sample_groups(stats, max_response_len: int, n_groups: int, group_size: int, 
     p = np.repeat(_prompts(stats, int(n_groups), rng), int(group_size))
     r = _responses(stats, int(max_response_len), int(n_groups) * int(group_size), rng, int(step))
     return p, r
+
+
+class GroupLengths:
+    """``(prompt_len, response target lengths)`` of prompt group ``group_id``: a pure function of
+    ``(seed, group_id)``, memoised. Group ``g`` belongs to training step ``g // prompts_per_step`` (the step
+    whose mean response length it follows), so every policy and every driver sees the same workload."""
+
+    def __init__(self, stats, max_response_len: int, group_size: int, prompts_per_step: int, seed: int):
+        self.stats, self.max_response_len, self.group_size = stats, int(max_response_len), int(group_size)
+        self.prompts_per_step, self.seed = int(prompts_per_step), int(seed)
+        self._cache: dict = {}
+
+    @classmethod
+    def of(cls, config, seed: int) -> "GroupLengths":
+        w = config.workload
+        return cls(config.workload_stats, w.max_response_len, w.group_size, w.prompts_per_step, seed)
+
+    def __call__(self, group_id: int) -> tuple:
+        out = self._cache.get(group_id)
+        if out is None:
+            p, r = sample_lengths(self.stats, self.max_response_len, self.group_size,
+                                  np.random.default_rng([self.seed, 7, group_id]),
+                                  step=group_id // self.prompts_per_step)
+            out = self._cache[group_id] = (int(p[0]), tuple(int(x) for x in r))
+        return out

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Optional
 
 from bidirl import config as cfgmod
-from bidirl.sim.driver import SimDriver, SimResult
+from bidirl.execution import RunResult
+from bidirl.sim.driver import SimDriver
 
 
 class UnsupportedSetting(ValueError):
@@ -13,7 +14,7 @@ class UnsupportedSetting(ValueError):
 
 
 def simulate(config, policy: Optional[str] = None, *, steps: Optional[int] = None, seed: Optional[int] = None,
-             progress: bool = False) -> SimResult:
+             progress: bool = False) -> RunResult:
     """Simulate ``config`` under ``policy`` (default: the config's scheduler.policy).
 
     ``policy`` is a core policy (bidirl, no-borrow, rot-only, tor-only, opportunistic) or a modelled
@@ -35,7 +36,7 @@ def simulate(config, policy: Optional[str] = None, *, steps: Optional[int] = Non
         if base.colocated:
             from bidirl.sim.colocated import simulate_colocated
             return simulate_colocated(cfg, steps=steps, seed=seed, policy=policy)
-        result = SimDriver(cfg, base.policy, seed, steps).run(progress)
+        result = SimDriver(cfg, base.policy, steps, seed).run(progress)
         result.policy = policy
         result.summary_dict["policy"] = policy
         return result
@@ -44,7 +45,7 @@ def simulate(config, policy: Optional[str] = None, *, steps: Optional[int] = Non
         get_policy(policy)
     except ValueError as exc:
         raise cfgmod.ConfigError("scheduler.policy", str(exc)) from None
-    return SimDriver(cfg, policy, seed, steps).run(progress)
+    return SimDriver(cfg, policy, steps, seed).run(progress)
 
 
-__all__ = ["simulate", "SimResult", "UnsupportedSetting"]
+__all__ = ["simulate", "SimDriver", "RunResult", "UnsupportedSetting"]

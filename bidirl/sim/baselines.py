@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from bidirl.config import JobConfig
+from bidirl.core.protocol import BASELINE_POLICIES
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,7 @@ BASELINES: dict = {
     "areal": Baseline("areal", "AReaL v1.0.3", "no-borrow", False, AREAL_RULES, _areal_check, _areal_adapt),
     "roll": Baseline("roll", "ROLL v0.2.1", "no-borrow", False, ROLL_RULES, _roll_check, _roll_adapt),
 }
+assert tuple(BASELINES) == BASELINE_POLICIES, "sim/baselines.py and protocol.BASELINE_POLICIES name the same systems"
 
 
 def unsupported_reason(name: str, config: JobConfig) -> Optional[str]:

@@ -13,51 +13,52 @@ import math
 
 import numpy as np
 
-from bidirl.sim.engine import EngineSim, SimGroup
-from bidirl.sim.models import StageModels
+from bidirl.core import protocol as P
+from bidirl.execution import RunResult
+from bidirl.loop import EventLoop
+from bidirl.perf.engine import BatchingEngine, EngineGroup
+from bidirl.perf.predictor import StagePredictor
+from bidirl.perf.workload import GroupLengths
 from bidirl.trace import EventLog, Span, StepRecord
 
 
-def simulate_colocated(config, *, steps: int, seed: int, policy: str = "verl-colocated"):
+def simulate_colocated(config, *, steps: int, seed: int, policy: str = "verl-colocated") -> RunResult:
     from bidirl import metrics
-    from bidirl.control import group_lengths, stages_of
     from bidirl.planner import plan as make_plan
-    from bidirl.sim.driver import SimResult
-    from bidirl.sim.loop import EventLoop
 
     cfg = config
     env = make_plan(cfg).envelope
     G = cfg.cluster.gpus
     d_r, d_t = G // env.rollout_layout, G // env.trainer_layout
-    models = StageModels.from_config(cfg, env.rollout_layout, env.trainer_layout)
+    models = StagePredictor.from_config(cfg, env.rollout_layout, env.trainer_layout)
+    lengths = GroupLengths.of(cfg, seed)
     loop, log, rng = EventLoop(), EventLog(), np.random.default_rng([seed, 1])
     w = cfg.workload
-    costs = cfg.switch_costs("rollout_on_trainer_pool")
+    costs = cfg.switch_costs(P.ROLLOUT_ON_TRAINER_POOL)
     jitter = lambda s: float(s * math.exp(rng.normal(0.0, 0.03))) if s > 0 else 0.0
     finished = []
-    engines = [EngineSim(f"rollout_pool/rollouter/{i}", models.engine_costs(), loop,
+    engines = [BatchingEngine(P.rollouter(P.ROLLOUT_POOL, i), models.engine_costs(), loop,
                          np.random.default_rng([seed, 3, i]),
                          lambda wk, st, el: finished.append(st),
-                         lambda wk, kind, a, b, det: log.add_span(Span(wk, "rollout_pool", "primary", kind, a, b,
+                         lambda wk, kind, a, b, det: log.add_span(Span(wk, P.ROLLOUT_POOL, P.PRIMARY, kind, a, b,
                                                                        len(log.steps), len(log.steps), det)),
                          lambda *a: None) for i in range(d_r)]
-    stages = stages_of(cfg)
-    lane = "rollout_pool/trainer"
+    stages = cfg.rl.stages
+    lane = P.AUX_TRAINER
     t = 0.0
     gid = 0
     for step in range(steps):
         start = t
         groups = []
         for k in range(w.prompts_per_step):
-            prompt, targets = group_lengths(cfg, seed, gid)
-            groups.append(SimGroup(gid, prompt, targets, [0] * w.group_size, step))
+            groups.append(EngineGroup.from_task(P.GroupTask(gid), *lengths(gid), step))
             gid += 1
         for i, g in enumerate(groups):
             engines[i % d_r].add(g)
         loop.run()
         t = loop.now
         consume_start = t
-        span = lambda kind, dur, det: log.add_span(Span(lane, "rollout_pool", "auxiliary", kind, t, t + dur, step, step, det))
+        span = lambda kind, dur, det: log.add_span(Span(lane, P.ROLLOUT_POOL, P.AUXILIARY, kind, t, t + dur, step, step, det))
         dur = jitter(costs.c_out); span("switch_in", dur, {"direction": "colocated"}); t += dur
         p_all = np.concatenate([[g.prompt_len] * w.group_size for g in groups])
         r_all = np.concatenate([g.targets for g in groups])
@@ -67,15 +68,15 @@ def simulate_colocated(config, *, steps: int, seed: int, policy: str = "verl-col
                 dur = jitter(models.chunk_time(stage, p_all[a:a + size], r_all[a:a + size], d_t))
                 span("chunk", dur, {"stage": stage, "chunk_id": -1, "samples": int(min(size, len(r_all) - a))})
                 t += dur
-        opt = cfg.model_spec.params_total * 16 / (cfg.hardware_spec.memory_bandwidth * 0.5) / G
-        dur = jitter(opt); span("optimizer", dur, {}); t += dur
+        dur = jitter(models.optimizer_time(G)); span("optimizer", dur, {}); t += dur
         dur = jitter(costs.c_in + cfg.weight_sync_time()); span("switch_out", dur, {"direction": "colocated"}); t += dur
         tokens = int(p_all.sum() + r_all.sum())
         log.add_step(StepRecord(step=step, start=start, end=t, tokens=tokens, samples=len(r_all),
                                 wait=consume_start - start, consume=t - consume_start, version=step + 1))
-        loop.now = t
+        loop.run(until=t)          # the engines idle while the pool trains
     n = len(finished) * w.group_size
-    summary = metrics.summary(log, policy=policy, staleness=0.0, pool_gpus={"rollout_pool": G, "trainer_pool": 0},
+    summary = metrics.summary(log, policy=policy, staleness=0.0, pool_gpus={P.ROLLOUT_POOL: G, P.TRAINER_POOL: 0},
                               gpus_per_worker={**{e.name: env.rollout_layout for e in engines}, lane: G},
                               samples={"generated": n, "consumed": n, "buffered": 0, "lost": 0, "duplicated": 0})
-    return SimResult(policy, cfg, log, summary, loop.processed)
+    summary["provenance"] = "simulated"
+    return RunResult(policy, cfg, log, summary, "simulated", events_processed=loop.processed)

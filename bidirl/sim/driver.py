@@ -1,10 +1,10 @@
 """The simulation driver: executes the control plane's commands on a virtual clock.
 
-Rollout replicas are :class:`~bidirl.sim.engine.EngineSim` instances (continuous batching, KV-limited);
-trainer chunks take the trainer model's time; switches, syncs and gradient merges take the configured
-costs; every duration carries seeded log-normal jitter. Workload lengths come from
-:func:`bidirl.perf.workload.sample_lengths`, drawn per group id, so every policy sees the same prompts
-and the same response lengths for the same seed.
+Rollout replicas are :class:`~bidirl.perf.engine.BatchingEngine` instances (continuous batching, KV-limited);
+trainer chunks take the predictor's time; switches, syncs and gradient merges take the configured costs;
+every duration carries seeded log-normal jitter. Workload lengths come from
+:class:`~bidirl.perf.workload.GroupLengths`, drawn per group id, so every policy sees the same prompts and
+the same response lengths for the same seed.
 
 The coordinator's events are delivered through the event loop (never re-entrantly), so one seed gives one
 event order and one event log.
@@ -13,221 +13,147 @@ event order and one event log.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from bidirl import config as cfgmod
 from bidirl.core import protocol as P
-from bidirl.core.coordinator import Coordinator
-from bidirl.sim.engine import EngineSim, SimGroup
-from bidirl.trace import EventLog, Span
+from bidirl.execution import Driver, RunResult, progress_bar
+from bidirl.loop import EventLoop
+from bidirl.perf.engine import BatchingEngine, EngineGroup
+from bidirl.perf.workload import GroupLengths
 
-CHUNK_TRANSFER = 0.005     # seconds to move a chunk's inputs to a worker (the Table 2 "queued" phase)
-
-
-@dataclass
-class SimResult:
-    """What one simulation produced: the event log, the coordinator's final state and the summary."""
-    policy: str
-    config: cfgmod.JobConfig
-    log: EventLog
-    summary_dict: dict
-    events_processed: int
-    coordinator: Optional[Coordinator] = None
-
-    def summary(self) -> dict:
-        return dict(self.summary_dict)
-
-    @property
-    def events(self):
-        return self.log.spans_df()
+#: seconds to move a chunk's inputs to a worker (Table 2's "queued" phase, when a chunk can still be cancelled)
+CHUNK_TRANSFER = 0.005
 
 
 @dataclass
-class SimDriver:
-    config: cfgmod.JobConfig
-    policy_name: str
-    seed: int
-    steps: int
-    loop: object = None
-    log: EventLog = field(default_factory=EventLog)
+class SimDriver(Driver):
+    loop: Optional[EventLoop] = None
+    jitter_sigma: float = 0.03
+
+    provenance = "simulated"
 
     def __post_init__(self):
-        from bidirl import control
-        from bidirl.sim.loop import EventLoop
-
+        super().__post_init__()
         self.loop = self.loop or EventLoop()
-        self.control = cp = control.build(self.config, self.policy_name, steps=self.steps, seed=self.seed)
-        self.plan, self.topology, self.models, self.coordinator = cp.plan, cp.topology, cp.models, cp.coordinator
         self.rng = np.random.default_rng([self.seed, 1])
-        self._length_cache = {}
+        self.lengths = GroupLengths.of(self.config, self.seed)
+        engine_costs = self.predictor.engine_costs()
         self.engines = {}
-        engine_costs = self.models.engine_costs()
-        for w_name in self.topology.rollouters + self.topology.aux_rollouters:
-            self.engines[w_name] = EngineSim(w_name, engine_costs, self.loop,
-                                             np.random.default_rng([self.seed, 3, len(self.engines)]),
-                                             self._group_done, self._span, self._record)
-        self.chunk_jobs = {}                   # chunk_id -> {"worker", "started", "cancelled"}
+        for name in self.topology.rollouters + self.topology.aux_rollouters:
+            self.engines[name] = BatchingEngine(name, engine_costs, self.loop,
+                                                np.random.default_rng([self.seed, 3, len(self.engines)]),
+                                                self._group_done, self._generate_span, self._record)
+        self.chunk_jobs: dict = {}             # chunk_id -> {"started", "cancelled"}
         self.sync_time = self.config.weight_sync_time()
-        self.optimizer_time = cp.optimizer_time()
+        self.optimizer_time = self.assembly.optimizer_time()
+        self._started = False
 
     # ------------------------------------------------------------------------------------------
-    def _jitter(self, seconds: float, sigma: float = 0.03) -> float:
-        return float(seconds * math.exp(self.rng.normal(0.0, sigma))) if seconds > 0 else 0.0
-
-    def _lengths(self, gid: int):
-        if gid not in self._length_cache:
-            from bidirl.control import group_lengths
-            self._length_cache[gid] = group_lengths(self.config, self.seed, gid)
-        return self._length_cache[gid]
-
-    def _role(self, worker: str) -> str:
-        return "primary" if P.is_primary(worker) else "auxiliary"
-
-    def _span(self, worker, kind, start, end, detail, step=None, version=None):
-        c = self.coordinator
-        self.log.add_span(Span(worker=worker, pool=P.worker_pool(worker), role=self._role(worker), kind=kind,
-                               start=float(start), end=float(end),
-                               step=len(c.steps) if step is None else step,
-                               version=c.trainer_version if version is None else version, detail=detail))
+    def _jitter(self, seconds: float) -> float:
+        return float(seconds * math.exp(self.rng.normal(0.0, self.jitter_sigma))) if seconds > 0 else 0.0
 
     def _emit(self, event) -> None:
         """Deliver an event to the coordinator through the loop (priority 0: before engine steps)."""
-        self.loop.schedule(0.0, lambda: self._execute(self.coordinator.handle(event)), priority=0)
+        self.loop.schedule(0.0, lambda: self.feed(event), priority=0)
 
-    def _emit_at(self, delay: float, make_event) -> None:
-        self.loop.schedule(delay, lambda: self._execute(self.coordinator.handle(make_event())), priority=0)
+    def _after(self, seconds: float, done) -> None:
+        """Run ``done(t0)`` ``seconds`` from now (``t0``: now), ahead of engine steps at the same instant."""
+        t0 = self.loop.now
+        self.loop.schedule(seconds, lambda: done(t0), priority=0)
 
     # engine callbacks ----------------------------------------------------------------------------
-    def _group_done(self, worker, state, elapsed):
-        self._emit(P.GroupFinished(self.loop.now, worker, state, elapsed))
+    def _group_done(self, worker, state, _elapsed):
+        self._emit(P.GroupFinished(self.loop.now, worker, state))
+
+    def _generate_span(self, worker, kind, start, end, detail):
+        self.span(worker, kind, start, end, detail)
 
     def _record(self, worker, prompt_lens, response_lens, elapsed):
-        self._emit(P.RolloutRecord(self.loop.now, {"worker": worker, "prompt_lens": prompt_lens,
-                                                  "response_lens": response_lens, "elapsed": elapsed}))
+        self._emit(P.RolloutRecord(self.loop.now, worker, tuple(int(x) for x in prompt_lens),
+                                   tuple(int(x) for x in response_lens), elapsed))
 
-    # command execution ------------------------------------------------------------------------------
-    def _execute(self, commands) -> None:
-        for cmd in commands:
-            getattr(self, "_do_" + type(cmd).__name__)(cmd)
-
-    def _do_Generate(self, cmd: P.Generate):
+    # command handlers ------------------------------------------------------------------------------
+    def do_Generate(self, cmd: P.Generate):
         eng = self.engines[cmd.worker]
         for task in cmd.tasks:
-            prompt, targets = self._lengths(task.group_id)
-            if task.resume is not None:
-                gen = list(task.resume.generated)
-                version = min(task.resume.version, cmd.version)
-            else:
-                gen, version = [0] * len(targets), cmd.version
-            eng.add(SimGroup(task.group_id, prompt, targets, gen, version))
+            eng.add(EngineGroup.from_task(task, *self.lengths(task.group_id), cmd.version))
 
-    def _do_Interrupt(self, cmd: P.Interrupt):
+    def do_Interrupt(self, cmd: P.Interrupt):
         states = self.engines[cmd.worker].interrupt(cmd.group_ids)
         self._emit(P.GenerationStopped(self.loop.now, cmd.worker, tuple(states)))
 
-    def _gang(self, worker: str) -> int:
-        return self.topology.trainer_replicas if P.is_primary(worker) else self.topology.aux_trainer_replicas
-
-    def _do_RunChunk(self, cmd: P.RunChunk):
+    def do_RunChunk(self, cmd: P.RunChunk):
         ch = cmd.chunk
         # the trainer sees the lengths generated, which equal the drawn targets once a group completed
-        lengths = [self._lengths(g) for g, _ in ch.samples]
-        p = [pl for pl, _ in lengths]
+        lengths = [self.lengths(g) for g, _ in ch.samples]
+        p = [prompt for prompt, _ in lengths]
         r = [targets[i] for (_, targets), (_, i) in zip(lengths, ch.samples)]
-        d = self._gang(cmd.worker)
-        duration = self._jitter(self.models.chunk_time(ch.stage, p, r, d))
-        job = {"worker": cmd.worker, "started": False, "cancelled": False}
-        self.chunk_jobs[ch.chunk_id] = job
+        duration = self._jitter(self.predictor.chunk_time(ch.stage, p, r, self.topology.gang_size(cmd.worker)))
+        job = self.chunk_jobs[ch.chunk_id] = {"started": False, "cancelled": False}
 
-        def start():
+        def start(_t0):
             if job["cancelled"]:
                 return
             job["started"] = True
-            t0 = self.loop.now
-            self._execute(self.coordinator.handle(P.ChunkStarted(t0, cmd.worker, ch.chunk_id)))
+            self.feed(P.ChunkStarted(self.loop.now, cmd.worker, ch.chunk_id))
 
-            def finish():
-                self._span(cmd.worker, "chunk", t0, self.loop.now,
-                           {"stage": ch.stage, "chunk_id": ch.chunk_id, "samples": len(ch.samples)},
-                           step=ch.step)
-                self._execute(self.coordinator.handle(
-                    P.ChunkFinished(self.loop.now, cmd.worker, ch.chunk_id, self.loop.now - t0)))
-            self.loop.schedule(duration, finish, priority=0)
-        self.loop.schedule(CHUNK_TRANSFER, start, priority=0)
+            def finish(t0):
+                self.record_chunk(cmd, t0, self.loop.now)
+                self.feed(P.ChunkFinished(self.loop.now, cmd.worker, ch.chunk_id, self.loop.now - t0))
+            self._after(duration, finish)
+        self._after(CHUNK_TRANSFER, start)
 
-    def _do_CancelChunk(self, cmd: P.CancelChunk):
+    def do_CancelChunk(self, cmd: P.CancelChunk):
         job = self.chunk_jobs.get(cmd.chunk_id)
         if job is not None and not job["started"]:
             job["cancelled"] = True
             self._emit(P.ChunkCancelled(self.loop.now, cmd.worker, cmd.chunk_id))
 
-    def _pool_lane(self, pool: str, to_role: str) -> str:
-        """The lane a switch is drawn on: the gang or first replica of the role taking the pool."""
-        if to_role == "trainer":
-            return P.TRAINER_POOL + "/trainer" if pool == P.TRAINER_POOL else P.ROLLOUT_POOL + "/trainer"
-        return (self.topology.rollouters if pool == P.ROLLOUT_POOL else self.topology.aux_rollouters)[0]
+    def do_Switch(self, cmd: P.Switch):
+        def done(t0):
+            self.record_switch(cmd, t0, self.loop.now)
+            self.feed(P.SwitchFinished(self.loop.now, cmd.pool, cmd.to_role, self.loop.now - t0))
+        self._after(self._jitter(cmd.expected), done)
 
-    def _do_Switch(self, cmd: P.Switch):
-        duration = self._jitter(cmd.expected)
-        t0 = self.loop.now
-        lane = self._pool_lane(cmd.pool, cmd.to_role)
+    def do_SyncWeights(self, cmd: P.SyncWeights):
+        def done(t0):
+            self.record_sync(cmd, t0, self.loop.now)
+            self.feed(P.SyncFinished(self.loop.now, cmd.version, cmd.targets, self.loop.now - t0))
+        self._after(self._jitter(self.sync_time), done)
 
-        def done():
-            self._span(lane, "switch_in" if cmd.phase == "in" else "switch_out", t0, self.loop.now,
-                       {"direction": cmd.direction})
-            self._execute(self.coordinator.handle(P.SwitchFinished(self.loop.now, cmd.pool, cmd.to_role,
-                                                                   self.loop.now - t0)))
-        self.loop.schedule(duration, done, priority=0)
+    def do_MergeGradients(self, cmd: P.MergeGradients):
+        def done(t0):
+            self.record_merge(cmd, t0, self.loop.now)
+            self.feed(P.GradientsMerged(self.loop.now, cmd.step, self.loop.now - t0))
+        self._after(self._jitter(cmd.expected), done)
 
-    def _do_SyncWeights(self, cmd: P.SyncWeights):
-        duration = self._jitter(self.sync_time)
-        t0 = self.loop.now
-
-        def done():
-            for w in cmd.targets:
-                self._span(w, "sync", t0, self.loop.now, {"version": cmd.version})
-            self._span(P.TRAINER_POOL + "/trainer", "sync", t0, self.loop.now, {"version": cmd.version})
-            self._execute(self.coordinator.handle(P.SyncFinished(self.loop.now, cmd.version, cmd.targets,
-                                                                 self.loop.now - t0)))
-        self.loop.schedule(duration, done, priority=0)
-
-    def _do_MergeGradients(self, cmd: P.MergeGradients):
-        duration = self._jitter(cmd.expected)
-        t0 = self.loop.now
-
-        def done():
-            self._span(P.TRAINER_POOL + "/trainer", "grad_merge", t0, self.loop.now,
-                       {"chunks": len(cmd.chunk_ids)}, step=cmd.step)
-            self._execute(self.coordinator.handle(P.GradientsMerged(self.loop.now, cmd.step, self.loop.now - t0)))
-        self.loop.schedule(duration, done, priority=0)
-
-    def _do_OptimizerStep(self, cmd: P.OptimizerStep):
-        duration = self._jitter(self.optimizer_time)
-        t0 = self.loop.now
-
-        def done():
-            self._span(P.TRAINER_POOL + "/trainer", "optimizer", t0, self.loop.now, {}, step=cmd.step)
-            self._execute(self.coordinator.handle(P.OptimizerStepped(self.loop.now, cmd.step, cmd.version)))
-        self.loop.schedule(duration, done, priority=0)
+    def do_OptimizerStep(self, cmd: P.OptimizerStep):
+        def done(t0):
+            self.record_optimizer(cmd, t0, self.loop.now)
+            self.feed(P.OptimizerStepped(self.loop.now, cmd.step, cmd.version))
+        self._after(self._jitter(self.optimizer_time), done)
 
     # ------------------------------------------------------------------------------------------
-    # incremental use (live views) -------------------------------------------------------------
+    # running: all at once, or in slices (live views)
+    # ------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Begin the run; then call :meth:`advance` repeatedly (a notebook can draw between calls)."""
-        if getattr(self, "_started", False):
-            return
-        self._started = True
-        self._emit(P.Started(0.0))
+        if not self._started:
+            self._started = True
+            self._emit(P.Started(0.0))
 
     @property
     def done(self) -> bool:
-        c = self.coordinator
-        return (c.finished and not any(e.busy for e in self.engines.values())) or not self.loop._heap
+        return (self.finished and not any(e.busy for e in self.engines.values())) or self.loop.empty
 
-    def advance(self, seconds: float = float("inf"), max_events: int = 10**9) -> int:
+    @property
+    def now(self) -> float:
+        return self.loop.now
+
+    def advance(self, seconds: float = math.inf, max_events: int = 10**9) -> int:
         """Process events up to ``seconds`` of simulated time from now (or ``max_events``); returns steps done."""
         self.start()
         until = self.loop.now + seconds
@@ -235,46 +161,41 @@ class SimDriver:
         while not self.done and self.loop.peek() <= until and n < max_events:
             self.loop.step()
             n += 1
-        if not self.done and self.loop.peek() > until:
-            self.loop.now = until
-        self._sync_records()
-        return len(self.coordinator.steps)
+        if not self.done and n < max_events:
+            self.loop.run(until=until)       # nothing left before ``until``: the clock moves there
+        return self.steps_done
 
-    def _sync_records(self) -> None:
-        c = self.coordinator
-        for s in c.steps[len(self.log.steps):]:
-            self.log.add_step(s)
-        for d in c.decisions[len(self.log.decisions):]:
-            self.log.add_decision(d)
-
-    def result(self) -> SimResult:
-        """Finish bookkeeping once :attr:`done`; raises if the run stalled before its last step."""
-        c = self.coordinator
-        if not c.finished:
-            raise RuntimeError(f"simulation stalled after {len(c.steps)} of {self.steps} steps "
-                               f"(policy {self.policy_name}); this is a scheduler bug — please report it")
-        self._sync_records()
-        return self._result()
-
-    def run(self, progress: bool = False) -> SimResult:
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=self.steps, desc=f"simulate {self.policy_name}", leave=False)
+    def run(self, progress: bool = False) -> RunResult:
         self.start()
-        seen = 0
-        while not self.done:
-            self.loop.step()
-            if bar is not None and len(self.coordinator.steps) != seen:
-                bar.update(len(self.coordinator.steps) - seen)
-                seen = len(self.coordinator.steps)
-        if bar is not None:
-            bar.close()
+        with progress_bar(self.steps, f"simulate {self.policy_name}", progress) as tick:
+            while not self.done:
+                self.loop.step()
+                tick(self.steps_done)
         return self.result()
 
-    def _result(self) -> SimResult:
-        from bidirl import metrics
-        summary = metrics.summary(self.log, policy=self.policy_name, staleness=self.config.rl.staleness,
-                                  pool_gpus=self.control.pool_gpus, gpus_per_worker=self.control.gpus_per_worker(),
-                                  samples=self.coordinator.sample_counts())
-        return SimResult(self.policy_name, self.config, self.log, summary, self.loop.processed, self.coordinator)
+    def result(self, **extra) -> RunResult:
+        return super().result(events_processed=self.loop.processed, **extra)
+
+
+def advance_together(drivers: dict, slice_seconds: float):
+    """Advance several simulations in lockstep, ``slice_seconds`` of simulated time at a time.
+
+    Returns a generator: after each slice it yields the total number of steps done, so a caller (a live view)
+    can draw between slices; it ends once every driver is done. ``drivers`` maps labels to :class:`SimDriver`;
+    bad input is refused here, before anything runs.
+    """
+    if not slice_seconds > 0:
+        raise ValueError(f"slice_seconds must be > 0 (simulated seconds per slice), got {slice_seconds}")
+    for label, d in drivers.items():
+        if not isinstance(d, SimDriver):
+            raise ValueError(f"drivers[{label!r}] is a {type(d).__name__}; pass a bidirl.sim.SimDriver")
+
+    def slices():
+        for d in drivers.values():
+            d.start()              # an unstarted driver has an empty event heap and reads as done
+        while not all(d.done for d in drivers.values()):
+            for d in drivers.values():
+                if not d.done:
+                    d.advance(slice_seconds)
+            yield sum(d.steps_done for d in drivers.values())
+    return slices()

@@ -1,7 +1,7 @@
 """Thin Ray actor wrappers around the engines: one engine per actor, every call timed as a span.
 
-The Ray driver (DESIGN.md, "Ray") hosts a :class:`~bidirl.cluster.rollout_engine.RolloutEngine` in a
-``RolloutActor`` and a :class:`~bidirl.cluster.trainer_engine.TrainerEngine` in a ``TrainerActor``. The
+The engine driver (:mod:`bidirl.cluster.engines.driver`) hosts a :class:`~bidirl.cluster.engines.rollout.RolloutEngine` in a
+``RolloutActor`` and a :class:`~bidirl.cluster.engines.trainer.TrainerEngine` in a ``TrainerActor``. The
 wrappers add nothing but remote access and self-recorded spans: each method returns a :class:`Reply`
 whose ``spans`` list the work it did as ``{"worker", "kind", "start", "end", "detail"}`` records in
 wall-clock seconds (``time.time()``), so the driver places them on its timeline without asking Ray
@@ -55,7 +55,7 @@ class RolloutActor(_Timed):
 
     def __init__(self, name: str, model_dir: str, seed: int = 0, **engine_kwargs):
         super().__init__(name)
-        from bidirl.cluster.rollout_engine import RolloutEngine
+        from bidirl.cluster.engines.rollout import RolloutEngine
 
         start = time.time()
         self.engine = RolloutEngine(model_dir, seed=seed, **engine_kwargs)
@@ -100,7 +100,7 @@ class TrainerActor(_Timed):
 
     def __init__(self, name: str, model_dir: str, **engine_kwargs):
         super().__init__(name)
-        from bidirl.cluster.trainer_engine import TrainerEngine
+        from bidirl.cluster.engines.trainer import TrainerEngine
 
         start = time.time()
         self.engine = TrainerEngine(model_dir, **engine_kwargs)
@@ -127,14 +127,6 @@ class TrainerActor(_Timed):
     def logprobs(self, samples: Sequence, model: str = "actor") -> Reply:
         return self._reply("logprob", self.engine.logprobs, list(samples), model,
                            detail={"model": model, "samples": len(samples)})
-
-    def chunk_gradients(self, samples: Sequence, advantages, old_logprobs, ref_logprobs=None,
-                        normalizer: Optional[float] = None, chunk_id: Optional[int] = None) -> Reply:
-        return self._reply("chunk", self.engine.chunk_gradients, list(samples), advantages, old_logprobs,
-                           ref_logprobs, normalizer, detail={"chunk_id": chunk_id, "samples": len(samples)})
-
-    def apply(self, grads_in_chunk_order: Sequence) -> Reply:
-        return self._reply("optimizer", self.engine.apply, list(grads_in_chunk_order))
 
     # The engine driver's gradient path: a primary gang keeps each chunk gradient where it was computed
     # (it never leaves the gang); an auxiliary gang returns it as its own object, which the merge moves to
@@ -175,13 +167,5 @@ class TrainerActor(_Timed):
         """The full ``state_dict`` as a plain value, so its object ref can be handed to other actors."""
         return self.engine.state_dict()
 
-    def state_dict(self) -> Reply:
-        return self._reply("sync", self.engine.state_dict, detail={"phase": "export"})
-
     def load_state_dict(self, state: dict, version: Optional[int] = None) -> Reply:
         return self._reply("sync", self.engine.load_state_dict, state, version, detail={"version": version})
-
-    def status(self) -> dict:
-        e = self.engine
-        return {"role": e.role, "version": e.version, "offloaded": e.offloaded, "state_bytes": e.state_bytes(),
-                "rank": e.rank, "world": e.world}

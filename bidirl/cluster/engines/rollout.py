@@ -7,7 +7,7 @@ between any two decode steps:
 
 * :meth:`start` adds the requests of prompt-level groups (``group_size`` responses each). Response ``i``
   of group ``g`` samples with its own seed ``request_seed(seed, g, i)``, and the token at each position is
-  drawn with noise keyed by (that seed, the position) (``bidirl.cluster.position_sampler``): the same seeds
+  drawn with noise keyed by (that seed, the position) (``bidirl.cluster.engines.sampler``): the same seeds
   give the same tokens, whichever replica generated them, in whatever batch, and however often the
   response was interrupted and resumed.
 * :meth:`step_until` runs engine steps until a stop condition, a step or time budget, or until nothing is
@@ -187,7 +187,7 @@ class RolloutEngine:
             raise ValueError(f"RolloutEngine.temperature must be > 0 (sampling), got {temperature!r}")
         if top_p != 1.0:
             raise ValueError(f"RolloutEngine.top_p must be 1.0, got {top_p!r}: responses are sampled from the "
-                             "full distribution by position-keyed Gumbel-max (bidirl.cluster.position_sampler)")
+                             "full distribution by position-keyed Gumbel-max (bidirl.cluster.engines.sampler)")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # in-process engine (no __main__ guard needed)
         if quiet:
             os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -195,7 +195,7 @@ class RolloutEngine:
         import torch
         from vllm import LLM
 
-        from bidirl.cluster.position_sampler import PositionKeyedSampler
+        from bidirl.cluster.engines.sampler import PositionKeyedSampler
 
         self.model_dir, self.seed = path, int(seed)
         self.max_model_len = int(max_model_len)
@@ -245,7 +245,7 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        from bidirl.cluster.position_sampler import SEED_KEY, TEMPERATURE_KEY
+        from bidirl.cluster.engines.sampler import SEED_KEY, TEMPERATURE_KEY
 
         # The processor picks the token; vLLM's sampler (seeded, so it never touches the global RNG) only
         # returns it, and the reported log-probs are the raw policy log-probs.

@@ -32,9 +32,8 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
+from bidirl.core.protocol import PRIMARY, ROLES
 from bidirl.rl import grpo
-
-ROLES: tuple = ("primary", "auxiliary")
 
 
 @dataclass
@@ -69,7 +68,7 @@ class TrainerEngine:
     """
 
     def __init__(self, model_dir: Union[str, Path], lr: float = 1e-3, seed: int = 0, kl_coef: float = 0.0,
-                 role: str = "primary", device: str = "cpu", *, clip_eps: float = 0.2,
+                 role: str = PRIMARY, device: str = "cpu", *, clip_eps: float = 0.2,
                  clip_eps_high: Optional[float] = None, loss_agg: str = "token-mean",
                  max_grad_norm: Optional[float] = 1.0, weight_decay: float = 0.0,
                  betas: tuple = (0.9, 0.999), threads: Optional[int] = None):
@@ -106,7 +105,7 @@ class TrainerEngine:
             p.data = p.data.clone()
         self.numel = sum(p.numel() for p in self.params)
         self.optimizer = (torch.optim.AdamW(self.params, lr=self.lr, betas=tuple(betas), weight_decay=weight_decay)
-                          if role == "primary" else None)
+                          if role == PRIMARY else None)
         self._reference = None
         self.version = 0
         self.rank, self.world = 0, 1
@@ -257,7 +256,7 @@ class TrainerEngine:
 
     def apply(self, grads_in_chunk_order: Iterable) -> dict:
         """Sum chunk gradients left to right in the given order, clip, take one AdamW step (primary only)."""
-        if self.role != "primary":
+        if self.role != PRIMARY:
             raise RuntimeError(f"TrainerEngine.apply: an {self.role} trainer computes chunk gradients only; "
                                "send them to the primary trainer, which applies the update")
         self._check_onloaded("apply")

@@ -1,4 +1,7 @@
-"""A simulated rollout replica: continuous batching decoded as the appendix's rollout model describes.
+"""A rollout replica as a model: continuous batching timed as the appendix's rollout model describes.
+
+The simulator runs one :class:`BatchingEngine` per rollout replica on its event loop; an emulated Ray worker
+runs one on a loop of its own against the wall clock, so both drive the same replica model.
 
 The replica keeps a running set (bounded by its KV-cache budget and ``max_seqs``) and a waiting queue of
 requests (one request per response of a group). Each engine iteration advances every running request by
@@ -20,16 +23,26 @@ from typing import Callable
 
 import numpy as np
 
-from bidirl.core.protocol import GroupState
+from bidirl.core.protocol import GroupState, GroupTask
 
 
 @dataclass
-class SimGroup:
+class EngineGroup:
+    """A prompt group on an engine: each response grows until it reaches its target length."""
     group_id: int
     prompt_len: int
     targets: tuple
     generated: list
     version: int
+
+    @classmethod
+    def from_task(cls, task: GroupTask, prompt_len: int, targets: tuple, version: int) -> "EngineGroup":
+        """A ``Generate`` task on an engine holding ``version``: fresh, or resumed from its prefix (a resumed
+        group keeps the oldest version among its tokens)."""
+        if task.resume is None:
+            return cls(task.group_id, prompt_len, tuple(targets), [0] * len(targets), version)
+        return cls(task.group_id, prompt_len, tuple(targets), list(task.resume.generated),
+                   min(task.resume.version, version))
 
     def done(self, i: int) -> bool:
         return self.generated[i] >= self.targets[i]
@@ -53,7 +66,7 @@ class EngineCosts:
 
 
 @dataclass
-class EngineSim:
+class BatchingEngine:
     name: str
     costs: EngineCosts
     loop: object
@@ -73,7 +86,7 @@ class EngineSim:
     period_done: list = field(default_factory=list)
 
     # ------------------------------------------------------------------------------------------
-    def add(self, group: SimGroup) -> None:
+    def add(self, group: EngineGroup) -> None:
         now = self.loop.now
         self._advance(now)
         if self.busy_since < 0:

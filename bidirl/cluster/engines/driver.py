@@ -1,7 +1,8 @@
 """The Ray runtime with real engines: vLLM rollouters and torch trainers driven by the coordinator.
 
 The same :class:`~bidirl.core.coordinator.Coordinator` as the simulator and the emulated runtime, fed by
-completions of Ray calls with the wall clock (paper §3-§6). Placement follows :class:`PoolDriver`: one
+completions of Ray calls with the wall clock (paper §3-§6). Placement follows
+:class:`~bidirl.cluster.pool.PoolDriver`: one
 placement group over the GPU slots (logical ``gpu_slot`` resources on a CPU machine, ``GPU`` on a GPU
 cluster), bundles ``[0, g_r)`` the rollout pool and ``[g_r, G)`` the trainer pool. Every worker is started
 once and kept, each holding half of its bundle:
@@ -18,6 +19,8 @@ How each command runs:
   ``Interrupt`` (sync point, lease revocation, migration) waits at most one slice; completed groups carry
   token ids, log-probs and rewards. Unfinished groups come back as prefixes and resume without
   regenerating; sampling is position-keyed, so a resumed response gets the tokens it would have got.
+* ``StartStep`` — the step's groups (their token ids, log-probs and rewards) become the step's samples and
+  GRPO advantages.
 * ``RunChunk`` — each rank of the gang takes ``per_device`` samples of the chunk: ``old_logprob`` /
   ``ref_logprob`` recompute log-probs, ``actor_update`` computes the chunk's GRPO gradient (step-level
   group-normalised advantages and loss normaliser) and all-reduces it over the gang. A primary gang keeps
@@ -47,16 +50,18 @@ from typing import Optional
 import numpy as np
 
 from bidirl import config as cfgmod
-from bidirl.cluster.driver import ClusterError, PoolDriver, RunResult, _root_cause
+from bidirl.cluster.pool import ClusterError, PoolDriver, root_cause
 from bidirl.core import protocol as P
+from bidirl.execution import RunResult
 
-PRIMARY_TRAINER, AUX_TRAINER = "trainer_pool/trainer", "rollout_pool/trainer"
-ROT, TOR = "rollout_on_trainer_pool", "trainer_on_rollout_pool"
+PRIMARY_TRAINER, AUX_TRAINER = P.PRIMARY_TRAINER, P.AUX_TRAINER
 
 
 @dataclass
 class StepData:
     """One training step's samples and what the trainer stages computed for them (batch order)."""
+    step: int
+    version: int                # the actor version the step updates (its on-policy samples' version)
     samples: list
     index: dict                 # (group_id, response index) -> position in ``samples``
     advantages: object          # torch tensor [n]
@@ -77,6 +82,7 @@ class EngineDriver(PoolDriver):
     stall_timeout: float = 300.0
 
     label = "engines"
+    provenance = "measured"
 
     def __post_init__(self):
         super().__post_init__()
@@ -105,8 +111,7 @@ class EngineDriver(PoolDriver):
         self.versions: dict = {}          # worker -> weights version it holds
         self.weights: dict = {0: None}    # version -> object ref of the state_dict (None: the checkpoint)
         self.period: dict = {}            # rollouter -> its current busy period (for profiling records)
-        self.step_data: dict = {}
-        self.update_chunks: set = set()
+        self.step_data: Optional[StepData] = None
         self.aux_grads: dict = {}         # chunk id -> object ref of an auxiliary chunk's gradient
         self.step_stats: list = []
         self.final_weights = None
@@ -139,9 +144,9 @@ class EngineDriver(PoolDriver):
         return opts
 
     def _place(self):
-        from bidirl.cluster.actors import RolloutActor, TrainerActor
+        from bidirl.cluster.engines.actors import RolloutActor, TrainerActor
 
-        cfg, env, top = self.config, self.control.plan.envelope, self.topology
+        cfg, env, top = self.config, self.plan.envelope, self.topology
         g_r = env.rollout_gpus
         gpu = self._resource() == "GPU"
         rollout_kwargs = dict(max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib,
@@ -156,10 +161,10 @@ class EngineDriver(PoolDriver):
                 w, self.model_dir, cfg.seed, **rollout_kwargs)
         for j in range(top.trainer_replicas):
             self.gangs[PRIMARY_TRAINER].append(TrainerActor.options(**self._at(g_r + j * env.trainer_layout)).remote(
-                f"{PRIMARY_TRAINER}/{j}", self.model_dir, role="primary", **trainer_kwargs))
+                f"{PRIMARY_TRAINER}/{j}", self.model_dir, role=P.PRIMARY, **trainer_kwargs))
         for j in range(top.aux_trainer_replicas):
             self.gangs[AUX_TRAINER].append(TrainerActor.options(**self._at(j * env.trainer_layout)).remote(
-                f"{AUX_TRAINER}/{j}", self.model_dir, role="auxiliary", **trainer_kwargs))
+                f"{AUX_TRAINER}/{j}", self.model_dir, role=P.AUXILIARY, **trainer_kwargs))
         self._wait_ready()
         self._join_gangs()
         self._passivate()
@@ -191,7 +196,7 @@ class EngineDriver(PoolDriver):
                     try:
                         reply = ray.get(ref)
                     except (RayActorError, RayTaskError, GetTimeoutError) as exc:
-                        raise ClusterError(f"worker {name} failed to start: {_root_cause(exc)}") from None
+                        raise ClusterError(f"worker {name} failed to start: {root_cause(exc)}") from None
                     for sp in reply.spans:
                         self._measure(("start", name.rsplit("/", 1)[0]), sp["end"] - sp["start"])
                     bar.update(1)
@@ -224,8 +229,8 @@ class EngineDriver(PoolDriver):
     def _record_spans(self, reply, kind: str, lane: Optional[str] = None, step=None, **detail):
         """Put an actor reply's self-recorded spans on the timeline (on ``lane``, default the worker's)."""
         for sp in reply.spans:
-            self._span(lane or sp["worker"], kind, self._wall(sp["start"]), self._wall(sp["end"]),
-                       dict(sp["detail"], **detail), step=step)
+            self.span(lane or sp["worker"], kind, self._wall(sp["start"]), self._wall(sp["end"]),
+                      dict(sp["detail"], **detail), step=step)
 
     def _worker_failed(self, worker: str, exc: Exception):
         import ray
@@ -237,14 +242,11 @@ class EngineDriver(PoolDriver):
                     pass
         super()._worker_failed(worker, exc)
 
-    def _alive(self, workers) -> list:
-        return [w for w in workers if w not in self.coordinator.failed]
-
     # ------------------------------------------------------------------------------------------
     # rollout
     # ------------------------------------------------------------------------------------------
     def _request(self, task: P.GroupTask):
-        from bidirl.cluster.rollout_engine import GroupRequest
+        from bidirl.cluster.engines.rollout import GroupRequest
         w = self.config.workload
         problem = self.task.problem(task.group_id % w.prompt_pool if w.prompt_pool else task.group_id)
         prompt = tuple(self.tokenizer(problem.text)["input_ids"])
@@ -271,7 +273,7 @@ class EngineDriver(PoolDriver):
             if reply is not None:
                 self._record_spans(reply, "sync", version=version)
 
-    def _do_Generate(self, cmd: P.Generate):
+    def do_Generate(self, cmd: P.Generate):
         w = cmd.worker
         if not self.r_busy.get(w) or w not in self.period:
             self.period[w] = {"since": self.now(), "clean": True, "groups": []}
@@ -299,7 +301,7 @@ class EngineDriver(PoolDriver):
         for g in groups:
             if period is not None:
                 period["groups"].append(g)
-            self._feed(P.GroupFinished(self.now(), worker, g, self.now() - period["since"] if period else 0.0))
+            self.feed(P.GroupFinished(self.now(), worker, g))
 
     def _set_busy(self, worker, busy: bool):
         """A rollouter went idle: a busy period of fresh groups only becomes a profiling record (§5.1)."""
@@ -309,19 +311,18 @@ class EngineDriver(PoolDriver):
             if period["clean"] and period["groups"]:
                 prompt = [g.prompt_len for g in period["groups"] for _ in g.generated]
                 resp = [n for g in period["groups"] for n in g.generated]
-                self._feed(P.RolloutRecord(self.now(), {"worker": worker, "prompt_lens": prompt,
-                                                        "response_lens": resp,
-                                                        "elapsed": self.now() - period["since"]}))
+                self.feed(P.RolloutRecord(self.now(), worker, tuple(prompt), tuple(resp),
+                                          self.now() - period["since"]))
             self.period.pop(worker, None)
 
-    def _do_Interrupt(self, cmd: P.Interrupt):
+    def do_Interrupt(self, cmd: P.Interrupt):
         w = cmd.worker
         if w in self.period:
             self.period[w]["clean"] = False
         starts = self.r_starts.get(w, 0)
 
         def done(reply):
-            self._feed(P.GenerationStopped(self.now(), w, tuple(reply.value)))
+            self.feed(P.GenerationStopped(self.now(), w, tuple(reply.value)))
             self._set_busy(w, self._still_busy(w, reply.spans[0]["detail"]["busy"], starts))
             self._ensure_advance(w)
         ids = list(cmd.group_ids) if cmd.group_ids is not None else None
@@ -330,39 +331,34 @@ class EngineDriver(PoolDriver):
     # ------------------------------------------------------------------------------------------
     # trainer
     # ------------------------------------------------------------------------------------------
-    def _data(self, step: int) -> StepData:
-        if step not in self.step_data:
-            from bidirl.rl import grpo
-            from bidirl.rl.samples import samples_from_groups
-            import torch
+    def do_StartStep(self, cmd: P.StartStep):
+        """The step's samples, GRPO advantages (normalised per group) and loss normaliser, in batch order."""
+        from bidirl.rl import grpo
+        from bidirl.rl.samples import samples_from_groups
+        import torch
 
-            groups = self.coordinator.step.groups
-            samples = samples_from_groups(groups)
-            rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-            self.step_data = {step: StepData(
-                samples=samples, index={(s.group_id, s.index): k for k, s in enumerate(samples)},
-                advantages=grpo.group_advantages(rewards, group_size=self.config.workload.group_size).float(),
-                normalizer=grpo.loss_normalizer([s.response_len for s in samples], "token-mean"),
-                old=[None] * len(samples), ref=[None] * len(samples))}
-        return self.step_data[step]
+        samples = samples_from_groups(cmd.groups)
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        self.step_data = StepData(
+            step=cmd.step, version=cmd.version, samples=samples,
+            index={(s.group_id, s.index): k for k, s in enumerate(samples)},
+            advantages=grpo.group_advantages(rewards, group_size=self.config.workload.group_size).float(),
+            normalizer=grpo.loss_normalizer([s.response_len for s in samples], "token-mean"),
+            old=[None] * len(samples), ref=[None] * len(samples))
 
-    def _do_RunChunk(self, cmd: P.RunChunk):
+    def _run_chunk(self, cmd: P.RunChunk):
         ch, gang = cmd.chunk, cmd.worker
-        data = self._data(ch.step)
+        data = self.step_data
         idx = [data.index[(g, i)] for g, i in ch.samples]
         ranks = self.gangs[gang]
         shares = [idx[r * ch.per_device:(r + 1) * ch.per_device] for r in range(len(ranks))]
-        self._feed(P.ChunkStarted(self.now(), gang, ch.chunk_id))
-        detail = {"stage": ch.stage, "chunk_id": ch.chunk_id, "samples": len(ch.samples)}
 
-        def finished(replies, payload=None):
+        def finished(replies):
             starts = [sp["start"] for r in replies if r is not None for sp in r.spans]
             ends = [sp["end"] for r in replies if r is not None for sp in r.spans]
-            a, b = self._wall(min(starts)), self._wall(max(ends))
-            self._span(gang, "chunk", a, b, detail, step=ch.step)
-            self._feed(P.ChunkFinished(self.now(), gang, ch.chunk_id, b - a, payload))
+            self._chunk_done(cmd, self._wall(min(starts)), self._wall(max(ends)))
 
-        if ch.stage in ("old_logprob", "ref_logprob"):
+        if ch.stage in P.FORWARD_STAGES:
             model = "actor" if ch.stage == "old_logprob" else "reference"
             target = data.old if ch.stage == "old_logprob" else data.ref
             live = [(r, s) for r, s in zip(ranks, shares) if s]
@@ -375,7 +371,6 @@ class EngineDriver(PoolDriver):
             self._when_all([(gang, r.logprobs.remote([data.samples[k] for k in s], model)) for r, s in live], done)
             return
 
-        self.update_chunks.add(ch.chunk_id)
         primary = gang == PRIMARY_TRAINER
         refs, grad_ref = [], None
         for rank, (r, s) in enumerate(zip(ranks, shares)):
@@ -391,13 +386,10 @@ class EngineDriver(PoolDriver):
             data.stats += [r.value for r in replies if r.value.get("samples")]
             if grad_ref is not None:
                 self.aux_grads[ch.chunk_id] = grad_ref
-            finished(replies, payload=ch.chunk_id)
+            finished(replies)
         self._when_all(refs, done)
 
-    def _do_CancelChunk(self, cmd: P.CancelChunk):
-        """Chunks are handed to a gang only when it can start them, so nothing is queued to reclaim."""
-
-    def _do_MergeGradients(self, cmd: P.MergeGradients):
+    def do_MergeGradients(self, cmd: P.MergeGradients):
         start = self.now()
         ranks = self.gangs[PRIMARY_TRAINER]
         grads = [(cid, self.aux_grads.pop(cid)) for cid in cmd.chunk_ids]
@@ -405,42 +397,39 @@ class EngineDriver(PoolDriver):
 
         def done(replies):
             end = self.now()
-            self._measure((TOR, "c_grad"), end - start)
-            self._span(PRIMARY_TRAINER, "grad_merge", start, end, {"chunks": len(cmd.chunk_ids)}, step=cmd.step)
-            self._feed(P.GradientsMerged(end, cmd.step, end - start))
+            self._measure((P.TRAINER_ON_ROLLOUT_POOL, "c_grad"), end - start)
+            self.record_merge(cmd, start, end)
+            self.feed(P.GradientsMerged(end, cmd.step, end - start))
         self._when_all(calls, done)
 
-    def _do_OptimizerStep(self, cmd: P.OptimizerStep):
-        step = self.coordinator.step
-        order = [c for c in step.merge_order if c in self.update_chunks]
+    def do_OptimizerStep(self, cmd: P.OptimizerStep):
         ranks = self.gangs[PRIMARY_TRAINER]
-        data = self._data(cmd.step)
+        data = self.step_data
 
         def done(replies):
             out = replies[0].value
             if out["version"] != cmd.version:
                 raise ClusterError(f"the primary trainer produced version {out['version']}, the scheduler expected "
                                    f"{cmd.version}; a rank missed an update")
-            self._record_spans(replies[0], "optimizer", lane=PRIMARY_TRAINER, step=cmd.step)
+            sp = replies[0].spans[0]
+            self.record_optimizer(cmd, self._wall(sp["start"]), self._wall(sp["end"]))
             self.weights[cmd.version] = ranks[0].weights.remote()
             self.versions[PRIMARY_TRAINER] = cmd.version
-            self.update_chunks.clear()
-            stats = self._step_stats(cmd.step, data, out)
-            self.step_stats.append(stats)
-            self._feed(P.OptimizerStepped(self.now(), cmd.step, cmd.version, stats))
-        self._when_all([(PRIMARY_TRAINER, r.apply_kept.remote(order)) for r in ranks], done)
+            self.step_stats.append(self._step_stats(data, out))
+            self.feed(P.OptimizerStepped(self.now(), cmd.step, cmd.version))
+        self._when_all([(PRIMARY_TRAINER, r.apply_kept.remote(list(cmd.merge_order))) for r in ranks], done)
 
-    def _step_stats(self, step: int, data: StepData, update: dict) -> dict:
+    def _step_stats(self, data: StepData, update: dict) -> dict:
         """Per-step learning metrics (veRL names where the meaning is the same)."""
         import torch
         from bidirl.rl.grpo import token_weighted
         samples = data.samples
         # vLLM's log-probs of sampled tokens against the trainer's recomputation (old_logprob) for responses
         # generated entirely by the weights the trainer held: the weight sync's correctness check.
-        v = self.coordinator.trainer_version
         gaps = [float((torch.tensor(s.logprobs) - lp).abs().max()) for s, lp in zip(samples, data.old)
-                if s.version == v and s.response_len]
-        return {"step": step, "version": update["version"], "reward": float(np.mean([s.reward for s in samples])),
+                if s.version == data.version and s.response_len]
+        return {"step": data.step, "version": update["version"],
+                "reward": float(np.mean([s.reward for s in samples])),
                 "response_length": float(np.mean([s.response_len for s in samples])),
                 "loss": float(sum(s["loss"] for s in data.stats)), "kl": token_weighted(data.stats, "kl"),
                 "clip_frac": token_weighted(data.stats, "clip_frac"), "grad_norm": float(update["grad_norm"]),
@@ -449,33 +438,35 @@ class EngineDriver(PoolDriver):
     # ------------------------------------------------------------------------------------------
     # weights and switching
     # ------------------------------------------------------------------------------------------
-    def _do_SyncWeights(self, cmd: P.SyncWeights):
+    def do_SyncWeights(self, cmd: P.SyncWeights):
         start = self.now()
+        calls = self._weight_loads(cmd.targets, cmd.version)
 
         def done(replies):
             end = self.now()
-            self._record_syncs(replies, cmd.version)
+            per_target = {w: (self._wall(r.spans[0]["start"]), self._wall(r.spans[0]["end"]))
+                          for (w, _), r in zip(calls, replies) if r is not None}
+            self.record_sync(cmd, start, end, per_target)
             if replies:
                 self._measure(("weight_sync", "rollout"), end - start)
-            self._feed(P.SyncFinished(end, cmd.version, tuple(cmd.targets), end - start))
-        self._when_all(self._weight_loads(cmd.targets, cmd.version), done)
+            self.feed(P.SyncFinished(end, cmd.version, tuple(cmd.targets), end - start))
+        self._when_all(calls, done)
         self._prune_weights()
 
     def _prune_weights(self):
-        keep = {self.coordinator.rollout_version, self.coordinator.trainer_version}
-        keep |= {v for w, v in self.versions.items()}
-        for v in [v for v in self.weights if v not in keep and v != max(self.weights)]:
+        """Drop weight objects no worker holds any more (the newest always stays)."""
+        keep = set(self.versions.values()) | {self.version, max(self.weights)}
+        for v in [v for v in self.weights if v not in keep]:
             del self.weights[v]
 
-    def _do_Switch(self, cmd: P.Switch):
-        """Offload the pool's passive role, onload the active one and bring its weights up to date (§3.2)."""
-        c, top = self.coordinator, self.topology
+    def do_Switch(self, cmd: P.Switch):
+        """Offload the pool's passive role, onload the active one and bring its weights to ``cmd.version``."""
+        top = self.topology
         rollouters = top.aux_rollouters if cmd.pool == P.TRAINER_POOL else top.rollouters
-        trainer = PRIMARY_TRAINER if cmd.pool == P.TRAINER_POOL else AUX_TRAINER
-        to_rollout = cmd.to_role == "rollout"
+        trainer = P.trainer_gang(cmd.pool)
+        to_rollout = cmd.to_role == P.ROLLOUT
         passive, active = ([trainer], list(rollouters)) if to_rollout else (list(rollouters), [trainer])
         start = self.now()
-        lane = PRIMARY_TRAINER if cmd.pool == P.TRAINER_POOL else top.rollouters[0]
 
         def calls(method, workers):
             out = []
@@ -490,19 +481,14 @@ class EngineDriver(PoolDriver):
             """Run a set of calls; a worker that dies meanwhile only drops out (the coordinator recovers)."""
             self._when_all(pairs, lambda _values: then(), tolerate=True)
 
-        def refresh():
-            version = c.rollout_version if to_rollout else c.trainer_version
-            phase(self._weight_loads(active, version), finish)
-
         def finish():
             end = self.now()
-            which = "c_in" if cmd.phase == "in" else "c_out"
-            self._measure((cmd.direction, which), end - start)
-            self._span(lane, "switch_in" if cmd.phase == "in" else "switch_out", start, end,
-                       {"direction": cmd.direction, "to_role": cmd.to_role})
-            self._feed(P.SwitchFinished(end, cmd.pool, cmd.to_role, end - start))
+            self._measure((cmd.direction, "c_in" if cmd.phase == "in" else "c_out"), end - start)
+            self.record_switch(cmd, start, end)
+            self.feed(P.SwitchFinished(end, cmd.pool, cmd.to_role, end - start))
 
-        phase(calls("offload", passive), lambda: phase(calls("onload", active), refresh))
+        phase(calls("offload", passive),
+              lambda: phase(calls("onload", active), lambda: phase(self._weight_loads(active, cmd.version), finish)))
 
     # ------------------------------------------------------------------------------------------
     def shutdown(self):
@@ -515,21 +501,18 @@ class EngineDriver(PoolDriver):
                 self.final_weights = None
         super().shutdown()
 
-    def _result(self) -> RunResult:
-        summary = self._summary()
-        costs = summary["costs"]
-        summary["startup"] = costs.pop("start", {})             # seconds to construct each kind of worker
-        summary["weight_sync"] = costs.pop("weight_sync", {}).get("rollout")
-        summary["emulated"] = False
-        summary["reward"] = [s["reward"] for s in self.step_stats]
-        summary["train"] = list(self.step_stats)
+    def summary(self) -> dict:
+        out = super().summary()
+        costs = out["costs"]
+        out["startup"] = costs.pop("start", {})             # seconds to construct each kind of worker
+        out["weight_sync"] = costs.pop("weight_sync", {}).get("rollout")
+        out["emulated"] = False
+        out["reward"] = [s["reward"] for s in self.step_stats]
+        out["train"] = list(self.step_stats)
         gaps = [s["logprob_diff_max"] for s in self.step_stats if s["logprob_diff_max"] is not None]
-        summary["logprob_diff_max"] = max(gaps) if gaps else None
-        summary["model_dir"] = self.model_dir
-        return RunResult(self.policy_name, self.config, self.log, summary, self.coordinator, self.final_weights)
+        out["logprob_diff_max"] = max(gaps) if gaps else None
+        out["model_dir"] = self.model_dir
+        return out
 
-
-def run_engines(cfg: cfgmod.JobConfig, policy: str, *, steps: int, seed: int, address: Optional[str] = None,
-                progress: bool = False, model_dir: Optional[str] = None, kill=None) -> RunResult:
-    """Run ``cfg`` with real engine workers on Ray (embedded local Ray unless ``address``)."""
-    return EngineDriver(cfg, policy, steps, seed, address=address, model_dir=model_dir).run(progress, kill)
+    def result(self, **extra) -> RunResult:
+        return super().result(weights=self.final_weights, **extra)

@@ -1,0 +1,64 @@
+"""Assemble a job's control plane: planner envelope → topology, stage-time predictor, coordinator.
+
+Every driver (simulation, emulated Ray workers, engine Ray workers) starts from :func:`assemble`, so they
+schedule the same job with the same predictor and the same coordinator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from bidirl import config as cfgmod
+from bidirl.core import protocol as P
+from bidirl.core.coordinator import Coordinator, Settings, Topology
+from bidirl.core.policies import get_policy
+from bidirl.core.profiler import Profiler
+from bidirl.perf.predictor import StagePredictor
+from bidirl.perf.workload import sample_lengths
+
+
+@dataclass
+class Assembly:
+    """What :func:`assemble` builds: the job, its plan, who runs where, the predictor and the coordinator."""
+    config: cfgmod.JobConfig
+    plan: object
+    topology: Topology
+    predictor: StagePredictor
+    coordinator: Coordinator
+
+    @property
+    def pool_gpus(self) -> dict:
+        env = self.plan.envelope
+        return {P.ROLLOUT_POOL: env.rollout_gpus, P.TRAINER_POOL: env.trainer_gpus}
+
+    def gpus_per_worker(self) -> dict:
+        """GPUs each worker (lane) occupies: a rollout replica ρ_r, a trainer gang its whole pool."""
+        env, top = self.plan.envelope, self.topology
+        out = {w: env.rollout_layout for w in top.rollouters + top.aux_rollouters}
+        out[P.PRIMARY_TRAINER] = env.trainer_gpus
+        out[P.AUX_TRAINER] = env.rollout_gpus
+        return out
+
+    def optimizer_time(self) -> float:
+        return self.predictor.optimizer_time(self.plan.envelope.trainer_gpus)
+
+
+def assemble(cfg: cfgmod.JobConfig, policy: str, *, steps: int, seed: int) -> Assembly:
+    from bidirl.planner import plan as make_plan
+
+    plan = make_plan(cfg)
+    env = plan.envelope
+    topology = Topology(rollout_replicas=env.rollout_replicas, trainer_replicas=env.trainer_replicas,
+                        aux_rollout_replicas=env.trainer_gpus // env.rollout_layout,
+                        aux_trainer_replicas=env.rollout_gpus // env.trainer_layout)
+    predictor = StagePredictor.from_config(cfg, env.rollout_layout, env.trainer_layout)
+    w = cfg.workload
+    prior = sample_lengths(cfg.workload_stats, w.max_response_len, 64 * w.group_size, np.random.default_rng([seed, 2]))
+    settings = Settings(batch=w.prompts_per_step, group_size=w.group_size, staleness=cfg.rl.staleness,
+                        partial_rollout=cfg.rl.partial_rollout, stages=cfg.rl.stages,
+                        max_chunk=cfg.scheduler.max_chunk, tail_window=cfg.scheduler.tail_window, steps=steps)
+    costs = {d: cfg.switch_costs(d) for d in P.DIRECTIONS}
+    coordinator = Coordinator(settings, topology, get_policy(policy), predictor, Profiler(costs=costs), prior)
+    return Assembly(cfg, plan, topology, predictor, coordinator)

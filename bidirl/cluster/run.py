@@ -1,0 +1,37 @@
+"""``run``: a job on Ray, with real engines (the default) or emulated, model-timed workers."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from bidirl import config as cfgmod
+from bidirl.execution import RunResult
+
+
+def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, seed: Optional[int] = None,
+        emulate: bool = False, address: Optional[str] = None, time_scale: float = 20.0,
+        model_dir: Optional[str] = None, progress: bool = False, on_event=None) -> RunResult:
+    """Run a job on Ray (embedded local Ray unless ``address`` names a cluster).
+
+    Engine workers (vLLM rollouters, torch trainers: :class:`~bidirl.cluster.engines.driver.EngineDriver`)
+    by default; ``emulate=True`` runs model-timed workers (:class:`~bidirl.cluster.emulated.EmulatedDriver`)
+    at ``time_scale`` virtual seconds per wall second. ``on_event`` sees every event (live views).
+    """
+    cfg = cfgmod.load(config)
+    policy = policy or cfg.scheduler.policy
+    from bidirl.core.policies import get_policy
+    try:
+        get_policy(policy)
+    except ValueError as exc:
+        raise cfgmod.ConfigError("scheduler.policy", str(exc), "the Ray runtime runs the core policies") from None
+    if time_scale <= 0:
+        raise cfgmod.ConfigError("time_scale", f"must be > 0, got {time_scale}", "use e.g. 20 (virtual s per wall s)")
+    steps = cfg.workload.steps if steps is None else int(steps)
+    seed = cfg.seed if seed is None else int(seed)
+    if not emulate:
+        from bidirl.cluster.engines.driver import EngineDriver
+        return EngineDriver(cfg, policy, steps, seed, on_event=on_event, address=address,
+                            model_dir=model_dir).run(progress)
+    from bidirl.cluster.emulated import EmulatedDriver
+    return EmulatedDriver(cfg, policy, steps, seed, on_event=on_event, address=address,
+                          time_scale=time_scale).run(progress)

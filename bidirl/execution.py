@@ -1,0 +1,188 @@
+"""The execution layer every driver shares: feeding the coordinator, dispatching its messages, the event log.
+
+A driver (simulator, emulated Ray workers, real engines; ``docs/architecture.md``) subclasses :class:`Driver`
+and supplies a clock and one handler ``do_<Command>`` per command of :data:`bidirl.core.protocol.COMMANDS`;
+a driver that lacks one fails when it is built, naming what is missing. Everything else is here, once:
+
+* :meth:`Driver.feed` hands an event to the coordinator and executes what comes back, in order: commands go
+  to the driver's handlers, reports (:class:`~bidirl.core.protocol.StepDone`,
+  :class:`~bidirl.core.protocol.Decided`, :class:`~bidirl.core.protocol.RunDone`) into the event log;
+* **the lane rule** — which lane of the Gantt a command's span lands on — is one set of functions
+  (:func:`switch_lane`, :meth:`Driver.record_switch`, :meth:`Driver.record_sync`, ...), so the same command
+  lands on the same lane under every driver and utilisation means the same thing everywhere;
+* spans carry the step and actor version the driver has seen through the protocol (``StepDone`` reports and
+  ``OptimizerStepped`` events), never read from coordinator state;
+* :class:`RunResult`, the run summary and the progress bar.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from bidirl import config as cfgmod
+from bidirl.core import protocol as P
+from bidirl.trace import EventLog, Span
+
+#: where a result comes from: the models alone, model-timed workers on Ray, or real engines
+PROVENANCE = {"simulated": "simulated (model prediction)", "emulated": "emulated (model-timed workers on Ray)",
+              "measured": "measured (real engines)"}
+
+
+@dataclass
+class RunResult:
+    """What a run produced: its event log, summary and provenance (``simulated`` | ``emulated`` | ``measured``).
+
+    ``view`` is the coordinator's final read-only snapshot; ``weights`` the final actor weights of an engine run.
+    """
+    policy: str
+    config: cfgmod.JobConfig
+    log: EventLog
+    summary_dict: dict
+    provenance: str
+    view: Any = None
+    events_processed: int = 0
+    weights: Any = None
+
+    def summary(self) -> dict:
+        return dict(self.summary_dict)
+
+    @property
+    def events(self):
+        return self.log.spans_df()
+
+
+def switch_lane(pool: str, to_role: str) -> str:
+    """The lane a switch is drawn on: the role taking the pool (its trainer gang or first rollout replica),
+    so a switch-in is the auxiliary's preparation and a switch-out the primary's."""
+    return P.trainer_gang(pool) if to_role == P.TRAINER else P.rollouter(pool, 0)
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, desc: str, enabled: bool = True):
+    """A tqdm bar over ``total`` steps; yields ``tick(done)`` that moves it to ``done`` (no-op when disabled)."""
+    if not enabled:
+        yield lambda done: None
+        return
+    from tqdm.auto import tqdm
+    bar = tqdm(total=total, desc=desc, leave=False)
+    seen = [0]
+
+    def tick(done: int) -> None:
+        if done != seen[0]:
+            bar.update(done - seen[0])
+            seen[0] = done
+    try:
+        yield tick
+    finally:
+        bar.close()
+
+
+@dataclass
+class Driver:
+    """The shared half of every driver (module doc). Subclasses define ``provenance`` and ``do_<Command>``."""
+    config: cfgmod.JobConfig
+    policy_name: str
+    steps: int
+    seed: int
+    on_event: Optional[Callable] = None           # called with each event fed to the coordinator (live views)
+
+    provenance = "simulated"
+
+    def __post_init__(self):
+        from bidirl.assemble import assemble
+        missing = [cls.__name__ for cls in P.COMMANDS if not callable(getattr(self, "do_" + cls.__name__, None))]
+        if missing:
+            raise TypeError(f"{type(self).__name__} has no handler for {', '.join(missing)}; a driver defines "
+                            "do_<Command> for every command of bidirl.core.protocol.COMMANDS")
+        self._handlers = {cls: getattr(self, "do_" + cls.__name__) for cls in P.COMMANDS}
+        self.assembly = a = assemble(self.config, self.policy_name, steps=self.steps, seed=self.seed)
+        self.plan, self.topology, self.predictor, self.coordinator = a.plan, a.topology, a.predictor, a.coordinator
+        self.log = EventLog()
+        self.messages: list = []      # every command and report executed, in order (cross-driver checks)
+        self.version = 0              # the primary trainer's actor version, as the events fed have told
+        self.finished = False         # the coordinator reported RunDone
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def steps_done(self) -> int:
+        return len(self.log.steps)
+
+    def feed(self, event) -> None:
+        """Hand ``event`` to the coordinator and execute its messages in order."""
+        if self.on_event is not None:
+            self.on_event(event)
+        messages = self.coordinator.handle(event)
+        if isinstance(event, P.OptimizerStepped):
+            self.version = event.version
+        for msg in messages:
+            self.execute(msg)
+
+    def execute(self, msg) -> None:
+        """Record a report, or run a command through the driver's handler."""
+        self.messages.append(msg)
+        if isinstance(msg, P.StepDone):
+            self.log.add_step(msg.record)
+        elif isinstance(msg, P.Decided):
+            self.log.add_decision(msg.decision)
+        elif isinstance(msg, P.RunDone):
+            self.finished = True
+        else:
+            self._handlers[type(msg)](msg)
+
+    # ---- the lane rule ------------------------------------------------------------------------
+    def span(self, worker: str, kind: str, start: float, end: float, detail: Optional[dict] = None,
+             step: Optional[int] = None) -> None:
+        """One span on ``worker``'s lane, tagged with the current step (or ``step``) and actor version."""
+        self.log.add_span(Span(worker=worker, pool=P.worker_pool(worker), role=P.worker_role(worker), kind=kind,
+                               start=float(start), end=float(max(start, end)),
+                               step=self.steps_done if step is None else step, version=self.version,
+                               detail=dict(detail or {})))
+
+    def record_chunk(self, cmd: P.RunChunk, start: float, end: float) -> None:
+        ch = cmd.chunk
+        self.span(cmd.worker, "chunk", start, end, {"stage": ch.stage, "chunk_id": ch.chunk_id,
+                                                    "samples": len(ch.samples)}, step=ch.step)
+
+    def record_switch(self, cmd: P.Switch, start: float, end: float) -> None:
+        self.span(switch_lane(cmd.pool, cmd.to_role), "switch_in" if cmd.phase == "in" else "switch_out",
+                  start, end, {"direction": cmd.direction})
+
+    def record_sync(self, cmd: P.SyncWeights, start: float, end: float, per_target: Optional[dict] = None) -> None:
+        """The sync on every target's lane (its own interval when ``per_target`` gives one) and on the primary
+        trainer's, which sends the weights."""
+        for w in cmd.targets:
+            a, b = (per_target or {}).get(w, (start, end))
+            self.span(w, "sync", a, b, {"version": cmd.version})
+        self.span(P.PRIMARY_TRAINER, "sync", start, end, {"version": cmd.version})
+
+    def record_merge(self, cmd: P.MergeGradients, start: float, end: float) -> None:
+        self.span(P.PRIMARY_TRAINER, "grad_merge", start, end, {"chunks": len(cmd.chunk_ids)}, step=cmd.step)
+
+    def record_optimizer(self, cmd: P.OptimizerStep, start: float, end: float) -> None:
+        self.span(P.PRIMARY_TRAINER, "optimizer", start, end, {}, step=cmd.step)
+
+    def do_StartStep(self, cmd: P.StartStep) -> None:
+        """Most drivers need nothing at a step's start (engine runs prepare the step's data here)."""
+
+    # ---- results ------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        """The ``simulate`` / ``run`` JSON summary of what the log holds (DESIGN.md's keys, then extensions)."""
+        from bidirl import metrics
+        view = self.coordinator.view()
+        out = metrics.summary(self.log, policy=self.policy_name, staleness=self.config.rl.staleness,
+                              pool_gpus=self.assembly.pool_gpus, gpus_per_worker=self.assembly.gpus_per_worker(),
+                              samples=view.samples)
+        out["provenance"] = self.provenance
+        out["calibration"] = view.calibration
+        return out
+
+    def result(self, **extra) -> RunResult:
+        """The run's :class:`RunResult`; raises if the coordinator never reported the end of the run."""
+        if not self.finished:
+            raise RuntimeError(f"the run stopped after {self.steps_done} of {self.steps} steps with no work left "
+                               f"(policy {self.policy_name}); this is a scheduler bug — please report it with the "
+                               "event log")
+        return RunResult(self.policy_name, self.config, self.log, extra.pop("summary", None) or self.summary(),
+                         self.provenance, view=self.coordinator.view(), **extra)
