@@ -7,13 +7,14 @@ schedule the same job with the same predictor and the same coordinator.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from bidirl import config as cfgmod
 from bidirl.core import protocol as P
 from bidirl.core.coordinator import Coordinator, Settings, Topology
-from bidirl.core.policies import get_policy
+from bidirl.core.policies import Policy, get_policy
 from bidirl.core.profiler import Profiler
 from bidirl.perf.predictor import StagePredictor
 from bidirl.perf.workload import sample_lengths
@@ -45,20 +46,28 @@ class Assembly:
         return self.predictor.optimizer_time(self.plan.envelope.trainer_gpus)
 
 
-def assemble(cfg: cfgmod.JobConfig, policy: str, *, steps: int, seed: int) -> Assembly:
+def assemble(cfg: cfgmod.JobConfig, policy, *, steps: int, seed: int,
+             predictor: Optional[StagePredictor] = None) -> Assembly:
+    """``policy``: a policy name (``bidirl.core.policies.POLICIES``) or a :class:`~bidirl.core.policies.Policy`;
+    ``predictor``: the coordinator's starting stage-time models (default: the config's presets), which the online
+    profiler refits as the run goes."""
     from bidirl.planner import plan as make_plan
 
     plan = make_plan(cfg)
     env = plan.envelope
     topology = Topology(rollout_replicas=env.rollout_replicas, trainer_replicas=env.trainer_replicas,
                         aux_rollout_replicas=env.trainer_gpus // env.rollout_layout,
-                        aux_trainer_replicas=env.rollout_gpus // env.trainer_layout)
-    predictor = StagePredictor.from_config(cfg, env.rollout_layout, env.trainer_layout)
+                        aux_trainer_replicas=env.rollout_gpus // env.trainer_layout,
+                        trainer_layout=env.trainer_layout)
+    predictor = predictor or StagePredictor.from_config(cfg, env.rollout_layout, env.trainer_layout)
     w = cfg.workload
     prior = sample_lengths(cfg.workload_stats, w.max_response_len, 64 * w.group_size, np.random.default_rng([seed, 2]))
     settings = Settings(batch=w.prompts_per_step, group_size=w.group_size, staleness=cfg.rl.staleness,
                         partial_rollout=cfg.rl.partial_rollout, stages=cfg.rl.stages,
-                        max_chunk=cfg.scheduler.max_chunk, tail_window=cfg.scheduler.tail_window, steps=steps)
+                        max_chunk=cfg.rl.micro_batch_per_device, tail_window=cfg.scheduler.tail_window,
+                        steps=steps, chunks_in_flight=cfg.scheduler.chunks_in_flight,
+                        optimizer_seconds=predictor.optimizer_time(env.trainer_gpus))
     costs = {d: cfg.switch_costs(d) for d in P.DIRECTIONS}
-    coordinator = Coordinator(settings, topology, get_policy(policy), predictor, Profiler(costs=costs), prior)
+    policy = policy if isinstance(policy, Policy) else get_policy(policy)
+    coordinator = Coordinator(settings, topology, policy, predictor, Profiler(costs=costs), prior)
     return Assembly(cfg, plan, topology, predictor, coordinator)

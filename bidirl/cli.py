@@ -2,9 +2,13 @@
 
 ``bidirl plan CONFIG [--json] [--html FILE]``  Algorithm 1's static planner (paper §4)
 ``bidirl simulate CONFIG --policy P [--steps N] [--seed S] [--json] [--trace FILE] [--html FILE]``
-``bidirl run CONFIG [--address ADDR] [--emulate] [--json] [--trace FILE]``   the job on Ray
+``bidirl run CONFIG [--address ADDR] [--emulate] [--data-file F] [--reward R] [--out DIR] [--json] [--trace FILE]``
+    the job on Ray; metrics (JSONL, TensorBoard), trace and summary go to ``--out`` (default results/run-<time>)
 ``bidirl reproduce [--out DIR] [--only PANEL ...] [--quick]``   the paper's evaluation, claim by claim
 ``bidirl bench [--json] [--quick]``            the benchmarks registered under ``benchmarks/``
+``bidirl profile CONFIG --out DIR [--grid small|full] [--seed S]``   measure the real engines' stage times
+``bidirl calibrate RECORDS_DIR --out PRESET.yaml [--hardware NAME] [--holdout F] [--seed S]``   fit a preset
+``bidirl calibrate --log FILE --config JOB --out PRESET.yaml [--what-if]``   fit a preset to a job's step log
 
 Human-readable tables by default; ``--json`` prints one JSON object on stdout (keys fixed by DESIGN.md).
 Configuration problems print ``error: <message>`` on stderr and exit with status 2, never a traceback.
@@ -237,7 +241,16 @@ def _args_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=20.0, metavar="X",
                    help="with --emulate: virtual seconds per wall second (default 20)")
     p.add_argument("--model-dir", default=None, metavar="DIR",
-                   help="engine runs: a Qwen2 checkpoint folder (default: the built-in tiny model)")
+                   help="engine runs: a local Hugging Face causal-LM folder (default: the built-in tiny model)")
+    p.add_argument("--data-file", default=None, metavar="FILE",
+                   help="engine runs: prompts from a .parquet (veRL's layout) or .jsonl (prompt, answer) file "
+                        "(sets workload.data_file)")
+    p.add_argument("--reward", default=None, metavar="SPEC",
+                   help="engine runs: exact, last_number, boxed, module:function or path/to/file.py[:function] "
+                        "(a veRL compute_score; sets rl.reward)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output folder: metrics.jsonl, tensorboard/, trace.json, events.parquet, summary.json "
+                        "(default: results/run-<date>-<time>)")
 
 
 def _write_outputs(result, args) -> None:
@@ -275,16 +288,27 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 def _run_run(args: argparse.Namespace) -> int:
+    from bidirl import config as cfgmod
     from bidirl.cluster.pool import ClusterError
     from bidirl.cluster.run import run
+    from bidirl.tracking import OutputError, default_out_dir
+    overrides = {key: value for key, value in (("workload.data_file", args.data_file), ("rl.reward", args.reward))
+                 if value is not None}
+    cfg = cfgmod.load(args.config).with_overrides(overrides)
+    out = args.out or str(default_out_dir())
     try:
         with stdout_to_stderr(args.json):
-            result = run(args.config, args.policy, steps=args.steps, seed=args.seed, emulate=args.emulate,
+            result = run(cfg, args.policy, steps=args.steps, seed=args.seed, emulate=args.emulate,
                          address=args.address, time_scale=args.time_scale, model_dir=args.model_dir,
-                         progress=not args.json)
+                         out_dir=out, progress=not args.json)
     except ClusterError as exc:
         raise CommandError(str(exc)) from None
-    return _print_result(result, args)
+    except OutputError as exc:
+        raise CommandError(str(exc)) from None
+    status = _print_result(result, args)
+    if not args.json:
+        print(f"metrics, TensorBoard events, trace and summary written to {out}")
+    return status
 
 
 # --------------------------------------------------------------------------------------------------
@@ -301,6 +325,144 @@ def _run_reproduce(args: argparse.Namespace) -> int:
     return int(run_args(args) or 0)
 
 # --------------------------------------------------------------------------------------------------
+# profile / calibrate (appendix "Stage-Time Models": calibrate τ, α, r from profiling runs)
+# --------------------------------------------------------------------------------------------------
+
+def _args_profile(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="a YAML config path or an example name (e.g. tiny-cpu): model, hardware, group size")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write meta.json, rollout.csv, trainer.csv to")
+    p.add_argument("--grid", choices=("small", "full"), default="small",
+                   help="small: 12 points, CI-sized; full: 96 points, a few minutes on two cores (default small)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of prompts and point order (default 0)")
+    p.add_argument("--model-dir", default=None, metavar="DIR",
+                   help="a local Hugging Face causal-LM folder of the config's model (default: the built-in tiny model)")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch threads of both engines (default 1, as the Ray workers run on CPU)")
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from bidirl.perf.records import ProfileError
+    from bidirl.profiling import profile
+    if args.seed < 0:
+        raise CommandError("--seed must be ≥ 0")
+    if args.threads < 1:
+        raise CommandError("--threads must be ≥ 1")
+    try:
+        prof = profile(args.config, grid=args.grid, seed=args.seed, model_dir=args.model_dir, out=args.out,
+                       threads=args.threads, progress=True)
+    except ProfileError as exc:
+        raise CommandError(str(exc)) from None
+    except OSError as exc:
+        raise CommandError(f"cannot write {args.out}: {exc.strerror or exc}") from None
+    grid = prof.meta["grid"]
+    print(f"profile written to {args.out}: {len(prof.rollout)} rollout and {len(prof.trainer)} trainer records "
+          f"({prof.rollout['point'].nunique()} grid points × {grid['repeats']} repetitions, {grid['name']} grid) "
+          f"of {prof.model} on {prof.hardware} in {prof.meta['seconds']:.0f} s")
+    return 0
+
+
+def _args_calibrate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("records", metavar="RECORDS_DIR", nargs="?", default=None,
+                   help="a folder written by `bidirl profile` (or give --log and --config)")
+    p.add_argument("--log", default=None, metavar="FILE",
+                   help="instead of profiling records: a job's per-step metrics log with veRL's keys (.jsonl, .csv "
+                        "or veRL console lines; e.g. a run's metrics.jsonl)")
+    p.add_argument("--config", default=None, metavar="JOB",
+                   help="with --log: the logged job as a bidirl config (model, hardware, GPUs, cluster.partition, "
+                        "batch)")
+    p.add_argument("--colocated", action="store_true",
+                   help="with --log: rollout and trainer shared all GPUs (veRL's default trainer)")
+    p.add_argument("--knobs", default=",".join(_log_default_knobs()), metavar="K1,K2",
+                   help="with --log: the hardware knobs to fit (default %(default)s)")
+    p.add_argument("--skip", type=int, default=1, metavar="N",
+                   help="with --log: warm-up steps left out of the fit (default 1)")
+    p.add_argument("--what-if", action="store_true",
+                   help="with --log: then plan and simulate the job with the fitted preset — BiDiRL's gain and split")
+    p.add_argument("--out", required=True, metavar="PRESET.yaml",
+                   help="the calibrated hardware preset to write (named after the file; put it in "
+                        "data/presets/hardware/ to use it by name in a config)")
+    p.add_argument("--hardware", default=None, metavar="NAME",
+                   help="the hardware preset to start from (default: the one the profile names)")
+    p.add_argument("--holdout", type=float, default=0.25, metavar="F",
+                   help="share of the grid points held out of the fit to measure errors on (default 0.25)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the fit / held-out split (default 0)")
+    p.add_argument("--statistic", choices=("min", "median"), default="min",
+                   help="a grid point's time from its repetitions: the fastest (default; slower ones measure "
+                        "interference from other work) or the median")
+    p.add_argument("--knobs-only", action="store_true",
+                   help="fit the hardware knobs only; write no per-model stage_params")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def _log_default_knobs() -> tuple:
+    from bidirl.job_log import DEFAULT_KNOBS
+    return DEFAULT_KNOBS
+
+
+def _run_calibrate_log(args: argparse.Namespace) -> int:
+    from bidirl import job_log
+    from bidirl.presets import PresetError
+    if args.config is None:
+        raise CommandError("--log needs --config: the logged job as a bidirl config (model, hardware, GPUs, "
+                           "cluster.partition, prompts per step, group size)")
+    try:
+        cal = job_log.calibrate_from_log(args.log, args.config, knobs=[k.strip() for k in args.knobs.split(",") if k],
+                                         hardware=args.hardware, colocated=args.colocated, holdout=args.holdout,
+                                         seed=args.seed, skip=args.skip)
+        job_log.write_preset(cal, args.out)
+        outcome = job_log.what_if(args.config, args.out, colocated=args.colocated, log=args.log) \
+            if args.what_if else None
+    except PresetError as exc:
+        raise CommandError(f"{exc} — {exc.fix}" if exc.fix else str(exc)) from None
+    except ConfigError:
+        raise
+    except ValueError as exc:                      # job_log.LogError and bad arguments
+        raise CommandError(str(exc)) from None
+    except OSError as exc:
+        raise CommandError(f"cannot write {args.out}: {exc.strerror or exc}") from None
+    if args.json:
+        print(json.dumps({**cal.summary(), "preset": str(args.out), "what_if": outcome}, default=float))
+        return 0
+    print(job_log.format_log_calibration(cal))
+    print(f"\npreset written to {args.out}; use it with `hardware: {args.out}` in the job config")
+    if outcome:
+        print(f"\nwhat if (simulated with the fitted preset): the planner picks {outcome['planner_choice']}")
+        for name, tp in outcome["throughput"].items():
+            print(f"  {name:<40} {tp:10.1f} tokens/s   ×{outcome['gain'][name]:.2f}")
+        if outcome["measured"]:
+            print(f"  {'measured (the log, median step)':<40} {outcome['measured']:10.1f} tokens/s")
+    return 0
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from bidirl.calibration import calibrate_profile, format_calibration, write_preset
+    from bidirl.perf.records import ProfileError
+    from bidirl.presets import PresetError
+    if not Path(args.out).name.endswith(".yaml"):
+        raise CommandError(f"--out {args.out!r} must be a .yaml file named after the preset (e.g. cpu-calibrated.yaml)")
+    if (args.records is None) == (args.log is None):
+        raise CommandError("give either RECORDS_DIR (a `bidirl profile` folder) or --log FILE --config JOB")
+    if args.log is not None:
+        return _run_calibrate_log(args)
+    try:
+        cal = calibrate_profile(args.records, hardware=args.hardware, holdout=args.holdout, seed=args.seed,
+                                overrides=not args.knobs_only, statistic=args.statistic)
+        write_preset(cal, args.out)
+    except PresetError as exc:
+        raise CommandError(f"{exc} — {exc.fix}" if exc.fix else str(exc)) from None
+    except (ProfileError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+    except OSError as exc:
+        raise CommandError(f"cannot write {args.out}: {exc.strerror or exc}") from None
+    if args.json:
+        print(json.dumps({**cal.summary(), "preset": str(args.out)}, default=float))
+    else:
+        print(format_calibration(cal))
+        print(f"\npreset written to {args.out}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
 
 COMMANDS: dict = {
     "plan": Command("static partition planner (paper §4, Algorithm 1)", _args_plan, _run_plan),
@@ -308,6 +470,10 @@ COMMANDS: dict = {
     "run": Command("run a job on Ray: engine workers, or --emulate for model-timed workers", _args_run, _run_run),
     "reproduce": Command("reproduce the paper's evaluation and check each claim", _args_reproduce, _run_reproduce),
     "bench": Command("run the registered benchmarks and report medians", _args_bench, _run_bench),
+    "profile": Command("measure the real engines' stage times on a grid of batch, prompt and response sizes",
+                       _args_profile, _run_profile),
+    "calibrate": Command("fit a hardware preset to profiled stage times and report held-out errors",
+                         _args_calibrate, _run_calibrate),
 }
 
 

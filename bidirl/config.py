@@ -72,6 +72,12 @@ class WorkloadConfig:
 
     ``prompt_pool``: engine runs draw prompt ``group_id mod prompt_pool`` of the task, i.e. cycle over a
     fixed training set of that many prompts (empty: every group gets a new prompt).
+
+    ``data_file``: engine runs take their prompts from this ``.parquet`` / ``.jsonl`` file (veRL's preprocessed
+    layout or ``prompt`` + ``answer``; ``bidirl.rl.data``) instead of the built-in arithmetic task: group ``g``
+    gets row ``g mod prompt_pool`` (the first ``prompt_pool`` rows) or ``g mod`` the number of rows. A relative
+    path is relative to the directory the run starts in. ``dataset`` still names the workload preset whose
+    length statistics the planner and the simulator use.
     """
     dataset: str = "geo3k"
     prompts_per_step: int = 64
@@ -79,6 +85,7 @@ class WorkloadConfig:
     max_response_len: int = 2048
     steps: int = 20
     prompt_pool: Optional[int] = None
+    data_file: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,8 @@ class RLConfig:
 
     ``lr``, ``kl_coef`` (β of the KL to the reference) and ``clip_eps`` (PPO clip range) are the GRPO
     trainer's settings; only runs with engine workers use them (the simulator models time, not learning).
+    ``reward`` scores each response in engine runs (``bidirl.rl.rewards``): ``exact``, ``last_number``,
+    ``boxed``, or a veRL-style ``compute_score`` function as ``module:function`` or ``path/to/file.py[:function]``.
     """
     staleness: float = 1.0
     partial_rollout: bool = True
@@ -95,24 +104,30 @@ class RLConfig:
     lr: float = 1e-6
     kl_coef: float = 0.0
     clip_eps: float = 0.2
+    reward: str = "exact"
+    recompute_old_logprob: bool = True
 
     @property
     def stages(self) -> tuple:
-        """The trainer stages a step runs (``ref_logprob`` only with a reference model)."""
-        return trainer_stages(self.reference_model)
+        """The trainer stages a step runs (``ref_logprob`` only with a reference model; ``old_logprob`` unless
+        ``recompute_old_logprob`` is off and the rollout's own log-probs stand in for it, veRL's bypass mode)."""
+        return trainer_stages(self.reference_model, self.recompute_old_logprob)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Bidirectional scheduler knobs (§5.2).
 
-    ``max_chunk`` is s_max in samples per device; ``tail_window`` the number of chunk-rounds at which
-    TailWindow fires. Switch costs and the weight-sync time default to the hardware preset's values
-    (for A6000 the paper's measured Table 3) when left empty.
+    A trainer chunk is one micro-batch on every device of a gang (s_max = ``rl.micro_batch_per_device``
+    samples per device, §2.1). ``tail_window`` is the number of combined primary-and-auxiliary chunk rounds at
+    which TailWindow fires (the paper: one); ``chunks_in_flight`` how many chunks the scheduler keeps sent to
+    each gang (the running one plus those whose inputs are being transferred: the asynchronous chunk pipeline
+    of §6). Switch costs and the weight-sync time default to the hardware preset's values (for A6000 the paper's
+    measured Table 3) when left empty.
     """
     policy: str = "bidirl"
-    max_chunk: int = 4
-    tail_window: int = 2
+    tail_window: int = 1
+    chunks_in_flight: int = 2
     trainer_on_rollout_pool: Optional[SwitchCosts] = None
     rollout_on_trainer_pool: Optional[SwitchCosts] = None
     weight_sync: Optional[float] = None
@@ -120,7 +135,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class JobConfig:
-    """A whole job. ``model``, ``hardware`` and ``workload.dataset`` name presets in ``data/presets``."""
+    """A whole job. ``model``, ``hardware`` and ``workload.dataset`` name presets in ``data/presets``;
+    ``hardware`` may also be the path of a preset file (``*.yaml``, e.g. written by ``bidirl calibrate``)."""
     model: str = "qwen3-vl-4b"
     hardware: str = "a6000"
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -215,12 +231,21 @@ def from_dict(data: Mapping[str, Any]) -> JobConfig:
     return _build(JobConfig, data, "")
 
 
+#: keys an earlier release accepted, with what replaces them
+REMOVED_KEYS: dict = {
+    "scheduler.max_chunk": "a trainer chunk is one micro-batch on every device of a gang: remove it and set "
+                           "rl.micro_batch_per_device (samples per device) instead",
+}
+
+
 def _build(cls, data: Any, path: str):
     if not isinstance(data, Mapping):
         raise ConfigError(path or "(top level)", f"expected a mapping, got {data!r}",
                           f"write it as a section with keys {[f.name for f in fields(cls)]}")
     names = {f.name: f for f in fields(cls)}
     for key in data:
+        if _join(path, str(key)) in REMOVED_KEYS:
+            raise ConfigError(_join(path, str(key)), "is no longer a setting", REMOVED_KEYS[_join(path, str(key))])
         if key not in names:
             close = difflib.get_close_matches(str(key), list(names), n=1)
             hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
@@ -350,14 +375,24 @@ def validate(cfg: JobConfig) -> None:
                           "set rl.reference_model: true (the KL needs the reference log-probs) or kl_coef: 0")
     if w.prompt_pool is not None:
         _positive("workload.prompt_pool", w.prompt_pool)
+    if w.data_file is not None:
+        from bidirl.rl.data import DATA_SUFFIXES
+        if not w.data_file.strip() or not w.data_file.endswith(DATA_SUFFIXES):
+            raise ConfigError("workload.data_file", f"{w.data_file!r} is not a {' or '.join(DATA_SUFFIXES)} file",
+                              "name a Parquet file in veRL's layout or a JSONL file with prompt and answer")
+    from bidirl.rl.rewards import SPEC_FORMS, parse_reward_spec
+    try:
+        parse_reward_spec(r.reward)
+    except ValueError as exc:
+        raise ConfigError("rl.reward", str(exc), SPEC_FORMS) from None
 
     s = cfg.scheduler
     if s.policy not in POLICIES:
         close = difflib.get_close_matches(s.policy, POLICIES, n=1)
         raise ConfigError("scheduler.policy", f"unknown policy {s.policy!r}",
                           f"did you mean '{close[0]}'?" if close else f"use one of {', '.join(POLICIES)}")
-    _positive("scheduler.max_chunk", s.max_chunk)
     _positive("scheduler.tail_window", s.tail_window)
+    _positive("scheduler.chunks_in_flight", s.chunks_in_flight)
     for direction in DIRECTIONS:
         costs = getattr(s, direction)
         if costs is not None:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 from bidirl import config as cfgmod
 from bidirl.core import protocol as P
+from bidirl.perf.predictor import StagePredictor
 from bidirl.trace import EventLog, Span
 
 #: where a result comes from: the models alone, model-timed workers on Ray, or real engines
@@ -83,10 +84,11 @@ def progress_bar(total: int, desc: str, enabled: bool = True):
 class Driver:
     """The shared half of every driver (module doc). Subclasses define ``provenance`` and ``do_<Command>``."""
     config: cfgmod.JobConfig
-    policy_name: str
+    policy_name: Any                              # a policy name, or a Policy (the modelled external systems')
     steps: int
     seed: int
     on_event: Optional[Callable] = None           # called with each event fed to the coordinator (live views)
+    predictor: Any = None                         # the coordinator's starting models (default: the presets')
 
     provenance = "simulated"
 
@@ -97,8 +99,14 @@ class Driver:
             raise TypeError(f"{type(self).__name__} has no handler for {', '.join(missing)}; a driver defines "
                             "do_<Command> for every command of bidirl.core.protocol.COMMANDS")
         self._handlers = {cls: getattr(self, "do_" + cls.__name__) for cls in P.COMMANDS}
-        self.assembly = a = assemble(self.config, self.policy_name, steps=self.steps, seed=self.seed)
+        self.assembly = a = assemble(self.config, self.policy_name, steps=self.steps, seed=self.seed,
+                                     predictor=self.predictor)
+        self.policy_name = a.coordinator.policy.name
         self.plan, self.topology, self.predictor, self.coordinator = a.plan, a.topology, a.predictor, a.coordinator
+        env = self.plan.envelope
+        # what the work really takes where the driver models it (simulator, emulated workers): the presets'
+        # models, kept apart from the coordinator's, which the online profiler refits
+        self.truth = StagePredictor.from_config(self.config, env.rollout_layout, env.trainer_layout)
         self.log = EventLog()
         self.messages: list = []      # every command and report executed, in order (cross-driver checks)
         self.version = 0              # the primary trainer's actor version, as the events fed have told

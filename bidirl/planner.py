@@ -7,8 +7,9 @@ sweep behind it:
    powers of two up to a node, then whole nodes) whose per-GPU memory fits — model states, activations and
    KV cache as documented in :mod:`bidirl.perf.memory`, for the workload's longest sequence
    (``prompt_max + max_response_len``).
-2. **BuildStageModels**: :class:`~bidirl.perf.rollout.RolloutModel` with tp = ρ_r and
-   :class:`~bidirl.perf.trainer.TrainerModel` with layout ρ_t (preset-derived parameters), built once.
+2. **BuildStageModels**: the runtime's own stage-time predictor (:class:`~bidirl.perf.predictor.StagePredictor`:
+   :class:`~bidirl.perf.rollout.RolloutModel` with tp = ρ_r and the engines' concurrency cap,
+   :class:`~bidirl.perf.trainer.TrainerModel` with layout ρ_t), built once.
 3. **CandidatePartitions(G, Π)**: every (g_r, g_t) with g_r + g_t = G and both ≥ 1; under
    ``node-aligned`` each pool is a whole number of nodes (any split when G ≤ gpus_per_node).
 4. **Compatible(g_r, g_t, ρ_r, ρ_t)** (§4.1): both pools may host both roles, so each holds a whole number
@@ -20,9 +21,13 @@ sweep behind it:
    sweep is complete.
 
 The representative batch is B_p = ``workload.prompts_per_step`` GRPO groups of ``workload.group_size``
-requests drawn by :func:`bidirl.perf.workload.sample_groups` from the dataset preset at step 0 with the seed
-``[config.seed, 0x504C414E]`` (so one config always plans the same way); U_B is the trainer work of the same
-samples, ``old_logprob`` (``ref_logprob`` when ``rl.reference_model``) and ``actor_update`` in order.
+requests: the job's first step as the runtime will see it (:func:`representative_batch`, the same draw the
+simulator runs, so one config always plans the same way). M_r deals its groups to the rollout replicas in
+group-id order, as the coordinator dispatches them; U_B is the trainer work of the same samples in the order
+they are expected to complete (:func:`consumption_order`), ``old_logprob`` (``ref_logprob`` when
+``rl.reference_model``) and ``actor_update``, cut into chunks of one micro-batch per device
+(:meth:`~bidirl.perf.trainer.TrainerModel.stage_time`). Planner and simulator therefore model one execution;
+``bidirl.experiments.fidelity`` measures how far apart they are.
 
 **Complexity** (§4.3): layouts and models are built once; stage times depend on a candidate only through
 its replica counts, and only ``min(d, groups)`` (rollout) / ``min(d, samples)`` (trainer) replicas can be busy,
@@ -44,12 +49,11 @@ from bidirl import config as cfgmod
 from bidirl.config import ConfigError
 from bidirl.perf import memory
 from bidirl.perf.flops import STAGES
+from bidirl.perf.predictor import StagePredictor
 from bidirl.perf.rollout import RolloutModel
 from bidirl.perf.trainer import TrainerModel
-from bidirl.perf.workload import sample_groups
+from bidirl.perf.workload import GroupLengths
 
-#: stream id mixed into the planner's seed (ASCII "PLAN"), so its draw differs from the simulator's streams
-PLAN_STREAM = 0x504C414E
 #: the keys of ``bidirl plan --json`` fixed by DESIGN.md (extend, never rename)
 ENVELOPE_KEYS = ("rollout_gpus", "trainer_gpus", "rollout_layout", "trainer_layout", "rollout_replicas",
                  "trainer_replicas", "pipeline_rate")
@@ -198,9 +202,9 @@ def replica_count(gpus: int, layout: int) -> int:
     return int(gpus) // int(layout)
 
 
-def min_feasible_layouts(cfg) -> tuple:
+def min_feasible_layouts(cfg, hardware=None) -> tuple:
     """``(ρ_r, ρ_t, {"rollout": MemoryNeed, "trainer": MemoryNeed})`` or ConfigError naming the budget."""
-    m, hw, w = cfg.model_spec, cfg.hardware_spec, cfg.workload
+    m, hw, w = cfg.model_spec, hardware or cfg.hardware_spec, cfg.workload
     max_seq = cfg.workload_stats.prompt_max + w.max_response_len
     mb = cfg.rl.micro_batch_per_device
     cands = memory.layout_candidates(cfg.cluster.gpus_per_node, cfg.cluster.gpus)
@@ -232,16 +236,34 @@ def min_feasible_layouts(cfg) -> tuple:
 
 
 def representative_batch(cfg) -> tuple:
-    """``(prompt_lens, response_lens)``: B_p groups of ``group_size`` requests (module doc)."""
+    """``(prompt_lens, response_lens)``: B_p groups of ``group_size`` requests, laid out group after group in
+    group-id order — the first step's groups of the job's workload (:class:`bidirl.perf.workload.GroupLengths`
+    with the config's seed), i.e. exactly the work the simulator runs in step 0."""
     w = cfg.workload
-    return sample_groups(cfg.workload_stats, w.max_response_len, w.prompts_per_step, w.group_size,
-                         np.random.default_rng([cfg.seed, PLAN_STREAM]), step=0)
+    lengths = GroupLengths.of(cfg, cfg.seed)
+    groups = [lengths(g) for g in range(w.prompts_per_step)]
+    p = np.repeat(np.array([prompt for prompt, _ in groups], dtype=np.int64), w.group_size)
+    r = np.array([n for _, targets in groups for n in targets], dtype=np.int64)
+    return p, r
+
+
+def consumption_order(prompt_lens, response_lens, group_size: int) -> np.ndarray:
+    """The order in which the trainer will see the batch's samples: groups in the order they are expected to
+    complete (a group is done when its longest response is; generation of one step's groups starts together),
+    each group's responses in order. Returns sample indices."""
+    p, r = np.asarray(prompt_lens), np.asarray(response_lens)
+    n_groups = p.size // group_size
+    longest = r.reshape(n_groups, group_size).max(axis=1) + p.reshape(n_groups, group_size)[:, 0]
+    groups = np.argsort(longest, kind="stable")
+    return (groups[:, None] * group_size + np.arange(group_size)[None, :]).reshape(-1)
 
 
 # --------------------------------------------------------------------------------------------------
 
-def plan(config, *, progress: bool = False) -> Plan:
+def plan(config, *, progress: bool = False, hardware=None) -> Plan:
     """Algorithm 1 on ``config`` (a JobConfig, a YAML path, an example name or a mapping); see module doc.
+    ``hardware`` replaces the config's hardware preset (a :class:`~bidirl.presets.HardwareSpec`, e.g. while a
+    calibration tries knob values).
 
     Raises :class:`~bidirl.config.ConfigError` when no replica fits the budget (``cluster.gpus``), no
     candidate is compatible, or a fixed ``cluster.partition`` is not a compatible candidate.
@@ -251,9 +273,9 @@ def plan(config, *, progress: bool = False) -> Plan:
     if G < 2:
         raise ConfigError("cluster.gpus", f"{G} GPU cannot be split into a rollout and a trainer pool",
                           "use at least 2 GPUs")
-    rho_r, rho_t, needs = min_feasible_layouts(cfg)
-    rollout = RolloutModel(cfg.model_spec, cfg.hardware_spec, tp=rho_r)
-    trainer = TrainerModel(cfg.model_spec, cfg.hardware_spec, layout=rho_t)
+    rho_r, rho_t, needs = min_feasible_layouts(cfg, hardware)
+    predictor = StagePredictor.from_config(cfg, rho_r, rho_t, hardware)
+    rollout, trainer = predictor.rollout, predictor.trainer
     p, r = representative_batch(cfg)
     stages = cfg.rl.stages
     w = cfg.workload
@@ -272,18 +294,14 @@ def plan(config, *, progress: bool = False) -> Plan:
     if progress:
         from tqdm.auto import tqdm
         todo = tqdm(todo, desc="stage times", unit="model")
-    # Pre-sorting the batch the way the models' balanced partition visits it (heaviest first, stable) gives
-    # the same assignment for every d and makes each model call's sort a linear pass over sorted data.
+    # rollout: groups dispatched in group-id order; trainer: samples consumed in completion order
     g = w.group_size
-    group_order = np.argsort(-(p + r).reshape(n_groups, g).sum(axis=1), kind="stable")
-    p_r = p.reshape(n_groups, g)[group_order].reshape(-1)
-    r_r = r.reshape(n_groups, g)[group_order].reshape(-1)
-    sample_order = np.argsort(-(p + r), kind="stable")
-    p_t, r_t = p[sample_order], r[sample_order]
+    order = consumption_order(p, r, g)
+    p_t, r_t = p[order], r[order]
     times = {}
     for kind, d in todo:
         if kind == "r":
-            times[kind, d] = rollout.stage_time(p_r, r_r, d, g)
+            times[kind, d] = rollout.stage_time(p, r, d, g)
         else:
             times[kind, d] = trainer.stage_time(p_t, r_t, d, cfg.rl.micro_batch_per_device, stages)
     t_r = np.array([times["r", int(d)] if d > 0 else math.inf for d in cap_r], dtype=float)
@@ -334,3 +352,18 @@ def plan(config, *, progress: bool = False) -> Plan:
                    rollout_rate=float(lam_r[idx]), trainer_rate=float(lam_t[idx]),
                    rollout_model=rollout, trainer_model=trainer)
     return Plan(cfg, env, sweep, needs, (p, r), stages, fixed)
+
+
+def predict_stage_times(plan: Plan, prompt_lens, response_lens, consumed=None) -> tuple:
+    """``(M_r, M_t)`` in seconds of one batch on the envelope's replicas, with the planner's models.
+
+    ``prompt_lens`` / ``response_lens`` hold ``group_size`` requests per group, laid out group after group in the
+    order the groups are dispatched to the rollout replicas (group-id order); ``consumed`` is the order in which
+    the trainer sees the samples (indices; default :func:`consumption_order`)."""
+    env, cfg = plan.envelope, plan.config
+    p, r = np.asarray(prompt_lens), np.asarray(response_lens)
+    order = consumption_order(p, r, cfg.workload.group_size) if consumed is None else np.asarray(consumed)
+    t_r = env.rollout_model.stage_time(p, r, env.rollout_replicas, cfg.workload.group_size)
+    t_t = env.trainer_model.stage_time(p[order], r[order], env.trainer_replicas, cfg.rl.micro_batch_per_device,
+                                       plan.stages)
+    return float(t_r), float(t_t)

@@ -18,6 +18,9 @@ from typing import Optional
 
 import yaml
 
+from bidirl.perf.params import (DECODE_TOKEN_OVERHEAD, KERNEL_OVERHEAD_PER_LAYER, KNOBS, SCHEDULER_OVERHEAD,
+                                check_knob, check_stage_params)
+
 
 class PresetError(ValueError):
     """An unknown or malformed preset. ``fix`` says what to do about it."""
@@ -73,6 +76,12 @@ class HardwareSpec:
     ``measured_switch_costs`` maps a model name to the two borrowing directions' measured costs
     (the paper's Table 3 for A6000). Other models get costs derived from state sizes and link
     bandwidths by :func:`bidirl.perf.costs.derive_switch_costs`.
+
+    The efficiency factors and the three overhead knobs (``kernel_overhead_per_layer``,
+    ``scheduler_overhead``, ``decode_token_overhead``; defaults in :mod:`bidirl.perf.params`) are what the
+    stage-time models' priors are built from and what ``bidirl calibrate`` fits to measured records.
+    ``stage_params`` optionally carries fitted appendix parameters per model (validated by
+    :func:`bidirl.perf.params.check_stage_params`); they replace the knob-derived priors for that model.
     """
     name: str
     memory_bytes: float
@@ -88,7 +97,16 @@ class HardwareSpec:
     memory_utilization: float = 0.9   # share of memory usable by one engine
     measured_switch_costs: dict = field(default_factory=dict)
     measured_weight_sync: dict = field(default_factory=dict)
+    kernel_overhead_per_layer: float = KERNEL_OVERHEAD_PER_LAYER   # s per layer per trainer pass / prefill wave
+    scheduler_overhead: float = SCHEDULER_OVERHEAD                 # s per prefill wave / decode iteration
+    decode_token_overhead: float = DECODE_TOKEN_OVERHEAD           # s per running sequence per decode iteration
+    stage_params: dict = field(default_factory=dict)               # model -> fitted appendix parameters
+    switch_model: dict = field(default_factory=dict)               # fitted constants of bidirl.perf.costs
     sources: tuple = ()
+
+    def knobs(self) -> dict:
+        """The calibratable knobs (:data:`bidirl.perf.params.KNOBS`) and their values."""
+        return {k: float(getattr(self, k)) for k in KNOBS}
 
     def switch_costs(self, direction: str, model: ModelSpec):
         from bidirl.config import SwitchCosts
@@ -140,14 +158,23 @@ def names(kind: str) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def _load(kind: str, name: str, root: str):
-    cls = _KINDS[kind]
     path = Path(root) / "presets" / kind / f"{name}.yaml"
     if not path.exists():
         known = names(kind)
         close = difflib.get_close_matches(name, known, n=1)
         fix = f"did you mean '{close[0]}'?" if close else f"use one of: {', '.join(known)}"
         raise PresetError(f"unknown {kind[:-1] if kind != 'hardware' else kind} preset {name!r}", fix)
-    raw = yaml.safe_load(path.read_text()) or {}
+    return _load_file(_KINDS[kind], path, name)
+
+
+def _load_file(cls, path: Path, name: str):
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise PresetError(f"{path.name}: not valid YAML ({exc})", f"fix the syntax of {path}") from None
+    if not isinstance(raw, dict):
+        raise PresetError(f"{path.name}: must be a mapping of preset fields, got {type(raw).__name__}",
+                          f"write {path} as 'key: value' lines")
     allowed = {f.name for f in fields(cls)}
     unknown = set(raw) - allowed
     if unknown:
@@ -155,6 +182,8 @@ def _load(kind: str, name: str, root: str):
     raw.setdefault("name", name)
     if "sources" in raw:
         raw["sources"] = tuple(raw["sources"])
+    if cls is HardwareSpec:
+        _check_hardware(raw, path)
     hints = typing.get_type_hints(cls)
     for key, value in raw.items():
         if hints[key] in (float, int) and not isinstance(value, (int, float)):
@@ -165,12 +194,63 @@ def _load(kind: str, name: str, root: str):
         raise PresetError(f"{path.name}: {exc}", "add the missing keys") from None
 
 
+def load_hardware_file(path: "str | Path") -> HardwareSpec:
+    """A hardware preset read from ``path`` (named after the file), with the checks of :func:`hardware`.
+
+    To use it in a job config, put it in ``data/presets/hardware/`` (or a ``BIDIRL_DATA`` folder) and name it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise PresetError(f"{path}: no such hardware preset file", "pass the path of a .yaml preset")
+    return _load_file(HardwareSpec, path, path.stem)
+
+
+def _check_hardware(raw: dict, path: Path) -> None:
+    """Knob ranges and the ``stage_params`` block of a hardware preset (in place: normalised values)."""
+    for key in KNOBS:
+        if key in raw:
+            try:
+                raw[key] = check_knob(key, raw[key])
+            except ValueError as exc:
+                raise PresetError(f"{path.name}: {exc}",
+                                  f"set {key} in {path} to a value in that range (efficiency factors are fractions "
+                                  "of peak, overheads seconds), or re-run `bidirl calibrate`") from None
+    if "switch_model" in raw:
+        from bidirl.perf.costs import check_switch_model
+        try:
+            raw["switch_model"] = check_switch_model(raw["switch_model"] or {})
+        except ValueError as exc:
+            raise PresetError(f"{path.name}: {exc}", f"fix switch_model in {path} or drop it to use the "
+                              "documented defaults of bidirl.perf.costs") from None
+    if "stage_params" in raw:
+        try:
+            raw["stage_params"] = check_stage_params(raw["stage_params"] or {})
+        except ValueError as exc:
+            raise PresetError(f"{path.name}: {exc}",
+                              f"fix that entry of stage_params in {path} (see bidirl.perf.params), drop it to use "
+                              "the knob-derived priors, or re-run `bidirl calibrate`") from None
+
+
 def model(name: str) -> ModelSpec:
     return _load("models", name, str(data_dir()))
 
 
 def hardware(name: str) -> HardwareSpec:
+    """The hardware preset ``name`` (``data/presets/hardware/<name>.yaml``), or the preset file ``name`` when it
+    ends in ``.yaml`` (e.g. one written by ``bidirl calibrate``; relative paths are from the working folder)."""
+    if str(name).endswith(".yaml"):
+        path = Path(name).expanduser().resolve()
+        if not path.is_file():
+            raise PresetError(f"{name}: no such hardware preset file",
+                              "pass the path of a .yaml preset (e.g. one `bidirl calibrate` wrote) or a preset name: "
+                              + ", ".join(names("hardware")))
+        return _load_path(str(path), path.stat().st_mtime_ns)
     return _load("hardware", name, str(data_dir()))
+
+
+@functools.lru_cache(maxsize=32)
+def _load_path(path: str, mtime_ns: int) -> HardwareSpec:      # keyed by mtime: an edited file is re-read
+    return load_hardware_file(path)
 
 
 def workload(name: str) -> WorkloadStats:

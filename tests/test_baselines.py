@@ -19,9 +19,9 @@ def h100_partition(model: str, rollout: int):
 
 @pytest.fixture
 def dp_one_per_gpu(monkeypatch):
-    """Rollout data parallelism = rollout GPUs (TP 1), without consulting the planner."""
-    monkeypatch.setattr(B, "rollout_data_parallel",
-                        lambda cfg: cfg.cluster.partition.rollout if cfg.cluster.partition else cfg.cluster.gpus // 2)
+    """Trainer data parallelism = trainer GPUs, without consulting the planner."""
+    monkeypatch.setattr(B, "trainer_data_parallel",
+                        lambda cfg: cfg.cluster.partition.trainer if cfg.cluster.partition else cfg.cluster.gpus // 2)
 
 
 def test_registry_shape():
@@ -29,9 +29,14 @@ def test_registry_shape():
     for name, base in BASELINES.items():
         assert base.name == name
         assert base.version and any(v in base.version for v in ("v0.7.1", "v1.0.3", "v0.2.1"))
-        assert base.policy == "no-borrow"
         assert base.colocated == (name == "verl-colocated")
         assert len(base.rules) >= 3 and all(isinstance(r, str) and len(r) > 40 for r in base.rules)
+        assert base.not_modelled and all(isinstance(r, str) and len(r) > 40 for r in base.not_modelled)
+        policy = base.policy_for(base.adapt(a6000(**{"rl.staleness": 0 if base.colocated else 1})))
+        assert policy.name == name and not policy.rollout_on_trainer_pool and not policy.trainer_on_rollout_pool
+    # each modelled mechanism cites the file and function it follows
+    for name in ("verl-async", "areal", "roll"):
+        assert all(".py" in r or ".yaml" in r or "paper" in r for r in BASELINES[name].rules), name
     # every name is a policy the config accepts
     for name in BASELINES:
         assert name in cfgmod.POLICIES
@@ -88,24 +93,44 @@ def test_areal_marks_only_the_16_16_point_with_the_real_planner():
         assert marks == {8: False, 16: True, 24: False}, model
 
 
-@pytest.mark.parametrize("s,ok", [(0, True), (0.5, False), (0.9, False), (1, True), (1.5, False), (2, True),
+@pytest.mark.parametrize("s,ok", [(0, True), (0.5, False), (0.9, False), (1, True), (1.5, True), (2, True),
                                   (4, True)])
 def test_roll_staleness_rules(s, ok):
+    """ROLL asserts async_generation_ratio ≥ 1 (0 = synchronous); a non-integer ratio ≥ 1 passes its code."""
     base = BASELINES["roll"]
     reason = base.supports(a6000(**{"rl.staleness": s}))
     assert (reason is None) == ok
     if ok:
         cfg = base.adapt(a6000(**{"rl.staleness": s}))
-        assert cfg.rl.staleness == s and cfg.rl.partial_rollout is False
+        assert cfg.rl.staleness == s and cfg.rl.partial_rollout is True
+        # the per-step trainer offload/reload rides on the weight-sync path
+        assert cfg.weight_sync_time() > a6000().weight_sync_time()
     else:
         assert "async_generation_ratio" in reason
 
 
+def test_the_modelled_systems_form_batches_and_admit_work_their_own_way():
+    from bidirl.sim import simulate
+    cfg = a6000(**{"rl.staleness": 1})
+    verl = BASELINES["verl-async"].policy_for(cfg)
+    areal = BASELINES["areal"].policy_for(cfg)
+    roll = BASELINES["roll"].policy_for(cfg)
+    assert (verl.batch_rule, areal.batch_rule, roll.batch_rule) == ("completion", "submission", "oldest-first")
+    assert areal.max_in_flight == cfg.workload.prompts_per_step and roll.drop_stale
+    assert verl.max_in_flight == 16 * B.rollout_replicas(cfg)
+    runs = {name: simulate(cfg, name, steps=6, seed=0).summary() for name in ("verl-async", "areal", "roll")}
+    for name, s in runs.items():
+        assert s["policy"] == name and s["samples"]["lost"] == 0 and s["samples"]["duplicated"] == 0
+        assert s["borrows"]["rollout_on_trainer_pool"] == s["borrows"]["trainer_on_rollout_pool"] == 0
+    # the mechanisms change the timeline: the three systems no longer draw one bar
+    assert len({round(s["throughput"], 6) for s in runs.values()}) == 3
+
+
 def test_adapt_returns_a_validated_copy():
-    cfg = a6000(**{"rl.staleness": 2})
+    cfg = a6000(**{"rl.staleness": 2, "rl.partial_rollout": False})
     out = BASELINES["roll"].adapt(cfg)
     assert out is not cfg and isinstance(out, cfgmod.JobConfig)
-    assert cfg.rl.partial_rollout is True            # the original is untouched
+    assert cfg.rl.partial_rollout is False and out.rl.partial_rollout is True   # the original is untouched
     assert out.cluster == cfg.cluster and out.workload == cfg.workload
 
 

@@ -11,7 +11,7 @@ SMALL = {
     "cluster": {"gpus": 8, "gpus_per_node": 8, "placement": "any", "partition": [2, 6]},
     "workload": {"dataset": "geo3k", "prompts_per_step": 32, "group_size": 8, "max_response_len": 1024, "steps": 3},
     "rl": {"staleness": 0, "micro_batch_per_device": 2},
-    "scheduler": {"policy": "bidirl", "max_chunk": 2},
+    "scheduler": {"policy": "bidirl"},
 }
 
 

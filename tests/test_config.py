@@ -23,7 +23,7 @@ def base(**sections) -> dict:
         "workload": {"dataset": "geo3k", "prompts_per_step": 64, "group_size": 8,
                      "max_response_len": 2048, "steps": 20},
         "rl": {"staleness": 1.0, "partial_rollout": True, "micro_batch_per_device": 4},
-        "scheduler": {"policy": "bidirl", "max_chunk": 4, "tail_window": 2},
+        "scheduler": {"policy": "bidirl", "tail_window": 2, "chunks_in_flight": 2},
         "seed": 0,
     }
     for key, value in sections.items():
@@ -292,11 +292,15 @@ def test_unknown_policy_suggests_close_match():
            fix_contains="did you mean 'bidirl'?")
 
 
+def test_a_removed_key_names_its_replacement():
+    raises(base(scheduler={"max_chunk": 4}), "scheduler.max_chunk", fix_contains="rl.micro_batch_per_device")
+
+
 def test_unknown_policy_without_close_match_lists_policies():
     raises(base(scheduler={"policy": "zzzzzz"}), "scheduler.policy", fix_contains="no-borrow")
 
 
-@pytest.mark.parametrize("key", ["max_chunk", "tail_window"])
+@pytest.mark.parametrize("key", ["chunks_in_flight", "tail_window"])
 @pytest.mark.parametrize("value", [0, -1])
 def test_scheduler_counts_must_be_positive(key, value):
     raises(base(scheduler={key: value}), f"scheduler.{key}", contains="> 0")
@@ -456,3 +460,39 @@ def test_directly_built_config_is_type_checked():
 def test_missing_path_with_a_folder_does_not_fall_back_to_an_example(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         C.load(str(tmp_path / "nowhere" / "tiny-cpu.yaml"))
+
+
+# --------------------------------------------------------------------------------------------------
+# engine-run inputs: the data file and the reward function
+# --------------------------------------------------------------------------------------------------
+
+def test_data_file_and_reward_default_to_the_built_in_task():
+    cfg = C.load(base())
+    assert cfg.workload.data_file is None and cfg.rl.reward == "exact"
+
+
+@pytest.mark.parametrize("reward", ["exact", "last_number", "boxed", "my_rewards:score", "rewards/gsm8k.py",
+                                    "rewards/gsm8k.py:compute_score"])
+def test_reward_specs_are_accepted_without_touching_the_file_system(reward):
+    assert C.load(base(rl={"reward": reward})).rl.reward == reward
+
+
+@pytest.mark.parametrize("reward,contains", [("exat", "did you mean 'exact'?"), ("gsm8k", "not a built-in reward"),
+                                             ("mod:", "not a Python function name"), ("", "expected a reward name")])
+def test_a_bad_reward_spec_names_the_field_and_the_forms(reward, contains):
+    raises(base(rl={"reward": reward}), "rl.reward", contains=contains, fix_contains="module:function")
+
+
+def test_a_reward_must_be_text():
+    raises(base(rl={"reward": 1}), "rl.reward", contains="expected a name")
+
+
+@pytest.mark.parametrize("path", ["data/train.parquet", "/abs/train.jsonl"])
+def test_data_files_are_parquet_or_jsonl(path):
+    assert C.load(base(workload={"data_file": path})).workload.data_file == path
+
+
+@pytest.mark.parametrize("path", ["train.csv", "train.json", " "])
+def test_other_data_files_are_refused(path):
+    raises(base(workload={"data_file": path}), "workload.data_file", contains="is not a .parquet or .jsonl file",
+           fix_contains="veRL's layout")

@@ -19,10 +19,17 @@ A0, A1 = P.rollouter(P.TRAINER_POOL, 0), P.rollouter(P.TRAINER_POOL, 1)
 
 
 class LinearPredictor:
-    """Rollout: 10 ms per response token spread over the replicas; trainer: 1 ms per token per replica."""
+    """Rollout: 10 ms per response token spread over the replicas (prefill free); trainer: 1 ms per token per
+    replica."""
 
     def rollout_time(self, prompt_lens, response_lens, d):
         return 0.01 * float(np.sum(response_lens)) / d
+
+    def replica_time(self, context, remaining, prefill):
+        return 0.01 * float(np.sum(remaining))
+
+    def iteration_time(self, context):
+        return 0.01
 
     def chunk_time(self, stage, prompt_lens, response_lens, d):
         return 0.001 * float(np.sum(prompt_lens) + np.sum(response_lens)) / d
@@ -80,43 +87,40 @@ def test_rollout_on_trainer_pool_admitted_dispatched_and_revoked_when_the_batch_
     # the run-ahead bound admits (v + 1 + s)·B = 8 groups, dealt to the least-loaded primary rollouter
     placed = where(out)
     assert sorted(placed) == list(range(8)) and set(placed.values()) == {R0, R1}
-    # the trainer pool idles (no batch yet): Eq. 3 with a load of 8 groups, Q_r = 4, d_p = d_a = 2
+    # the trainer pool idles (no batch yet): the gate on the work the batch waits for, Q_r = 4 groups (0-3) of
+    # 2 × 100 expected tokens, two on each primary beside two run-ahead groups that share its iterations up to
+    # the needed groups' last token: T_no = 4 × 200 tokens × 10 ms = 8 s. Eq. 4 moves Q_a = 2 needed groups (one
+    # per auxiliary: 2 s); each primary keeps one needed group and its load: 6 s, after C_in drained 0.1 / 8.
     (decided,) = of(P.Decided, out)
     d = decided.decision
     assert d.direction == ROT and d.admitted and d.detail["deficit"] == 4 and d.detail["load"] == 8
-    assert d.predicted_gain == pytest.approx(8 - 6) and d.cost == pytest.approx(0.2)   # M_r(8,2) − M_r(6,2)
+    assert d.detail["t_no"] == pytest.approx(8.0) and d.detail["t_joint"] == pytest.approx(6.0 * (1 - 0.1 / 8))
+    assert d.predicted_gain == pytest.approx(8.0 - 6.0 * (1 - 0.1 / 8)) and d.cost == pytest.approx(0.2)
     assert of(P.Switch, out) == [P.Switch(P.TRAINER_POOL, P.ROLLOUT, ROT, "in", 0.1, 0)]
     assert c.view().leases[P.TRAINER_POOL] == "switching_in"
 
-    # dispatch (Eq. 4): Q_a = round(2/4 · 4) = 2 groups move from the primaries, latest admitted first
+    # dispatch (Eq. 4): Q_a = round(2/4 · 4) = 2 needed groups move off the primaries, least progress first
     out = c.handle(P.SwitchFinished(1.0, P.TRAINER_POOL, P.ROLLOUT, 0.1))
     interrupts = of(P.Interrupt, out)
     moved = sorted(g for i in interrupts for g in i.group_ids)
-    assert moved == [6, 7] and {i.worker for i in interrupts} == {placed[6], placed[7]}
+    assert moved == [2, 3] and {i.worker for i in interrupts} == {placed[2], placed[3]}
     resumed = []
     for i in interrupts:
         out = c.handle(P.GenerationStopped(1.5, i.worker, tuple(prefix(g) for g in i.group_ids)))
         resumed += [(g.worker, t.group_id, t.resume) for g in of(P.Generate, out) for t in g.tasks]
-    assert {w for w, _, _ in resumed} <= {A0, A1} and sorted(g for _, g, _ in resumed) == [6, 7]
+    assert {w for w, _, _ in resumed} == {A0, A1} and sorted(g for _, g, _ in resumed) == [2, 3]
     assert all(r is not None and r.generated == (3, 3) for _, _, r in resumed), "prefixes resume, never restart"
 
-    # the four oldest groups finish on the primaries: the batch is ready, so the lease is revoked
-    for g in range(3):
-        assert not of(P.Switch, c.handle(P.GroupFinished(2.0, placed[g], done_group(g))))
-    out = c.handle(P.GroupFinished(2.1, placed[3], done_group(3)))
-    revoke = of(P.Interrupt, out)
-    holders = {w for w, _, _ in resumed}
-    assert {i.worker for i in revoke} == holders and all(i.group_ids is None for i in revoke)
-    assert c.view().leases[P.TRAINER_POOL] == "revoking" and not of(P.StartStep, out)
-    # the auxiliaries hand back their prefixes; once all answered the pool switches back
-    for k, i in enumerate(revoke):
-        assert not of(P.Switch, out)
-        held = tuple(prefix(g, tokens=9) for w, g, _ in resumed if w == i.worker)
-        out = c.handle(P.GenerationStopped(2.2 + 0.1 * k, i.worker, held))
-    assert of(P.Switch, out) == [P.Switch(P.TRAINER_POOL, P.TRAINER, ROT, "out", 0.1, 0)]
-    # the returned prefixes go back to the primaries with their tokens
-    back = {t.group_id: t.resume for g in of(P.Generate, out) for t in g.tasks}
-    assert back[6].generated == (9, 9) and back[7].generated == (9, 9)
+    # the primaries finish their needed groups, one auxiliary its group; the batch still waits for the other one
+    aux_of = {g: w for w, g, _ in resumed}
+    for t, g, w in ((1.5, 0, placed[0]), (1.6, 1, placed[1]), (1.8, 2, aux_of[2])):
+        out = c.handle(P.GroupFinished(t, w, done_group(g)))
+        assert not of(P.Switch, out) and not of(P.StartStep, out)
+    assert c.view().leases[P.TRAINER_POOL] == "lent"
+    # the last needed group completes on its auxiliary: the batch is ready, the lease is revoked and, nothing of the
+    # auxiliaries running any more, the pool switches back to the trainer at once
+    out = c.handle(P.GroupFinished(2.1, aux_of[3], done_group(3)))
+    assert of(P.Switch, out) == [P.Switch(P.TRAINER_POOL, P.TRAINER, ROT, "out", 0.1, 0)] and not of(P.StartStep, out)
     out = c.handle(P.SwitchFinished(2.5, P.TRAINER_POOL, P.TRAINER, 0.2))
     (start,) = of(P.StartStep, out)
     assert [g.group_id for g in start.groups] == [0, 1, 2, 3] and start.version == 0
@@ -124,7 +128,9 @@ def test_rollout_on_trainer_pool_admitted_dispatched_and_revoked_when_the_batch_
     assert c.view().leases[P.TRAINER_POOL] == "primary"
 
 
-def test_rollout_on_trainer_pool_revoked_when_an_auxiliary_rollouter_dies():
+def test_rollout_on_trainer_pool_revoked_when_the_batch_is_ready_while_auxiliaries_still_generate():
+    """At s = 1 a batch may form from other complete groups of an allowed version: the auxiliaries are then
+    interrupted, hand their prefixes back and the pool returns to the trainer."""
     c = coordinator(staleness=1.0)
     placed = where(c.handle(P.Started(0.0)))
     out = c.handle(P.SwitchFinished(1.0, P.TRAINER_POOL, P.ROLLOUT, 0.1))
@@ -132,7 +138,35 @@ def test_rollout_on_trainer_pool_revoked_when_an_auxiliary_rollouter_dies():
     for i in of(P.Interrupt, out):
         for g in of(P.Generate, c.handle(P.GenerationStopped(1.5, i.worker, tuple(prefix(x) for x in i.group_ids)))):
             aux.update({t.group_id: g.worker for t in g.tasks})
-    dead = aux[6]
+    assert sorted(aux) == [2, 3]
+    # groups 0, 1 and the run-ahead groups 4, 5 complete on the primaries: four version-0 groups form the batch
+    for t, g in ((2.0, 0), (2.1, 1), (2.2, 4)):
+        assert not of(P.Interrupt, c.handle(P.GroupFinished(t, placed[g], done_group(g))))
+    out = c.handle(P.GroupFinished(2.3, placed[5], done_group(5)))
+    revoke = of(P.Interrupt, out)
+    assert {i.worker for i in revoke} == set(aux.values()) and c.view().leases[P.TRAINER_POOL] == "revoking"
+    back = {}
+    for k, i in enumerate(revoke):
+        assert not of(P.Switch, out)
+        out = c.handle(P.GenerationStopped(2.4 + 0.1 * k, i.worker,
+                                           tuple(prefix(g, tokens=9) for g, w in aux.items() if w == i.worker)))
+        back.update({t.group_id: (g.worker, t.resume) for g in of(P.Generate, out) for t in g.tasks})
+    assert of(P.Switch, out) == [P.Switch(P.TRAINER_POOL, P.TRAINER, ROT, "out", 0.1, 0)]
+    # the prefixes resume on the primaries, never regenerated; once the pool is back the step starts
+    assert {back[2][0], back[3][0]} <= {R0, R1} and back[2][1].generated == (9, 9)
+    (start,) = of(P.StartStep, c.handle(P.SwitchFinished(2.8, P.TRAINER_POOL, P.TRAINER, 0.2)))
+    assert sorted(g.group_id for g in start.groups) == [0, 1, 4, 5]
+
+
+def test_rollout_on_trainer_pool_revoked_when_an_auxiliary_rollouter_dies():
+    c = coordinator(staleness=1.0)
+    c.handle(P.Started(0.0))
+    out = c.handle(P.SwitchFinished(1.0, P.TRAINER_POOL, P.ROLLOUT, 0.1))
+    aux = {}
+    for i in of(P.Interrupt, out):
+        for g in of(P.Generate, c.handle(P.GenerationStopped(1.5, i.worker, tuple(prefix(x) for x in i.group_ids)))):
+            aux.update({t.group_id: g.worker for t in g.tasks})
+    dead = aux[2]
     out = c.handle(P.WorkerFailed(2.0, dead, "actor died"))
     resumed = {t.group_id: g.worker for g in of(P.Generate, out) for t in g.tasks}
     # the lease is revoked: surviving auxiliaries holding groups are interrupted, then the pool is given back

@@ -1,10 +1,12 @@
-"""The real engines on CPU: vLLM rollout (in-process), torch trainer, DP over gloo, Ray actor wrappers.
+"""The real engines on CPU: vLLM rollout (in-process), torch trainer, FSDP2 gangs over gloo, Ray actor wrappers.
 
 Integration tests (``-m integration``): they load vLLM, spawn processes and start a local Ray. The tiny
 model is created and warm-started once per session into a temporary cache (or ``$BIDIRL_CACHE`` when
 set); one vLLM engine is shared by the in-process tests, which reset its weights where they change them.
 Tolerances: fp32 throughout; vLLM's sampled-token log-probs and the trainer's recomputed ones agree to
-max |Δ| ≤ 1e-4 (measured ~2e-6); DP=2 and DP=1 updates agree to 1e-6.
+max |Δ| ≤ 1e-4 (measured ~2e-6), for both built-in architectures (Qwen2 with a tied head, Llama with an untied
+one); a two-rank FSDP2 gang and one process agree to 1e-6 on the gradient and 1e-5 on the updated weights
+(``tests/test_trainer_fsdp.py`` has the multi-step comparison).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from bidirl.rl.bootstrap import ensure_tiny_model
 from bidirl.rl.loop import requests_for, run_grpo
 from bidirl.rl.samples import Sample, samples_from_groups
 from bidirl.rl.tasks import ArithmeticTask
+from bidirl.rl.tiny_model import TINY_LLAMA
 
 pytestmark = pytest.mark.integration
 # checked without importing vllm: the DP test's spawned workers import this module and must stay light
@@ -62,6 +65,32 @@ def fresh(engine, initial_state):
     return engine
 
 
+@pytest.fixture(scope="module")
+def llama_dir(model_dir):
+    """The built-in tiny Llama (untied head, no biases), built and warm-started once beside the Qwen2 model."""
+    return ensure_tiny_model(cache_dir=model_dir.parent, cfg=TINY_LLAMA)
+
+
+@pytest.fixture(scope="module")
+def llama_engine(llama_dir):
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("the rollout engine needs vllm (pip install -e .[cpu])")
+    eng = RolloutEngine(llama_dir, seed=0, max_model_len=32, reward_fn=TASK.reward)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(params=["qwen2", "llama"])
+def synced(request, fresh, model_dir):
+    """(engine, model folder) of each built-in architecture, the engine at the checkpoint's weights."""
+    if request.param == "qwen2":
+        return fresh, model_dir
+    engine, folder = request.getfixturevalue("llama_engine"), request.getfixturevalue("llama_dir")
+    engine.interrupt()
+    engine.load_weights(TrainerEngine(folder).state_dict(), version=0)
+    return engine, folder
+
+
 def _requests(engine, n, start=0, group_size=4, max_tokens=8, **kw):
     return [GroupRequest(p.index, tuple(engine.tokenizer(p.text)["input_ids"]), group_size, max_tokens, p.answer, **kw)
             for p in TASK.prompts(n, start)]
@@ -80,7 +109,8 @@ def test_warm_started_model_is_partly_right(model_dir):
     assert ensure_tiny_model(cache_dir=model_dir.parent) == model_dir     # cached: same folder, no rebuild
 
 
-def test_vllm_logprobs_match_the_trainer_after_weight_sync(fresh, model_dir):
+def test_vllm_logprobs_match_the_trainer_after_weight_sync(synced):
+    fresh, model_dir = synced
     trainer = TrainerEngine(model_dir, lr=3e-4, threads=1)
     groups = fresh.generate(_requests(fresh, 8))
     samples = samples_from_groups(groups)
@@ -95,6 +125,30 @@ def test_vllm_logprobs_match_the_trainer_after_weight_sync(fresh, model_dir):
     assert _max_diff(after, trainer.logprobs(after)) <= LOGPROB_TOL
     stale = TrainerEngine(model_dir)                                 # the pre-update weights
     assert _max_diff(after, stale.logprobs(after)) > 10 * LOGPROB_TOL
+
+
+def test_weight_sync_takes_wrapped_names_and_refuses_another_models_weights(fresh, model_dir, llama_dir,
+                                                                           initial_state):
+    from bidirl.cluster.engines.checkpoint import checkpoint_shapes
+    assert "lm_head.weight" not in checkpoint_shapes(model_dir)      # the tied head is stored once
+    assert "lm_head.weight" in checkpoint_shapes(llama_dir)          # the Llama's is its own
+    trainer = TrainerEngine(model_dir, lr=3e-4, threads=1)
+    samples = samples_from_groups(fresh.generate(_requests(fresh, 4)))
+    trainer.apply([trainer.chunk_gradients(samples, [1.0, -1.0, 0.5, -0.5] * 4, trainer.logprobs(samples))])
+    # names as a compiled, data-parallel wrapper would give them, tied head left out: mapped to checkpoint names
+    wrapped = {f"module._orig_mod.{k}": v for k, v in trainer.state_dict().items() if k != "lm_head.weight"}
+    fresh.load_weights(wrapped, version=1)
+    after = samples_from_groups(fresh.generate(_requests(fresh, 8, start=100)))
+    assert _max_diff(after, trainer.logprobs(after)) <= LOGPROB_TOL     # the tied head was refreshed too
+    llama_state = TrainerEngine(llama_dir).state_dict()
+    with pytest.raises(ValueError, match=r"do not match the checkpoint: missing names \['model.layers.0.self_attn"):
+        fresh.load_weights(llama_state)
+    bad = dict(initial_state, **{"model.norm.weight": torch.zeros(7)})
+    with pytest.raises(ValueError, match=r"shape mismatches \['model.norm.weight \(7,\) != \(128,\)'\]"):
+        fresh.load_weights(bad)
+    with pytest.raises(ValueError, match="missing keys"):
+        trainer.load_state_dict(llama_state)
+    assert fresh.version == 1                                            # nothing was loaded by the refused calls
 
 
 def test_same_seeds_give_the_same_tokens(fresh):
@@ -270,7 +324,7 @@ def test_short_grpo_loop_raises_the_mean_reward(fresh, model_dir):
 
 
 # --------------------------------------------------------------------------------------------------
-# data parallelism over gloo: DP=2 equals DP=1 on the same samples
+# a sharded gang over gloo: two FSDP2 ranks equal one process on the same samples
 # --------------------------------------------------------------------------------------------------
 
 def _free_port() -> int:
@@ -298,9 +352,10 @@ def _dp_worker(rank, world, addr, model_dir, out_dir):
         adv = grpo.group_advantages([s.reward for s in samples], group_size=4).float()
         old = trainer.logprobs(samples)
         shard = slice(rank * 4, rank * 4 + 4)
-        grad = trainer.chunk_gradients(samples[shard], adv[shard], old[shard])      # normaliser summed over DP
+        grad = trainer.chunk_gradients(samples[shard], adv[shard], old[shard])      # normaliser summed over the gang
+        full = trainer.full_gradient(grad.flat)                                      # this rank's shard, gathered
         trainer.apply([grad])
-        torch.save({"grad": grad.flat, "state": trainer.state_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save({"grad": full, "state": trainer.state_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         trainer.destroy_process_group()
 
@@ -321,8 +376,9 @@ def test_dp2_over_gloo_matches_dp1(model_dir, tmp_path):
     ref.apply(parts)                               # DP=1 accumulating the same two micro-batches
     for r in ranks:
         torch.testing.assert_close(r["grad"], full.flat, atol=1e-6, rtol=0)
-        for k, v in ref.state_dict().items():
-            torch.testing.assert_close(r["state"][k], v, atol=1e-6, rtol=0)
+    assert ranks[1]["state"] == {}                 # the gathered weights go to rank 0 only
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][k], v, atol=1e-5, rtol=0)
     assert any(not torch.equal(ranks[0]["state"][k], v) for k, v in TrainerEngine(model_dir).state_dict().items())
 
 

@@ -1,5 +1,6 @@
 """The scheduler's decisions as pure functions (bidirl.core.gates; paper §5.2 Eq. 3-4, Algorithm 2)."""
 
+import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
@@ -21,33 +22,62 @@ def test_rollout_dispatch_never_exceeds_the_deficit(q, d_p, d_a):
     assert 0 <= q_a <= q
 
 
-def m_linear(groups, d):
-    """1 s per group per replica: M_r(n, d) = n / d."""
-    return groups / d
+def test_expected_remaining_is_the_conditional_mean_over_the_sample():
+    sample = np.array([10, 20, 30, 40])
+    np.testing.assert_allclose(gates.expected_remaining([0, 15, 35, 50, 5], [False] * 4 + [True], sample),
+                               [25.0, 30.0 - 15.0, 5.0, 1.0, 0.0])
+    assert gates.expected_remaining([3], [False], np.array([])).tolist() == [0.0]
 
 
-def test_rollout_gate_is_eq3_when_the_load_is_the_deficit():
-    costs = SwitchCosts(0.5, 0.5)
-    g = gates.rollout_gate(m_linear, deficit=8, load=8, d_p=2, d_a=2, costs=costs)
-    # M_r(8, 2) − max(M_r(4, 2), M_r(4, 2)) = 4 − 2 = M_r(8, 2) − M_r(8, 4)
-    assert g.t_primary == 4 and g.t_joint == 2 and g.gain == 2 and g.q_a == 4 and g.cost == 1.0
-    assert g.gain == pytest.approx(m_linear(8, 2) - m_linear(8, 4))
-    assert g.admitted
+def tokens(context, remaining, prefill):
+    """A replica decodes 10 tokens per second (per request, summed) and prefills 100 context tokens per second."""
+    return float(np.sum(remaining)) / 10 + float(np.sum(np.asarray(context)[np.asarray(prefill, bool)])) / 100
 
 
-def test_rollout_gate_counts_run_ahead_load_on_the_primaries():
-    g = gates.rollout_gate(m_linear, deficit=4, load=12, d_p=2, d_a=2, costs=SwitchCosts(0.4, 0.4))
-    # primaries keep 12 − 2 groups; the auxiliaries take Q_a = 2
-    assert g.load == 12 and g.q_a == 2 and g.t_primary == 6 and g.t_joint == 5 and g.admitted
-    # a load below the deficit counts as the deficit
-    assert gates.rollout_gate(m_linear, deficit=4, load=1, d_p=2, d_a=2, costs=SwitchCosts(0, 0)).load == 4
+def fresh(gid, worker, needed=True, size=2):
+    return gates.GroupWork(gid, worker, 0, (0,) * size, (False,) * size, needed, (0, -gid))
 
 
-def test_rollout_gate_rejects_a_window_shorter_than_the_switch_and_opportunistic_takes_it():
-    costs = SwitchCosts(1.5, 1.5)
-    g = gates.rollout_gate(m_linear, deficit=8, load=8, d_p=2, d_a=2, costs=costs)
-    assert g.gain == 2 and not g.admitted
-    assert gates.rollout_gate(m_linear, deficit=8, load=8, d_p=2, d_a=2, costs=costs, gated=False).admitted
+SAMPLE = np.full(64, 50.0)       # every response is 50 tokens long
+
+
+def test_rollout_gate_is_eq3_for_fresh_groups_without_other_load():
+    # 4 needed groups on 2 primaries: T_no = 2 groups × 2 × 50 tokens / 10 = 20 s; Eq. 4 moves 2 of them to the
+    # 2 auxiliaries (10 s each), the primaries keep one each (10 s): T_joint = 10 s = M_r(4, 4)
+    groups = [fresh(0, "p0"), fresh(1, "p1"), fresh(2, "p0"), fresh(3, "p1")]
+    g = gates.rollout_gate(groups, ["p0", "p1"], 2, gates.rollout_dispatch(4, 2, 2), tokens, SAMPLE,
+                           SwitchCosts(0.0, 0.5))
+    assert g.t_primary == pytest.approx(20.0) and g.t_joint == pytest.approx(10.0) and g.q_a == 2
+    assert g.gain == pytest.approx(10.0) and g.cost == 0.5 and g.admitted
+
+
+def test_rollout_gate_charges_run_ahead_load_up_to_the_last_needed_token_and_drains_during_c_in():
+    # each primary carries one needed group and three run-ahead groups that share its iterations while the
+    # needed one runs: T_no = (100 + 3 × 100 capped tokens) / 10 = 40 s
+    groups = [fresh(0, "p0"), fresh(1, "p1")] + [fresh(g, "p0" if g % 2 else "p1", needed=False) for g in range(2, 8)]
+    costs = SwitchCosts(c_in=4.0, c_out=1.0)
+    g = gates.rollout_gate(groups, ["p0", "p1"], 2, 1, tokens, SAMPLE, costs)
+    assert g.t_primary == pytest.approx(40.0)
+    # one needed group (the latest admitted) moves: 10 s on an auxiliary, but the other primary still runs its
+    # needed group beside its load (40 s); C_in / T_no = 10 % of the work is done before the auxiliaries start
+    assert g.t_joint == pytest.approx(0.9 * 40.0) and g.gain == pytest.approx(4.0) and not g.admitted
+    # the opportunistic ablation borrows anyway
+    assert gates.rollout_gate(groups, ["p0", "p1"], 2, 1, tokens, SAMPLE, costs, gated=False).admitted
+
+
+def test_rollout_gate_knows_progress_prefill_and_parked_groups():
+    half = gates.GroupWork(0, "p0", 10, (30, 30), (False, False), True, (0, 0))
+    done_one = gates.GroupWork(1, "p0", 10, (50, 30), (True, False), True, (0, -1))
+    parked = gates.GroupWork(2, None, 10, (40, 40), (False, False), True, (0, -2))
+    g = gates.rollout_gate([half, done_one, parked], ["p0", "p1"], 1, 0, tokens, SAMPLE, SwitchCosts(0.0, 0.0))
+    # p0 still needs 2 × 20 + 20 tokens = 6 s; the parked group resumes on the idle p1: 2 × 10 tokens after a
+    # prefill of its 2 × 50 context tokens = 2 + 1 s
+    assert g.t_primary == pytest.approx(6.0)
+    g = gates.rollout_gate([parked], ["p0", "p1"], 1, 0, tokens, SAMPLE, SwitchCosts(0.0, 0.0))
+    assert g.t_primary == pytest.approx(3.0)
+    # nothing the batch waits for: nothing to gain
+    assert not gates.rollout_gate([fresh(5, "p0", needed=False)], ["p0"], 1, 1, tokens, SAMPLE,
+                                  SwitchCosts(0.0, 0.0)).admitted
 
 
 def test_chunk_runs_never_cross_a_stage_and_respect_the_size():

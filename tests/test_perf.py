@@ -348,9 +348,9 @@ def test_more_replicas_never_slower_on_balanced_work(prompt, response, n, d, mb)
 
 def test_default_trainer_params_from_the_preset():
     q = default_trainer_params(Q4B, A6000, layout=4)
-    assert q.alpha["actor_update"] == pytest.approx(1.0 / (4 * 1.548e14 * 0.25))
+    assert q.alpha["actor_update"] == pytest.approx(1.0 / (4 * A6000.peak_flops * A6000.train_mfu))
     assert q.tau["actor_update"] == pytest.approx(3 * q.tau["old_logprob"])
-    assert q.beta_comm["old_logprob"] == pytest.approx(1.0 / 2.5e10)        # 4 GPUs: inside a node
+    assert q.beta_comm["old_logprob"] == pytest.approx(1.0 / A6000.intra_node_bandwidth)   # 4 GPUs: one node
     assert default_trainer_params(Q4B, A6000, layout=16).beta_comm["old_logprob"] == pytest.approx(1 / 3.125e9)
     one = default_trainer_params(Q4B, A6000, layout=1)
     assert all(v == 0 for v in one.alpha_comm.values())
@@ -359,9 +359,10 @@ def test_default_trainer_params_from_the_preset():
 def test_default_rollout_params_from_the_preset():
     q = default_rollout_params(Q4B, A6000)
     decoder_bytes = (Q4B.params_total - Q4B.vision_params) * 2
-    assert q.tau_dec == pytest.approx(decoder_bytes / (7.68e11 * 0.6) + 1e-3)
-    assert q.alpha_pre == pytest.approx(1 / (1.548e14 * 0.4))
-    assert q.beta_hist > Q4B.kv_bytes_per_token() / (7.68e11 * 0.6)
+    mbu, bw = A6000.decode_mbu, A6000.memory_bandwidth
+    assert q.tau_dec == pytest.approx(decoder_bytes / (bw * mbu) + 1e-3)
+    assert q.alpha_pre == pytest.approx(1 / (A6000.peak_flops * A6000.prefill_mfu))
+    assert q.beta_hist > Q4B.kv_bytes_per_token() / (bw * mbu)
     assert q.c_pre == q.c_dec == 0.0
     tp2 = default_rollout_params(Q4B, A6000, tp=2)
     assert tp2.c_dec > 0 and tp2.alpha_pre == pytest.approx(q.alpha_pre / 2)

@@ -106,11 +106,22 @@ def test_sweep_rates_follow_from_the_stage_times():
 
 
 def test_cached_stage_times_equal_direct_model_evaluation():
+    """Rollout in dispatch (group-id) order, trainer in consumption order (groups as they complete)."""
+    from bidirl.planner import consumption_order
     result = plan(job(**{"cluster.gpus": 24, "cluster.placement": "any"}))
     env, (p, r) = result.envelope, result.batch
+    order = consumption_order(p, r, 8)
     for row in result.sweep.iloc[[3, 7, 11, 19]].itertuples():
         assert row.rollout_time == pytest.approx(env.rollout_model.stage_time(p, r, row.rollout_replicas, 8))
-        assert row.trainer_time == pytest.approx(env.trainer_model.stage_time(p, r, row.trainer_replicas, 4))
+        assert row.trainer_time == pytest.approx(env.trainer_model.stage_time(p[order], r[order],
+                                                                              row.trainer_replicas, 4))
+
+
+def test_consumption_order_puts_groups_in_completion_order():
+    from bidirl.planner import consumption_order
+    p = np.array([5, 5, 7, 7, 3, 3])
+    r = np.array([10, 2, 1, 1, 40, 1])          # group longest: 10+5, 1+7, 40+3
+    assert list(consumption_order(p, r, 2)) == [2, 3, 0, 1, 4, 5]
 
 
 def test_choice_is_the_best_compatible_candidate_and_plans_are_deterministic():

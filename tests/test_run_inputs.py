@@ -4,6 +4,7 @@ import pytest
 
 from bidirl import config as cfgmod
 from bidirl.cluster.engines.driver import EngineDriver
+from bidirl.core import protocol as P
 
 
 def test_engine_runs_need_the_built_in_task():
@@ -34,3 +35,102 @@ def test_unknown_policy_names_the_field():
 def test_a_model_folder_without_a_checkpoint_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"model_dir .* holds no config.json"):
         EngineDriver(cfgmod.load("tiny-cpu"), "bidirl", 1, 0, model_dir=str(tmp_path))
+
+
+# --------------------------------------------------------------------------------------------------
+# prompts from a data file and the reward function (workload.data_file, rl.reward)
+# --------------------------------------------------------------------------------------------------
+
+SAMPLE = "data/datasets/arithmetic_word/train.parquet"
+
+
+@pytest.fixture(scope="module")
+def fresh_model(tmp_path_factory):
+    """A freshly initialised tiny model folder (no warm start): enough to build a driver."""
+    from bidirl.rl.tiny_model import create
+    return str(create(tmp_path_factory.mktemp("tiny")))
+
+
+def _driver(model_dir, **overrides):
+    cfg = cfgmod.load("tiny-cpu").with_overrides(overrides)
+    return EngineDriver(cfg, "bidirl", 1, 0, model_dir=model_dir)
+
+
+def test_a_data_file_replaces_the_built_in_task_whatever_the_workload_preset(fresh_model):
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    driver = _driver(fresh_model, **{"workload.dataset": "gsm8k", "workload.data_file": str(root / SAMPLE),
+                                     "rl.reward": "last_number"})
+    assert driver.prompts.source.layout == "verl" and driver.prompts.source.size == 128
+    assert driver.max_model_len == driver.prompts.max_prompt_len + 16 <= 64
+    req = driver._request(P.GroupTask(130))
+    row = driver.prompts.source.row(130 % 16)                                          # tiny-cpu's prompt_pool
+    assert req.meta == row.reward_input() and req.prompt_ids == driver.prompts.prompt_ids(130)
+    assert driver.reward.name == "last_number"
+
+
+def test_a_missing_data_file_is_named_before_anything_starts(fresh_model, tmp_path):
+    with pytest.raises(cfgmod.ConfigError) as info:
+        _driver(fresh_model, **{"workload.data_file": str(tmp_path / "none.jsonl")})
+    assert info.value.field == "workload.data_file" and "no such file" in str(info.value)
+
+
+def test_a_malformed_row_stops_the_run_before_it_starts(fresh_model, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    with pytest.raises(cfgmod.ConfigError, match=r"d.jsonl, row 1 \(line 2\), column 'answer'"):
+        _driver(fresh_model, **{"workload.data_file": str(path), "workload.prompt_pool": None})
+
+
+def test_a_pool_larger_than_the_data_file_is_refused(fresh_model, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    with pytest.raises(cfgmod.ConfigError) as info:
+        _driver(fresh_model, **{"workload.data_file": str(path)})        # tiny-cpu's prompt_pool is 16
+    assert info.value.field == "workload.prompt_pool"
+
+
+def test_prompts_too_long_for_the_model_are_refused(fresh_model, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "' + "1+" * 30 + '1=", "answer": "31"}\n')
+    with pytest.raises(cfgmod.ConfigError) as info:
+        _driver(fresh_model, **{"workload.data_file": str(path), "workload.prompt_pool": None})
+    assert info.value.field == "workload.max_response_len" and "64 positions" in str(info.value)
+
+
+def test_a_ground_truth_the_built_in_reward_cannot_score_is_named(fresh_model, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "four"}\n')
+    with pytest.raises(cfgmod.ConfigError, match=r"row 1 \(line 2\), column 'answer': ground truth 'four'"):
+        _driver(fresh_model, **{"workload.data_file": str(path), "workload.prompt_pool": None,
+                                "rl.reward": "last_number"})
+
+
+def test_a_reward_file_that_cannot_be_loaded_is_named(fresh_model, tmp_path):
+    with pytest.raises(cfgmod.ConfigError) as info:
+        _driver(fresh_model, **{"rl.reward": str(tmp_path / "missing.py")})
+    assert info.value.field == "rl.reward" and "does not exist" in str(info.value)
+    bad = tmp_path / "reward.py"
+    bad.write_text("def compute_score(x):\n    return 1\n")
+    with pytest.raises(cfgmod.ConfigError, match="does not take veRL's keyword arguments"):
+        _driver(fresh_model, **{"rl.reward": f"{bad}:compute_score"})
+
+
+def test_cli_run_reports_a_bad_reward_or_data_file_without_a_traceback(fresh_model, tmp_path, capsys):
+    from bidirl.cli import main
+    assert main(["run", "tiny-cpu", "--reward", "exat", "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "error: rl.reward: 'exat' is not a built-in reward; did you mean 'exact'? — write one of exact" in err
+    assert main(["run", "tiny-cpu", "--model-dir", fresh_model, "--data-file", str(tmp_path / "none.parquet"),
+                 "--out", str(tmp_path / "b")]) == 2
+    assert "error: workload.data_file: " in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_an_output_folder_holding_another_run_is_refused_before_anything_starts(fresh_model, tmp_path):
+    from bidirl.cli import main
+    from bidirl.tracking import METRICS_FILE, OutputError
+    (tmp_path / METRICS_FILE).write_text("")
+    with pytest.raises(OutputError, match="already holds a run's metrics"):
+        EngineDriver(cfgmod.load("tiny-cpu"), "bidirl", 1, 0, model_dir=fresh_model, out_dir=str(tmp_path))
+    assert main(["run", "tiny-cpu", "--emulate", "--out", str(tmp_path)]) == 2

@@ -159,7 +159,7 @@ def test_live_gantt_run_polls_simulations_in_lockstep(monkeypatch):
         return original(self, seconds, max_events)
     monkeypatch.setattr(SimDriver, "advance", counting)
     panel = MetricsPanel()
-    results = g.run(drivers, slice_seconds=0.1, refresh_hz=4.0, metrics=panel)
+    results = g.run(drivers, slice_seconds=0.02, refresh_hz=4.0, metrics=panel)
 
     assert set(results) == set(policies)
     assert slices["n"] >= 10

@@ -61,8 +61,7 @@ class EmulatedRollout:
     def start(self, groups: list) -> int:
         """``groups``: :class:`~bidirl.perf.engine.EngineGroup` to add now."""
         self._catch_up()
-        for g in groups:
-            self.engine.add(g)
+        self.engine.add(*groups)
         return len(groups)
 
     def advance(self, max_wall: float) -> dict:
@@ -121,7 +120,7 @@ class EmulatedDriver(PoolDriver):
         env = self.plan.envelope
         g_r = env.rollout_gpus
         Rollout, Trainer = ray.remote(EmulatedRollout), ray.remote(EmulatedTrainer)
-        costs = self.predictor.engine_costs()
+        costs = self.truth.engine_costs()
         top = self.topology
         self.t0 = time.time() + 1.0
         for i, w in enumerate(top.rollouters):
@@ -184,7 +183,7 @@ class EmulatedDriver(PoolDriver):
         ch = cmd.chunk
         p = [self.lengths(g)[0] for g, _ in ch.samples]
         r = [self.lengths(g)[1][i] for g, i in ch.samples]
-        seconds = self.predictor.chunk_time(ch.stage, p, r, self.topology.gang_size(cmd.worker))
+        seconds = self.truth.chunk_time(ch.stage, p, r, self.topology.gang_size(cmd.worker))
         self._submit(cmd.worker, self.actors[cmd.worker].run_chunk.remote(ch.chunk_id, seconds),
                      lambda result: self._chunk_done(cmd, result["start"], result["end"]))
 

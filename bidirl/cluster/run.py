@@ -10,12 +10,15 @@ from bidirl.execution import RunResult
 
 def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, seed: Optional[int] = None,
         emulate: bool = False, address: Optional[str] = None, time_scale: float = 20.0,
-        model_dir: Optional[str] = None, progress: bool = False, on_event=None) -> RunResult:
+        model_dir: Optional[str] = None, out_dir: Optional[str] = None, progress: bool = False,
+        on_event=None) -> RunResult:
     """Run a job on Ray (embedded local Ray unless ``address`` names a cluster).
 
     Engine workers (vLLM rollouters, torch trainers: :class:`~bidirl.cluster.engines.driver.EngineDriver`)
     by default; ``emulate=True`` runs model-timed workers (:class:`~bidirl.cluster.emulated.EmulatedDriver`)
     at ``time_scale`` virtual seconds per wall second. ``on_event`` sees every event (live views).
+    ``out_dir``: the run's output folder (``bidirl.tracking``: per-step metrics as JSONL and TensorBoard, trace,
+    event log, summary); engine runs write their metrics while they run, emulated runs when they end.
     """
     cfg = cfgmod.load(config)
     policy = policy or cfg.scheduler.policy
@@ -28,10 +31,18 @@ def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, se
         raise cfgmod.ConfigError("time_scale", f"must be > 0, got {time_scale}", "use e.g. 20 (virtual s per wall s)")
     steps = cfg.workload.steps if steps is None else int(steps)
     seed = cfg.seed if seed is None else int(seed)
+    if out_dir is not None:
+        from bidirl.tracking import check_out_dir
+        check_out_dir(out_dir)
     if not emulate:
         from bidirl.cluster.engines.driver import EngineDriver
         return EngineDriver(cfg, policy, steps, seed, on_event=on_event, address=address,
-                            model_dir=model_dir).run(progress)
+                            model_dir=model_dir, out_dir=out_dir).run(progress)
     from bidirl.cluster.emulated import EmulatedDriver
-    return EmulatedDriver(cfg, policy, steps, seed, on_event=on_event, address=address,
-                          time_scale=time_scale).run(progress)
+    result = EmulatedDriver(cfg, policy, steps, seed, on_event=on_event, address=address,
+                            time_scale=time_scale).run(progress)
+    if out_dir is not None:
+        from bidirl.tracking import write_run
+        result.summary_dict["out_dir"] = str(out_dir)
+        write_run(result, out_dir)
+    return result

@@ -23,6 +23,16 @@ class GroupRecord:
     worker: Optional[str] = None
     state: Optional[GroupState] = None
     commit_seq: int = -1
+    started: float = 0.0         # when it last started running on a worker (driver clock)
+
+
+#: how a batch is formed from the complete groups (the control plane's rule, and the modelled systems' ones)
+BATCH_RULES = {
+    "lookahead": "oldest tag first, accepted only if what stays behind can still be consumed in time (bidirl)",
+    "completion": "the first B groups to complete, whatever their tag (veRL fully-async: FIFO message queue)",
+    "submission": "the B earliest-submitted among the complete groups (AReaL: oldest create_time first)",
+    "oldest-first": "the B oldest live groups, waiting for those still generating (ROLL: oldest start step)",
+}
 
 
 @dataclass
@@ -33,16 +43,21 @@ class RolloutBuffer:
     next_group_id: int = 0
     commits: int = 0
     duplicates: int = 0
+    dropped: int = 0                                  # groups discarded unfinished; their admission slots free
 
     # admission -----------------------------------------------------------------------------------
     def admissible(self, rollout_version: int) -> int:
         """How many new groups may be admitted now under the run-ahead rule."""
-        return max(0, self.rule.admission_cap(rollout_version) - self.next_group_id)
+        return max(0, self.rule.admission_cap(rollout_version) - (self.next_group_id - self.dropped))
 
-    def admit(self, rollout_version: int, worker: str) -> int:
+    def in_flight(self) -> int:
+        """Groups generating or waiting to resume."""
+        return sum(1 for r in self.groups.values() if r.status in ("running", "partial"))
+
+    def admit(self, rollout_version: int, worker: str, t: float = 0.0) -> int:
         gid = self.next_group_id
         self.next_group_id += 1
-        self.groups[gid] = GroupRecord(gid, rollout_version, "running", worker)
+        self.groups[gid] = GroupRecord(gid, rollout_version, "running", worker, started=t)
         return gid
 
     # generation results --------------------------------------------------------------------------
@@ -68,10 +83,18 @@ class RolloutBuffer:
         rec.status, rec.worker, rec.state = "partial", None, state
         rec.version = min(rec.version, state.version)
 
-    def resume(self, group_id: int, worker: str) -> Optional[GroupState]:
+    def resume(self, group_id: int, worker: str, t: float = 0.0) -> Optional[GroupState]:
         rec = self.groups[group_id]
-        rec.status, rec.worker = "running", worker
+        rec.status, rec.worker, rec.started = "running", worker, t
         return rec.state
+
+    def drop(self, group_id: int) -> None:
+        """Discard an unfinished group with its tokens (a system that drops over-stale work, as ROLL does); its
+        admission slot is free again."""
+        rec = self.groups.pop(group_id)
+        if rec.status == "complete":
+            raise AssertionError(f"group {group_id} is complete; only unfinished groups are dropped")
+        self.dropped += 1
 
     def lose(self, group_id: int) -> None:
         """The worker generating the group died: it waits to be resumed from its last known state (the prefix
@@ -88,7 +111,20 @@ class RolloutBuffer:
         return [g for g, r in self.groups.items() if r.status == "running" and r.worker == worker]
 
     # consumption ---------------------------------------------------------------------------------
-    def select_batch(self, trainer_version: int) -> Optional[list[int]]:
+    def select_batch(self, trainer_version: int, rule: str = "lookahead") -> Optional[list[int]]:
+        """The batch for ``trainer_version`` under batch-formation ``rule`` (see :data:`BATCH_RULES`)."""
+        B = self.rule.batch
+        if rule == "lookahead":
+            return self._select_lookahead(trainer_version)
+        if rule == "oldest-first":
+            live = sorted(self.groups.values(), key=lambda r: (r.version, r.group_id))[:B]
+            return [r.group_id for r in live] if len(live) == B and all(r.status == "complete" for r in live) \
+                else None
+        key = {"completion": lambda r: r.commit_seq, "submission": lambda r: r.group_id}[rule]
+        complete = sorted((r for r in self.groups.values() if r.status == "complete"), key=key)
+        return [r.group_id for r in complete[:B]] if len(complete) >= B else None
+
+    def _select_lookahead(self, trainer_version: int) -> Optional[list[int]]:
         """The batch for ``trainer_version`` if it can be formed now, else None.
 
         Takes the ``B`` oldest complete groups (by tag, then commit order) and accepts them only if what
@@ -113,6 +149,11 @@ class RolloutBuffer:
         live = sorted(self.groups.values(), key=lambda r: (r.version, r.group_id))[: self.rule.batch]
         missing = sum(1 for r in live if r.status != "complete")
         return missing + max(0, self.rule.batch - len(live))
+
+    def needed(self) -> list:
+        """The records of the groups the next batch waits for: not complete among the ``B`` oldest live ones."""
+        live = sorted(self.groups.values(), key=lambda r: (r.version, r.group_id))[: self.rule.batch]
+        return [r for r in live if r.status != "complete"]
 
     def consume(self, group_ids: list[int]) -> list[GroupState]:
         out = []

@@ -4,7 +4,8 @@ The step's samples (``B`` groups × ``group_size`` responses, in batch order) ar
 ``old_logprob`` and ``ref_logprob`` (forward passes, one *segment*), then ``actor_update`` (a second
 segment: it needs the first segment's log-probs of every sample, so the segments are separated by a barrier).
 A segment is an ordered list of *units* ``(stage, sample)``. A chunk is a contiguous run of units of one
-stage executed by one trainer gang, ``per_device`` units on each of its ``d`` replicas.
+stage executed by one trainer gang of ``d`` replicas of ``rho`` devices: one micro-batch of at most ``max_chunk``
+(s_max) units on every device, ``per_device`` units each; the smallest chunk is one unit per device (§5.2).
 
 Chunk states follow Table 2: ``queued`` (sent, not started: recoverable), ``running`` (finishes),
 ``finished`` (merged in original order), ``cancelled`` (terminal; its units go back to the queue).
@@ -39,8 +40,9 @@ class TrainerStep:
     version: int
     groups: list                 # GroupState, batch order
     stages: tuple
-    max_chunk: int               # s_max, units per device
+    max_chunk: int               # s_max, units per device (the per-device micro-batch)
     next_chunk_id: Callable[[], int]
+    rho: int = 1                 # devices per trainer replica
     segment_index: int = 0
     pending: list = field(default_factory=list)       # sorted unit indices not yet in a live chunk
     tail_plan: dict = field(default_factory=dict)     # side -> list of unit tuples (after JointTailSplit)
@@ -127,15 +129,19 @@ class TrainerStep:
         elif self.tail_plan:
             return None          # after the tail split each side runs only its own plan
         else:
-            units = self._take_run(self.max_chunk * d)
+            units = self._take_run(self.chunk_units(d))
         if not units:
             return None
         return self._make_chunk(units, side, d, worker)
 
+    def chunk_units(self, d: int) -> int:
+        """Units in a full chunk on a gang of ``d`` replicas: s_max on each of its ``d · rho`` devices."""
+        return self.max_chunk * self.rho * d
+
     def _make_chunk(self, units: tuple, side: str, d: int, worker: str) -> ChunkRecord:
         stage = self.units[units[0]][0]
         samples = tuple(self.sample_refs[self.units[u][1]] for u in units)
-        per_device = -(-len(units) // d)
+        per_device = -(-len(units) // (d * self.rho))
         chunk = Chunk(self.next_chunk_id(), self.step, stage, units[0], samples, per_device)
         rec = ChunkRecord(chunk, side, units, worker=worker)
         self.chunks[chunk.chunk_id] = rec
@@ -143,15 +149,16 @@ class TrainerStep:
 
     # tail ----------------------------------------------------------------------------------------
     def in_tail_window(self, d_p: int, d_a: int, tail_window: int) -> bool:
-        """TailWindow(Q): the pending work fits in ``tail_window`` rounds of full chunks on both sides."""
+        """TailWindow(Q): the pending work fits in ``tail_window`` rounds of full chunks on both sides (one
+        combined primary-and-auxiliary window, as the paper fires it, when ``tail_window`` is 1)."""
         return (not self.tail_plan and 0 < len(self.pending)
-                <= tail_window * self.max_chunk * (d_p + d_a))
+                <= tail_window * (self.chunk_units(d_p) + self.chunk_units(d_a)))
 
     def split_runs(self, units: list, d: int) -> list:
         """Full chunks of s_max·d units plus at most one remainder per stage (never across stages)."""
         runs, cur = [], []
         for u in units:
-            if cur and (self.units[u][0] != self.units[cur[-1]][0] or len(cur) == self.max_chunk * d
+            if cur and (self.units[u][0] != self.units[cur[-1]][0] or len(cur) == self.chunk_units(d)
                         or u != cur[-1] + 1):
                 runs.append(tuple(cur))
                 cur = []
@@ -175,7 +182,7 @@ class TrainerStep:
                 total += chunk_time(self.units[run[0]][0], p, r, d, side)
             return total
 
-        n_a, finish = joint_tail_split(n, d_p, d_a, ready_p, ready_a,
+        n_a, finish = joint_tail_split(n, d_p * self.rho, d_a * self.rho, ready_p, ready_a,
                                        lambda k: side_time(units[:k], d_p, PRIMARY),
                                        lambda k: side_time(units[n - k:], d_a, AUXILIARY))
         self.tail_plan = {PRIMARY: self.split_runs(units[: n - n_a], d_p),

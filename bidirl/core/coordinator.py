@@ -57,6 +57,7 @@ class Topology:
     trainer_replicas: int          # d_t: primary trainer replicas on the trainer pool
     aux_rollout_replicas: int      # rollout replicas the trainer pool can host (g_t / ρ_r)
     aux_trainer_replicas: int      # trainer replicas the rollout pool can host (g_r / ρ_t)
+    trainer_layout: int = 1        # ρ_t: devices per trainer replica
 
     @property
     def rollouters(self) -> tuple:
@@ -87,9 +88,11 @@ class Settings:
     staleness: float
     partial_rollout: bool
     stages: tuple
-    max_chunk: int                 # s_max, samples per device
+    max_chunk: int                 # s_max, samples per device per chunk: the trainer's micro-batch
     tail_window: int
     steps: int
+    chunks_in_flight: int = 1      # chunks kept sent to each gang (the asynchronous chunk pipeline, §6)
+    optimizer_seconds: float = 0.0 # predicted optimizer step (overlaps C_out when a window ends with the step)
 
 
 @dataclass(frozen=True)
@@ -129,10 +132,12 @@ class Coordinator:
     step: Optional[TrainerStep] = None
     step_start: float = 0.0
     consume_start: float = 0.0
-    evaluated: set = field(default_factory=set)       # (direction, step) opportunities already decided
+    evaluated: set = field(default_factory=set)       # (direction, step, idle window) opportunities decided
+    idle_windows: dict = field(default_factory=lambda: {P.ROLLOUT_POOL: 0, P.TRAINER_POOL: 0})  # per pool
     stopping: set = field(default_factory=set)        # rollout workers with an Interrupt in flight
     aux_assigned: set = field(default_factory=set)    # groups sent to auxiliary rollouters this window
     migrating: set = field(default_factory=set)       # groups being moved from primaries to auxiliaries
+    dropping: set = field(default_factory=set)        # groups to discard when their interrupt answers
     sync_wanted: bool = False
     failed: set = field(default_factory=set)
     samples_generated: int = 0
@@ -202,6 +207,9 @@ class Coordinator:
         for g in ev.groups:
             if g.complete:
                 self._commit(g)
+            elif g.group_id in self.dropping:
+                self.dropping.discard(g.group_id)
+                self.buffer.drop(g.group_id)
             else:
                 self.buffer.park(g)
         handing_over = self.leases[P.TRAINER_POOL].lent
@@ -220,7 +228,8 @@ class Coordinator:
     def _on_RolloutRecord(self, ev: P.RolloutRecord):
         pred = self.predictor.rollout_time(ev.prompt_lens, ev.response_lens, 1)
         self.profiler.record(ProfileRecord(ev.t, "r", P.worker_role(ev.worker), P.worker_pool(ev.worker),
-                                           {"requests": len(ev.response_lens)}, 1, ev.elapsed, pred))
+                                           {"prompt_lens": tuple(ev.prompt_lens),
+                                            "response_lens": tuple(ev.response_lens)}, 1, ev.elapsed, pred))
 
     def _on_ChunkStarted(self, ev: P.ChunkStarted):
         if self.step is not None and ev.chunk_id in self.step.chunks:
@@ -238,7 +247,8 @@ class Coordinator:
         d = self._gang(rec.side)
         pred = self.predictor.chunk_time(rec.chunk.stage, p, r, d)
         self.profiler.record(ProfileRecord(ev.t, "t", rec.side, P.worker_pool(ev.worker),
-                                           {"stage": rec.chunk.stage, "units": len(rec.units)}, d, ev.elapsed, pred))
+                                           {"stage": rec.chunk.stage, "prompt_lens": tuple(p),
+                                            "response_lens": tuple(r)}, d, ev.elapsed, pred))
         step.finish(ev.chunk_id)
         self._schedule_chunks()
 
@@ -247,6 +257,8 @@ class Coordinator:
         lending = lease.state is Lease.SWITCHING_IN
         self.profiler.observe_cost(P.DIRECTION_OF_POOL[ev.pool], "c_in" if lending else "c_out", ev.elapsed)
         lease.fire("switched")
+        if not lending:
+            self.idle_windows[ev.pool] += 1           # the pool is its own again: a new idle window may follow
         if lending:
             if ev.pool == P.TRAINER_POOL:
                 self._start_aux_rollout()
@@ -266,13 +278,35 @@ class Coordinator:
         self.trainer_version = ev.version
         self.sync_wanted = True
         self.phase = Phase.SYNCING
+        if self.policy.drop_stale:
+            self._drop_stale()
         if self.settings.partial_rollout:
             self._interrupt_all(self._active_rollouters(P.ROLLOUT_POOL))
         self._maybe_sync()
 
+    def _drop_stale(self):
+        """Unfinished groups too old for any future batch (tag < v_t − ceil(s)) are discarded at the sync, their
+        slots refilled with fresh prompts (the ROLL model, bidirl.sim.baselines); parked ones now, running ones
+        when their interrupt answers."""
+        oldest = self.trainer_version - self.rule.max_lag
+        running = {}
+        for gid, rec in list(self.buffer.groups.items()):
+            if rec.version >= oldest or rec.status == "complete":
+                continue
+            if rec.status == "partial":
+                self.buffer.drop(gid)
+            else:
+                self.dropping.add(gid)
+                running.setdefault(rec.worker, []).append(gid)
+        if not self.settings.partial_rollout:          # otherwise every running group is interrupted anyway
+            for w, gids in sorted(running.items()):
+                if w not in self.stopping:
+                    self.stopping.add(w)
+                    self._out.append(P.Interrupt(w, tuple(sorted(gids))))
+
     def _on_SyncFinished(self, ev: P.SyncFinished):
         self.rollout_version = ev.version
-        self.profiler.recalibrate()
+        self.profiler.recalibrate(self.predictor)
         st = self.step
         self._out.append(P.StepDone(P.StepRecord(
             step=st.step, start=self.step_start, end=ev.t, tokens=sum(g.tokens for g in st.groups),
@@ -353,28 +387,35 @@ class Coordinator:
             if gid in self.migrating:
                 continue
             w = least_loaded()
-            tasks[w].append(P.GroupTask(gid, self.buffer.resume(gid, w)))
+            tasks[w].append(P.GroupTask(gid, self.buffer.resume(gid, w, self._now)))
             load[w] += 1
-        for _ in range(self.buffer.admissible(self.rollout_version)):
+        for _ in range(self._admissible()):
             w = least_loaded()
-            tasks[w].append(P.GroupTask(self.buffer.admit(self.rollout_version, w)))
+            tasks[w].append(P.GroupTask(self.buffer.admit(self.rollout_version, w, self._now)))
             load[w] += 1
         for w in workers:
             if tasks[w]:
                 self._out.append(P.Generate(w, tuple(tasks[w]), self.rollout_version))
 
+    def _admissible(self) -> int:
+        """New groups that may start now: the run-ahead bound, and the policy's in-flight cap if it has one."""
+        n = self.buffer.admissible(self.rollout_version)
+        if self.policy.max_in_flight is not None:
+            n = min(n, max(0, self.policy.max_in_flight - self.buffer.in_flight()))
+        return n
+
     def _rollout_pool_idle(self) -> bool:
         if not self.leases[P.ROLLOUT_POOL].primary:
             return False
         busy = any(self.buffer.running_on(w) for w in self.topology.rollouters) or self.stopping
-        return not busy and not self.buffer.partial_ids() and not self.buffer.admissible(self.rollout_version)
+        return not busy and not self.buffer.partial_ids() and not self._admissible()
 
     def _after_rollout_change(self):
         if self.phase is Phase.DONE:
             return
         if self.leases[P.TRAINER_POOL].lent:
             aux_busy = any(self.buffer.running_on(w) for w in self.topology.aux_rollouters)
-            ready = self.buffer.select_batch(self.trainer_version) is not None
+            ready = self._batch() is not None
             if ready or (not aux_busy and not self.migrating and not self.aux_assigned):
                 self._revoke(P.TRAINER_POOL)
         self._dispatch_rollouts()
@@ -385,7 +426,9 @@ class Coordinator:
 
     # ---- Rollouter-on-TrainerPool ------------------------------------------------------------
     def _consider_rollout_on_trainer_pool(self):
-        key = (ROT, self.trainer_version)
+        """Eq. 3 (:func:`bidirl.core.gates.rollout_gate`) once per idle window of the trainer pool: when the step
+        starts waiting, and again each time a lease comes back while the trainer still waits."""
+        key = (ROT, self.trainer_version, self.idle_windows[P.TRAINER_POOL])
         if (not self.policy.rollout_on_trainer_pool or key in self.evaluated or self.phase is not Phase.WAITING
                 or not self.leases[P.TRAINER_POOL].primary or not self.topology.aux_rollout_replicas):
             return
@@ -394,60 +437,94 @@ class Coordinator:
             return
         self.evaluated.add(key)
         costs = self.profiler.costs[ROT]
-        d_p, d_a = len(self._alive(self.topology.rollouters)), len(self._alive(self.topology.aux_rollouters))
-        g = self.settings.group_size
-        scale = self.profiler.scales[("r", P.PRIMARY)]
+        primaries = self._alive(self.topology.rollouters)
+        d_p, d_a = len(primaries), len(self._alive(self.topology.aux_rollouters))
+        scales = self.profiler.scales
 
-        def m_r(groups, d):
-            p, r = self.profiler.representative(groups * g, self.prior)
-            return scale * self.predictor.rollout_time(p, r, d)
+        def replica_time(context, remaining, prefill):
+            return scales[("r", P.PRIMARY)] * self.predictor.replica_time(context, remaining, prefill)
 
-        gate = gates.rollout_gate(m_r, q, self._primary_load(), d_p, d_a, costs, self.policy.gated)
+        groups = self._rollout_work()
+        gate = gates.rollout_gate(groups, primaries, d_a, gates.rollout_dispatch(q, d_p, d_a), replica_time,
+                                  self.profiler.response_sample(self.prior), costs, self.policy.gated)
         self._decide(ROT, gate.admitted, gate.gain, gate.cost,
-                     {"deficit": q, "load": gate.load, "d_p": d_p, "d_a": d_a, "step": self.trainer_version})
+                     {"deficit": q, "load": len(groups), "q_a": gate.q_a, "d_p": d_p, "d_a": d_a,
+                      "t_no": gate.t_primary, "t_joint": gate.t_joint, "step": self.trainer_version})
 
-    def _primary_load(self) -> int:
-        """Groups generating or waiting to resume on the primary rollouters."""
-        return sum(1 for r in self.buffer.groups.values()
-                   if r.status == "partial" or (r.status == "running" and r.worker and P.is_primary(r.worker)))
+    def _rollout_work(self) -> list:
+        """Every unfinished group on (or waiting for) the primary rollouters, with its estimated progress: the
+        prefix it came back with, plus one token per predicted decode iteration of its worker since it started."""
+        needed = {r.group_id for r in self.buffer.needed()}
+        prompt = self.profiler.typical_prompt(self.prior)
+        mine = {}
+        for gid, rec in self.buffer.groups.items():
+            if rec.status == "partial" or (rec.status == "running" and rec.worker and P.is_primary(rec.worker)):
+                mine[gid] = rec
+        context = {}
+        for rec in mine.values():
+            st = rec.state
+            p = st.prompt_len if st is not None else prompt
+            held = st.generated if st is not None else (0,) * self.settings.group_size
+            done = st.done if st is not None else (False,) * self.settings.group_size
+            context[rec.group_id] = (p, held, done)
+        per_token, prefill = {}, {}
+        for w in self.topology.rollouters:
+            live = [p + h for gid, rec in mine.items() if rec.worker == w
+                    for p, hs, ds in [context[gid]] for h, d in zip(hs, ds) if not d]
+            per_token[w] = self.predictor.iteration_time(live) if live else 0.0
+            # the KV cache of the groups (re)started together is rebuilt before they decode
+            prefill[w] = self.predictor.replica_time(live, [0] * len(live), [True] * len(live)) if live else 0.0
+        out = []
+        for gid, rec in mine.items():
+            p, held, done = context[gid]
+            grown = 0
+            if rec.status == "running" and per_token.get(rec.worker):
+                grown = int(max(0.0, self._now - rec.started - prefill[rec.worker]) / per_token[rec.worker])
+                held = tuple(h if d else h + grown for h, d in zip(held, done))
+            out.append(gates.GroupWork(gid, rec.worker if rec.status == "running" else None, p, held, done,
+                                       gid in needed, (rec.version, -gid), prefilling=grown == 0))
+        return out
 
     def _start_aux_rollout(self):
         """Eq. 4: Q_a = round(d_a / (d_p + d_a) · Q_r) groups go to the auxiliary rollouters."""
         q = self.buffer.deficit(self.trainer_version)
         d_a = len(self._active_rollouters(P.TRAINER_POOL))
         q_a = gates.rollout_dispatch(q, len(self._alive(self.topology.rollouters)), d_a) if d_a else 0
-        if q_a <= 0 or self.buffer.select_batch(self.trainer_version) is not None:
+        if q_a <= 0 or self._batch() is not None:
             self._revoke(P.TRAINER_POOL)
             return
-        take = [g for g in self.buffer.partial_ids() if g not in self.migrating][:q_a]
-        self._send_to_aux_rollouters(take)
-        need = q_a - len(take)
-        if need > 0:
-            # Move the groups with the least progress (latest admitted, most needed first) off primaries.
-            candidates = sorted(
-                ((rec.version, -gid, gid, rec.worker) for gid, rec in self.buffer.groups.items()
-                 if rec.status == "running" and rec.worker and P.is_primary(rec.worker)
-                 and rec.worker not in self.stopping),
-            )
-            by_worker = {}
-            for _, _, gid, w in candidates[:need]:
-                by_worker.setdefault(w, []).append(gid)
-            for w, gids in sorted(by_worker.items()):
-                self.migrating.update(gids)
-                self.aux_assigned.update(gids)
-                self.stopping.add(w)
-                self._out.append(P.Interrupt(w, tuple(sorted(gids))))
+        # the groups the batch waits for move, parked ones first, then those with the least progress (latest
+        # admitted) among the ones running on primaries — the order the gate assumed (gates.rollout_gate)
+        needed = [r for r in self.buffer.needed() if r.group_id not in self.migrating]
+        order = lambda r: (r.version, -r.group_id)  # noqa: E731
+        parked = sorted((r for r in needed if r.status == "partial"), key=order)
+        running = sorted((r for r in needed if r.status == "running" and r.worker and P.is_primary(r.worker)
+                          and r.worker not in self.stopping), key=order)
+        movers = (parked + running)[:q_a]
+        self._send_to_aux_rollouters([r.group_id for r in movers if r.status == "partial"])
+        by_worker = {}
+        for r in movers:
+            if r.status == "running":
+                by_worker.setdefault(r.worker, []).append(r.group_id)
+        for w, gids in sorted(by_worker.items()):
+            self.migrating.update(gids)
+            self.aux_assigned.update(gids)
+            self.stopping.add(w)
+            self._out.append(P.Interrupt(w, tuple(sorted(gids))))
         if not self.aux_assigned and not self.migrating:
             self._revoke(P.TRAINER_POOL)
 
     def _send_to_aux_rollouters(self, gids: list):
+        """Hand groups to the auxiliary rollouters, each to the least-loaded one (dispatch by capacity, Eq. 4)."""
         workers = self._active_rollouters(P.TRAINER_POOL)
         if not workers or not gids:
             return
         tasks = {w: [] for w in workers}
-        for i, gid in enumerate(gids):
-            w = workers[i % len(workers)]
-            tasks[w].append(P.GroupTask(gid, self.buffer.resume(gid, w)))
+        load = {w: len(self.buffer.running_on(w)) for w in workers}
+        for gid in gids:
+            w = min(workers, key=lambda x: (load[x], workers.index(x)))
+            tasks[w].append(P.GroupTask(gid, self.buffer.resume(gid, w, self._now)))
+            load[w] += 1
             self.aux_assigned.add(gid)
         for w in workers:
             if tasks[w]:
@@ -462,10 +539,13 @@ class Coordinator:
     def _chunk_time(self, stage, p, r, d, side) -> float:
         return self.profiler.scales[("t", side)] * self.predictor.chunk_time(stage, p, r, d)
 
+    def _batch(self) -> Optional[list]:
+        return self.buffer.select_batch(self.trainer_version, self.policy.batch_rule)
+
     def _try_start_step(self):
         if self.phase is not Phase.WAITING:
             return
-        batch = self.buffer.select_batch(self.trainer_version)
+        batch = self._batch()
         if batch is None:
             self._consider_rollout_on_trainer_pool()
             return
@@ -474,14 +554,15 @@ class Coordinator:
             self._revoke(P.TRAINER_POOL)
             return
         groups = self.buffer.consume(batch)
-        check_batch(self.rule, [g.version for g in groups], self.trainer_version)
+        if self.policy.enforce_staleness:
+            check_batch(self.rule, [g.version for g in groups], self.trainer_version)
         self.batches.append((self.steps_done, self.trainer_version, [g.group_id for g in groups]))
         self.consume_start = self._now
         self.phase = Phase.CONSUMING
         s = self.settings
         self.step = TrainerStep(step=self.steps_done, version=self.trainer_version, groups=groups,
                                 stages=s.stages, max_chunk=s.max_chunk,
-                                next_chunk_id=lambda: next(self._chunk_ids))
+                                next_chunk_id=lambda: next(self._chunk_ids), rho=self.topology.trainer_layout)
         self._out.append(P.StartStep(self.step.step, self.trainer_version, tuple(groups)))
         self._schedule_chunks()
         self._consider_trainer_on_rollout_pool()
@@ -502,10 +583,11 @@ class Coordinator:
             step.plan_tail(self._gang(P.PRIMARY), self._gang(P.AUXILIARY),
                            self._ready_in(P.PRIMARY), self._ready_in(P.AUXILIARY), self._chunk_time)
         for side, worker in sides:
-            if step.live(side):
-                continue
-            rec = step.pull(side, self._gang(side), worker)
-            if rec is not None:
+            # lazy pull, several chunks deep: the next chunk's inputs move while the current one runs (§6)
+            while len(step.live(side)) < self.settings.chunks_in_flight:
+                rec = step.pull(side, self._gang(side), worker)
+                if rec is None:
+                    break
                 p, r = step.lens(rec.units)
                 rec.predicted = self._chunk_time(rec.chunk.stage, p, r, self._gang(side), side)
                 self._out.append(P.RunChunk(worker, rec.chunk, self.trainer_version))
@@ -514,13 +596,14 @@ class Coordinator:
             self._revoke(P.ROLLOUT_POOL)
 
     def _ready_in(self, side: str) -> float:
-        """Predicted seconds from now until ``side`` can start another chunk."""
-        live = self.step.live(side)
-        if not live:
-            return 0.0
-        c = live[0]
-        started = c.started if c.started is not None else self._now
-        return max(0.0, started + c.predicted - self._now)
+        """Predicted seconds from now until ``side`` has run every chunk it was sent."""
+        ready = 0.0
+        for c in self.step.live(side):
+            if c.started is not None:
+                ready += max(0.0, c.started + c.predicted - self._now)
+            else:
+                ready += c.predicted
+        return ready
 
     def _finish_step(self):
         step = self.step
@@ -538,7 +621,7 @@ class Coordinator:
     def _consider_trainer_on_rollout_pool(self):
         """Algorithm 2, lines 1-6 (:func:`bidirl.core.gates.trainer_gate`) when the rollout pool idles."""
         step = self.step
-        key = (TOR, self.trainer_version)
+        key = (TOR, self.trainer_version, self.idle_windows[P.ROLLOUT_POOL])
         if (not self.policy.trainer_on_rollout_pool or step is None or key in self.evaluated
                 or self.phase is not Phase.CONSUMING or not self.topology.aux_trainer_replicas
                 or P.AUX_TRAINER in self.failed or not self._rollout_pool_idle()):
@@ -555,7 +638,8 @@ class Coordinator:
                                     [step.response_lens[k] for k in idx], d, P.PRIMARY)
 
         gate = gates.trainer_gate(stages, run_time, self._gang(P.PRIMARY), self._gang(P.AUXILIARY),
-                                  self.settings.max_chunk, self.profiler.costs[TOR], self.policy.gated)
+                                  self.settings.max_chunk, self.profiler.costs[TOR], self.policy.gated,
+                                  rho=self.topology.trainer_layout, optimizer=self.settings.optimizer_seconds)
         self._decide(TOR, gate.admitted, gate.gain, gate.cost,
                      {"t_no": gate.t_no, "t_borrow": gate.t_borrow, "units": len(units),
                       "drained": gate.drained, "step": self.trainer_version})

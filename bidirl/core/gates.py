@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import numpy as np
+
 from bidirl.core.protocol import UPDATE_STAGES, SwitchCosts
 
 
@@ -31,12 +33,12 @@ def rollout_dispatch(deficit: int, d_p: int, d_a: int) -> int:
 
 @dataclass(frozen=True)
 class RolloutGate:
-    """A Rollouter-on-TrainerPool decision: predicted primary-only time, joint time, their gain and the cost."""
+    """A Rollouter-on-TrainerPool decision: when the batch would be ready with primaries only (T_no) and with the
+    auxiliaries after the switch (T_joint), and what the switch costs."""
     admitted: bool
     t_primary: float
     t_joint: float
     q_a: int
-    load: int
     cost: float
 
     @property
@@ -44,27 +46,118 @@ class RolloutGate:
         return self.t_primary - self.t_joint
 
 
-def rollout_gate(m_r: Callable[[int, int], float], deficit: int, load: int, d_p: int, d_a: int,
-                 costs: SwitchCosts, gated: bool = True) -> RolloutGate:
-    """Eq. 3 for primaries that also carry run-ahead groups.
+@dataclass(frozen=True)
+class GroupWork:
+    """A live rollout group as the Rollouter-on-TrainerPool gate sees it.
 
-    ``m_r(groups, d)`` predicts the time ``d`` replicas need for ``groups`` groups. The deficit Q_r closes
-    when the primaries' load L ≥ Q_r drains (all of it progresses together under continuous batching);
-    after dispatch (Eq. 4) the primaries keep L − Q_a and the auxiliaries take Q_a, so the gain is
-    ``M_r(L, d_p) − max(M_r(L − Q_a, d_p), M_r(Q_a, d_a))`` — Eq. 3's
-    ``M_r(Q_r, d_p) − M_r(Q_r, d_p + d_a)`` with a capacity-proportional split when L = Q_r. Admitted when the
-    gain exceeds C_in + C_out (always, when not ``gated``: the opportunistic ablation).
+    ``worker`` is the rollouter generating it (None: parked with a prefix, waiting to resume); ``progress`` the
+    tokens each response holds (the known prefix plus what the worker is estimated to have generated since it
+    started); ``prefilling`` whether it has yet to (re)compute its context's KV cache (just sent or resumed);
+    ``needed`` whether the next batch waits for it; ``rank`` its place in the migration order (Eq. 4's groups
+    leave the primaries in this order).
     """
-    def m(groups: int, d: int) -> float:
-        return m_r(groups, d) if groups > 0 and d > 0 else 0.0
+    group_id: int
+    worker: Optional[str]
+    prompt_len: int
+    progress: tuple
+    done: tuple
+    needed: bool
+    rank: tuple
+    prefilling: bool = False
 
-    load = max(deficit, load)
-    q_a = rollout_dispatch(deficit, d_p, d_a)
-    t_p = m(load, d_p)
-    t_j = max(m(load - q_a, d_p), m(q_a, d_a))
+
+def expected_remaining(progress: Sequence[int], done: Sequence[bool], sample: np.ndarray) -> np.ndarray:
+    """Tokens each response still needs: E[R − g | R > g] over a sample of response lengths R (the recent ones
+    the profiler saw), 0 for finished responses. A response that outgrew every sample needs one more token."""
+    sample = np.sort(np.asarray(sample, dtype=float))
+    g = np.asarray(progress, dtype=float)
+    out = np.zeros(g.size)
+    if sample.size == 0:
+        return out
+    suffix = np.concatenate([np.cumsum(sample[::-1])[::-1], [0.0]])      # Σ of sample[k:]
+    k = np.searchsorted(sample, g, side="right")                          # first sample > g
+    n = sample.size - k
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_above = np.where(n > 0, suffix[k] / np.maximum(n, 1), g + 1.0)
+    out = np.maximum(mean_above - g, 1.0)
+    out[np.asarray(done, dtype=bool)] = 0.0
+    return out
+
+
+def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int, q_a: int,
+                 replica_time: Callable[[np.ndarray, np.ndarray, np.ndarray], float], sample: np.ndarray,
+                 costs: SwitchCosts, gated: bool = True) -> RolloutGate:
+    """Eq. 3 on the work the batch really waits for.
+
+    ``replica_time(context, remaining, prefill)`` predicts how long one rollout replica needs for a request set:
+    each request's context (prompt + tokens held), the tokens it still needs, and whether it must prefill its
+    context first (a group that moves or resumes recomputes its KV cache). The gate compares
+
+    * **T_no** — primaries only: on each primary, its needed groups run to completion together with the rest of
+      its load (run-ahead groups share every decode iteration, up to the last needed token), parked needed
+      groups resume on the least-loaded primary; T_no is the slowest primary;
+    * **T_joint** — after C_in, Q_a needed groups (Eq. 4: ``rollout_dispatch``) move to the ``d_a`` auxiliaries in
+      migration order, parked ones first, and resume there from their prefixes; the primaries keep the rest. The
+      primaries keep generating during C_in (as Algorithm 2 drains the trainer's queue), so a share
+      ``f = C_in / T_no`` of the work is done before the auxiliaries start and
+      ``T_joint = (1 − f) · max(primaries, auxiliaries)``.
+
+    Remaining lengths are :func:`expected_remaining` over ``sample``. The window is admitted when
+    ``C_in + T_joint + C_out < T_no`` (always, when not ``gated``: the opportunistic ablation). With fresh
+    groups only and no other load this is Eq. 3, ``M_r(Q_r, d_p) − M_r(Q_r, d_p + d_a) > C_in + C_out``.
+    """
     cost = costs.c_in + costs.c_out
-    return RolloutGate(admitted=(t_p - t_j > cost) if gated else True, t_primary=t_p, t_joint=t_j, q_a=q_a,
-                       load=load, cost=cost)
+    needed = [g for g in groups if g.needed]
+    if not needed or not primaries:
+        return RolloutGate(admitted=not gated and bool(needed), t_primary=0.0, t_joint=0.0, q_a=0, cost=cost)
+    load = {w: sum(1 for g in groups if g.worker == w) for w in primaries}
+    placed = {}
+    for g in sorted(needed, key=lambda g: g.rank):
+        if g.worker is None:
+            w = min(primaries, key=lambda x: (load[x], list(primaries).index(x)))
+            load[w] += 1
+            placed[g.group_id] = w
+    work = {g.group_id: expected_remaining(g.progress, g.done, sample) for g in groups}
+
+    def requests(members, horizon=None, prefill_all=False):
+        ctx, rem, pre = [], [], []
+        for g in members:
+            left = work[g.group_id] if horizon is None else np.minimum(work[g.group_id], horizon)
+            for held, r in zip(g.progress, left):
+                if r > 0:
+                    ctx.append(g.prompt_len + held)
+                    rem.append(r)
+                    pre.append(prefill_all or g.worker is None or g.prefilling)
+        return np.asarray(ctx, float), np.asarray(rem, float), np.asarray(pre, bool)
+
+    def primaries_time(moved: set) -> float:
+        worst = 0.0
+        for w in primaries:
+            mine = [g for g in groups if (g.worker == w or placed.get(g.group_id) == w) and g.group_id not in moved]
+            need = [g for g in mine if g.needed]
+            if not need:
+                continue
+            horizon = max(float(work[g.group_id].max()) for g in need)
+            others = [g for g in mine if not g.needed]
+            c1, r1, p1 = requests(need)
+            c2, r2, p2 = requests(others, horizon=horizon)
+            worst = max(worst, replica_time(np.concatenate([c1, c2]), np.concatenate([r1, r2]),
+                                            np.concatenate([p1, p2])))
+        return worst
+
+    t_no = primaries_time(set())
+    q_a = min(q_a, len(needed))
+    movers = sorted(needed, key=lambda g: (g.worker is not None, g.rank))[:q_a]
+    t_aux = 0.0
+    if movers and d_a > 0:
+        for k in range(d_a):
+            share = movers[k::d_a]
+            if share:
+                t_aux = max(t_aux, replica_time(*requests(share, prefill_all=True)))
+    drained = min(1.0, costs.c_in / t_no) if t_no > 0 else 1.0
+    t_joint = (1.0 - drained) * max(primaries_time({g.group_id for g in movers}), t_aux)
+    return RolloutGate(admitted=(t_no - t_joint > cost) if gated else True, t_primary=t_no, t_joint=t_joint,
+                       q_a=q_a, cost=cost)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -85,15 +178,16 @@ def chunk_runs(stages: Sequence[str], size: int) -> list:
 
 
 def workload_time(stages: Sequence[str], run_time: Callable[[int, int, int], float], d: int, max_chunk: int,
-                  drain: Optional[float] = None) -> tuple:
-    """M_t(U, d) of units with these ``stages``: chunks of ``max_chunk · d`` units, summed.
+                  drain: Optional[float] = None, rho: int = 1) -> tuple:
+    """M_t(U, d) of units with these ``stages``: chunks of ``max_chunk · rho · d`` units (s_max on each device of
+    ``d`` replicas of ``rho`` devices), summed.
 
     ``run_time(first, end, d)`` predicts the chunk of units ``[first, end)`` on ``d`` replicas. Returns
     ``(seconds, drained)``; with ``drain``, ``drained`` counts the leading units the ``d`` replicas finish
     within ``drain`` seconds (DrainPrefix: the work primaries do while auxiliaries are prepared).
     """
     total, drained = 0.0, 0
-    for first, end in chunk_runs(stages, max_chunk * d):
+    for first, end in chunk_runs(stages, max_chunk * rho * d):
         total += run_time(first, end, d)
         if drain is not None and total <= drain:
             drained = end
@@ -116,21 +210,28 @@ class TrainerGate:
 
 
 def trainer_gate(stages: Sequence[str], run_time: Callable[[int, int, int], float], d_p: int, d_a: int,
-                 max_chunk: int, costs: SwitchCosts, gated: bool = True) -> TrainerGate:
+                 max_chunk: int, costs: SwitchCosts, gated: bool = True, rho: int = 1,
+                 optimizer: float = 0.0) -> TrainerGate:
     """Algorithm 2, lines 1-6: ``U' = DrainPrefix(U, C_in)``, ``T_no = M_t(U, d_p)``,
     ``T_borrow = C_in + M_t(U', d_p + d_a) + C_out + C_grad``; admitted when ``T_borrow < T_no`` (always when
     there is work left, when not ``gated``). C_grad is charged only if U' holds actor-update work.
 
-    ``stages`` is the stage of each remaining unit in order; ``run_time(first, end, d)`` as in
-    :func:`workload_time`.
+    One refinement of the paper's sum, because the runtime overlaps them: when the window ends with the step, the
+    primaries merge the auxiliary gradients (C_grad) and take the optimizer step (``optimizer`` seconds, paid
+    with or without borrowing) while the rollout pool switches back (C_out), so the step waits for
+    ``max(C_out, C_grad + optimizer) − optimizer`` rather than ``C_out + C_grad`` (they add up again when
+    ``optimizer`` is 0 and one of them is). ``stages`` is the stage of each remaining unit in order;
+    ``run_time(first, end, d)`` as in :func:`workload_time`.
     """
-    t_no, drained = workload_time(stages, run_time, d_p, max_chunk, drain=costs.c_in)
+    t_no, drained = workload_time(stages, run_time, d_p, max_chunk, drain=costs.c_in, rho=rho)
     rest = stages[drained:]
-    t_joint, _ = workload_time(rest, lambda a, b, d: run_time(a + drained, b + drained, d), d_p + d_a, max_chunk)
+    t_joint, _ = workload_time(rest, lambda a, b, d: run_time(a + drained, b + drained, d), d_p + d_a, max_chunk,
+                               rho=rho)
     c_grad = costs.c_grad if any(s in UPDATE_STAGES for s in rest) else 0.0
-    t_borrow = costs.c_in + t_joint + costs.c_out + c_grad
+    tail = max(costs.c_out, c_grad + optimizer) - optimizer if optimizer > 0 else costs.c_out + c_grad
+    t_borrow = costs.c_in + t_joint + tail
     return TrainerGate(admitted=(t_borrow < t_no) if gated else bool(rest), t_no=t_no, t_joint=t_joint,
-                       t_borrow=t_borrow, drained=drained, cost=costs.c_in + costs.c_out + c_grad)
+                       t_borrow=t_borrow, drained=drained, cost=costs.c_in + tail)
 
 
 def joint_tail_split(n: int, d_p: int, d_a: int, ready_p: float, ready_a: float,

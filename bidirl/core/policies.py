@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
+from typing import Optional
 
 from bidirl.core.protocol import CORE_POLICIES
 
@@ -22,6 +23,12 @@ class Policy:
     trainer_on_rollout_pool: bool
     gated: bool = True
     model_split: bool = True
+    # how a system forms batches and admits work — the control plane's own rules by default; the modelled
+    # external systems (bidirl.sim.baselines) set theirs
+    batch_rule: str = "lookahead"          # a key of bidirl.core.buffer.BATCH_RULES
+    enforce_staleness: bool = True         # assert the staleness rule on every batch (check_batch)
+    max_in_flight: Optional[int] = None    # groups generating (or parked) at once, beside the run-ahead bound
+    drop_stale: bool = False               # at a sync, discard unfinished groups too old for any future batch
 
 
 POLICIES = {

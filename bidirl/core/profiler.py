@@ -1,11 +1,21 @@
 """The online profiler (paper §5.1): execution records, measured switch costs, model recalibration.
 
 Every completed unit gives a record ``(k, x, π, X, d, T̂)``: stage ``k`` (``r`` rollout / ``t`` trainer),
-role ``x`` (primary / auxiliary), pool ``π``, workload summary ``X``, active replicas ``d`` and observed time
-``T̂``, stored with the model's raw prediction for the same work. At weight-sync boundaries (outside any
-worker's critical path) :meth:`Profiler.recalibrate` sets each (stage, role) correction factor to the median
-observed / predicted ratio of the records since the last calibration, and the switch costs to a moving
-average of their measurements. Recent response lengths form the representative workload of M_r.
+role ``x`` (primary / auxiliary), pool ``π``, workload ``X`` (the unit's prompt and response lengths, and the
+trainer stage), active replicas ``d`` and observed time ``T̂``, stored with the model's prediction for the same
+work. At weight-sync boundaries (outside any worker's critical path) :meth:`Profiler.recalibrate` updates the
+models and the switch costs:
+
+* **refit** — when the predictor can (``predictor.refit(records)``: the stage-time predictor refits the appendix
+  models' parameters, τ, α, β and the overlap exponents, with the same least-squares code as ``bidirl
+  calibrate``, :mod:`bidirl.perf.calibrate`) and the recent records disagree with it by more than
+  ``tolerance`` (median relative error), the models are refitted on the last ``window`` records. The core
+  itself never imports the fitting code: the predictor is handed in.
+* otherwise a (stage, role) correction factor is set to the median observed / predicted ratio of the records
+  since the last calibration (the fallback for predictors that cannot refit);
+* switch costs follow a moving average of their measurements.
+
+Recent response lengths form the representative workload of M_r.
 """
 
 from __future__ import annotations
@@ -38,6 +48,9 @@ class Profiler:
     records: list = field(default_factory=list)
     scales: dict = field(default_factory=lambda: {(k, x): 1.0 for k in "rt" for x in ROLES})
     calibrated_upto: int = 0
+    tolerance: float = 0.05                        # median relative error above which the models are refitted
+    refit_window: int = 256                        # records a refit uses (the most recent)
+    refits: int = 0
     cost_samples: dict = field(default_factory=dict)
     prompt_lens: deque = field(default_factory=deque)
     response_lens: deque = field(default_factory=deque)
@@ -59,14 +72,23 @@ class Profiler:
         """A measured C_in / C_out / C_grad for ``direction``; folded in at the next recalibration."""
         self.cost_samples.setdefault((direction, which), []).append(float(seconds))
 
-    def recalibrate(self) -> dict:
-        """Update correction factors and switch costs from what was measured since the last call."""
+    def recalibrate(self, predictor=None) -> dict:
+        """Update the models (refit, or correction factors) and the switch costs from what was measured since
+        the last call (module doc). Returns the correction factors."""
         new = self.records[self.calibrated_upto:]
         self.calibrated_upto = len(self.records)
-        for key in list(self.scales):
-            ratios = [r.observed / r.predicted for r in new if (r.k, r.x) == key and r.predicted > 0]
-            if ratios:
-                self.scales[key] = float(np.median(ratios))
+        usable = [r for r in new if r.predicted > 0 and r.observed > 0]
+        if predictor is not None and hasattr(predictor, "refit") and usable:
+            errors = [abs(r.predicted - r.observed) / r.observed for r in usable]
+            if float(np.median(errors)) > self.tolerance:
+                predictor.refit(self.records[-self.refit_window:])
+                self.refits += 1
+                self.scales = {key: 1.0 for key in self.scales}
+        else:
+            for key in list(self.scales):
+                ratios = [r.observed / r.predicted for r in usable if (r.k, r.x) == key]
+                if ratios:
+                    self.scales[key] = float(np.median(ratios))
         for (direction, which), samples in self.cost_samples.items():
             old = self.costs[direction]
             value = (1 - self.smoothing) * getattr(old, which) + self.smoothing * float(np.mean(samples))
@@ -77,8 +99,16 @@ class Profiler:
     def summary(self) -> dict:
         """Plain data for run summaries: measured/predicted stage-time factors, record count, charged costs."""
         return {"scales": {f"{'rollout' if k == 'r' else 'trainer'}/{x}": v for (k, x), v in self.scales.items()},
-                "records": len(self.records),
+                "records": len(self.records), "refits": self.refits,
                 "switch_costs": {d: dict(vars(c)) for d, c in self.costs.items()}}
+
+    def response_sample(self, prior: tuple) -> np.ndarray:
+        """Recent response lengths (the prior's until responses were seen): what remaining-length estimates use."""
+        return np.asarray(self.response_lens if self.response_lens else prior[1], dtype=float)
+
+    def typical_prompt(self, prior: tuple) -> int:
+        """The median recent prompt length (the prior's until prompts were seen)."""
+        return int(np.median(self.prompt_lens if self.prompt_lens else prior[0]))
 
     def representative(self, n_responses: int, prior: tuple) -> tuple:
         """``n_responses`` (prompt, response) lengths at evenly spaced quantiles of the recent window."""

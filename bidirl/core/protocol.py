@@ -66,9 +66,12 @@ PRIMARY_TRAINER = f"{TRAINER_POOL}/trainer"
 AUX_TRAINER = f"{ROLLOUT_POOL}/trainer"
 
 
-def trainer_stages(reference_model: bool) -> tuple:
-    """The stages a trainer step runs: ``ref_logprob`` only with a reference model."""
-    return STAGES if reference_model else tuple(s for s in STAGES if s != "ref_logprob")
+def trainer_stages(reference_model: bool, recompute_old_logprob: bool = True) -> tuple:
+    """The stages a trainer step runs: ``ref_logprob`` only with a reference model, ``old_logprob`` unless the
+    rollout's own log-probs stand in for it (veRL's ``bypass_mode``)."""
+    skip = ({"ref_logprob"} if not reference_model else set()) | ({"old_logprob"} if not recompute_old_logprob
+                                                                  else set())
+    return tuple(s for s in STAGES if s not in skip)
 
 
 def rollouter(pool: str, index: int) -> str:
@@ -216,7 +219,8 @@ class GroupTask:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One executable trainer unit (§5.2, Table 2): ``per_device`` samples on each replica of a gang.
+    """One executable trainer unit (§5.2, Table 2): at most ``per_device`` samples on each device of a gang
+    (a replica of ρ_t devices takes up to ``per_device · ρ_t``).
 
     ``samples`` are ``(group_id, response_index)`` pairs in the original batch order; ``order`` is the
     chunk's position in the stage-ordered workload, used for the ordered merge.

@@ -10,7 +10,7 @@ and consumes the group for its update sees distance ``Δv = v_t − v_g``.
 This is veRL's fully-async rule (``async_training.staleness_threshold``: at most ``(1 + s)·B − n_stale``
 samples generated per parameter-sync window, docs/advance/fully_async.md in volcengine/verl), written
 cumulatively; for integer ``s`` it equals AReaL's capacity ``(max_staleness + version + 1)·batch``
-(areal/core/staleness_manager.py). ``s = 0`` allows exactly one batch per version (strict on-policy).
+(areal/infra/staleness_manager.py). ``s = 0`` allows exactly one batch per version (strict on-policy).
 
 **Consumption.** ``max_lag = ceil(s)``. The batch for version ``v_t`` takes groups in order of
 ``(v_g, commit order)``:

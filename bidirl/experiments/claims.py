@@ -14,6 +14,8 @@ from typing import Any, Optional
 import yaml
 
 KINDS = ("speedup_range", "ratio", "choice", "table", "error", "gap")
+#: fit: the number calibrated a model (bidirl.experiments.paper_fit); held-out: a prediction
+ROLES = ("fit", "held-out")
 #: a claim of each kind needs one of these tolerance keys
 TOLERANCE_KEYS = {"speedup_range": ("gain_rel", "abs", "rel"), "ratio": ("gain_rel", "abs", "rel"),
                   "choice": ("exact",), "table": ("factor",), "error": ("abs_pp",), "gap": ("not_checkable",)}
@@ -30,6 +32,7 @@ class Claim:
     statement: str
     check: dict
     tolerance: dict
+    role: str = "held-out"
 
     @property
     def panels(self) -> tuple:
@@ -76,7 +79,8 @@ def load_claims(path: Optional[Path] = None) -> list:
         where = f"{path.name}: claims[{i}]"
         if not isinstance(item, dict):
             raise ValueError(f"{where}: expected a mapping, got {item!r}")
-        missing = [k for k in ("id", "section", "kind", "value", "compares", "check", "tolerance") if k not in item]
+        missing = [k for k in ("id", "section", "kind", "value", "compares", "check", "tolerance", "role")
+                   if k not in item]
         if missing:
             raise ValueError(f"{where} ({item.get('id', '?')}): missing {missing} — add them (schema in the header)")
         cid = item["id"]
@@ -85,6 +89,9 @@ def load_claims(path: Optional[Path] = None) -> list:
         seen.add(cid)
         if item["kind"] not in KINDS:
             raise ValueError(f"{where} ({cid}): kind {item['kind']!r} is not one of {KINDS}")
+        if item["role"] not in ROLES:
+            raise ValueError(f"{where} ({cid}): role {item['role']!r} is not one of {ROLES} — 'fit' when the number "
+                             "calibrated a model, 'held-out' when it is predicted")
         need = TOLERANCE_KEYS[item["kind"]]
         if not isinstance(item["tolerance"], dict) or not any(k in item["tolerance"] for k in need):
             raise ValueError(f"{where} ({cid}): a {item['kind']} claim needs tolerance.{' / tolerance.'.join(need)}")
@@ -95,7 +102,45 @@ def load_claims(path: Optional[Path] = None) -> list:
             if not (isinstance(v, list) and len(v) == 2 and v[0] <= v[1]):
                 raise ValueError(f"{where} ({cid}): a speedup_range value is [lo, hi] with lo ≤ hi, got {v!r}")
         out.append(Claim(cid, str(item["section"]), item["kind"], item["value"], str(item["compares"]),
-                         str(item.get("statement", "")), dict(item["check"]), dict(item["tolerance"])))
+                         str(item.get("statement", "")), dict(item["check"]), dict(item["tolerance"]),
+                         item["role"]))
+    return out
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A stated limit of the models that bears on some claims (``data/paper/limits.yaml``)."""
+    id: str
+    title: str
+    text: str
+    claims: tuple
+
+
+def load_limits(path: Optional[Path] = None, claims: Optional[list] = None) -> list:
+    """The model limits of ``path`` (default ``data/paper/limits.yaml``), validated against ``claims`` (default
+    :func:`load_claims`): every limit names known claims. ValueError naming the limit and the field."""
+    if path is None:
+        from bidirl.presets import data_dir
+        path = data_dir() / "paper" / "limits.yaml"
+    path = Path(path)
+    raw = yaml.safe_load(path.read_text())
+    if not isinstance(raw, dict) or not isinstance(raw.get("limits"), list):
+        raise ValueError(f"{path}: expected a top-level 'limits:' list — see the file header for the schema")
+    known = {c.id for c in (load_claims() if claims is None else claims)}
+    out, seen = [], set()
+    for i, item in enumerate(raw["limits"]):
+        where = f"{path.name}: limits[{i}]"
+        missing = [k for k in ("id", "title", "text", "claims") if not isinstance(item, dict) or k not in item]
+        if missing:
+            raise ValueError(f"{where}: missing {missing} — every limit has id, title, text and claims")
+        if item["id"] in seen:
+            raise ValueError(f"{where}: duplicate id {item['id']!r}")
+        seen.add(item["id"])
+        unknown = [c for c in item["claims"] if c not in known]
+        if unknown:
+            raise ValueError(f"{where} ({item['id']}): claims {unknown} are not in claims.yaml — fix the ids")
+        out.append(Limit(str(item["id"]), str(item["title"]), " ".join(str(item["text"]).split()),
+                         tuple(item["claims"])))
     return out
 
 
@@ -160,4 +205,4 @@ def judge(kind: str, paper: Any, reproduced: Any, tolerance: dict) -> Optional[b
     raise ValueError(f"unknown claim kind {kind!r}; use one of {KINDS}")
 
 
-__all__ = ["Claim", "KINDS", "load_claims", "judge", "allowed_deviation", "default_path"]
+__all__ = ["Claim", "Limit", "load_limits", "KINDS", "ROLES", "load_claims", "judge", "allowed_deviation", "default_path"]

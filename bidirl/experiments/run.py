@@ -190,9 +190,28 @@ def _valid(results: pd.DataFrame) -> pd.DataFrame:
     return ok[np.isfinite(ok["throughput"].astype(float)) & (ok["throughput"].astype(float) > 0)]
 
 
+def rebalance_bound(spec, point) -> float:
+    """The most any borrowing policy can gain over no-borrow at ``point`` under the stage-time models: the
+    planner's stage times T_r, T_t on the point's split (g_r, g_t GPUs) give the slower pool's step time
+    ``max(T_r, T_t)``, while perfectly shared work with free switches would take ``(g_r·T_r + g_t·T_t) / G``.
+    NaN where the point has no fixed split or does not plan."""
+    from bidirl.planner import plan
+    try:
+        cfg = spec.config(point)
+        if cfg.cluster.partition is None:
+            return float("nan")
+        env = plan(cfg).envelope
+    except Exception:  # noqa: BLE001 — a point that does not plan has no bound; its runs report why
+        return float("nan")
+    g_r, g_t = env.rollout_gpus, env.trainer_gpus
+    shared = (g_r * env.rollout_time + g_t * env.trainer_time) / (g_r + g_t)
+    return float(max(env.rollout_time, env.trainer_time) / shared) if shared > 0 else float("nan")
+
+
 def speedups(results: pd.DataFrame, specs: Optional[dict] = None) -> pd.DataFrame:
     """One row per (panel, point): BiDiRL's throughput, the strongest valid comparator and the speedup over it,
-    plus BiDiRL's ratio over every individual comparator (``over:<policy>``, NaN where that one is invalid).
+    plus BiDiRL's ratio over every individual comparator (``over:<policy>``, NaN where that one is invalid) and
+    the models' :func:`rebalance_bound` at the point.
 
     The comparators of a panel are its spec's non-BiDiRL policies (``specs`` maps panel id → spec; without it,
     every other policy present in the results). A point where BiDiRL itself failed has a NaN speedup.
@@ -224,9 +243,10 @@ def speedups(results: pd.DataFrame, specs: Optional[dict] = None) -> pd.DataFram
                "valid_comparators": len(comp)}
         for p in comparators:
             row[f"over:{p}"] = bidirl / comp[p] if p in comp else float("nan")
+        row["rebalance_bound"] = rebalance_bound(spec, point) if spec is not None else float("nan")
         rows.append(row)
     return pd.DataFrame(rows) if rows else pd.DataFrame(columns=columns)
 
 
 __all__ = ["Task", "tasks", "run_task", "run_panel", "run_specs", "results_frame", "speedups",
-           "total_run_throughput", "RESULT_COLUMNS", "STATUS_OK", "STATUS_UNSUPPORTED", "STATUS_FAILED"]
+           "total_run_throughput", "rebalance_bound", "RESULT_COLUMNS", "STATUS_OK", "STATUS_UNSUPPORTED", "STATUS_FAILED"]

@@ -23,7 +23,7 @@ import importlib
 
 # eager: the function shares its name with its submodule, and binding it here keeps ``bidirl.perf.overlap``
 # the function once the submodule has been imported by the models
-from bidirl.perf.overlap import overlap
+from bidirl.perf.overlap import overlap  # noqa: F401
 
 _LAZY = {
     "CalibrationResult": "calibrate", "calibrate_rollout": "calibrate", "calibrate_trainer": "calibrate",

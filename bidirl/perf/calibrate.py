@@ -24,6 +24,15 @@ depend on the batch), so only one of its coefficients is identifiable: β_comm,s
 
 The model features (waves, FLOPs, token sums) do not depend on the fitted parameters, so they are computed
 once per record and every residual evaluation is a handful of vectorised array operations.
+
+**Hardware knobs.** :func:`calibrate_knobs` fits, instead of the appendix parameters of one model, the
+hardware preset's knobs they are derived from (:data:`bidirl.perf.params.KNOBS`: ``train_mfu``,
+``prefill_mfu``, ``decode_mbu``, ``kernel_overhead_per_layer``, ``scheduler_overhead``,
+``decode_token_overhead``), to rollout and trainer records together, so that what was measured with one
+model predicts other models on the same hardware. The efficiency factors are fitted as their inverses
+(bounded to ≥ 1, i.e. at most the datasheet peak), the overheads in seconds (≥ 0); at tp = 1 and one GPU per
+trainer replica the predictions are linear in these, so the bounded least-squares problem has no spurious
+local minima. Each kind of record weighs the same in total (residuals scaled by 1/√n per kind).
 """
 
 from __future__ import annotations
@@ -272,6 +281,112 @@ def calibrate_trainer(records, model: TrainerModel) -> CalibrationResult:
     params, pred, err, prior_err, ok, message = _fit(space, predict, observed, setter)
     fitted = TrainerModel(model.model, model.hardware, layout=model.layout, params=params)
     return CalibrationResult("trainer", params, fitted, err, prior_err, tuple(space.names), ok, message, pred)
+
+
+# --------------------------------------------------------------------------------------------------
+# hardware knobs
+# --------------------------------------------------------------------------------------------------
+
+#: seconds a zero-prior overhead knob is scaled by in the optimisation (its typical size on CPU and GPU)
+OVERHEAD_SCALE = 1e-5
+ROLLOUT_KNOBS = ("prefill_mfu", "decode_mbu", "kernel_overhead_per_layer", "scheduler_overhead",
+                 "decode_token_overhead")
+TRAINER_KNOBS = ("train_mfu", "kernel_overhead_per_layer")
+
+
+@dataclass(frozen=True)
+class KnobCalibration:
+    """Fitted hardware knobs, the hardware spec carrying them, and relative errors per record, before
+    (``prior_*``) and after the fit (``None`` for a kind without records)."""
+    knobs: dict
+    prior_knobs: dict
+    hardware: Any
+    rollout_errors: Any
+    trainer_errors: Any
+    prior_rollout_errors: Any
+    prior_trainer_errors: Any
+    success: bool
+    message: str
+
+    def report(self) -> dict:
+        out = {"knobs": dict(self.knobs), "prior_knobs": dict(self.prior_knobs), "success": self.success,
+               "message": self.message}
+        for kind in ("rollout", "trainer"):
+            err, prior = getattr(self, f"{kind}_errors"), getattr(self, f"prior_{kind}_errors")
+            if err is not None:
+                out[kind] = {"records": int(err.size), "median_error_pct": 100 * float(np.median(err)),
+                             "p90_error_pct": 100 * float(np.quantile(err, 0.9)),
+                             "prior_median_error_pct": 100 * float(np.median(prior)),
+                             "prior_p90_error_pct": 100 * float(np.quantile(prior, 0.9))}
+        return out
+
+
+def knob_hardware(hardware, knobs: dict):
+    """``hardware`` with ``knobs`` set and no per-model ``stage_params`` (predictions from the knobs alone)."""
+    from bidirl.perf.params import check_knob
+    values = {k: check_knob(k, v) for k, v in knobs.items()}
+    extra = {"stage_params": {}} if hasattr(hardware, "stage_params") else {}
+    return dataclasses.replace(hardware, **values, **extra)
+
+
+def calibrate_knobs(model_spec, hardware, rollout_records=None, trainer_records=None, *, tp: int = 1,
+                    layout: int = 1) -> KnobCalibration:
+    """Fit ``hardware``'s knobs to records of ``model_spec`` (rollout replicas of ``tp`` GPUs, trainer replicas
+    of ``layout`` GPUs); module doc. Starts from the preset's knobs; ``stage_params`` are ignored."""
+    from bidirl.perf.params import EFFICIENCY_KNOBS, knob, knob_rollout_params, knob_trainer_params
+    if rollout_records is None and trainer_records is None:
+        raise ValueError("calibrate_knobs: pass rollout_records and/or trainer_records")
+    base = knob_hardware(hardware, {})
+    prior = {k: knob(base, k) for k in (*EFFICIENCY_KNOBS, *ROLLOUT_KNOBS[2:])}
+    parts = []              # (kind, predict(hw) -> array, observed)
+    free: list = []
+    if rollout_records is not None:
+        df = validate_records(rollout_records, "rollout")
+        shape_model = RolloutModel(model_spec, base, tp=tp)
+        feats, starts = _rollout_features(df, shape_model)
+
+        def predict_rollout(hw, feats=feats, starts=starts):
+            params = knob_rollout_params(model_spec, hw, tp)
+            return np.maximum.reduceat(replica_times_from_features(params, feats), starts)
+        parts.append(("rollout", predict_rollout, df["observed"].to_numpy(dtype=float)))
+        free += [k for k in ROLLOUT_KNOBS if k not in free]
+    if trainer_records is not None:
+        df = validate_records(trainer_records, "trainer")
+        shape_model = TrainerModel(model_spec, base, layout=layout)
+        idx, flops, msg, starts = _trainer_shares(df, shape_model)
+
+        def predict_trainer(hw, idx=idx, flops=flops, msg=msg, starts=starts):
+            params = knob_trainer_params(model_spec, hw, layout)
+            return np.maximum.reduceat(microbatch_times(params, idx, flops, msg), starts)
+        parts.append(("trainer", predict_trainer, df["observed"].to_numpy(dtype=float)))
+        free += [k for k in TRAINER_KNOBS if k not in free]
+
+    is_eff = np.array([k in EFFICIENCY_KNOBS for k in free])
+    z_prior = np.array([1.0 / prior[k] if k in EFFICIENCY_KNOBS else prior[k] for k in free])
+    scale = np.where(z_prior > 0, z_prior, OVERHEAD_SCALE)
+
+    def hw_of(x):
+        z = x * scale
+        return knob_hardware(base, {k: (1.0 / v if e else v) for k, v, e in zip(free, z, is_eff)})
+
+    def errors(hw):
+        return {kind: np.abs(pred(hw) - obs) / obs for kind, pred, obs in parts}
+
+    weights = {kind: 1.0 / np.sqrt(obs.size) for kind, _, obs in parts}
+
+    def residuals(x):
+        hw = hw_of(x)
+        return np.concatenate([weights[kind] * (pred(hw) - obs) / obs for kind, pred, obs in parts])
+
+    lo = np.where(is_eff, 1.0, 0.0) / scale
+    x0 = np.clip(z_prior / scale, lo, None)
+    sol = least_squares(residuals, x0, bounds=(lo, np.inf), method="trf", x_scale="jac",
+                        max_nfev=200 * (len(free) + 1))
+    fitted_hw = hw_of(sol.x)
+    after, before = errors(fitted_hw), errors(base)
+    knobs = {k: knob(fitted_hw, k) for k in free}
+    return KnobCalibration(knobs, {k: prior[k] for k in free}, fitted_hw, after.get("rollout"), after.get("trainer"),
+                           before.get("rollout"), before.get("trainer"), bool(sol.success), str(sol.message))
 
 
 def relative_errors(observed: Sequence[float], predicted: Sequence[float]) -> np.ndarray:

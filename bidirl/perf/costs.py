@@ -79,13 +79,44 @@ def _layouts(hw, model, trainer_layout, rollout_tp):
     return rho, tp
 
 
-def derive_switch_costs(hw, model, *, trainer_layout: Optional[int] = None, rollout_tp: int = 1) -> dict:
-    """``{"trainer_on_rollout_pool": SwitchCosts, "rollout_on_trainer_pool": SwitchCosts}`` (module doc)."""
+#: the switch model's constants a hardware preset may fit (``switch_model:``), with their defaults
+SWITCH_MODEL = {"wake_fixed": WAKE_FIXED, "sleep_fixed": SLEEP_FIXED, "pageable_fraction": PAGEABLE_FRACTION}
+
+
+def check_switch_model(values) -> dict:
+    """A preset's ``switch_model`` block, validated: known keys, non-negative seconds, a fraction in (0, 1]."""
+    if not isinstance(values, dict):
+        raise ValueError(f"switch_model must map constants to numbers, got {values!r}")
+    unknown = sorted(set(values) - set(SWITCH_MODEL))
+    if unknown:
+        raise ValueError(f"switch_model: unknown constant(s) {unknown}; use {', '.join(SWITCH_MODEL)}")
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"switch_model.{key} must be a number, got {value!r}")
+        low_ok = value > 0 if key == "pageable_fraction" else value >= 0
+        if not low_ok or (key == "pageable_fraction" and value > 1):
+            raise ValueError(f"switch_model.{key} = {value!r} is out of range "
+                             f"({'(0, 1]' if key == 'pageable_fraction' else '≥ 0 seconds'})")
+        out[key] = float(value)
+    return out
+
+
+def switch_constants(hw) -> dict:
+    """The switch model's constants for ``hw``: the preset's fitted ones over the defaults."""
+    return {**SWITCH_MODEL, **(getattr(hw, "switch_model", None) or {})}
+
+
+def derive_switch_costs(hw, model, *, trainer_layout: Optional[int] = None, rollout_tp: int = 1,
+                        constants: Optional[dict] = None) -> dict:
+    """``{"trainer_on_rollout_pool": SwitchCosts, "rollout_on_trainer_pool": SwitchCosts}`` (module doc);
+    ``constants`` overrides the switch model's fixed latencies and pageable fraction (default: the preset's)."""
     from bidirl.config import SwitchCosts
     rho, tp = _layouts(hw, model, trainer_layout, rollout_tp)
+    c = {**switch_constants(hw), **(constants or {})}
     n = float(model.params_total)
     pinned = float(hw.host_bandwidth)
-    pageable = pinned * PAGEABLE_FRACTION
+    pageable = pinned * c["pageable_fraction"]
     inter, intra, k = float(hw.inter_node_bandwidth), float(hw.intra_node_bandwidth), int(hw.gpus_per_node)
 
     s_tp = PRIMARY_TRAINER_STATE * n / rho
@@ -93,10 +124,10 @@ def derive_switch_costs(hw, model, *, trainer_layout: Optional[int] = None, roll
     s_r = model.dtype_bytes * n / tp
 
     def sleep(size, bw):
-        return SLEEP_FIXED + size / bw
+        return c["sleep_fixed"] + size / bw
 
     def wake(size, bw):
-        return WAKE_FIXED + size / bw
+        return c["wake_fixed"] + size / bw
 
     rot = SwitchCosts(c_in=sleep(s_tp, pageable) + wake(s_r, pinned) + s_r / inter,
                       c_out=sleep(s_r, pinned) + wake(s_tp, pageable),
@@ -106,6 +137,17 @@ def derive_switch_costs(hw, model, *, trainer_layout: Optional[int] = None, roll
                       c_out=sleep(s_ta, pageable) + wake(s_r, pinned),
                       c_grad=grad * (k - 1) / (k * intra) + grad / (k * inter))
     return {TRAINER_ON_ROLLOUT_POOL: tor, ROLLOUT_ON_TRAINER_POOL: rot}
+
+
+def trainer_offload_reload_time(hw, model, *, trainer_layout: Optional[int] = None) -> float:
+    """Seconds for a primary trainer to move its state (fp32 master weights and Adam moments, ``12·N/ρ_t`` bytes
+    per GPU) to host memory and back over pageable copies — what a system that offloads its trainer every step
+    (ROLL's ``offload_states``) pays per step."""
+    rho, _ = _layouts(hw, model, trainer_layout, 1)
+    c = switch_constants(hw)
+    size = PRIMARY_TRAINER_STATE * float(model.params_total) / rho
+    pageable = float(hw.host_bandwidth) * c["pageable_fraction"]
+    return c["sleep_fixed"] + c["wake_fixed"] + 2 * size / pageable
 
 
 def derive_weight_sync(hw, model, *, trainer_layout: Optional[int] = None) -> float:

@@ -83,21 +83,25 @@ class BatchingEngine:
     busy_since: float = -1.0
     started_at: dict = field(default_factory=dict)
     clean: bool = True
-    period_done: list = field(default_factory=list)
+    period: dict = field(default_factory=dict)   # (gid, i) -> [context at the period's start, tokens then, now]
 
     # ------------------------------------------------------------------------------------------
-    def add(self, group: EngineGroup) -> None:
+    def add(self, *groups: EngineGroup) -> None:
+        """Queue ``groups`` now; the requests admitted in one scheduling step share one prefill wave."""
         now = self.loop.now
         self._advance(now)
         if self.busy_since < 0:
-            self.busy_since, self.clean, self.period_done = now, True, []
-        elif self.running:
-            self.clean = False
-        self.groups[group.group_id] = group
-        self.started_at[group.group_id] = now
-        for i in range(len(group.targets)):
-            if not group.done(i):
-                self.waiting.append((group.group_id, i))
+            self.busy_since, self.clean, self.period = now, True, {}
+        elif now > self.busy_since:
+            self.clean = False                  # joined a busy period: the period is no clean measurement
+        for group in groups:
+            self.groups[group.group_id] = group
+            self.started_at[group.group_id] = now
+            for i in range(len(group.targets)):
+                if not group.done(i):
+                    self.waiting.append((group.group_id, i))
+                    held = group.generated[i]
+                    self.period[(group.group_id, i)] = [group.prompt_len + held, held, held]
         self._reschedule(now)
 
     def interrupt(self, group_ids=None) -> list:
@@ -105,17 +109,24 @@ class BatchingEngine:
         now = self.loop.now
         self._advance(now)
         ids = list(self.groups) if group_ids is None else [g for g in group_ids if g in self.groups]
+        if len(ids) < len(self.groups):
+            self.clean = False                  # part of the work leaves mid-period
         out = []
         for gid in ids:
             g = self.groups.pop(gid)
             self.started_at.pop(gid, None)
+            self._tokens_at_end(g)
             out.append(g.state())
         drop = set(ids)
         self.running = [r for r in self.running if r[0] not in drop]
         self.waiting = deque(r for r in self.waiting if r[0] not in drop)
-        self.clean = False
         self._reschedule(now)
         return out
+
+    def _tokens_at_end(self, group: EngineGroup) -> None:
+        for i, n in enumerate(group.generated):
+            if (group.group_id, i) in self.period:
+                self.period[(group.group_id, i)][2] = n
 
     @property
     def busy(self) -> bool:
@@ -173,7 +184,7 @@ class BatchingEngine:
             admitted.append(self.groups[g].prompt_len + self.groups[g].generated[i])
             live += need
         self.factor = float(np.exp(self.rng.normal(0.0, self.costs.noise))) if self.costs.noise else 1.0
-        start = now
+        start = max(now, self.iter_start)      # a prefill still in progress delays what follows it
         if admitted:
             c = self.costs
             start += self.factor * (c.tau_pre + c.alpha_pre * c.prefill_flops(np.asarray(admitted)))
@@ -212,7 +223,7 @@ class BatchingEngine:
                 continue
             del self.groups[gid]
             start = self.started_at.pop(gid, now)
-            self.period_done.append(grp)
+            self._tokens_at_end(grp)
             self.on_group(self.name, grp.state(), now - start)
 
     def _close_period(self, now: float) -> None:
@@ -220,8 +231,10 @@ class BatchingEngine:
             return
         if now > self.busy_since:
             self.on_span(self.name, "generate", self.busy_since, now, {})
-            if self.clean and self.period_done:
-                p = np.concatenate([[g.prompt_len] * len(g.targets) for g in self.period_done])
-                r = np.concatenate([g.targets for g in self.period_done])
+            # a profiling record (§5.1): every request that was there from the start, with its context then and
+            # the tokens it generated in the period — all of them, or until the interrupt that ended the period
+            work = [(ctx, end - held) for ctx, held, end in self.period.values() if end > held]
+            if self.clean and work:
+                p, r = np.array(work, dtype=np.int64).T
                 self.on_record(self.name, p, r, now - self.busy_since)
         self.busy_since = -1.0

@@ -1,17 +1,20 @@
 """Default stage-time model parameters derived from a hardware preset's specifications.
 
 These are priors: :mod:`bidirl.perf.calibrate` refits them from profiling records (paper §5.1, online
-profiler; appendix: "τ_s, α_s and r_s are calibrated from profiling runs"). Every number below is either a
-datasheet value times an achieved-efficiency factor from the hardware preset (``train_mfu``,
-``prefill_mfu``, ``decode_mbu``, whose sources the preset lists) or one of the few named overhead
-constants, each stated as an assumption.
+profiler; appendix, "Stage-Time Models": "τ_s, α_s and r_s are calibrated from profiling runs"). Every number
+below is either a datasheet value times an achieved-efficiency factor from the hardware preset
+(``train_mfu``, ``prefill_mfu``, ``decode_mbu``, whose sources the preset lists) or one of the engine-overhead
+*knobs*, which the preset may set and which default to the constants below, each stated as an assumption:
+``kernel_overhead_per_layer``, ``scheduler_overhead`` and ``decode_token_overhead``. The efficiency factors
+and the overhead knobs together are :data:`KNOBS`: what ``bidirl calibrate`` fits to measured records, so a
+calibration made with one model carries over to other models on the same hardware.
 
 Trainer, for a replica of ρ = ``layout`` GPUs (FSDP data parallel inside the replica; each GPU runs
 ``micro_batch_per_device`` samples, so the replica computes at ρ times one GPU's rate):
 
 * ``alpha_s = 1 / (ρ · peak_flops · train_mfu)`` seconds per FLOP, every stage;
-* ``tau_s = m_s · L · KERNEL_OVERHEAD_PER_LAYER`` — eager PyTorch launches ≈20 kernels per layer per pass,
-  ≈10 µs each;
+* ``tau_s = m_s · L · kernel_overhead_per_layer`` — eager PyTorch launches ≈20 kernels per layer per pass,
+  ≈10 µs each (the default, :data:`KERNEL_OVERHEAD_PER_LAYER`);
 * ``alpha_comm_s = k_s · L · collective latency`` with ``k_s`` collectives per layer (1 all-gather for the
   forward stages; all-gather, all-gather, reduce-scatter for the update); 0 for ρ = 1 (no collectives);
 * ``beta_comm_s = 1 / link bandwidth`` (intra-node for ρ ≤ gpus_per_node, else inter-node);
@@ -21,12 +24,14 @@ Rollout, for a vLLM replica with tensor parallelism ``tp`` (the decoder only: th
 prefill and is inside N_nonemb there):
 
 * ``alpha_pre = 1 / (tp · peak_flops · prefill_mfu)``;
-* ``tau_pre = L · KERNEL_OVERHEAD_PER_LAYER + SCHEDULER_OVERHEAD`` per prefill wave (prefill is not
+* ``tau_pre = L · kernel_overhead_per_layer + scheduler_overhead`` per prefill wave (prefill is not
   CUDA-graphed);
-* ``tau_dec = decoder weight bytes / (tp · memory_bandwidth · decode_mbu) + SCHEDULER_OVERHEAD`` — every decode
-  iteration streams the weights once; the scheduler/sampler step is the overhead;
-* ``beta_tok = (2·N_dec + 2·H·V) / (tp · peak_flops · prefill_mfu)`` — the per-token matmul FLOPs of the
-  decoder (``N_dec = N_nonemb − vision params``) and the head;
+* ``tau_dec = decoder weight bytes / (tp · memory_bandwidth · decode_mbu) + scheduler_overhead`` — every decode
+  iteration streams the weights once; the scheduler/sampler step is the overhead (default
+  :data:`SCHEDULER_OVERHEAD`);
+* ``beta_tok = (2·N_dec + 2·H·V) / (tp · peak_flops · prefill_mfu) + decode_token_overhead`` — the per-token
+  matmul FLOPs of the decoder (``N_dec = N_nonemb − vision params``) and the head, plus the engine's work per
+  running sequence and iteration (sampling, logits processors, output handling; default 0);
 * ``beta_hist = b_kv(tp) / (memory_bandwidth · decode_mbu) + 4·L·H / (tp · peak_flops · prefill_mfu)`` — every
   context token's KV cache is read once per iteration, plus its attention FLOPs;
 * ``c_pre``, ``c_dec``: seconds per prompt / generated token of tensor-parallel communication,
@@ -34,6 +39,15 @@ prefill and is inside N_nonemb there):
   0 for ``tp = 1``. The appendix names C_pre and C_dec without a form; this package uses
   ``C_pre = c_pre·Σp`` and ``C_dec = c_dec·N_tok`` (see :mod:`bidirl.perf.rollout`).
 * ``r = 2``.
+
+**Per-model overrides.** Where the knobs cannot express what was measured for one model (e.g. a stage whose
+fixed cost is not m_s times the forward's), a hardware preset may carry fitted appendix parameters in its
+``stage_params`` block, keyed by model name: ``rollout`` (:class:`~bidirl.perf.rollout.RolloutParams` fields,
+for replicas of ``tp`` GPUs) and ``trainer`` (:class:`~bidirl.perf.trainer.TrainerParams` fields, one value
+or one per stage, for replicas of ``layout`` GPUs). :func:`default_rollout_params` /
+:func:`default_trainer_params` use them for that model and layout, and the knob-derived values
+(:func:`knob_rollout_params` / :func:`knob_trainer_params`) for every field they leave out and everywhere
+else. :func:`check_stage_params` validates the block.
 """
 
 from __future__ import annotations
@@ -52,6 +66,16 @@ COLLECTIVE_LATENCY_INTER = 1.0e-4
 COLLECTIVES_PER_LAYER = {"old_logprob": 1, "ref_logprob": 1, "actor_update": 3}
 #: default p-norm overlap exponent (appendix: fitted; 1 = no overlap, ∞ = perfect overlap)
 DEFAULT_OVERLAP_R = 2.0
+#: seconds of engine work per running sequence per decode iteration beyond its FLOPs (0: none assumed)
+DECODE_TOKEN_OVERHEAD = 0.0
+
+#: the hardware preset fields the priors are built from (what ``bidirl calibrate`` fits): efficiency factors
+#: (fractions of peak, in (0, 1]) and overheads (seconds, ≥ 0), with the defaults a preset may leave out
+EFFICIENCY_KNOBS = ("train_mfu", "prefill_mfu", "decode_mbu")
+OVERHEAD_KNOBS = {"kernel_overhead_per_layer": KERNEL_OVERHEAD_PER_LAYER, "scheduler_overhead": SCHEDULER_OVERHEAD,
+                  "decode_token_overhead": DECODE_TOKEN_OVERHEAD}
+KNOBS = EFFICIENCY_KNOBS + tuple(OVERHEAD_KNOBS)
+ROLLOUT_LAYOUT_KEY, TRAINER_LAYOUT_KEY = "tp", "layout"
 
 
 def _check_layout(layout, name):
@@ -69,14 +93,49 @@ def collective_latency(hw, gpus: int) -> float:
     return COLLECTIVE_LATENCY_INTRA if gpus <= hw.gpus_per_node else COLLECTIVE_LATENCY_INTER
 
 
+def knob(hw, name: str) -> float:
+    """The value of knob ``name`` on ``hw`` (an overhead knob the preset leaves out takes its default)."""
+    value = getattr(hw, name, None)
+    if value is None:
+        if name not in OVERHEAD_KNOBS:
+            raise ValueError(f"hardware {getattr(hw, 'name', hw)!r} has no {name!r}")
+        return OVERHEAD_KNOBS[name]
+    return float(value)
+
+
+def _override(hw, model, kind: str, layout: int):
+    """The ``stage_params`` entry of ``model`` for ``kind`` when it was fitted for ``layout`` GPUs, else None."""
+    block = (getattr(hw, "stage_params", None) or {}).get(getattr(model, "name", None)) or {}
+    entry = block.get(kind)
+    key = ROLLOUT_LAYOUT_KEY if kind == "rollout" else TRAINER_LAYOUT_KEY
+    if not entry or int(entry.get(key, 0)) != layout:
+        return None
+    return {k: v for k, v in entry.items() if k != key}
+
+
 def default_trainer_params(model, hw, layout: int = 1):
-    """:class:`~bidirl.perf.trainer.TrainerParams` for ``model`` on ``hw`` with ρ = ``layout`` GPUs per replica."""
+    """:class:`~bidirl.perf.trainer.TrainerParams` for ``model`` on ``hw`` with ρ = ``layout`` GPUs per replica:
+    the knob-derived priors, with the preset's ``stage_params`` override for this model and layout applied."""
+    from bidirl.perf.trainer import TrainerParams
+    rho = _check_layout(layout, "layout")
+    base = knob_trainer_params(model, hw, rho)
+    over = _override(hw, model, "trainer", rho)
+    if not over:
+        return base
+    maps = {f: dict(getattr(base, f)) for f in TRAINER_FIELDS}
+    for f, value in over.items():
+        maps[f].update(value if isinstance(value, dict) else {s: value for s in STAGES})
+    return TrainerParams(**maps)
+
+
+def knob_trainer_params(model, hw, layout: int = 1):
+    """The trainer priors from the hardware's datasheet numbers and knobs alone (no per-model override)."""
     from bidirl.perf.trainer import TrainerParams
     rho = _check_layout(layout, "layout")
     alpha = 1.0 / (rho * hw.peak_flops * hw.train_mfu)
     lat = collective_latency(hw, rho) if rho > 1 else 0.0
     return TrainerParams(
-        tau={s: STAGE_MULTIPLIER[s] * model.layers * KERNEL_OVERHEAD_PER_LAYER for s in STAGES},
+        tau={s: STAGE_MULTIPLIER[s] * model.layers * knob(hw, "kernel_overhead_per_layer") for s in STAGES},
         alpha={s: alpha for s in STAGES},
         r={s: DEFAULT_OVERLAP_R for s in STAGES},
         alpha_comm={s: COLLECTIVES_PER_LAYER[s] * model.layers * lat for s in STAGES},
@@ -85,7 +144,17 @@ def default_trainer_params(model, hw, layout: int = 1):
 
 
 def default_rollout_params(model, hw, tp: int = 1):
-    """:class:`~bidirl.perf.rollout.RolloutParams` for ``model`` on ``hw`` with tensor parallelism ``tp``."""
+    """:class:`~bidirl.perf.rollout.RolloutParams` for ``model`` on ``hw`` with tensor parallelism ``tp``: the
+    knob-derived priors, with the preset's ``stage_params`` override for this model and ``tp`` applied."""
+    import dataclasses
+    tp = _check_layout(tp, "tp")
+    base = knob_rollout_params(model, hw, tp)
+    over = _override(hw, model, "rollout", tp)
+    return dataclasses.replace(base, **over) if over else base
+
+
+def knob_rollout_params(model, hw, tp: int = 1):
+    """The rollout priors from the hardware's datasheet numbers and knobs alone (no per-model override)."""
     from bidirl.perf.rollout import RolloutParams
     tp = _check_layout(tp, "tp")
     compute = tp * hw.peak_flops * hw.prefill_mfu
@@ -96,14 +165,92 @@ def default_rollout_params(model, hw, tp: int = 1):
         c_tok = per_token_bytes / link_bandwidth(hw, tp)
     else:
         c_tok = 0.0
+    sched = knob(hw, "scheduler_overhead")
     return RolloutParams(
-        tau_pre=model.layers * KERNEL_OVERHEAD_PER_LAYER + SCHEDULER_OVERHEAD,
+        tau_pre=model.layers * knob(hw, "kernel_overhead_per_layer") + sched,
         alpha_pre=1.0 / compute,
-        tau_dec=decoder_params * model.dtype_bytes / (tp * hw.memory_bandwidth * hw.decode_mbu) + SCHEDULER_OVERHEAD,
-        beta_tok=(2.0 * decoder_nonemb + 2.0 * model.hidden * model.vocab) / compute,
+        tau_dec=decoder_params * model.dtype_bytes / (tp * hw.memory_bandwidth * hw.decode_mbu) + sched,
+        beta_tok=((2.0 * decoder_nonemb + 2.0 * model.hidden * model.vocab) / compute
+                  + knob(hw, "decode_token_overhead")),
         beta_hist=(model.kv_bytes_per_token(tp) / (hw.memory_bandwidth * hw.decode_mbu)
                    + 4.0 * model.layers * model.hidden / compute),
         r=DEFAULT_OVERLAP_R,
         c_pre=c_tok,
         c_dec=c_tok,
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# validation of preset values
+# --------------------------------------------------------------------------------------------------
+
+ROLLOUT_FIELDS = ("tau_pre", "alpha_pre", "tau_dec", "beta_tok", "beta_hist", "r", "c_pre", "c_dec")
+TRAINER_FIELDS = ("tau", "alpha", "r", "alpha_comm", "beta_comm")
+
+
+def _number(value, where: str, low: float, high: float = float("inf"), low_open: bool = False) -> float:
+    import math
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{where} must be a finite number, got {value!r}")
+    if value < low or (low_open and value == low) or value > high:
+        lo = "(" if low_open else "["
+        hi = f"{high:g}]" if math.isfinite(high) else "∞)"
+        raise ValueError(f"{where} must be in {lo}{low:g}, {hi}, got {value!r}")
+    return float(value)
+
+
+def check_knob(name: str, value) -> float:
+    """``value`` of knob ``name`` as a float; ValueError naming the knob and its valid range."""
+    if name in EFFICIENCY_KNOBS:
+        return _number(value, name, 0.0, 1.0, low_open=True)
+    if name in OVERHEAD_KNOBS:
+        return _number(value, name, 0.0)
+    raise ValueError(f"unknown knob {name!r}; knobs are {', '.join(KNOBS)}")
+
+
+def check_stage_params(block) -> dict:
+    """The ``stage_params`` block of a hardware preset, validated and normalised (module doc).
+
+    ``{model: {"rollout": {"tp": n, field: value, ...}, "trainer": {"layout": n, field: value or
+    {stage: value}}}}``; ValueError naming the offending entry (``stage_params.<model>.<kind>.<field>``)."""
+    if not isinstance(block, dict):
+        raise ValueError(f"stage_params must map model names to {{rollout: ..., trainer: ...}}, got {block!r}")
+    out = {}
+    for model, kinds in block.items():
+        where = f"stage_params.{model}"
+        if not isinstance(model, str) or not isinstance(kinds, dict) or not kinds:
+            raise ValueError(f"{where} must map 'rollout' and/or 'trainer' to fitted parameters, got {kinds!r}")
+        unknown = set(kinds) - {"rollout", "trainer"}
+        if unknown:
+            raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}; use 'rollout' and/or 'trainer'")
+        out[model] = {kind: _check_entry(entry, f"{where}.{kind}", kind) for kind, entry in kinds.items()}
+    return out
+
+
+def _check_entry(entry, where: str, kind: str) -> dict:
+    key = ROLLOUT_LAYOUT_KEY if kind == "rollout" else TRAINER_LAYOUT_KEY
+    allowed = ROLLOUT_FIELDS if kind == "rollout" else TRAINER_FIELDS
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} must be a mapping of {', '.join(allowed)} (and {key!r}), got {entry!r}")
+    if key not in entry:
+        raise ValueError(f"{where}.{key} is missing: say for how many GPUs per replica the values were fitted")
+    layout = entry[key]
+    if isinstance(layout, bool) or not isinstance(layout, int) or layout < 1:
+        raise ValueError(f"{where}.{key} must be a whole number of GPUs ≥ 1, got {layout!r}")
+    unknown = set(entry) - set(allowed) - {key}
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; valid fields are {', '.join(allowed)}")
+    out = {key: layout}
+    for field, value in entry.items():
+        if field == key:
+            continue
+        low = 1.0 if field == "r" else 0.0
+        if kind == "trainer" and isinstance(value, dict):
+            bad = set(value) - set(STAGES)
+            if bad or not value:
+                raise ValueError(f"{where}.{field}: stages {sorted(bad) or '(none)'} — give one value per stage of "
+                                 f"{', '.join(STAGES)}, or one number for all")
+            out[field] = {s: _number(v, f"{where}.{field}.{s}", low) for s, v in value.items()}
+        else:
+            out[field] = _number(value, f"{where}.{field}", low)
+    return out

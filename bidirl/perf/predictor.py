@@ -19,6 +19,8 @@ from bidirl.perf.rollout import RolloutModel
 from bidirl.perf.trainer import TrainerModel
 
 MAX_SEQS = 256   # vLLM's default max_num_seqs: the engine model and M_r share the same concurrency cap
+#: records a stage needs before the online profiler refits its model
+MIN_REFIT_RECORDS = 4
 #: bytes moved per parameter by one AdamW step over fp32 master weights (read/write weights, m, v; read grads)
 OPTIMIZER_BYTES_PER_PARAM = 16
 #: achieved share of the memory bandwidth in the optimizer's element-wise kernels
@@ -36,15 +38,40 @@ class StagePredictor:
     rollout: RolloutModel
     trainer: TrainerModel
     group_size: int
+    typical_context: float = 1.0     # mean prompt + half the mean response: the live length the KV cache holds
 
     @classmethod
-    def from_config(cls, cfg, rollout_layout: int, trainer_layout: int) -> "StagePredictor":
-        m, hw = cfg.model_spec, cfg.hardware_spec
+    def from_config(cls, cfg, rollout_layout: int, trainer_layout: int, hardware=None) -> "StagePredictor":
+        """The presets' models for ``cfg`` (``hardware``: another :class:`~bidirl.presets.HardwareSpec` to use)."""
+        m, hw = cfg.model_spec, hardware or cfg.hardware_spec
+        stats, w = cfg.workload_stats, cfg.workload
+        context = stats.prompt_mean + 0.5 * stats.response_mean_fraction * w.max_response_len
         return cls(RolloutModel(m, hw, tp=rollout_layout, max_seqs=MAX_SEQS),
-                   TrainerModel(m, hw, layout=trainer_layout), cfg.workload.group_size)
+                   TrainerModel(m, hw, layout=trainer_layout), w.group_size, context)
 
     def __post_init__(self):
         self._chunk_cache: dict = {}
+
+    def refit(self, records) -> dict:
+        """Refit the rollout and trainer models' parameters to profiling records (the online profiler's, §5.1:
+        ``bidirl.core.profiler.ProfileRecord`` with the unit's lengths), starting from the current parameters,
+        with :mod:`bidirl.perf.calibrate`'s least squares. A stage needs a few records to be refitted; returns
+        the calibration reports of what was refitted."""
+        from bidirl.perf import calibrate
+        rollout = [{"prompt_lens": r.workload["prompt_lens"], "response_lens": r.workload["response_lens"],
+                    "d": r.d, "observed": r.observed} for r in records if r.k == "r" and r.observed > 0]
+        trainer = [{"stage": r.workload["stage"], "prompt_lens": r.workload["prompt_lens"],
+                    "response_lens": r.workload["response_lens"], "d": r.d, "observed": r.observed}
+                   for r in records if r.k == "t" and r.observed > 0]
+        out = {}
+        if len(rollout) >= MIN_REFIT_RECORDS:
+            fit = calibrate.calibrate_rollout(rollout, self.rollout)
+            self.rollout, out["rollout"] = fit.model, fit.report()
+        if len(trainer) >= MIN_REFIT_RECORDS:
+            fit = calibrate.calibrate_trainer(trainer, self.trainer)
+            self.trainer, out["trainer"] = fit.model, fit.report()
+            self._chunk_cache.clear()
+        return out
 
     def chunk_time(self, stage, prompt_lens, response_lens, d) -> float:
         """M_t of one chunk (memoised: the scheduler re-evaluates the same chunks while it plans)."""
@@ -64,6 +91,30 @@ class StagePredictor:
         whole = len(response_lens) % self.group_size == 0
         return float(self.rollout.stage_time(np.asarray(prompt_lens), np.asarray(response_lens), d,
                                              group_size=self.group_size if whole else 1))
+
+    def replica_time(self, context_lens, remaining_lens, prefill) -> float:
+        """One rollout replica running these requests to completion: each request's context (prompt + tokens
+        held), the tokens it still needs, and whether it first prefills its context (a resumed or moved request
+        recomputes its KV cache). The appendix's T_r,rep with the prefill over the flagged requests only."""
+        ctx = np.asarray(context_lens, dtype=float)
+        if ctx.size == 0:
+            return 0.0
+        rem = np.maximum(np.ceil(np.asarray(remaining_lens, dtype=float)), 0).astype(np.int64)
+        ctx_i = np.rint(ctx).astype(np.int64)
+        pre = np.asarray(prefill, dtype=bool)
+        t = self.rollout.decode_time(ctx_i, rem)
+        if pre.any():
+            t += self.rollout.prefill_time(ctx_i[pre])
+        return float(t)
+
+    def iteration_time(self, context_lens) -> float:
+        """One continuous-batching decode iteration over requests with these contexts."""
+        return self.rollout.decode_iteration_time(context_lens)
+
+    def concurrent_groups(self) -> int:
+        """Prompt groups one rollout replica runs at once at the workload's typical context (the engine's
+        sequence cap or its KV cache, whichever binds first); later groups queue behind them."""
+        return max(1, int(self.rollout.n_max(self.typical_context)) // self.group_size)
 
     def optimizer_time(self, trainer_gpus: int) -> float:
         return optimizer_time(self.trainer.model, self.trainer.hardware, trainer_gpus)

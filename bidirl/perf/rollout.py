@@ -18,10 +18,12 @@ The decode features are computed for all t at once: per-length counts (``bincoun
 proportional to the tokens processed: ``C_pre = c_pre · Σ p_i`` and ``C_dec = c_dec · N_tok`` (both 0 at
 tp = 1; defaults in :mod:`bidirl.perf.params`).
 
-**Partition.** ``stage_time(..., d, group_size)`` keeps GRPO groups whole: requests are laid out group
-after group (``group_size`` consecutive entries share a prompt) and whole groups are dealt to the replicas
-by :func:`bidirl.perf.balance.serpentine` on their token counts. With ``group_size = 1`` (the default, used
-by the scheduler for arbitrary request sets) requests are dealt individually.
+**Partition.** ``stage_time(..., d, group_size)`` keeps GRPO groups whole and deals them to the replicas
+round-robin in the order given — group ``i`` to replica ``i mod d`` — which is what the coordinator's dispatch
+does: the scheduler assigns prompt groups by data-parallel capacity, not by predicted length, since a
+response's length is unknown before generation (§5.2, "Rollout sample granularity" in §8). With
+``group_size = 1`` (the default, used by the scheduler for arbitrary request sets) requests are dealt
+individually.
 
 **Known artefact of the appendix's model.** N_max uses the *mean* live length, so adding a request whose
 live length is below the mean can lower ℓ_t enough to reduce the wave count; with a tight KV budget and
@@ -42,7 +44,7 @@ import numpy as np
 
 from bidirl.perf.flops import lengths
 from bidirl.perf.overlap import overlap
-from bidirl.perf.balance import check_replicas, serpentine
+from bidirl.perf.balance import check_replicas
 
 _BIG = float(2 ** 62)
 _BLOCK_CELLS = 4_000_000      # replica × length cells per vectorised block of the decode features
@@ -227,7 +229,7 @@ class RolloutModel:
         return float(replica_times_from_features(self.params, self.replica_features(prompt_lens, response_lens))[0])
 
     def partition(self, prompt_lens, response_lens, d: int, group_size: int = 1) -> tuple:
-        """``(replica of each request, d_eff)``: whole groups dealt to min(d, groups) busy replicas."""
+        """``(replica of each request, d_eff)``: whole groups dealt round-robin to min(d, groups) replicas."""
         p, r = lengths(prompt_lens, response_lens)
         d = check_replicas(d)
         g = check_replicas(group_size, "group_size")
@@ -238,9 +240,7 @@ class RolloutModel:
         if n_groups == 0:
             return np.zeros(0, np.int64), 0
         d_eff = min(d, n_groups)
-        tokens = (p + r).reshape(n_groups, g).sum(axis=1)
-        replica, _ = serpentine(tokens, d_eff)
-        return np.repeat(replica, g), d_eff
+        return np.repeat(np.arange(n_groups, dtype=np.int64) % d_eff, g), d_eff
 
     def replica_times(self, prompt_lens, response_lens, d: int, group_size: int = 1) -> np.ndarray:
         """T_r,rep of each busy replica under :meth:`partition`."""
@@ -251,7 +251,7 @@ class RolloutModel:
                                            self.replica_features(prompt_lens, response_lens, replica, d_eff))
 
     def stage_time(self, prompt_lens, response_lens, d: int, group_size: int = 1) -> float:
-        """M_r: replica-max over a balanced partition of the requests (groups whole) on d replicas."""
+        """M_r: replica-max over the round-robin partition of the requests (groups whole) on d replicas."""
         t = self.replica_times(prompt_lens, response_lens, d, group_size)
         return float(t.max()) if t.size else 0.0
 

@@ -25,11 +25,18 @@ moves parameters, not activations:
 For ρ = 1 there is no collective (n_s = 0 and α_comm,s = 0 by default). Cross-replica gradient averaging
 happens once per optimiser step, outside the micro-batch times (the control plane charges the optimizer step).
 
-**Work distribution U.** For every stage in order, the batch's samples are dealt to the d replicas by
-:func:`bidirl.perf.balance.serpentine` on their token counts (balanced counts and tokens, as veRL's
-``balance_batch``), and each replica cuts its share, in dealing order, into micro-batches of
-``micro_batch_per_device · ρ`` samples. A *chunk* (§5.2, the scheduler's unit) is run by a gang of d replicas,
-each taking an equal share of the chunk as one micro-batch.
+**Work distribution U — as the runtime executes it.** The trainer consumes a step's samples in batch order
+(the order the groups completed), stage by stage, as *chunks* (§2.1, §5.2): a chunk is one micro-batch on
+every device of a gang of d replicas, i.e. ``micro_batch_per_device · ρ · d`` samples; each replica takes its
+``micro_batch_per_device · ρ`` samples of the chunk (dealt by :func:`bidirl.perf.balance.serpentine` on their
+token counts, as veRL's ``balance_batch``) as one micro-batch. The gang synchronises at every micro-batch
+(FSDP's collectives), so a chunk takes its slowest replica's time and
+
+    M_t(U, d) = Σ_s Σ_chunks max_j t_s(b_j),
+
+the appendix's replica-max applied per chunk. This is the same decomposition the coordinator's lazy pull
+executes and the simulator times (:meth:`TrainerModel.chunk_time`), so planner and simulator agree on the
+trainer stage by construction (``tests/test_fidelity.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ import numpy as np
 
 from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_stage, lengths, sample_forward_flops
 from bidirl.perf.overlap import overlap
-from bidirl.perf.balance import check_replicas, serpentine
+from bidirl.perf.balance import check_replicas
 
 
 @dataclass(frozen=True)
@@ -119,12 +126,13 @@ class TrainerModel:
         """n_s(b): bytes per GPU in the FSDP collectives of one micro-batch of ``stage`` (see module doc)."""
         return self._message[check_stage(stage)]
 
-    def microbatch_size(self, micro_batch_per_device: int) -> int:
-        """Samples in one replica micro-batch: ``micro_batch_per_device · layout``."""
+    def chunk_size(self, micro_batch_per_device: int, d: int) -> int:
+        """Samples in one chunk on a gang of ``d`` replicas: one micro-batch per device,
+        ``micro_batch_per_device · layout · d``."""
         if isinstance(micro_batch_per_device, bool) or int(micro_batch_per_device) != micro_batch_per_device \
                 or micro_batch_per_device < 1:
             raise ValueError(f"micro_batch_per_device must be a whole number ≥ 1, got {micro_batch_per_device!r}")
-        return int(micro_batch_per_device) * self.layout
+        return int(micro_batch_per_device) * self.layout * check_replicas(d)
 
     def microbatch_time(self, stage: str, prompt_lens, response_lens) -> float:
         """t_s(b) of one micro-batch (0 for an empty one)."""
@@ -155,56 +163,50 @@ class TrainerModel:
         return float(microbatch_times(self.params, idx, flops, msg).sum())
 
     # ------------------------------------------------------------------------------------------
-    def microbatch_plan(self, prompt_lens, response_lens, d: int, micro_batch_per_device: int) -> tuple:
-        """``(replica_of_mb, flops_of_mb, d_eff)``: the micro-batches one stage's work is cut into on d replicas
-        (the same for every stage). Replicas beyond the number of samples stay idle and are left out."""
-        p, r = lengths(prompt_lens, response_lens)
-        d = check_replicas(d)
-        size = self.microbatch_size(micro_batch_per_device)
-        n = p.size
-        if n == 0:
-            return np.zeros(0, np.int64), np.zeros(0), 0
-        d_eff = min(d, n)
-        replica, rank = serpentine(p + r, d_eff)
-        per_replica = -(-np.bincount(replica, minlength=d_eff) // size)          # ceil(count / size)
-        k_max = int(per_replica.max())
-        mb = replica * k_max + rank // size
-        f = sample_forward_flops(self.model, p, r)
-        flops_all = np.bincount(mb, weights=f, minlength=d_eff * k_max)
-        used = np.bincount(mb, minlength=d_eff * k_max) > 0
-        mb_ids = np.nonzero(used)[0]
-        return mb_ids // k_max, flops_all[mb_ids], d_eff
-
-    def replica_times(self, prompt_lens, response_lens, d: int, micro_batch_per_device: int,
-                      stages=STAGES) -> np.ndarray:
-        """T_t,rep of each of the (at most n) busy replicas."""
-        stages = tuple(check_stage(s) for s in stages)
-        rep, flops, d_eff = self.microbatch_plan(prompt_lens, response_lens, d, micro_batch_per_device)
-        if d_eff == 0 or not stages:
-            return np.zeros(0)
-        k = len(stages)
-        idx = np.repeat([_STAGE_INDEX[s] for s in stages], flops.size)
-        msg = np.repeat([self._message[s] for s in stages], flops.size)
-        t = microbatch_times(self.params, idx, np.tile(flops, k), msg)
-        return np.bincount(np.tile(rep, k), weights=t, minlength=d_eff)
-
-    def stage_time(self, prompt_lens, response_lens, d: int, micro_batch_per_device: int,
-                   stages=STAGES) -> float:
-        """M_t(U, d): replica-max of the stage-ordered micro-batch times (module doc: work distribution)."""
-        t = self.replica_times(prompt_lens, response_lens, d, micro_batch_per_device, stages)
-        return float(t.max()) if t.size else 0.0
-
-    def chunk_time(self, stage: str, prompt_lens, response_lens, d: int) -> float:
-        """One chunk of ``stage`` on a gang of d replicas, each running its equal share as one micro-batch;
-        replica-max (0 for an empty chunk)."""
+    def chunk_times(self, stage: str, prompt_lens, response_lens, d: int, chunk_size: int) -> np.ndarray:
+        """The time of each chunk when the samples, in this order, are cut into chunks of ``chunk_size`` and each
+        chunk runs on a gang of ``d`` replicas (replica-max of one micro-batch per busy replica)."""
         check_stage(stage)
         p, r = lengths(prompt_lens, response_lens)
         d = check_replicas(d)
+        size = check_replicas(chunk_size, "chunk_size (samples per chunk)")
+        n = p.size
+        if n == 0:
+            return np.zeros(0)
+        chunk = np.arange(n) // size
+        counts = np.bincount(chunk)
+        busy = np.minimum(d, counts)                          # replicas a chunk keeps busy
+        # serpentine inside every chunk at once: heaviest first, then 0, 1, …, d−1, d−1, …, 0, 0, 1, …
+        order = np.lexsort((-(p + r), chunk))
+        first = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.arange(n) - first[chunk[order]]
+        width = busy[chunk]
+        rounds, pos = np.divmod(rank, width)
+        replica = np.where(rounds % 2 == 0, pos, width - 1 - pos)
+        key = chunk * d + replica
+        flops = np.bincount(key, weights=sample_forward_flops(self.model, p, r), minlength=counts.size * d)
+        used = np.flatnonzero(np.bincount(key, minlength=counts.size * d))
+        t = microbatch_times(self.params, np.full(used.size, _STAGE_INDEX[stage]), flops[used],
+                             np.full(used.size, self._message[stage]))
+        out = np.zeros(counts.size)
+        np.maximum.at(out, used // d, t)
+        return out
+
+    def stage_time(self, prompt_lens, response_lens, d: int, micro_batch_per_device: int,
+                   stages=STAGES) -> float:
+        """M_t(U, d): every stage's samples, in consumption order, as chunks of one micro-batch per device on
+        the gang of ``d`` replicas; chunk times (replica-max) summed (module doc)."""
+        stages = tuple(check_stage(s) for s in stages)
+        size = self.chunk_size(micro_batch_per_device, d)
+        return float(sum(self.chunk_times(s, prompt_lens, response_lens, d, size).sum() for s in stages))
+
+    def chunk_time(self, stage: str, prompt_lens, response_lens, d: int) -> float:
+        """One chunk of ``stage`` on a gang of d replicas, each running its share as one micro-batch;
+        replica-max (0 for an empty chunk)."""
+        p, r = lengths(prompt_lens, response_lens)
         if p.size == 0:
+            check_stage(stage)
+            check_replicas(d)
             return 0.0
-        d_eff = min(d, p.size)
-        replica, _ = serpentine(p + r, d_eff)
-        flops = np.bincount(replica, weights=sample_forward_flops(self.model, p, r), minlength=d_eff)
-        t = microbatch_times(self.params, np.full(d_eff, _STAGE_INDEX[stage]), flops,
-                             np.full(d_eff, self._message[stage]))
-        return float(t.max())
+        return float(self.chunk_times(stage, p, r, d, p.size)[0])

@@ -2,9 +2,12 @@
 
 * ``bidirl.rl.grpo``       group advantages, clipped policy loss, k3 KL (pure torch)
 * ``bidirl.rl.tasks``      ``ArithmeticTask``: seeded prompts, exact-match reward
-* ``bidirl.rl.tiny_model`` character tokenizer + 2-layer Qwen2 config, ``create(dir, seed)``
+* ``bidirl.rl.tiny_model`` character tokenizer + 2-layer Qwen2 (default) or Llama configs, ``create(dir, seed)``
 * ``bidirl.rl.bootstrap``  supervised warm start, ``ensure_tiny_model()`` cache
 * ``bidirl.rl.samples``    ``GroupPayload`` / ``Sample`` records between rollout and training
+* ``bidirl.rl.data``       prompt files (veRL's parquet layout, plain JSONL), prompt token ids, group → prompt
+* ``bidirl.rl.rewards``    rule rewards (exact, last number, boxed) and veRL ``compute_score`` functions
+* ``bidirl.rl.word_problems``  the sample prompt file's generator (arithmetic word problems, veRL layout)
 * ``bidirl.rl.loop``       a synchronous on-policy GRPO loop over the two engines (the reference run)
 
 Submodules are imported on use (torch and transformers are heavy); ``ArithmeticTask`` and

@@ -10,7 +10,10 @@ solves a fraction of the arithmetic task when sampling at temperature 1; GRPO th
 ``~/.cache/bidirl``) keyed by a hash of everything that determines the weights, under a file lock, so
 parallel test processes and Ray workers share one copy.
 
-Command line: ``python -m bidirl.rl.bootstrap --out DIR [--seed 0] [--steps 180]``.
+Both built-in architectures (``bidirl.rl.tiny_model.ARCHITECTURES``: the default Qwen2 and the tiny Llama)
+are built and warm-started the same way.
+
+Command line: ``python -m bidirl.rl.bootstrap --out DIR [--seed 0] [--steps 180] [--architecture llama]``.
 """
 
 from __future__ import annotations
@@ -112,11 +115,11 @@ def warm_start(model_dir: Union[str, Path], spec: WarmStart = WarmStart(), progr
 def _warm_start(model_dir, spec, progress) -> dict:
     import torch
     from tqdm.auto import tqdm
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     model_dir = Path(model_dir)
     tok = tiny_model.load_tokenizer(model_dir)
-    model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     task = spec.task()
@@ -128,7 +131,7 @@ def _warm_start(model_dir, spec, progress) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     seconds = time.perf_counter() - t0
     model.eval()
     tiny_model.save(model, model_dir)
@@ -145,11 +148,11 @@ def sample_reward(model_dir: Union[str, Path], task: ArithmeticTask, n: int = 25
 
 def _sample_reward(model_dir, task, n, temperature, seed, max_new_tokens) -> float:
     import torch
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     tok = tiny_model.load_tokenizer(model_dir)
     tok.padding_side = "left"
-    model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     problems = task.prompts(n)
     enc = tok([p.text for p in problems], return_tensors="pt", padding=True)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -180,8 +183,15 @@ def build(out: Union[str, Path], seed: int = 0, spec: WarmStart = WarmStart(),
 
 
 def cache_key(seed: int = 0, spec: WarmStart = WarmStart(), cfg: tiny_model.TinyConfig = tiny_model.TinyConfig()) -> str:
-    """A hash of everything that determines the warm-started weights."""
-    blob = json.dumps({"seed": seed, "warm_start": asdict(spec), "config": cfg.to_dict(),
+    """A hash of everything that determines the warm-started weights.
+
+    The default Qwen2 model's key leaves out ``architecture`` and ``tie_word_embeddings`` (they came later and
+    do not change its weights), so folders built before them stay valid.
+    """
+    config = cfg.to_dict()
+    if cfg.architecture == "qwen2" and cfg.tie_word_embeddings:
+        del config["architecture"], config["tie_word_embeddings"]
+    blob = json.dumps({"seed": seed, "warm_start": asdict(spec), "config": config,
                        "vocabulary": tiny_model.vocabulary(cfg.vocab_size), "script_version": SCRIPT_VERSION},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -198,14 +208,16 @@ def ensure_tiny_model(cache_dir: Optional[Union[str, Path]] = None, seed: int = 
                       cfg: tiny_model.TinyConfig = tiny_model.TinyConfig(), progress: bool = False) -> Path:
     """The warm-started tiny model's folder, building it on first use (safe across processes).
 
-    The folder is ``<cache>/tiny-<key>`` with ``<key>`` from :func:`cache_key`. A build happens in a
+    The folder is ``<cache>/tiny-<key>`` (``tiny-<architecture>-<key>`` for an architecture other than the
+    default Qwen2) with ``<key>`` from :func:`cache_key`. A build happens in a
     temporary folder under an exclusive ``fcntl`` lock and is renamed into place when complete, so a
     reader never sees a half-written model.
     """
     root = cache_root(cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     key = cache_key(seed, spec, cfg)
-    final = root / f"tiny-{key}"
+    name = f"tiny-{key}" if cfg.architecture == "qwen2" else f"tiny-{cfg.architecture}-{key}"
+    final = root / name
     if (final / "bidirl_tiny.json").exists():
         return final
     with open(root / f".tiny-{key}.lock", "w") as lock:
@@ -226,10 +238,12 @@ def ensure_tiny_model(cache_dir: Optional[Union[str, Path]] = None, seed: int = 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bidirl.rl.bootstrap",
-                                 description="Create the tiny Qwen2 model and warm-start it on the arithmetic task.")
+                                 description="Create a tiny model and warm-start it on the arithmetic task.")
     ap.add_argument("--out", required=True, help="folder to write the transformers checkpoint to")
     ap.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
     ap.add_argument("--steps", type=int, default=WarmStart.steps, help=f"warm-start steps (default {WarmStart.steps})")
+    ap.add_argument("--architecture", choices=tiny_model.ARCHITECTURES, default="qwen2",
+                    help="the tiny model's architecture (default qwen2)")
     ap.add_argument("--no-eval", action="store_true", help="skip measuring the sampled reward afterwards")
     args = ap.parse_args(argv)
     if args.seed < 0:
@@ -238,7 +252,8 @@ def main(argv=None) -> int:
         spec = WarmStart(steps=args.steps)
     except ValueError as exc:
         ap.error(str(exc))
-    info = build(args.out, seed=args.seed, spec=spec, progress=True, evaluate=not args.no_eval)
+    info = build(args.out, seed=args.seed, spec=spec, cfg=tiny_model.config_for(args.architecture), progress=True,
+                 evaluate=not args.no_eval)
     json.dump(info, sys.stdout, indent=1, sort_keys=True)
     print()
     return 0

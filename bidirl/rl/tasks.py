@@ -5,6 +5,10 @@ result of one integer operation, e.g. the prompt ``"12+7="`` expects the respons
 1 when the decoded response equals the answer exactly (after stripping surrounding whitespace) and 0
 otherwise, so a rollout group's rewards are in {0, 1} and its advantages are well defined (``grpo.py``).
 
+Engine runs without a data file train on this task: group ``g`` gets :meth:`ArithmeticTask.row` ``g`` (or
+``g mod workload.prompt_pool``), scored by ``rl.reward`` (default ``exact``, the same rule as :meth:`reward`;
+``bidirl.rl.rewards``).
+
 Problem ``i`` of a task is drawn from its own random stream ``numpy.random.default_rng([seed, i])``: the
 generator is deterministic, random-access (a rollout group ``g`` can always be mapped back to problem
 ``g``) and independent of how many problems were asked for before.
@@ -62,6 +66,14 @@ class ArithmeticTask:
         a, b = (int(x) for x in rng.integers(0, self.max_operand + 1, size=2))
         op = self.ops[int(rng.integers(0, len(self.ops)))]
         return Problem(int(index), f"{a}{op}{b}=", str(_OPS[op](a, b)), a, op, b)
+
+    def row(self, index: int):
+        """Problem ``index`` as a ``bidirl.rl.data.PromptRow`` (the prompt text, the answer as ground truth,
+        ``data_source`` ``bidirl/arithmetic``, the operands in ``extra_info``): what an engine run's groups get."""
+        from bidirl.rl.data import ARITHMETIC_SOURCE, PromptRow
+        p = self.problem(index)
+        return PromptRow(p.index, p.text, p.answer, ARITHMETIC_SOURCE,
+                         {"index": p.index, "a": p.a, "op": p.op, "b": p.b})
 
     def prompts(self, n: int, start: int = 0) -> list:
         """Problems ``start .. start + n - 1`` (deterministic for the task's seed)."""

@@ -1,11 +1,13 @@
-"""The built-in tiny actor: a character-level tokenizer and a 2-layer Qwen2-architecture decoder.
+"""The built-in tiny actors: a character-level tokenizer and 2-layer decoders of two architectures.
 
 Nothing is downloaded: the tokenizer is built with the ``tokenizers`` library over the arithmetic task's
 alphabet (``bidirl.rl.tasks.ALPHABET``) plus special tokens, and the model is a freshly initialised
-``Qwen2ForCausalLM`` (the architecture family the paper trains, §7.1, at toy size). :func:`create` writes a
-standard transformers checkpoint folder (``config.json``, ``model.safetensors``, ``tokenizer.json``,
-``generation_config.json``) that vLLM (rollout) and transformers (trainer) both load, so the same weights
-run on both engines as in the paper's prototype (§6.1).
+``Qwen2ForCausalLM`` (the default: the architecture family the paper trains, §7.1, at toy size; tied
+embeddings, biased q/k/v projections) or ``LlamaForCausalLM`` (:data:`TINY_LLAMA`: an untied output head, no
+biases), both sharing the tokenizer. :func:`create` writes a standard transformers checkpoint folder
+(``config.json``, ``model.safetensors``, ``tokenizer.json``, ``generation_config.json``) that vLLM (rollout)
+and transformers (trainer) both load, so the same weights run on both engines as in the paper's prototype
+(§6.1).
 
 Every id of the model's vocabulary is a token of the tokenizer (unused ids are named ``<|extra_i|>``
 special tokens), so anything the model samples can be decoded.
@@ -22,11 +24,13 @@ from bidirl.rl.tasks import ALPHABET
 
 PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
 SPECIAL_TOKENS: tuple = (PAD, EOS, UNK)
+#: the architectures :func:`create` builds (``TinyConfig.architecture``)
+ARCHITECTURES = ("qwen2", "llama")
 
 
 @dataclass(frozen=True)
 class TinyConfig:
-    """Architecture of the tiny model (mirrored in ``data/presets/models/tiny.yaml``)."""
+    """Architecture of the tiny model (the Qwen2 default is mirrored in ``data/presets/models/tiny.yaml``)."""
     vocab_size: int = 32
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -36,8 +40,12 @@ class TinyConfig:
     max_position_embeddings: int = 64
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
+    architecture: str = "qwen2"
+    tie_word_embeddings: bool = True
 
     def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"TinyConfig.architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
         need = len(SPECIAL_TOKENS) + len(ALPHABET)
         if self.vocab_size < need:
             raise ValueError(f"TinyConfig.vocab_size must be ≥ {need} (special tokens + task alphabet), "
@@ -51,6 +59,17 @@ class TinyConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+#: the second built-in architecture: a tiny Llama with an untied output head (same sizes and tokenizer)
+TINY_LLAMA = TinyConfig(architecture="llama", tie_word_embeddings=False)
+
+
+def config_for(architecture: str) -> TinyConfig:
+    """The built-in tiny model of ``architecture`` (``"qwen2"``: the default, ``"llama"``: :data:`TINY_LLAMA`)."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
+    return TINY_LLAMA if architecture == "llama" else TinyConfig()
 
 
 def vocabulary(vocab_size: int = TinyConfig.vocab_size) -> dict:
@@ -75,32 +94,55 @@ def build_tokenizer(vocab_size: int = TinyConfig.vocab_size):
                                    model_max_length=TinyConfig.max_position_embeddings, padding_side="right")
 
 
+def _common_config(cfg: TinyConfig) -> dict:
+    vocab = vocabulary(cfg.vocab_size)
+    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
+                rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default"},
+                initializer_range=cfg.initializer_range, tie_word_embeddings=cfg.tie_word_embeddings,
+                eos_token_id=vocab[EOS], pad_token_id=vocab[PAD], bos_token_id=None, dtype="float32")
+
+
 def qwen2_config(cfg: TinyConfig = TinyConfig()):
-    """The transformers ``Qwen2Config`` of ``cfg`` (fp32, tied embeddings, EOS/PAD ids of the tokenizer)."""
+    """The transformers ``Qwen2Config`` of ``cfg`` (fp32, EOS/PAD ids of the tokenizer, no sliding window)."""
     from transformers import Qwen2Config
 
-    vocab = vocabulary(cfg.vocab_size)
-    return Qwen2Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default"},
-        initializer_range=cfg.initializer_range, tie_word_embeddings=True, use_sliding_window=False,
-        eos_token_id=vocab[EOS], pad_token_id=vocab[PAD], bos_token_id=None, dtype="float32",
-    )
+    return Qwen2Config(use_sliding_window=False, **_common_config(cfg))
+
+
+def llama_config(cfg: TinyConfig = TINY_LLAMA):
+    """The transformers ``LlamaConfig`` of ``cfg`` (fp32, EOS/PAD ids of the tokenizer, no biases)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(attention_bias=False, mlp_bias=False, **_common_config(cfg))
+
+
+def transformers_model(cfg: TinyConfig):
+    """A freshly initialised transformers model of ``cfg`` (draws from torch's global RNG)."""
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    if cfg.architecture == "llama":
+        return LlamaForCausalLM(llama_config(cfg))
+    return Qwen2ForCausalLM(qwen2_config(cfg))
 
 
 def parameter_counts(cfg: TinyConfig = TinyConfig()) -> dict:
-    """Total and non-embedding parameters (the preset's ``params_total`` / ``params_nonembedding``)."""
+    """Total and non-embedding parameters (the preset's ``params_total`` / ``params_nonembedding``).
+
+    Qwen2 has biases on the q/k/v projections, Llama none; an untied output head adds ``vocab × hidden``.
+    """
     h, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     d = h // cfg.num_attention_heads
     kv = cfg.num_key_value_heads * d
-    attention = (h * h + h) + 2 * (h * kv + kv) + h * h      # q (bias), k, v (bias), o (no bias)
+    biases = h + 2 * kv if cfg.architecture == "qwen2" else 0
+    attention = 2 * h * h + 2 * h * kv + biases               # q, k, v, o (+ q/k/v biases in Qwen2)
     mlp = 3 * h * i
     norms = 2 * h
-    embedding = cfg.vocab_size * h                            # tied with lm_head
+    embedding = cfg.vocab_size * h
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
     nonemb = L * (attention + mlp + norms) + h                # + final norm
-    return {"params_total": nonemb + embedding, "params_nonembedding": nonemb, "embedding": embedding}
+    return {"params_total": nonemb + embedding + head, "params_nonembedding": nonemb, "embedding": embedding}
 
 
 def create(model_dir: Union[str, Path], seed: int = 0, cfg: TinyConfig = TinyConfig()) -> Path:
@@ -110,7 +152,7 @@ def create(model_dir: Union[str, Path], seed: int = 0, cfg: TinyConfig = TinyCon
     state is left untouched.
     """
     import torch
-    from transformers import GenerationConfig, Qwen2ForCausalLM
+    from transformers import GenerationConfig
 
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
@@ -118,7 +160,7 @@ def create(model_dir: Union[str, Path], seed: int = 0, cfg: TinyConfig = TinyCon
     out.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(qwen2_config(cfg)).to(torch.float32)
+        model = transformers_model(cfg).to(torch.float32)
     save(model, out)
     vocab = vocabulary(cfg.vocab_size)
     GenerationConfig(eos_token_id=vocab[EOS], pad_token_id=vocab[PAD], do_sample=True, temperature=1.0,
@@ -135,11 +177,12 @@ def save(model, model_dir: Union[str, Path]) -> None:
 
 
 def load_tokenizer(model_dir: Union[str, Path]):
-    """The tokenizer saved by :func:`create`, loaded as ``PreTrainedTokenizerFast`` from ``tokenizer.json``.
+    """The tokenizer of a model folder: for a folder :func:`create` wrote, the character tokenizer loaded as
+    ``PreTrainedTokenizerFast`` from ``tokenizer.json``; for any other checkpoint, ``AutoTokenizer``.
 
-    (``AutoTokenizer`` would pick the Qwen2 tokenizer class from ``config.json``; ids are the same for the
-    task alphabet, but loading the fast tokenizer directly keeps decoding exactly as built here.)
+    (``AutoTokenizer`` would pick the architecture's tokenizer class from ``config.json``; ids are the same for
+    the task alphabet, but loading the fast tokenizer directly keeps decoding exactly as built here.)
     """
-    from transformers import PreTrainedTokenizerFast
+    from bidirl.cluster.engines.checkpoint import load_tokenizer as load_any
 
-    return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    return load_any(model_dir)

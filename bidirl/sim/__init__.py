@@ -36,10 +36,7 @@ def simulate(config, policy: Optional[str] = None, *, steps: Optional[int] = Non
         if base.colocated:
             from bidirl.sim.colocated import simulate_colocated
             return simulate_colocated(cfg, steps=steps, seed=seed, policy=policy)
-        result = SimDriver(cfg, base.policy, steps, seed).run(progress)
-        result.policy = policy
-        result.summary_dict["policy"] = policy
-        return result
+        return SimDriver(cfg, base.policy_for(cfg), steps, seed).run(progress)
     from bidirl.core.policies import get_policy
     try:
         get_policy(policy)

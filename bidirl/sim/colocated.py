@@ -63,7 +63,7 @@ def simulate_colocated(config, *, steps: int, seed: int, policy: str = "verl-col
         p_all = np.concatenate([[g.prompt_len] * w.group_size for g in groups])
         r_all = np.concatenate([g.targets for g in groups])
         for stage in stages:
-            size = cfg.rl.micro_batch_per_device * d_t
+            size = models.trainer.chunk_size(cfg.rl.micro_batch_per_device, d_t)   # one micro-batch per device
             for a in range(0, len(r_all), size):
                 dur = jitter(models.chunk_time(stage, p_all[a:a + size], r_all[a:a + size], d_t))
                 span("chunk", dur, {"stage": stage, "chunk_id": -1, "samples": int(min(size, len(r_all) - a))})

@@ -12,6 +12,7 @@ event order and one event log.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -31,7 +32,7 @@ CHUNK_TRANSFER = 0.005
 @dataclass
 class SimDriver(Driver):
     loop: Optional[EventLoop] = None
-    jitter_sigma: float = 0.03
+    jitter: float = 0.03            # σ of the seeded log-normal noise on every duration (0: the models exactly)
 
     provenance = "simulated"
 
@@ -40,20 +41,26 @@ class SimDriver(Driver):
         self.loop = self.loop or EventLoop()
         self.rng = np.random.default_rng([self.seed, 1])
         self.lengths = GroupLengths.of(self.config, self.seed)
-        engine_costs = self.predictor.engine_costs()
+        if not (self.jitter >= 0 and math.isfinite(self.jitter)):
+            raise ValueError(f"SimDriver.jitter must be a finite σ ≥ 0, got {self.jitter!r}")
+        engine_costs = dataclasses.replace(self.truth.engine_costs(), noise=self.jitter)
         self.engines = {}
         for name in self.topology.rollouters + self.topology.aux_rollouters:
             self.engines[name] = BatchingEngine(name, engine_costs, self.loop,
                                                 np.random.default_rng([self.seed, 3, len(self.engines)]),
                                                 self._group_done, self._generate_span, self._record)
-        self.chunk_jobs: dict = {}             # chunk_id -> {"started", "cancelled"}
+        self.chunk_jobs: dict = {}             # chunk_id -> {"cmd", "arrived", "started", "cancelled"}
+        self.gang_queue: dict = {}             # gang -> jobs sent to it and not started, in order
+        self.gang_busy: set = set()            # gangs running a chunk
         self.sync_time = self.config.weight_sync_time()
         self.optimizer_time = self.assembly.optimizer_time()
         self._started = False
 
     # ------------------------------------------------------------------------------------------
     def _jitter(self, seconds: float) -> float:
-        return float(seconds * math.exp(self.rng.normal(0.0, self.jitter_sigma))) if seconds > 0 else 0.0
+        if seconds <= 0:
+            return 0.0
+        return float(seconds * math.exp(self.rng.normal(0.0, self.jitter))) if self.jitter else float(seconds)
 
     def _emit(self, event) -> None:
         """Deliver an event to the coordinator through the loop (priority 0: before engine steps)."""
@@ -77,39 +84,53 @@ class SimDriver(Driver):
 
     # command handlers ------------------------------------------------------------------------------
     def do_Generate(self, cmd: P.Generate):
-        eng = self.engines[cmd.worker]
-        for task in cmd.tasks:
-            eng.add(EngineGroup.from_task(task, *self.lengths(task.group_id), cmd.version))
+        self.engines[cmd.worker].add(*(EngineGroup.from_task(t, *self.lengths(t.group_id), cmd.version)
+                                       for t in cmd.tasks))
 
     def do_Interrupt(self, cmd: P.Interrupt):
         states = self.engines[cmd.worker].interrupt(cmd.group_ids)
         self._emit(P.GenerationStopped(self.loop.now, cmd.worker, tuple(states)))
 
     def do_RunChunk(self, cmd: P.RunChunk):
+        """The chunk's inputs move to the gang (``CHUNK_TRANSFER``, Table 2's queued phase, overlapping whatever the
+        gang runs); it starts once they arrived and the gang is free: a gang runs its chunks one at a time."""
+        job = {"cmd": cmd, "arrived": False, "started": False, "cancelled": False}
+        self.chunk_jobs[cmd.chunk.chunk_id] = job
+        self.gang_queue.setdefault(cmd.worker, []).append(job)
+
+        def arrived(_t0):
+            job["arrived"] = True
+            self._next_chunk(cmd.worker)
+        self._after(CHUNK_TRANSFER, arrived)
+
+    def _next_chunk(self, gang: str) -> None:
+        queue = self.gang_queue.get(gang)
+        if gang in self.gang_busy or not queue or not queue[0]["arrived"]:
+            return
+        job = queue.pop(0)
+        job["started"] = True
+        cmd = job["cmd"]
         ch = cmd.chunk
+        self.gang_busy.add(gang)
         # the trainer sees the lengths generated, which equal the drawn targets once a group completed
         lengths = [self.lengths(g) for g, _ in ch.samples]
         p = [prompt for prompt, _ in lengths]
         r = [targets[i] for (_, targets), (_, i) in zip(lengths, ch.samples)]
-        duration = self._jitter(self.predictor.chunk_time(ch.stage, p, r, self.topology.gang_size(cmd.worker)))
-        job = self.chunk_jobs[ch.chunk_id] = {"started": False, "cancelled": False}
+        duration = self._jitter(self.truth.chunk_time(ch.stage, p, r, self.topology.gang_size(gang)))
+        self.feed(P.ChunkStarted(self.loop.now, gang, ch.chunk_id))
 
-        def start(_t0):
-            if job["cancelled"]:
-                return
-            job["started"] = True
-            self.feed(P.ChunkStarted(self.loop.now, cmd.worker, ch.chunk_id))
-
-            def finish(t0):
-                self.record_chunk(cmd, t0, self.loop.now)
-                self.feed(P.ChunkFinished(self.loop.now, cmd.worker, ch.chunk_id, self.loop.now - t0))
-            self._after(duration, finish)
-        self._after(CHUNK_TRANSFER, start)
+        def finish(t0):
+            self.gang_busy.discard(gang)
+            self.record_chunk(cmd, t0, self.loop.now)
+            self.feed(P.ChunkFinished(self.loop.now, gang, ch.chunk_id, self.loop.now - t0))
+            self._next_chunk(gang)
+        self._after(duration, finish)
 
     def do_CancelChunk(self, cmd: P.CancelChunk):
         job = self.chunk_jobs.get(cmd.chunk_id)
-        if job is not None and not job["started"]:
+        if job is not None and not job["started"] and not job["cancelled"]:
             job["cancelled"] = True
+            self.gang_queue[cmd.worker].remove(job)
             self._emit(P.ChunkCancelled(self.loop.now, cmd.worker, cmd.chunk_id))
 
     def do_Switch(self, cmd: P.Switch):

@@ -120,35 +120,41 @@ class TrainerActor(_Timed):
             port = s.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
 
-    def init_process_group(self, rank: int, world: int, addr: str) -> Reply:
-        return self._reply("start", self.engine.init_process_group, rank, world, addr,
-                           detail={"rank": rank, "world": world})
+    def init_process_group(self, rank: int, world: int, addr: str, replicas: int = 1) -> Reply:
+        """Join the gang (rank ``rank`` of ``world``) and shard the model over ``replicas`` replicas (FSDP2)."""
+        return self._reply("start", self.engine.init_process_group, rank, world, addr, replicas=replicas,
+                           detail={"rank": rank, "world": world, "replicas": replicas})
 
     def logprobs(self, samples: Sequence, model: str = "actor") -> Reply:
         return self._reply("logprob", self.engine.logprobs, list(samples), model,
                            detail={"model": model, "samples": len(samples)})
 
-    # The engine driver's gradient path: a primary gang keeps each chunk gradient where it was computed
-    # (it never leaves the gang); an auxiliary gang returns it as its own object, which the merge moves to
-    # the primary ranks once (C_grad) and which outlives the auxiliary actor if that dies.
+    # The engine driver's gradient path: a primary gang keeps each chunk gradient where it was computed, each
+    # rank its own shard (it never leaves the gang); an auxiliary gang gathers it unsharded and returns it as
+    # one object, which the merge moves to the primary ranks once (C_grad; each keeps its shard of it) and
+    # which outlives the auxiliary actor if that dies.
     @ray.method(num_returns=2)
     def chunk_gradient(self, chunk_id: int, samples: Sequence, advantages, old_logprobs, ref_logprobs=None,
                        normalizer: Optional[float] = None, keep: bool = True, give: bool = False):
         """``chunk_gradients`` for this rank's share of a chunk: returns (Reply with the loss statistics,
-        the flat gradient if ``give`` else None); ``keep`` stores it here under ``chunk_id``."""
+        the gradient if ``give`` else None). ``keep`` stores this rank's shard here under ``chunk_id``;
+        without ``keep`` (an auxiliary gang: every rank calls it so) the gang gathers the full gradient, which
+        ``give`` returns."""
         def run():
             g = self.engine.chunk_gradients(list(samples), advantages, old_logprobs, ref_logprobs, normalizer)
             if keep:
                 self._kept[int(chunk_id)] = g.flat
-            return dict(g.stats, samples=g.samples, tokens=g.tokens), g.flat
+            out = g.flat if keep else self.engine.full_gradient(g.flat)
+            return dict(g.stats, samples=g.samples, tokens=g.tokens), out
         reply = self._reply("chunk", run, detail={"chunk_id": chunk_id, "samples": len(samples)})
         stats, flat = reply.value
         return Reply(stats, reply.spans), (flat if give else None)
 
     def receive_gradient(self, chunk_id: int, flat) -> Reply:
-        """Store another gang's chunk gradient under its chunk id (the receiving end of C_grad)."""
+        """Keep this rank's shard of another gang's full chunk gradient under its chunk id (the receiving end
+        of C_grad)."""
         def run():
-            self._kept[int(chunk_id)] = flat
+            self._kept[int(chunk_id)] = self.engine.local_gradient(flat)
             return int(flat.numel())
         return self._reply("grad_merge", run, detail={"chunk_id": chunk_id})
 
@@ -163,9 +169,11 @@ class TrainerActor(_Timed):
         self._kept.clear()
         return self._reply("optimizer", self.engine.apply, grads)
 
-    def weights(self) -> dict:
-        """The full ``state_dict`` as a plain value, so its object ref can be handed to other actors."""
-        return self.engine.state_dict()
+    def weights(self) -> Optional[dict]:
+        """The full ``state_dict`` as a plain value, so its object ref can be handed to other actors. On a
+        sharded gang every rank must be asked (the gather is a collective): rank 0 returns the weights, the
+        others None."""
+        return self.engine.state_dict() or None
 
     def load_state_dict(self, state: dict, version: Optional[int] = None) -> Reply:
         return self._reply("sync", self.engine.load_state_dict, state, version, detail={"version": version})

@@ -8,23 +8,27 @@ cluster), bundles ``[0, g_r)`` the rollout pool and ``[g_r, G)`` the trainer poo
 once and kept, each holding half of its bundle:
 
 * ``rollout_pool/rollouter/<i>`` and ``trainer_pool/rollouter/<i>``: one :class:`RolloutActor` (vLLM) each;
-* ``trainer_pool/trainer`` and ``rollout_pool/trainer``: a *gang* of ``d`` :class:`TrainerActor` ranks
-  (torch, one data-parallel process group per gang: gloo on CPU, NCCL on GPU).
+* ``trainer_pool/trainer`` and ``rollout_pool/trainer``: a *gang* of :class:`TrainerActor` ranks, one per GPU
+  slot of the pool (``d`` replicas of ρ_t ranks; one process group per gang, gloo on CPU, NCCL on GPU; the
+  model sharded with FSDP2 within a replica and replicated across replicas).
 
 How each command runs:
 
-* ``Generate`` — the groups' prompts come from the task (``ArithmeticTask``: group ``g`` is problem
-  ``g``, or ``g mod workload.prompt_pool``); a rollouter whose weights are older than the command's
+* ``Generate`` — the groups' prompts come from ``workload.data_file`` (``bidirl.rl.data``: group ``g`` is row
+  ``g mod prompt_pool`` or ``g mod`` the file's rows) or, without one, from the built-in ``ArithmeticTask``
+  (problem ``g``, or ``g mod workload.prompt_pool``); a rollouter whose weights are older than the command's
   version loads them first. Generation advances in ``step_seconds`` slices (``step_until``), so an
   ``Interrupt`` (sync point, lease revocation, migration) waits at most one slice; completed groups carry
-  token ids, log-probs and rewards. Unfinished groups come back as prefixes and resume without
-  regenerating; sampling is position-keyed, so a resumed response gets the tokens it would have got.
+  token ids, log-probs and rewards — scored in the rollout actor by ``rl.reward`` (``bidirl.rl.rewards``;
+  a reward function that fails stops the run with a ``ClusterError`` naming it and the response).
+  Unfinished groups come back as prefixes and resume without regenerating; sampling is position-keyed, so
+  a resumed response gets the tokens it would have got.
 * ``StartStep`` — the step's groups (their token ids, log-probs and rewards) become the step's samples and
   GRPO advantages.
-* ``RunChunk`` — each rank of the gang takes ``per_device`` samples of the chunk: ``old_logprob`` /
+* ``RunChunk`` — each rank (device) of the gang takes ``per_device`` samples of the chunk: ``old_logprob`` /
   ``ref_logprob`` recompute log-probs, ``actor_update`` computes the chunk's GRPO gradient (step-level
-  group-normalised advantages and loss normaliser) and all-reduces it over the gang. A primary gang keeps
-  it; an auxiliary gang returns it as an object.
+  group-normalised advantages and loss normaliser), summed over the gang by FSDP2. Each rank of a primary
+  gang keeps its shard; an auxiliary gang gathers it and returns it, unsharded, as one object.
 * ``MergeGradients`` — the auxiliary chunks' gradients are moved to every primary rank (measured: C_grad);
   ``OptimizerStep`` — each primary rank sums all update-chunk gradients in the original chunk order and
   takes one AdamW step, so where a chunk ran never changes the update (§6.3).
@@ -38,13 +42,15 @@ How each command runs:
 
 A busy period of a rollouter that ran only fresh groups becomes a ``RolloutRecord`` (§5.1); chunk times
 come with ``ChunkFinished``: the profiler calibrates the stage-time models online from both.
+
+With ``out_dir`` the run writes its output folder (``bidirl.tracking``): per-step metrics under veRL's names
+to ``metrics.jsonl`` and TensorBoard while it runs, the trace, event log and summary when it ends.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -73,40 +79,45 @@ class StepData:
 
 @dataclass
 class EngineDriver(PoolDriver):
-    """Run ``config`` with real engine workers. ``model_dir``: a Qwen2 checkpoint folder (default: the
-    built-in tiny model, created once into the cache); ``step_seconds``: wall seconds per generation slice."""
+    """Run ``config`` with real engine workers. ``model_dir``: a causal-LM checkpoint folder (default: the
+    built-in tiny model, created once into the cache); ``step_seconds``: wall seconds per generation slice;
+    ``out_dir``: the run's output folder (metrics, TensorBoard, trace; none when empty)."""
     model_dir: Optional[str] = None
     step_seconds: float = 0.05
     kv_cache_gib: float = 0.0625
     start_timeout: float = 600.0
     stall_timeout: float = 300.0
+    out_dir: Optional[str] = None
 
     label = "engines"
     provenance = "measured"
 
     def __post_init__(self):
         super().__post_init__()
-        from bidirl.rl.tasks import ArithmeticTask
         from bidirl.rl.tiny_model import load_tokenizer
 
         cfg = self.config
-        if cfg.workload.dataset != "arithmetic":
-            raise cfgmod.ConfigError("workload.dataset", f"engine runs use the built-in verifiable task, got "
-                                     f"{cfg.workload.dataset!r}", "set workload.dataset: arithmetic")
+        if cfg.workload.dataset != "arithmetic" and cfg.workload.data_file is None:
+            raise cfgmod.ConfigError("workload.dataset", f"engine runs without a data file use the built-in "
+                                     f"verifiable task, got {cfg.workload.dataset!r}",
+                                     "set workload.dataset: arithmetic, or give workload.data_file (prompts from a "
+                                     ".parquet / .jsonl file)")
         if self.model_dir is None:
             if cfg.model != "tiny":
                 raise cfgmod.ConfigError("model", f"engine runs need model weights; {cfg.model!r} has none here",
-                                         "use model: tiny (built in), or pass model_dir= a Qwen2 checkpoint folder")
+                                         "use model: tiny (built in), or pass model_dir= a causal-LM checkpoint folder")
             from bidirl.rl.bootstrap import ensure_tiny_model
             self.model_dir = str(ensure_tiny_model())
         if not self.step_seconds > 0:
             raise ValueError(f"EngineDriver.step_seconds must be > 0, got {self.step_seconds!r}")
-        if not (Path(self.model_dir) / "config.json").exists():
-            raise ValueError(f"EngineDriver.model_dir {self.model_dir!r} holds no config.json; pass a Qwen2 checkpoint "
-                             "folder (save_pretrained) or leave it empty for the built-in tiny model")
-        self.task = ArithmeticTask(seed=cfg.seed)
+        from bidirl.cluster.engines.checkpoint import causal_lm_config
+        causal_lm_config(self.model_dir, "EngineDriver.model_dir")     # a loadable causal LM (vLLM: in the actors)
+        if self.out_dir is not None:
+            from bidirl.tracking import check_out_dir
+            check_out_dir(self.out_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.max_model_len = self.task.max_prompt_chars() + 2 + cfg.workload.max_response_len
+        self.prompts, self.reward = self._prompts_and_reward()
+        self.max_model_len = self.prompts.max_prompt_len + cfg.workload.max_response_len
         self.gangs = {PRIMARY_TRAINER: [], AUX_TRAINER: []}
         self.versions: dict = {}          # worker -> weights version it holds
         self.weights: dict = {0: None}    # version -> object ref of the state_dict (None: the checkpoint)
@@ -116,6 +127,29 @@ class EngineDriver(PoolDriver):
         self.step_stats: list = []
         self.final_weights = None
         self._resource_name: Optional[str] = None
+        self.tracker = None               # bidirl.tracking.LiveStepMetrics when out_dir is set (opened by run)
+
+    def _prompts_and_reward(self):
+        """Which prompt each group gets (``workload.data_file`` or the arithmetic task) and the reward function
+        (``rl.reward``), checked here so a bad file, row or function is named before anything starts."""
+        from bidirl.rl.data import GroupPrompts, load_dataset, model_max_positions
+        from bidirl.rl.rewards import Reward
+        from bidirl.rl.tasks import ArithmeticTask
+
+        cfg = self.config
+        w = cfg.workload
+        try:
+            reward = Reward.from_spec(cfg.rl.reward)
+        except ValueError as exc:
+            raise cfgmod.ConfigError("rl.reward", str(exc), "fix the file or module, or use a built-in reward "
+                                     "(exact, last_number, boxed)") from None
+        source = load_dataset(w.data_file) if w.data_file is not None else ArithmeticTask(seed=cfg.seed)
+        prompts = GroupPrompts.build(source, self.tokenizer, prompt_pool=w.prompt_pool,
+                                     max_response_len=w.max_response_len,
+                                     max_positions=model_max_positions(self.model_dir))
+        if reward.builtin is not None:
+            prompts.check_ground_truths(reward.builtin)
+        return prompts, reward
 
     # ------------------------------------------------------------------------------------------
     # placement and start-up
@@ -150,7 +184,7 @@ class EngineDriver(PoolDriver):
         g_r = env.rollout_gpus
         gpu = self._resource() == "GPU"
         rollout_kwargs = dict(max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib,
-                              reward_fn=self.task.reward)
+                              reward_fn=self.reward)
         trainer_kwargs = dict(lr=cfg.rl.lr, seed=cfg.seed, kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
                               device="cuda" if gpu else "cpu", threads=None if gpu else 1)
         for i, w in enumerate(top.rollouters):
@@ -159,11 +193,12 @@ class EngineDriver(PoolDriver):
         for i, w in enumerate(top.aux_rollouters):
             self.actors[w] = RolloutActor.options(**self._at(g_r + i * env.rollout_layout)).remote(
                 w, self.model_dir, cfg.seed, **rollout_kwargs)
-        for j in range(top.trainer_replicas):
-            self.gangs[PRIMARY_TRAINER].append(TrainerActor.options(**self._at(g_r + j * env.trainer_layout)).remote(
+        # a trainer gang has one rank per GPU slot of its pool: d replicas of ρ_t ranks (FSDP2, see _join_gangs)
+        for j in range(top.trainer_replicas * env.trainer_layout):
+            self.gangs[PRIMARY_TRAINER].append(TrainerActor.options(**self._at(g_r + j)).remote(
                 f"{PRIMARY_TRAINER}/{j}", self.model_dir, role=P.PRIMARY, **trainer_kwargs))
-        for j in range(top.aux_trainer_replicas):
-            self.gangs[AUX_TRAINER].append(TrainerActor.options(**self._at(j * env.trainer_layout)).remote(
+        for j in range(top.aux_trainer_replicas * env.trainer_layout):
+            self.gangs[AUX_TRAINER].append(TrainerActor.options(**self._at(j)).remote(
                 f"{AUX_TRAINER}/{j}", self.model_dir, role=P.AUXILIARY, **trainer_kwargs))
         self._wait_ready()
         self._join_gangs()
@@ -204,12 +239,15 @@ class EngineDriver(PoolDriver):
             self.versions[name] = 0
 
     def _join_gangs(self):
+        """Each gang of several ranks forms its process group and shards the model with FSDP2: sharded within a
+        replica of ρ_t ranks, replicated across its replicas (as the planner sized a replica)."""
         import ray
+        layout = self.plan.envelope.trainer_layout
         for gang, ranks in self.gangs.items():
             if len(ranks) > 1:
                 addr = ray.get(ranks[0].address.remote())
-                ray.get([r.init_process_group.remote(i, len(ranks), addr) for i, r in enumerate(ranks)],
-                        timeout=self.start_timeout)
+                ray.get([r.init_process_group.remote(i, len(ranks), addr, len(ranks) // layout)
+                         for i, r in enumerate(ranks)], timeout=self.start_timeout)
 
     def _passivate(self):
         """Auxiliary workers start passive: their state is offloaded until a switch brings them in."""
@@ -219,6 +257,15 @@ class EngineDriver(PoolDriver):
 
     def _begin(self):
         self.t0 = time.time()
+        if self.out_dir is not None:
+            from bidirl import tracking
+            pools = [p for p, n in self.assembly.pool_gpus.items() if n > 0]
+            self.tracker = tracking.LiveStepMetrics(tracking.RunOutput(self.out_dir, self.config), self.config, pools)
+
+    def execute(self, msg) -> None:
+        super().execute(msg)
+        if self.tracker is not None and isinstance(msg, P.StepDone):
+            self.tracker.step_done(self.log, self.step_stats)
 
     # ------------------------------------------------------------------------------------------
     # bookkeeping
@@ -234,6 +281,11 @@ class EngineDriver(PoolDriver):
 
     def _worker_failed(self, worker: str, exc: Exception):
         import ray
+
+        from bidirl.rl.rewards import RewardError
+        if isinstance(exc, RewardError) or isinstance(getattr(exc, "cause", None), RewardError):
+            # the user's reward function failed, not the worker: recovering would only fail again elsewhere
+            raise ClusterError(f"worker {worker} failed: {root_cause(exc)}") from None
         if worker in self.gangs:
             for r in self.gangs[worker]:       # a gang is one worker: its other ranks would hang in collectives
                 try:
@@ -248,10 +300,9 @@ class EngineDriver(PoolDriver):
     def _request(self, task: P.GroupTask):
         from bidirl.cluster.engines.rollout import GroupRequest
         w = self.config.workload
-        problem = self.task.problem(task.group_id % w.prompt_pool if w.prompt_pool else task.group_id)
-        prompt = tuple(self.tokenizer(problem.text)["input_ids"])
-        return GroupRequest(task.group_id, prompt, w.group_size, w.max_response_len, problem.answer,
-                            resume=task.resume)
+        g = task.group_id
+        return GroupRequest(g, self.prompts.prompt_ids(g), w.group_size, w.max_response_len,
+                            self.prompts.reward_input(g), resume=task.resume)
 
     def _weight_loads(self, workers, version: int) -> list:
         """``(worker, ref)`` calls that load actor ``version`` into those of ``workers`` (rollouters, or a
@@ -344,14 +395,19 @@ class EngineDriver(PoolDriver):
             index={(s.group_id, s.index): k for k, s in enumerate(samples)},
             advantages=grpo.group_advantages(rewards, group_size=self.config.workload.group_size).float(),
             normalizer=grpo.loss_normalizer([s.response_len for s in samples], "token-mean"),
-            old=[None] * len(samples), ref=[None] * len(samples))
+            # without an old_logprob stage the rollout's own log-probs are the behaviour policy's (veRL's bypass)
+            old=([None] * len(samples) if "old_logprob" in self.config.rl.stages
+                 else [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]),
+            ref=[None] * len(samples))
 
     def _run_chunk(self, cmd: P.RunChunk):
+        from bidirl.cluster.engines.trainer import forward_ranks, rank_shares
         ch, gang = cmd.chunk, cmd.worker
         data = self.step_data
         idx = [data.index[(g, i)] for g, i in ch.samples]
         ranks = self.gangs[gang]
-        shares = [idx[r * ch.per_device:(r + 1) * ch.per_device] for r in range(len(ranks))]
+        layout = self.plan.envelope.trainer_layout
+        shares = rank_shares(idx, ch.per_device, len(ranks))      # per_device samples on each rank (device)
 
         def finished(replies):
             starts = [sp["start"] for r in replies if r is not None for sp in r.spans]
@@ -361,7 +417,7 @@ class EngineDriver(PoolDriver):
         if ch.stage in P.FORWARD_STAGES:
             model = "actor" if ch.stage == "old_logprob" else "reference"
             target = data.old if ch.stage == "old_logprob" else data.ref
-            live = [(r, s) for r, s in zip(ranks, shares) if s]
+            live = [(ranks[r], shares[r]) for r in forward_ranks(shares, layout)]   # a replica's ranks gather together
 
             def done(replies):
                 for (_, share), reply in zip(live, replies):
@@ -413,7 +469,8 @@ class EngineDriver(PoolDriver):
                                    f"{cmd.version}; a rank missed an update")
             sp = replies[0].spans[0]
             self.record_optimizer(cmd, self._wall(sp["start"]), self._wall(sp["end"]))
-            self.weights[cmd.version] = ranks[0].weights.remote()
+            gathers = [r.weights.remote() for r in ranks]     # a sharded gang gathers together; rank 0 gets them
+            self.weights[cmd.version] = gathers[0]
             self.versions[PRIMARY_TRAINER] = cmd.version
             self.step_stats.append(self._step_stats(data, out))
             self.feed(P.OptimizerStepped(self.now(), cmd.step, cmd.version))
@@ -424,14 +481,24 @@ class EngineDriver(PoolDriver):
         import torch
         from bidirl.rl.grpo import token_weighted
         samples = data.samples
+        rewards = [s.reward for s in samples]
+        response_lens = [s.response_len for s in samples]
+        prompt_lens = [len(s.prompt_ids) for s in samples]
         # vLLM's log-probs of sampled tokens against the trainer's recomputation (old_logprob) for responses
         # generated entirely by the weights the trainer held: the weight sync's correctness check.
         gaps = [float((torch.tensor(s.logprobs) - lp).abs().max()) for s, lp in zip(samples, data.old)
                 if s.version == data.version and s.response_len]
+        max_len = self.config.workload.max_response_len
         return {"step": data.step, "version": update["version"],
-                "reward": float(np.mean([s.reward for s in samples])),
-                "response_length": float(np.mean([s.response_len for s in samples])),
-                "loss": float(sum(s["loss"] for s in data.stats)), "kl": token_weighted(data.stats, "kl"),
+                "reward": float(np.mean(rewards)), "reward_max": float(np.max(rewards)),
+                "reward_min": float(np.min(rewards)),
+                "response_length": float(np.mean(response_lens)), "response_length_max": int(np.max(response_lens)),
+                "response_length_min": int(np.min(response_lens)),
+                "response_clip_ratio": float(np.mean([n >= max_len for n in response_lens])),
+                "prompt_length": float(np.mean(prompt_lens)), "prompt_length_max": int(np.max(prompt_lens)),
+                "prompt_length_min": int(np.min(prompt_lens)),
+                "loss": float(sum(s["loss"] for s in data.stats)),
+                "pg_loss": float(sum(s["pg_loss"] for s in data.stats)), "kl": token_weighted(data.stats, "kl"),
                 "clip_frac": token_weighted(data.stats, "clip_frac"), "grad_norm": float(update["grad_norm"]),
                 "on_policy_samples": len(gaps), "logprob_diff_max": max(gaps) if gaps else None}
 
@@ -500,6 +567,20 @@ class EngineDriver(PoolDriver):
             except Exception:
                 self.final_weights = None
         super().shutdown()
+        if self.tracker is not None:
+            self._close_outputs()
+
+    def _close_outputs(self):
+        """Write the rest of the output folder. A run that failed keeps its error: a problem writing the
+        outputs then only warns."""
+        tracker, self.tracker = self.tracker, None
+        try:
+            tracker.close(self.log, self.step_stats, self.summary() if self.finished else None)
+        except Exception as exc:
+            if self.finished:
+                raise
+            import warnings
+            warnings.warn(f"could not write the run's outputs to {self.out_dir}: {exc}", RuntimeWarning, stacklevel=2)
 
     def summary(self) -> dict:
         out = super().summary()
@@ -512,6 +593,10 @@ class EngineDriver(PoolDriver):
         gaps = [s["logprob_diff_max"] for s in self.step_stats if s["logprob_diff_max"] is not None]
         out["logprob_diff_max"] = max(gaps) if gaps else None
         out["model_dir"] = self.model_dir
+        out["reward_function"] = self.reward.name
+        out["data_file"] = self.config.workload.data_file
+        if self.out_dir is not None:
+            out["out_dir"] = str(self.out_dir)
         return out
 
     def result(self, **extra) -> RunResult:

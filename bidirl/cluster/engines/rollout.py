@@ -1,8 +1,9 @@
 """The vLLM rollout engine: interruptible group generation, partial-rollout resume, weight reload, offload.
 
 One ``RolloutEngine`` is one rollout replica (paper §2.1): a vLLM engine run **in-process** (no engine
-subprocess: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``) in fp32, eager
-mode. Generation is driven step by step through ``LLMEngine.add_request`` / ``step`` so it can be stopped
+subprocess: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``) in eager mode, fp32
+on CPU and bf16 on GPU (the trainer's compute precision there), over any local checkpoint folder of an
+architecture both vLLM and transformers implement (checked up front: ``bidirl.cluster.engines.checkpoint``). Generation is driven step by step through ``LLMEngine.add_request`` / ``step`` so it can be stopped
 between any two decode steps:
 
 * :meth:`start` adds the requests of prompt-level groups (``group_size`` responses each). Response ``i``
@@ -13,7 +14,9 @@ between any two decode steps:
 * :meth:`step_until` runs engine steps until a stop condition, a step or time budget, or until nothing is
   left, and returns the groups that completed, as ``bidirl.core.protocol.GroupState`` with a
   ``bidirl.rl.samples.GroupPayload`` (token ids and the sampled tokens' log-probs from
-  ``SamplingParams(logprobs=0)``; texts and rewards when a ``reward_fn`` is given).
+  ``SamplingParams(logprobs=0)``; texts and rewards when a ``reward_fn`` is given — called as
+  ``reward_fn(request.meta, text)`` through ``bidirl.rl.rewards.score_response``, so a failing reward raises
+  ``RewardError`` naming the function, the group and the response).
 * :meth:`interrupt` aborts unfinished requests at a synchronisation point and returns each group's state:
   finished responses plus the prefixes (tokens and log-probs so far) of unfinished ones (partial rollout,
   §2.2 / §3.2).
@@ -22,7 +25,8 @@ between any two decode steps:
   final response is the old prefix (never regenerated, log-probs kept) followed by the new tokens.
 
 :meth:`load_weights` reloads weights in place through ``collective_rpc`` (the full ``state_dict`` including
-the tied ``lm_head``) — the actor→rollout weight sync (§6.2). :meth:`offload` / :meth:`onload` are the
+the tied ``lm_head``, under the HF checkpoint's names, checked against the checkpoint's names and shapes
+first) — the actor→rollout weight sync (§6.2). :meth:`offload` / :meth:`onload` are the
 rollout half of a hot switch (§3.2, C_in / C_out): on GPU vLLM's ``sleep(level=1)`` / ``wake_up()``; on
 CPU, where vLLM has no sleep mode, the KV cache's memory is released (its storage resized to zero bytes)
 and re-allocated on onload, and the weights are re-installed from the host copy of the last weights
@@ -171,11 +175,13 @@ class RolloutEngine:
     def __init__(self, model_dir: Union[str, Path], seed: int = 0, max_model_len: int = 64,
                  kv_cache_gib: float = 0.0625, *, temperature: float = 1.0, top_p: float = 1.0,
                  reward_fn: Optional[Callable[[Any, str], float]] = None, max_num_seqs: int = 256,
-                 device: Optional[str] = None, quiet: bool = True):
-        path = Path(model_dir)
-        if not (path / "config.json").exists():
-            raise ValueError(f"RolloutEngine.model_dir {str(path)!r} holds no config.json; create the model "
-                             "first (bidirl.rl.bootstrap.ensure_tiny_model())")
+                 device: Optional[str] = None, dtype: Optional[str] = None, quiet: bool = True):
+        from bidirl.cluster.engines import checkpoint
+
+        path = checkpoint.model_folder(model_dir, "RolloutEngine.model_dir")
+        config = checkpoint.causal_lm_config(path, "RolloutEngine.model_dir")
+        if dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"RolloutEngine.dtype must be 'float32', 'bfloat16' or None (by device), got {dtype!r}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"RolloutEngine.seed must be a non-negative integer, got {seed!r}")
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, (int, np.integer)) or max_model_len < 2:
@@ -197,6 +203,9 @@ class RolloutEngine:
 
         from bidirl.cluster.engines.sampler import PositionKeyedSampler
 
+        checkpoint.check_vllm_architecture(path, "RolloutEngine.model_dir")
+        self.tied = checkpoint.tied_embeddings(config)
+        self.checkpoint_shapes = checkpoint.checkpoint_shapes(path)
         self.model_dir, self.seed = path, int(seed)
         self.max_model_len = int(max_model_len)
         self.temperature, self.top_p = float(temperature), float(top_p)
@@ -205,7 +214,8 @@ class RolloutEngine:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = device
         self.gpu = device.startswith("cuda")
-        kwargs = dict(model=str(path), dtype="float32", enforce_eager=True, max_model_len=self.max_model_len,
+        self.dtype = dtype or ("bfloat16" if self.gpu else "float32")
+        kwargs = dict(model=str(path), dtype=self.dtype, enforce_eager=True, max_model_len=self.max_model_len,
                       distributed_executor_backend="uni", seed=self.seed, enable_prefix_caching=False,
                       max_num_seqs=int(max_num_seqs), disable_log_stats=True,
                       kv_cache_memory_bytes=int(kv_cache_gib * 2**30), logprobs_mode="raw_logprobs",
@@ -383,9 +393,10 @@ class RolloutEngine:
         rs = group.responses
         texts = rewards = None
         if self.reward_fn is not None:
+            from bidirl.rl.rewards import score_response
             texts = tuple(self.tokenizer.decode(r.tokens, skip_special_tokens=True) for r in rs)
-            rewards = tuple(float(self.reward_fn(req.meta, t)) if r.done else float("nan")
-                            for r, t in zip(rs, texts))
+            rewards = tuple(score_response(self.reward_fn, req.meta, t, req.group_id, i) if r.done else float("nan")
+                            for i, (r, t) in enumerate(zip(rs, texts)))
         payload = GroupPayload(
             prompt_ids=tuple(req.prompt_ids), token_ids=tuple(tuple(r.tokens) for r in rs),
             logprobs=tuple(tuple(r.logprobs) for r in rs), versions=tuple(r.version for r in rs),
@@ -434,13 +445,20 @@ class RolloutEngine:
     def load_weights(self, state_dict_items, version: Optional[int] = None) -> float:
         """Reload the weights in place from ``(name, tensor)`` items or a dict; returns seconds.
 
-        Pass the trainer's full ``state_dict()`` (the tied ``lm_head.weight`` included). ``version``
-        becomes the engine's actor version (the staleness tag of tokens generated from now on).
+        Pass the trainer's full ``state_dict()`` (the tied ``lm_head.weight`` included). Names are the HF
+        checkpoint's (wrapper prefixes are removed); names or shapes that differ from the checkpoint's raise
+        before anything is loaded. ``version`` becomes the engine's actor version (the staleness tag of tokens
+        generated from now on).
         """
+        from bidirl.cluster.engines import checkpoint
+
         self._require_idle("load_weights")
         if self._offloaded:
             raise RuntimeError("RolloutEngine.load_weights: the engine is offloaded; call onload() first")
-        items = _as_items(state_dict_items)
+        weights = checkpoint.hf_weights(_as_items(state_dict_items), self.tied)
+        checkpoint.check_weights(weights, self.checkpoint_shapes, self.tied, f"load_weights ({self.model_dir})",
+                                 "pass the state_dict() of a trainer of this model (TrainerEngine(model_dir))")
+        items = list(weights.items())
         t0 = time.perf_counter()
         self.llm.collective_rpc(_worker_reload, args=(items,))
         seconds = time.perf_counter() - t0
@@ -496,15 +514,10 @@ class RolloutEngine:
         return int(sum(self.llm.collective_rpc(_worker_kv_bytes)))
 
     def _checkpoint_items(self) -> list:
-        from safetensors.torch import load_file
+        """The checkpoint's weights as sent by a trainer (the tied head, stored once, added as ``lm_head``)."""
+        from bidirl.cluster.engines import checkpoint
 
-        items = []
-        for f in sorted(self.model_dir.glob("*.safetensors")):
-            items += [(k, v.clone()) for k, v in load_file(str(f)).items()]
-        names = {k for k, _ in items}
-        if "lm_head.weight" not in names and "model.embed_tokens.weight" in names:   # tied head, stored once
-            items.append(("lm_head.weight", dict(items)["model.embed_tokens.weight"]))
-        return items
+        return checkpoint.checkpoint_weights(self.model_dir, self.tied)
 
     def shutdown(self) -> None:
         """Abort everything and drop the engine (frees its memory once garbage-collected)."""

@@ -1,30 +1,50 @@
-"""The torch trainer engine: log-prob stages, chunk gradients, ordered merge + AdamW, offload/onload, DP.
+"""The torch trainer engine: log-prob stages, chunk gradients, ordered merge + AdamW, offload/onload, FSDP2.
 
-One ``TrainerEngine`` is one data-parallel rank of a trainer gang (paper §2.1, §5). It runs the three
-trainer stages of a GRPO step (protocol ``STAGES``):
+One ``TrainerEngine`` is one rank of a trainer gang (paper §2.1, §5). It runs the three trainer stages of a
+GRPO step (protocol ``STAGES``):
 
 * ``old_logprob`` / ``ref_logprob`` — :meth:`TrainerEngine.logprobs` recomputes the per-token log-probs
   of response tokens under the actor (or the frozen reference = the initial weights);
 * ``actor_update`` — :meth:`TrainerEngine.chunk_gradients` computes one chunk's gradient of the GRPO loss
-  (``bidirl.rl.grpo.policy_loss``) as a flat fp32 vector; primary and auxiliary trainers alike (§5.2,
-  Trainer-on-RollPool). :meth:`TrainerEngine.apply` (primary only) sums the chunk gradients **in the
-  order given** — the original chunk order, so borrowing never changes what the update computes (§6.3,
-  Table 2) — and takes one AdamW step.
+  (``bidirl.rl.grpo.policy_loss``); primary and auxiliary trainers alike (§5.2, Trainer-on-RollPool).
+  :meth:`TrainerEngine.apply` (primary only) sums the chunk gradients **in the order given** — the
+  original chunk order, so borrowing never changes what the update computes (§6.3, Table 2) — and takes
+  one AdamW step.
 
-Weights move with :meth:`state_dict` / :meth:`load_state_dict` (weight sync to rollouters and auxiliary
-trainers, §6.2). :meth:`offload` / :meth:`onload` move the weights and optimizer state to a host buffer
-and back and free the device copy (the trainer half of a hot switch's C_in / C_out, §3.2): each tensor's
-storage is copied to host memory (pinned when CUDA is present) and then resized to zero bytes, and
-restored by re-allocating and copying back — on CPU this is a real free and re-allocation of the
-engine's memory, so the measured seconds are an honest CPU C_in/C_out figure.
+**Models.** Any causal LM that transformers builds with ``AutoModelForCausalLM`` from a local checkpoint
+folder (checked by :mod:`bidirl.cluster.engines.checkpoint`). **Precision**: ``"fp32"`` (the CPU default)
+or ``"bf16-mixed"`` (the GPU default): fp32 master weights, fp32 AdamW state and fp32 gradient reduction,
+bf16 parameters for compute through FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32)``; a bf16-mixed engine that joins no gang shards over a one-rank group of its own.
 
-Data parallelism: :meth:`init_process_group` joins a ``torch.distributed`` gloo (CPU) / nccl (GPU)
-group; each rank computes the gradient of its own micro-batch and :meth:`chunk_gradients` all-reduces
-(sums) it, so every rank holds the gang's chunk gradient and applies the same update (DDP semantics).
+**Sharding (FSDP2).** :meth:`init_process_group` joins the gang's ``torch.distributed`` group (gloo on CPU,
+NCCL on GPU) and shards the model with ``fully_shard`` — each transformer block, then the root — over a
+device mesh of the gang's ranks, one rank per GPU slot: ``(replicas, ranks per replica)`` with the
+parameters sharded inside a replica and replicated across replicas (HSDP; one replica is plain FSDP over the
+gang). Parameters, gradients and optimizer state are sharded; a forward all-gathers a replica's weights
+block by block. Gradients are reduced as a **sum** (divide factor 1: the GRPO loss is already normalised by
+the step's token count), so after a chunk every rank holds its shard of the gang's chunk gradient:
+:class:`ChunkGradient` ``.flat`` is that shard (the whole gradient on an unsharded engine).
+:meth:`full_gradient` gathers a shard vector into the full gradient (a gang collective: how an auxiliary
+gang's gradient leaves it once) and :meth:`local_gradient` cuts a rank's shard out of a full one (how a
+primary rank keeps a received gradient); :meth:`apply` accepts either. Every call that runs the model is a
+collective of the gang's replica — a rank with no samples still joins with an empty share
+(:func:`forward_ranks`) — and a chunk gradient one of the whole gang (:func:`rank_shares` deals a chunk's
+samples to the ranks).
+
+**Weights.** :meth:`state_dict` gathers the full weights under the HF checkpoint's names (every rank must
+call it; rank 0 gets them, on CPU) — the weight sync to rollouters (§6.2); :meth:`load_state_dict` copies
+full weights into this rank's shards (no communication). :meth:`offload` / :meth:`onload` move this rank's
+(sharded) weights and optimizer state to a host buffer and back and free the device copy (the trainer half
+of a hot switch's C_in / C_out, §3.2): each storage is copied to host memory (pinned when CUDA is present)
+and then resized to zero bytes, and restored by re-allocating and copying back — on CPU a real free and
+re-allocation of the engine's memory, so the measured seconds are an honest CPU C_in/C_out figure. Chunk
+gradients kept for the next optimizer step live in host memory already and are not moved.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,13 +52,18 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
+from bidirl.cluster.engines import checkpoint
 from bidirl.core.protocol import PRIMARY, ROLES
 from bidirl.rl import grpo
+
+#: ``precision=`` values: fp32 throughout, or bf16 compute over fp32 master weights (FSDP2 mixed precision)
+PRECISIONS = ("fp32", "bf16-mixed")
 
 
 @dataclass
 class ChunkGradient:
-    """One chunk's gradient as a flat fp32 vector (parameter order of ``model.parameters()``)."""
+    """One chunk's gradient on one rank: the rank's shard of every parameter's gradient, summed over the gang,
+    flattened in parameter order (fp32, CPU). An unsharded engine's shard is the whole gradient."""
     flat: torch.Tensor
     stats: dict
     samples: int
@@ -56,24 +81,81 @@ def _as_1d(x) -> torch.Tensor:
     return torch.as_tensor(x, dtype=torch.float32).reshape(-1)
 
 
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def _local(t) -> torch.Tensor:
+    """The rank's own tensor of a (possibly sharded) parameter, gradient or optimizer state."""
+    if _is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def _local_slice(full: torch.Tensor, like) -> torch.Tensor:
+    """The part of the full tensor ``full`` that this rank holds of the (possibly sharded) tensor ``like``."""
+    if not _is_dtensor(like):
+        return full
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def _like(local: torch.Tensor, param):
+    """``local`` as a tensor of the same kind as ``param`` (a DTensor with the parameter's sharding)."""
+    if not _is_dtensor(param):
+        return local
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(),
+                              run_check=False)
+
+
+def resolve_precision(precision: str, device) -> str:
+    """``"auto"`` → ``"bf16-mixed"`` on CUDA, ``"fp32"`` elsewhere; other values are checked."""
+    if precision == "auto":
+        return "bf16-mixed" if torch.device(device).type == "cuda" else "fp32"
+    if precision not in PRECISIONS:
+        raise ValueError(f"TrainerEngine.precision must be 'auto' or one of {PRECISIONS}, got {precision!r}")
+    return precision
+
+
+def rank_shares(indices: Sequence, per_device: int, ranks: int) -> list:
+    """A chunk's samples dealt to a gang's ranks (one list per rank, in rank order): rank ``r`` takes the
+    ``r``-th contiguous run of ``per_device`` samples (the chunk's ``per_device``: one micro-batch per device),
+    so the last ranks of a short chunk get fewer or none."""
+    if isinstance(per_device, bool) or not isinstance(per_device, int) or per_device < 1:
+        raise ValueError(f"rank_shares: per_device must be a positive integer, got {per_device!r}")
+    if len(indices) > per_device * ranks:
+        raise ValueError(f"rank_shares: {len(indices)} samples do not fit {ranks} ranks of {per_device}")
+    return [list(indices[r * per_device:(r + 1) * per_device]) for r in range(ranks)]
+
+
+def forward_ranks(shares: Sequence, ranks_per_replica: int = 1) -> list:
+    """The ranks that run a forward-only stage: every rank of each replica that has a sample (the ranks of a
+    replica gather its sharded weights together, so an empty rank joins with an empty share)."""
+    busy = {r // ranks_per_replica for r, s in enumerate(shares) if len(s)}
+    return [r for r in range(len(shares)) if r // ranks_per_replica in busy]
+
+
 class TrainerEngine:
-    """A GRPO trainer over ``Qwen2ForCausalLM`` in fp32 (see the module docstring for the stages).
+    """A GRPO trainer over a transformers causal LM (see the module docstring for stages and sharding).
 
     ``lr``, ``weight_decay``, ``betas``: AdamW; ``kl_coef``: β of the k3 KL to the reference (the initial
     weights); ``clip_eps`` / ``clip_eps_high``: PPO clip range; ``loss_agg``: see ``bidirl.rl.grpo``;
-    ``max_grad_norm``: clip the summed gradient (``None``: no clipping). ``seed`` seeds the (forked) torch
-    RNG while the model loads; training itself draws no random numbers (the tiny model has no dropout).
-    ``threads`` sets torch's intra-op thread count for the whole process (for an engine that owns its
-    process, e.g. inside a Ray actor; one thread is fastest for the tiny model on a shared 2-core machine).
+    ``max_grad_norm``: clip the summed gradient (``None``: no clipping); ``precision``: ``"auto"``, ``"fp32"``
+    or ``"bf16-mixed"``. ``seed`` seeds the (forked) torch RNG while the model loads; training itself draws no
+    random numbers (the model runs in eval mode, without dropout). ``threads`` sets torch's intra-op thread
+    count for the whole process (for an engine that owns its process, e.g. inside a Ray actor).
     """
 
     def __init__(self, model_dir: Union[str, Path], lr: float = 1e-3, seed: int = 0, kl_coef: float = 0.0,
                  role: str = PRIMARY, device: str = "cpu", *, clip_eps: float = 0.2,
                  clip_eps_high: Optional[float] = None, loss_agg: str = "token-mean",
                  max_grad_norm: Optional[float] = 1.0, weight_decay: float = 0.0,
-                 betas: tuple = (0.9, 0.999), threads: Optional[int] = None):
-        from transformers import Qwen2ForCausalLM
-
+                 betas: tuple = (0.9, 0.999), precision: str = "auto", threads: Optional[int] = None):
         if role not in ROLES:
             raise ValueError(f"TrainerEngine.role must be one of {ROLES}, got {role!r}")
         if not lr > 0:
@@ -84,41 +166,76 @@ class TrainerEngine:
             raise ValueError(f"TrainerEngine.loss_agg must be one of {grpo.LOSS_AGGS}, got {loss_agg!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"TrainerEngine.max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        self.device = self._check_device(device)
+        self.precision = resolve_precision(precision, self.device)
         if threads is not None:
             if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
                 raise ValueError(f"TrainerEngine.threads must be a positive integer or None, got {threads!r}")
             torch.set_num_threads(threads)   # the engine owns its process (a Ray actor) when this is set
-        self.model_dir = Path(model_dir)
-        if not (self.model_dir / "config.json").exists():
-            raise ValueError(f"TrainerEngine.model_dir {str(self.model_dir)!r} holds no config.json; create the "
-                             "model first (bidirl.rl.bootstrap.ensure_tiny_model())")
-        self.device = torch.device(device)
+        self.model_dir = checkpoint.model_folder(model_dir, "TrainerEngine.model_dir")
+        self.config = checkpoint.causal_lm_config(self.model_dir, "TrainerEngine.model_dir")
+        self.tied = checkpoint.tied_embeddings(self.config)
         self.role, self.seed, self.lr, self.kl_coef = role, int(seed), float(lr), float(kl_coef)
         self.clip_eps, self.clip_eps_high, self.loss_agg = float(clip_eps), clip_eps_high, loss_agg
         self.max_grad_norm = max_grad_norm
+        self.betas, self.weight_decay = tuple(betas), float(weight_decay)
+        self.mesh = None                 # the gang's device mesh once sharded (FSDP2)
+        self._group = None
+        self.rank, self.world, self.replicas = 0, 1, 1
+        self._reference = None
+        self._host: Optional[_HostCopy] = None
+        self.version = 0
+        self.model = self._load_model()
+        self._track_parameters()
+
+    @staticmethod
+    def _check_device(device) -> torch.device:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            dev = None
+        if dev is None or dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"TrainerEngine.device must be 'cpu' or 'cuda[:i]', got {device!r}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"TrainerEngine.device={device!r} but this torch sees no CUDA device; use device='cpu'")
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
+
+    def _load_model(self, frozen: bool = False):
+        """The checkpoint's model in fp32 on the engine's device, with its own (resizable) storage, sharded
+        when the engine is; ``frozen``: without gradients (the reference)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            self.model = Qwen2ForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
-        self.model.eval()        # no dropout in the tiny model; eval() also keeps HF from caching
-        self.params = [p for p in self.model.parameters()]
-        for p in self.params:    # own, resizable storage (from_pretrained may map the checkpoint file)
+            model = checkpoint.load_causal_lm(self.model_dir, torch.float32, "TrainerEngine.model_dir")
+        model = model.to(self.device)
+        model.eval()             # no dropout: the same samples give the same gradient on every rank and run
+        model.requires_grad_(not frozen)
+        for p in model.parameters():     # own, resizable storage (from_pretrained may map the checkpoint file)
             p.data = p.data.clone()
+        if self.mesh is not None:
+            self._fully_shard(model)
+        return model
+
+    def _track_parameters(self) -> None:
+        """(Re)build the parameter list, shard shapes and the optimizer (primary only) after loading/sharding."""
+        self.params = list(self.model.parameters())
+        self.local_shapes = [tuple(_local(p).shape) for p in self.params]
         self.numel = sum(p.numel() for p in self.params)
-        self.optimizer = (torch.optim.AdamW(self.params, lr=self.lr, betas=tuple(betas), weight_decay=weight_decay)
-                          if role == PRIMARY else None)
-        self._reference = None
-        self.version = 0
-        self.rank, self.world = 0, 1
-        self._group = None
-        self._host: Optional[_HostCopy] = None
+        self.local_numel = sum(math.prod(s) for s in self.local_shapes)
+        self.optimizer = (torch.optim.AdamW(self.params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+                          if self.role == PRIMARY else None)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded with FSDP2 (after :meth:`init_process_group`, or bf16-mixed on first use)."""
+        return self.mesh is not None
 
     # ------------------------------------------------------------------------------------------
     # batching
     # ------------------------------------------------------------------------------------------
     def _batch(self, samples: Sequence):
         """Right-padded prompt+response ids, attention mask, and the gather indices of response tokens."""
-        if len(samples) == 0:
-            raise ValueError("TrainerEngine: got an empty list of samples")
         seqs, plen, rlen = [], [], []
         for s in samples:
             p, r = list(s.prompt_ids), list(s.response_ids)
@@ -147,16 +264,40 @@ class TrainerEngine:
         ids, attn, pos, tgt, mask, rlen = self._batch(samples)
         ctx = torch.enable_grad() if grad else torch.no_grad()
         with ctx:
-            logits = model(input_ids=ids, attention_mask=attn).logits.float()
+            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()
             rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
             picked = logits[rows, pos]                                   # [B, T, V]
             lp = torch.log_softmax(picked, dim=-1).gather(-1, tgt[..., None]).squeeze(-1)
             lp = lp * mask
         return lp, mask, rlen
 
+    def _join_with_empty_share(self, model, grad: bool) -> None:
+        """Run the model on one token so this rank joins the gang's collectives (weight all-gathers and, with
+        ``grad``, the gradient reduction) while contributing nothing (a zero loss)."""
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        with torch.enable_grad() if grad else torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits
+            if grad:
+                (logits.float().sum() * 0.0).backward()
+
+    def _reshard(self, model) -> None:
+        """Free the unsharded weights a forward left gathered (FSDP2 keeps the root's after a forward-only pass)."""
+        if not self.sharded:
+            return
+        from torch.distributed.fsdp import FSDPModule
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     def _check_onloaded(self, what: str):
         if self._host is not None:
             raise RuntimeError(f"TrainerEngine.{what}: the engine is offloaded; call onload() first")
+
+    def _ready(self, what: str) -> None:
+        """Checks shared by every call that touches the model: onloaded, and sharded when bf16-mixed needs it."""
+        self._check_onloaded(what)
+        if self.precision == "bf16-mixed" and not self.sharded:
+            self._shard_alone()
 
     # ------------------------------------------------------------------------------------------
     # stages
@@ -165,28 +306,32 @@ class TrainerEngine:
         """Per-token log-probs of each sample's response tokens (list of 1-D fp32 CPU tensors).
 
         ``model="actor"``: the current weights (the ``old_logprob`` stage); ``"reference"``: the initial
-        weights from ``model_dir``, frozen (the ``ref_logprob`` stage, loaded on first use).
+        weights from ``model_dir``, frozen (the ``ref_logprob`` stage, loaded on first use). On a sharded
+        engine an empty ``samples`` still joins the replica's weight gathers (and returns ``[]``).
         """
-        self._check_onloaded("logprobs")
+        self._ready("logprobs")
         if model == "actor":
             net = self.model
         elif model == "reference":
             net = self.reference_model()
         else:
             raise ValueError(f"TrainerEngine.logprobs: model must be 'actor' or 'reference', got {model!r}")
+        samples = list(samples)
+        if not samples:
+            if self.sharded:
+                self._join_with_empty_share(net, grad=False)
+                self._reshard(net)
+            return []
         lp, _, rlen = self._token_logprobs(net, samples, grad=False)
+        self._reshard(net)
         lp = lp.cpu()
         return [lp[i, :n].clone() for i, n in enumerate(rlen)]
 
     def reference_model(self):
+        """The frozen initial weights (sharded like the actor), loaded on first use."""
         if self._reference is None:
-            from transformers import Qwen2ForCausalLM
             self._check_onloaded("reference_model")
-            ref = Qwen2ForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
-            ref.eval().requires_grad_(False)
-            for p in ref.parameters():       # own, resizable storage (offloaded with the actor)
-                p.data = p.data.clone()
-            self._reference = ref
+            self._reference = self._load_model(frozen=True)
         return self._reference
 
     def _pad(self, rows: Sequence, rlen: list, name: str) -> torch.Tensor:
@@ -201,24 +346,26 @@ class TrainerEngine:
         return out.to(self.device)
 
     def chunk_gradients(self, samples: Sequence, advantages, old_logprobs: Sequence,
-                        ref_logprobs: Optional[Sequence] = None, normalizer: Optional[float] = None,
-                        reduce: bool = True) -> ChunkGradient:
-        """The gradient of this chunk's share of the GRPO loss, flattened (fp32, CPU).
+                        ref_logprobs: Optional[Sequence] = None, normalizer: Optional[float] = None) -> ChunkGradient:
+        """This rank's shard of the gang's gradient of a chunk's share of the GRPO loss (fp32, CPU).
 
-        ``advantages``: one per sample (``grpo.group_advantages``); ``old_logprobs`` / ``ref_logprobs``:
-        per-sample per-token sequences as returned by :meth:`logprobs`. ``normalizer`` is the *step's*
-        token (or sequence) count when the step is split into several chunks
-        (``grpo.loss_normalizer``); ``None`` uses this chunk's own count, summed over the DP group.
-        With ``reduce`` and a DP group, the gradient is all-reduced (summed) over the gang.
+        ``samples`` is this rank's share of the chunk; ``advantages``: one per sample
+        (``grpo.group_advantages``); ``old_logprobs`` / ``ref_logprobs``: per-sample per-token sequences as
+        returned by :meth:`logprobs`. ``normalizer`` is the *step's* token (or sequence) count when the step is
+        split into several chunks (``grpo.loss_normalizer``); ``None`` uses the chunk's own count, summed over
+        the gang. On a gang every rank must call it (a rank without samples passes an empty share and the
+        step's normalizer); each gets its shard of the sum of all ranks' gradients.
         """
-        self._check_onloaded("chunk_gradients")
+        self._ready("chunk_gradients")
+        samples = list(samples)
         if len(samples) == 0:
-            # A DP rank with no share of a small chunk still joins the gang's all-reduce.
             if normalizer is None:
                 raise ValueError("chunk_gradients: an empty share needs the step's normalizer")
-            flat = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-            if self._group is not None and reduce:
-                torch.distributed.all_reduce(flat, group=self._group)
+            self._clear_grads()
+            if self.sharded:
+                self._join_with_empty_share(self.model, grad=True)
+            flat = self._local_grad_vector()
+            self._clear_grads()
             return ChunkGradient(flat.cpu(), grpo.empty_stats(), 0, 0, 0.0)
         if self.kl_coef > 0 and ref_logprobs is None:
             raise ValueError("chunk_gradients: kl_coef > 0 needs ref_logprobs (run logprobs(samples, 'reference'))")
@@ -226,8 +373,7 @@ class TrainerEngine:
         adv = _as_1d(advantages).to(self.device)
         if adv.numel() != len(samples):
             raise ValueError(f"chunk_gradients: got {adv.numel()} advantages for {len(samples)} samples")
-        for p in self.params:
-            p.grad = None
+        self._clear_grads()
         self.model.train()
         try:
             lp, mask, rlen = self._token_logprobs(self.model, samples, grad=True)
@@ -237,75 +383,142 @@ class TrainerEngine:
         ref = self._pad(ref_logprobs, rlen, "ref_logprobs") if ref_logprobs is not None else None
         if normalizer is None:
             normalizer = grpo.loss_normalizer(rlen, self.loss_agg)
-            if self._group is not None and reduce:
-                n = torch.tensor([normalizer], dtype=torch.float64)
+            if self._group is not None and self.world > 1:
+                n = torch.tensor([normalizer], dtype=torch.float64, device=self._comm_device())
                 torch.distributed.all_reduce(n, group=self._group)
                 normalizer = float(n)
         loss, stats = grpo.policy_loss(lp, old, adv, mask, clip_eps=self.clip_eps, clip_eps_high=self.clip_eps_high,
                                        ref_logprobs=ref, kl_coef=self.kl_coef, loss_agg=self.loss_agg,
                                        normalizer=normalizer if normalizer > 0 else None)
         loss.backward()
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        flat = self._local_grad_vector()
+        self._clear_grads()
+        return ChunkGradient(flat.cpu(), stats.to_dict(), len(samples), int(sum(rlen)), time.perf_counter() - t0)
+
+    def _clear_grads(self) -> None:
         for p in self.params:
             p.grad = None
-        flat = flat.detach().to(torch.float32)
-        if self._group is not None and reduce:
-            torch.distributed.all_reduce(flat, group=self._group)
-        flat = flat.cpu()
-        return ChunkGradient(flat, stats.to_dict(), len(samples), int(sum(rlen)), time.perf_counter() - t0)
+
+    def _local_grad_vector(self) -> torch.Tensor:
+        """This rank's gradient shards, flattened in parameter order (zeros where a parameter got none)."""
+        parts = [(_local(p.grad).reshape(-1) if p.grad is not None else torch.zeros(math.prod(s), device=self.device))
+                 for p, s in zip(self.params, self.local_shapes)]
+        return torch.cat(parts).detach().to(torch.float32)
+
+    def full_gradient(self, local_flat: torch.Tensor) -> torch.Tensor:
+        """The full gradient (parameter order, fp32, CPU) from every rank's shard vector ``local_flat``.
+
+        A collective on a sharded engine: every rank of the gang calls it with its own shard (it is how an
+        auxiliary gang's chunk gradient leaves the gang once, unsharded). Unsharded: ``local_flat`` itself.
+        """
+        flat = _as_1d(local_flat)
+        if flat.numel() != self.local_numel:
+            raise ValueError(f"full_gradient: got {flat.numel()} values, this rank's shard has {self.local_numel}")
+        if not self.sharded:
+            return flat.cpu()
+        parts, offset = [], 0
+        for p, shape in zip(self.params, self.local_shapes):
+            n = math.prod(shape)
+            local = flat[offset:offset + n].view(shape).to(self.device)
+            parts.append(_like(local, p).full_tensor().reshape(-1).cpu())
+            offset += n
+        return torch.cat(parts)
+
+    def local_gradient(self, flat) -> torch.Tensor:
+        """This rank's shard of a gradient vector: a full gradient (``numel`` values, parameter order) is cut
+        to the shard; a shard vector (``local_numel`` values) is returned as is (no communication)."""
+        flat = _as_1d(flat) if not isinstance(flat, ChunkGradient) else flat.flat.reshape(-1)
+        if flat.numel() == self.local_numel:
+            return flat
+        if flat.numel() != self.numel:
+            raise ValueError(f"chunk gradient has {flat.numel()} values; the model has {self.numel} and this rank's "
+                             f"shard {self.local_numel}: pass a gradient of this model (full or this rank's shard)")
+        parts, offset = [], 0
+        for p in self.params:
+            n = p.numel()
+            parts.append(_local_slice(flat[offset:offset + n].view(p.shape), p).reshape(-1))
+            offset += n
+        return torch.cat(parts)
 
     def apply(self, grads_in_chunk_order: Iterable) -> dict:
-        """Sum chunk gradients left to right in the given order, clip, take one AdamW step (primary only)."""
+        """Sum chunk gradients left to right in the given order, clip, take one AdamW step (primary only).
+
+        Each gradient is a :class:`ChunkGradient` or a vector, full or this rank's shard
+        (:meth:`local_gradient`). On a sharded gang every rank applies its shards (the norm is global).
+        """
         if self.role != PRIMARY:
             raise RuntimeError(f"TrainerEngine.apply: an {self.role} trainer computes chunk gradients only; "
                                "send them to the primary trainer, which applies the update")
-        self._check_onloaded("apply")
+        self._ready("apply")
         t0 = time.perf_counter()
         total = None
         count = 0
         for g in grads_in_chunk_order:
-            flat = g.flat if isinstance(g, ChunkGradient) else torch.as_tensor(g, dtype=torch.float32)
-            flat = flat.reshape(-1)
-            if flat.numel() != self.numel:
-                raise ValueError(f"apply: chunk gradient {count} has {flat.numel()} values, the model has {self.numel}")
+            try:
+                flat = self.local_gradient(g)
+            except ValueError as exc:
+                raise ValueError(f"apply: chunk gradient {count}: {exc}") from None
             total = flat.clone() if total is None else total.add_(flat)
             count += 1
         if total is None:
             raise ValueError("apply: no chunk gradients given")
         total = total.to(self.device)
         offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad = total[offset:offset + n].view_as(p).clone()
+        for p, shape in zip(self.params, self.local_shapes):
+            n = math.prod(shape)
+            p.grad = _like(total[offset:offset + n].view(shape).clone(), p)
             offset += n
-        grad_norm = float(torch.linalg.vector_norm(total))
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        grad_norm = self._clip_gradients()
         self.optimizer.step()
-        for p in self.params:
-            p.grad = None
+        self._clear_grads()
         self.version += 1
         return {"version": self.version, "grad_norm": grad_norm, "chunks": count,
                 "seconds": time.perf_counter() - t0}
+
+    def _clip_gradients(self) -> float:
+        """The global L2 norm of the summed gradient (before clipping); clips to ``max_grad_norm`` if set."""
+        if self.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params])
+        if _is_dtensor(norm):
+            norm = norm.full_tensor()
+        return float(norm)
 
     # ------------------------------------------------------------------------------------------
     # weights
     # ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The full model ``state_dict`` on CPU (tied ``lm_head.weight`` included, as vLLM's reload needs)."""
-        self._check_onloaded("state_dict")
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        """The full weights under the HF checkpoint's names, on CPU (the tied ``lm_head.weight`` included, as
+        vLLM's reload needs). On a sharded gang every rank must call it: rank 0 gets the weights, the others
+        ``{}``."""
+        self._ready("state_dict")
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                              cpu_offload=True))
+        else:
+            state = self.model.state_dict()
+        return {k: v.detach().to("cpu", copy=True) for k, v in checkpoint.hf_weights(state, self.tied).items()}
 
     def load_state_dict(self, state: dict, version: Optional[int] = None) -> float:
-        """Overwrite the weights (weight sync to an auxiliary trainer); returns the seconds spent."""
-        self._check_onloaded("load_state_dict")
+        """Overwrite the weights with full weights (HF names, e.g. :meth:`state_dict` of another trainer of the
+        model); a sharded rank copies its own shards (no communication). Returns the seconds spent."""
+        self._ready("load_state_dict")
         t0 = time.perf_counter()
-        state = dict(state)
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
-        if missing or unexpected:
-            raise ValueError(f"load_state_dict: missing keys {missing[:5]}, unexpected keys {list(unexpected)[:5]}; "
-                             "pass the state_dict() of a trainer of the same model")
+        weights = checkpoint.hf_weights(state, self.tied)
+        targets = {checkpoint.hf_name(k): v for k, v in self.model.state_dict(keep_vars=True).items()}
+        missing = [k for k in targets if k not in weights and not (k == "lm_head.weight" and self.tied)]
+        unexpected = [k for k in weights if k not in targets]
+        wrong = [f"{k} {tuple(weights[k].shape)} != {tuple(t.shape)}" for k, t in targets.items()
+                 if k in weights and tuple(weights[k].shape) != tuple(t.shape)]
+        if missing or unexpected or wrong:
+            raise ValueError(f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}, shape "
+                             f"mismatches {wrong[:5]}; pass the state_dict() of a trainer of the same model")
+        with torch.no_grad():
+            for k, t in targets.items():
+                if k in weights:
+                    _local(t).copy_(_local_slice(weights[k].to(t.dtype), t))
         if version is not None:
             self.version = int(version)
         return time.perf_counter() - t0
@@ -313,17 +526,18 @@ class TrainerEngine:
     # ------------------------------------------------------------------------------------------
     # hot switching: offload / onload
     # ------------------------------------------------------------------------------------------
-    def _state_tensors(self) -> list:
-        tensors = [p.data for p in self.params]
+    def _state_tensors(self, freed: bool = False) -> list:
+        """This rank's weight and optimizer-state tensors, one per storage (``freed``: offloaded ones too)."""
+        tensors = [_local(p) for p in self.params]
         if self._reference is not None:
-            tensors += [p.data for p in self._reference.parameters()]
+            tensors += [_local(p) for p in self._reference.parameters()]
         if self.optimizer is not None:
             for st in self.optimizer.state.values():
-                tensors += [v for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
+                tensors += [_local(v) for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
         seen, unique = set(), []
         for t in tensors:
             key = t.untyped_storage().data_ptr()
-            if key not in seen and t.untyped_storage().nbytes() > 0:
+            if key not in seen and (freed or t.untyped_storage().nbytes() > 0):
                 seen.add(key)
                 unique.append(t)
         return unique
@@ -333,11 +547,14 @@ class TrainerEngine:
         return self._host is not None
 
     def offload(self) -> float:
-        """Copy weights, optimizer state (and the reference model, if loaded) to a host buffer and free the
-        engine's copy; returns seconds."""
+        """Copy this rank's weights, optimizer state (and the reference model, if loaded) — its shards when
+        sharded — to a host buffer and free the engine's copy; returns seconds."""
         if self._host is not None:
             return 0.0
         t0 = time.perf_counter()
+        self._reshard(self.model)
+        if self._reference is not None:
+            self._reshard(self._reference)
         pin = torch.cuda.is_available()
         host = _HostCopy()
         for t in self._state_tensors():
@@ -370,32 +587,109 @@ class TrainerEngine:
         return time.perf_counter() - t0
 
     def state_bytes(self) -> int:
-        """Bytes of weights + optimizer state the engine holds (what offload moves)."""
+        """Bytes of weights + optimizer state this rank holds (what offload moves)."""
         if self._host is not None:
             return self._host.nbytes
         return sum(t.untyped_storage().nbytes() for t in self._state_tensors())
 
+    def resident_bytes(self) -> int:
+        """Bytes of weights + optimizer state allocated on the engine's device now (0 while offloaded)."""
+        return sum(t.untyped_storage().nbytes() for t in self._state_tensors(freed=True))
+
     # ------------------------------------------------------------------------------------------
-    # data parallelism
+    # the gang: process group and FSDP2 sharding
     # ------------------------------------------------------------------------------------------
-    def init_process_group(self, rank: int, world: int, addr: str, backend: Optional[str] = None) -> None:
-        """Join a ``world``-rank DP group rendezvousing at ``addr`` (``host:port``); gloo on CPU."""
+    def _backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def init_process_group(self, rank: int, world: int, addr: str, backend: Optional[str] = None,
+                           replicas: int = 1) -> None:
+        """Join a ``world``-rank gang rendezvousing at ``addr`` (``host:port``; gloo on CPU, NCCL on GPU) and
+        shard the model with FSDP2 over a ``(replicas, world / replicas)`` mesh (module docstring).
+
+        Call it before any other work (the optimizer is rebuilt over the sharded parameters).
+        """
         import torch.distributed as dist
 
         if not (0 <= rank < world):
             raise ValueError(f"init_process_group: rank must be in [0, world), got rank={rank}, world={world}")
         if ":" not in addr:
             raise ValueError(f"init_process_group: addr must be 'host:port', got {addr!r}")
-        backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1 or world % replicas:
+            raise ValueError(f"init_process_group: replicas must be a positive divisor of world={world}, "
+                             f"got {replicas!r}")
+        if self.sharded:
+            raise RuntimeError("init_process_group: the engine is already sharded; join the gang before any work")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         if not dist.is_initialized():
-            dist.init_process_group(backend, init_method=f"tcp://{addr}", rank=rank, world_size=world)
+            dist.init_process_group(backend or self._backend(), init_method=f"tcp://{addr}", rank=rank,
+                                    world_size=world)
+        elif (dist.get_rank(), dist.get_world_size()) != (rank, world):
+            raise RuntimeError(f"init_process_group: this process already is rank {dist.get_rank()} of "
+                               f"{dist.get_world_size()}, not rank {rank} of {world}")
         self._group = dist.group.WORLD
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.replicas = rank, world, replicas
+        self._shard(self._device_mesh(replicas, world // replicas))
 
-    def destroy_process_group(self) -> None:
+    def _device_mesh(self, replicas: int, shard: int):
+        from torch.distributed.device_mesh import init_device_mesh
+        if replicas == 1:
+            return init_device_mesh(self.device.type, (shard,), mesh_dim_names=("shard",))
+        return init_device_mesh(self.device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
+
+    def _shard_alone(self) -> None:
+        """Shard over a one-rank group of this process (bf16-mixed compute needs FSDP2 even without a gang)."""
         import torch.distributed as dist
 
-        if self._group is not None and dist.is_initialized():
+        if not dist.is_initialized():
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            dist.init_process_group(self._backend(), store=dist.HashStore(), rank=0, world_size=1)
+        elif dist.get_world_size() != 1:
+            raise RuntimeError(f"TrainerEngine: precision 'bf16-mixed' shards the model, and this process is in a "
+                               f"group of {dist.get_world_size()} ranks; call init_process_group(rank, world, addr) "
+                               "on every rank of the gang before any work")
+        self._group = dist.group.WORLD
+        self._shard(self._device_mesh(1, 1))
+
+    def _shard(self, mesh) -> None:
+        if self.optimizer is not None and self.optimizer.state:
+            raise RuntimeError("TrainerEngine: shard the model before the first optimizer step")
+        self.mesh = mesh
+        self._fully_shard(self.model)
+        if self._reference is not None:
+            self._fully_shard(self._reference)
+        self._track_parameters()
+
+    def _fully_shard(self, model) -> None:
+        """FSDP2 over the engine's mesh: each transformer block, then the root; gradients reduced as sums."""
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        if self.precision == "bf16-mixed":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        else:
+            policy = MixedPrecisionPolicy()
+        for block in checkpoint.transformer_blocks(model):
+            fully_shard(block, mesh=self.mesh, mp_policy=policy)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)                   # sum, not mean, over the gang
+                if hasattr(m, "set_force_sum_reduction_for_comms"):
+                    m.set_force_sum_reduction_for_comms(True)      # plain SUM collectives (gloo has no PREMUL_SUM)
+                elif self._backend() == "gloo":
+                    raise RuntimeError("TrainerEngine: this torch's FSDP2 cannot reduce gradients as sums over gloo "
+                                       "(no set_force_sum_reduction_for_comms); use torch >= 2.8")
+
+    def destroy_process_group(self) -> None:
+        """Leave the gang's process group (the engine cannot run sharded work afterwards)."""
+        import torch.distributed as dist
+
+        if self._group is not None and dist.is_initialized() and self.world > 1:
             dist.destroy_process_group()
         self._group = None
         self.rank, self.world = 0, 1

@@ -1,0 +1,247 @@
+"""Stage-time model errors on measured CPU records (paper appendix "Stage-Time Models", §7.4).
+
+Calibrates the shipped profile ``data/profiles/cpu-tiny`` (the tiny model on a two-core CPU, written by
+``bidirl profile tiny-cpu --grid full``) with :func:`bidirl.calibration.calibrate_profile` and reports the
+held-out median / p90 relative errors. ``bidirl bench`` runs :func:`bench_calibration_cpu`;
+``python -m benchmarks.bench_calibration --write benchmarks/calibration_cpu.md`` regenerates the page that
+quotes them, with the analyses below:
+
+* the same errors over ten seeded fit / held-out splits (how much one split's numbers move);
+* the median of the repetitions instead of the fastest (how much interference from other work costs);
+* the signed error by response length (rollout) and by chunk size (trainer), and a diagnostic fit of M_r's
+  features plus one term outside the appendix model — a fixed cost per request — to show which term limits
+  the fit. The diagnostic is not part of the models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+SEEDS = tuple(range(10))
+PREDICTOR_LABEL = {"prior": "prior (nominal `cpu` preset)", "knobs": "knobs",
+                   "calibrated": "calibrated"}
+
+
+def _calibrate(seed: int = 0, statistic: str = "min"):
+    from bidirl.calibration import calibrate_profile
+    from bidirl.experiments.stage_models import shipped_profile
+    return calibrate_profile(shipped_profile(), holdout=0.25, seed=seed, statistic=statistic)
+
+
+def bench_calibration_cpu(quick: bool) -> dict:
+    cal = _calibrate()
+    out = {}
+    for kind in ("rollout", "trainer"):
+        for pred in ("calibrated", "knobs"):
+            e = cal.error(kind, "held-out", pred)
+            out[f"{kind}.{pred}.held_out_median"] = (e["median"], "%")
+            out[f"{kind}.{pred}.held_out_p90"] = (e["p90"], "%")
+    return out
+
+
+BENCHMARKS = {"calibration_cpu": bench_calibration_cpu}
+
+
+# --------------------------------------------------------------------------------------------------
+# the page
+# --------------------------------------------------------------------------------------------------
+
+def _errors_table(cal) -> list:
+    lines = ["| stage | predictor | split | median | p90 |", "|---|---|---|---|---|"]
+    e = cal.errors()
+    for kind in ("rollout", "trainer"):
+        for pred in ("calibrated", "knobs", "prior"):
+            for split in ("held-out", "fit"):
+                row = e[(e["kind"] == kind) & (e["predictor"] == pred) & (e["split"] == split)].iloc[0]
+                lines.append(f"| {kind} | {pred} | {split} | {row['median_pct']:.1f} % | {row['p90_pct']:.1f} % |")
+    return lines
+
+
+def _splits_table() -> list:
+    rows = []
+    for seed in SEEDS:
+        cal = _calibrate(seed)
+        for kind in ("rollout", "trainer"):
+            for pred in ("calibrated", "knobs"):
+                e = cal.error(kind, "held-out", pred)
+                rows.append({"kind": kind, "pred": pred, "seed": seed, **e})
+    df = pd.DataFrame(rows)
+    lines = ["| stage | predictor | median: mean (range) | p90: mean (range) |", "|---|---|---|---|"]
+    for (kind, pred), sub in df.groupby(["kind", "pred"], sort=False):
+        m, p = sub["median"], sub["p90"]
+        lines.append(f"| {kind} | {pred} | {m.mean():.1f} % ({m.min():.1f}–{m.max():.1f}) | "
+                     f"{p.mean():.1f} % ({p.min():.1f}–{p.max():.1f}) |")
+    return lines
+
+
+def _statistic_table() -> list:
+    lines = ["| stage | a point's time | held-out median | held-out p90 |", "|---|---|---|---|"]
+    for statistic in ("min", "median"):
+        cal = _calibrate(0, statistic)
+        for kind in ("rollout", "trainer"):
+            e = cal.error(kind)
+            lines.append(f"| {kind} | {statistic} of the repetitions | {e['median']:.1f} % | {e['p90']:.1f} % |")
+    return lines
+
+
+def _signed(cal, kind: str, by: pd.Series, label: str) -> list:
+    t = cal.table[cal.table["kind"] == kind]
+    err = 100 * (t["calibrated"] - t["observed"]) / t["observed"]
+    g = err.groupby(by.loc[t.index] if isinstance(by, pd.Series) else by, observed=True)
+    lines = [f"| {label} | points | mean signed error | worst |", "|---|---|---|---|"]
+    for key, sub in g:
+        worst = sub.iloc[np.argmax(np.abs(sub.to_numpy()))]
+        lines.append(f"| {key} | {len(sub)} | {sub.mean():+.1f} % | {worst:+.1f} % |")
+    return lines
+
+
+def _nnls_relative(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    from scipy.optimize import nnls
+    scale = np.maximum(X.max(axis=0), 1e-300)
+    coef, _ = nnls((X / scale) / y[:, None], np.ones_like(y))
+    return coef / scale
+
+
+def _per_request_diagnostic(cal) -> tuple:
+    """Held-out errors of M_r's features fitted linearly (non-negative, relative residuals) with and without
+    a fixed cost per request, and that cost."""
+    from bidirl.perf.rollout import RolloutModel
+    t = cal.table[cal.table["kind"] == "rollout"].reset_index(drop=True)
+    model = RolloutModel(cal.model, cal.base)
+    rows = []
+    for p, r in zip(t["prompt_lens"], t["response_lens"]):
+        f = model.replica_features(p, r)
+        rows.append([f.w_pre[0], f.f_pre[0], f.w_dec[0], f.n_tok[0], f.h_dec[0], f.requests[0]])
+    X, y = np.array(rows), t["observed"].to_numpy()
+    fit, held = (t["split"] == "fit").to_numpy(), (t["split"] == "held-out").to_numpy()
+    out = {}
+    for name, cols in (("appendix M_r terms", slice(0, 5)), ("+ a fixed cost per request", slice(0, 6))):
+        coef = _nnls_relative(X[fit][:, cols], y[fit])
+        err = np.abs(X[held][:, cols] @ coef - y[held]) / y[held]
+        out[name] = (100 * np.median(err), 100 * np.quantile(err, 0.9), coef)
+    return out
+
+
+def page() -> str:
+    cal = _calibrate()
+    meta = cal.profile.meta
+    m, eng = meta["machine"], meta["engines"]
+    diag = _per_request_diagnostic(cal)
+    per_request_us = 1e6 * diag["+ a fixed cost per request"][2][5]
+    t = cal.table
+    tr = t[t["kind"] == "trainer"]
+    tokens = pd.Series(tr["requests"] * (tr["prompt_len"] + tr["response_len"]), index=tr.index)
+    bins = pd.cut(tokens, [0, 160, 640, 2560, 8192], labels=["≤ 160", "161–640", "641–2560", "> 2560"])
+    ro = t[t["kind"] == "rollout"]
+    r_len = pd.Series(pd.Categorical(ro["response_len"].map(lambda v: f"{v} tokens"),
+                                     [f"{v} tokens" for v in sorted(set(ro["response_len"]))], ordered=True),
+                      index=ro.index)
+    held_r, held_t = cal.error("rollout"), cal.error("trainer")
+    grid = meta["grid"]
+    max_samples = max(grid["batches"]) * meta["settings"]["group_size"]
+    max_len = max(grid["prompt_lens"]) + max(grid["response_lens"])
+    verdict = []
+    for kind, e in (("rollout", held_r), ("trainer", held_t)):
+        ok = e["median"] <= 5 and e["p90"] <= 10
+        verdict.append(f"* **{kind}**: held-out median {e['median']:.1f} %, p90 {e['p90']:.1f} % — "
+                       + ("meets the aim." if ok else "misses the aim (median ≤ 5 %, p90 ≤ 10 %); see below."))
+    lines = [
+        "# Stage-time model calibration on CPU (measured)",
+        "",
+        "<!-- generated by `python -m benchmarks.bench_calibration --write benchmarks/calibration_cpu.md`; "
+        "tests/test_calibration.py checks the numbers -->",
+        "",
+        "The appendix's stage-time models (\"Stage-Time Models\": M_r for rollout, M_t for the trainer) fitted "
+        "to **real measurements**: the built-in tiny model (2-layer Qwen2, fp32) on a "
+        f"{m['usable_cpus']}-CPU {m['system']} {m['machine']} machine shared with other work, one vLLM rollout "
+        f"replica (vllm {eng['vllm']}) and one torch trainer replica (torch {eng['torch']}), one thread each.",
+        "",
+        f"* records: `data/profiles/cpu-tiny` (`bidirl profile tiny-cpu --grid full`, measured {meta['date']}): "
+        f"{len(meta['grid']['batches'])} batch sizes ({', '.join(map(str, meta['grid']['batches']))} prompt groups "
+        f"of 4) × {len(grid['prompt_lens'])} prompt lengths ({', '.join(map(str, grid['prompt_lens']))}) "
+        f"× {len(meta['grid']['response_lens'])} forced response lengths "
+        f"({', '.join(map(str, meta['grid']['response_lens']))}) = {cal.profile.rollout['point'].nunique()} grid "
+        f"points, {meta['grid']['repeats']} repetitions each, spread over the run in seeded random rounds;",
+        "* a grid point's time is the fastest of its repetitions (the slower ones measure interference from "
+        "other processes on the shared machine; see the comparison with the median below);",
+        f"* fit on a seeded random 75 % of the grid points ({cal._count('fit')}), errors on the other "
+        f"{cal._count('held-out')} (`bidirl calibrate data/profiles/cpu-tiny --out "
+        "data/presets/hardware/cpu-calibrated.yaml`, holdout 0.25, seed 0); one rollout batch per point, one "
+        "trainer chunk per (point, stage);",
+        "* predictors: **calibrated** = the shipped `cpu-calibrated` preset (knobs + the tiny model's fitted "
+        "`stage_params`); **knobs** = the fitted hardware knobs alone (what carries over to other models); "
+        "**prior** = the nominal `cpu` preset.",
+        "",
+        "## Relative error per grid point",
+        "",
+        *_errors_table(cal),
+        "",
+        "Aim: held-out median ≤ 5 %, p90 ≤ 10 % (the paper: 3.12 % / 5.77 % rollout, 2.92 % / 4.68 % trainer, "
+        "on A6000).",
+        "",
+        *verdict,
+        "",
+        f"### Ten seeded splits (seeds {SEEDS[0]}–{SEEDS[-1]}), held-out",
+        "",
+        *_splits_table(),
+        "",
+        "### Fastest vs median repetition (seed 0, calibrated)",
+        "",
+        *_statistic_table(),
+        "",
+        "## Which model terms limit the fit",
+        "",
+        "**Rollout: no per-request cost in P_pre.** The appendix's prefill term τ_pre·W_pre + α_pre·F_pre charges "
+        "a request only the head FLOPs (2·H·V per request, inside F_pre, at the prompt tokens' rate). vLLM's "
+        "admission of a request (request objects, scheduler bookkeeping, sampling state, the position-keyed "
+        "sampler's per-request set-up) costs a fixed time per request that dwarfs those FLOPs on a tiny model. "
+        "It shows at 2-token responses, where admission is a large share of the batch time (calibrated model, "
+        "all points):",
+        "",
+        *_signed(cal, "rollout", r_len, "response length"),
+        "",
+        "A diagnostic fit of M_r's own features (W_pre, F_pre, W_dec, N_tok, H_dec; linear, non-negative, "
+        "relative residuals, same split) with and without one extra feature, the number of requests:",
+        "",
+        "| features | held-out median | held-out p90 |",
+        "|---|---|---|",
+        *[f"| {name} | {v[0]:.1f} % | {v[1]:.1f} % |" for name, v in diag.items()],
+        "",
+        f"The fitted cost per request is {per_request_us:.0f} µs. The models (bidirl/perf/rollout.py) keep the "
+        "appendix's form; a per-request term in P_pre is the change that would remove this error.",
+        "",
+        f"**Trainer: one FLOP rate for every micro-batch size.** t_s(b) = τ_s + α_s·m_s·F(b) assumes a constant "
+        f"achieved FLOP rate. On the CPU the largest chunks ({max_samples} samples of up to {max_len} tokens, "
+        "mostly the actor update's forward + backward) run at a lower rate (consistent with their activations "
+        "outgrowing the CPU's caches), so the model under-predicts them (signed error by tokens per chunk, "
+        "calibrated model, all points and stages):",
+        "",
+        *_signed(cal, "trainer", bins, "tokens per chunk"),
+        "",
+        "Noise is the other limit: the machine was shared with other work while it measured, and single "
+        "repetitions vary by tens of percent (the median-of-repetitions row above).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_calibration",
+                                 description="Print (or write) the CPU calibration page.")
+    ap.add_argument("--write", metavar="FILE", default=None, help="write the page to FILE instead of printing it")
+    args = ap.parse_args(argv)
+    text = page()
+    if args.write:
+        Path(args.write).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
