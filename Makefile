@@ -1,7 +1,8 @@
 # bidirl — set-up, tests, demo, benchmarks.
 # Dependencies and their versions live in pyproject.toml only; this file names extras, never versions.
 #
-#   make demo    create .venv if needed, then plan the paper's A6000 job and write results/plan.html
+#   make demo    create .venv if needed, plan and simulate the paper's A6000 job (results/plan.html, gantt.html),
+#                then run tiny-cpu-longtail for real under no-borrow and bidirl (results/tiny-run.html)
 #   make test    create .venv if needed, then run the whole test suite (what CI runs via .ci/run)
 
 PYTHON ?= python3.11
@@ -41,7 +42,7 @@ test-unit: venv
 
 # pytest exits with 5 when no test is selected; that is not a failure here.
 test-integration: venv chromium
-	$(PYTEST) -q -p no:xdist -m integration || test $$? -eq 5
+	$(PYTEST) -q -p no:xdist -m integration --durations=15 || test $$? -eq 5
 
 # The browser test drives Debian's chromium; install it when it is missing and we may (root with apt-get).
 chromium:

@@ -89,6 +89,7 @@ def _fmt(v, digits: int = 4) -> str:
 
 def format_plan(plan, rows: int = 40) -> str:
     """The human-readable envelope and sweep table of ``bidirl plan``."""
+    from bidirl.metrics import RATE_UNIT
     cfg, env = plan.config, plan.envelope
     w = cfg.workload
     lines = [f"bidirl plan: {cfg.model} on {cfg.cluster.gpus} × {cfg.hardware} "
@@ -96,10 +97,10 @@ def format_plan(plan, rows: int = 40) -> str:
              f"{w.dataset}, {w.prompts_per_step} prompts × {w.group_size}, max response {w.max_response_len}",
              f"envelope {env.label} ({'fixed by cluster.partition' if plan.fixed else 'planner choice'})",
              f"  rollout pool  {env.rollout_gpus:>5} GPUs = {env.rollout_replicas} replicas × {env.rollout_layout} GPU"
-             f"   M_r = {_fmt(env.rollout_time)} s   λ_r = {_fmt(env.rollout_rate)} groups/s",
+             f"   M_r = {_fmt(env.rollout_time)} s   λ_r = {_fmt(env.rollout_rate)} {RATE_UNIT}",
              f"  trainer pool  {env.trainer_gpus:>5} GPUs = {env.trainer_replicas} replicas × {env.trainer_layout} GPU"
-             f"   M_t = {_fmt(env.trainer_time)} s   λ_t = {_fmt(env.trainer_rate)} groups/s",
-             f"  pipeline rate λ_pipe = {_fmt(env.pipeline_rate)} prompt groups/s", ""]
+             f"   M_t = {_fmt(env.trainer_time)} s   λ_t = {_fmt(env.trainer_rate)} {RATE_UNIT}",
+             f"  pipeline rate λ_pipe = {_fmt(env.pipeline_rate)} {RATE_UNIT}", ""]
     sweep = plan.sweep
     shown = sweep
     if len(sweep) > rows:
@@ -112,7 +113,7 @@ def format_plan(plan, rows: int = 40) -> str:
                    "rollout_rate", "trainer_rate", "pipeline_rate", "chosen"]].copy()
     table["chosen"] = table["chosen"].map({True: "<==", False: ""})
     lines.append(f"sweep ({len(sweep)} candidates, {int(sweep['compatible'].sum())} compatible; times in s, "
-                 "rates in prompt groups/s):")
+                 f"rates in {RATE_UNIT}; splits as rollout GPUs-trainer GPUs):")
     lines.append(table.to_string(index=False, float_format=lambda v: _fmt(v)))
     if len(shown) < len(sweep):
         lines.append(f"… {len(sweep) - len(shown)} more candidates not shown (use --json for all)")
@@ -251,6 +252,17 @@ def _args_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="output folder: metrics.jsonl, tensorboard/, trace.json, events.parquet, summary.json "
                         "(default: results/run-<date>-<time>)")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="write checkpoints at step boundaries into DIR (trainer weights and optimizer state, the "
+                        "scheduler's state with every group in flight, the event log): DIR/step-NNNNNN")
+    p.add_argument("--checkpoint-every", type=int, default=1, metavar="N",
+                   help="with --checkpoint-dir: a checkpoint every N steps, and after the last (default 1)")
+    p.add_argument("--keep", type=int, default=3, metavar="K",
+                   help="with --checkpoint-dir: keep the last K checkpoints (default 3)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from the newest good checkpoint in DIR (or from DIR if it is one step-* "
+                        "checkpoint) with the same config, --policy and --seed; --steps may be raised to go on "
+                        "further; checkpoints continue in DIR unless --checkpoint-dir names another folder")
 
 
 def _write_outputs(result, args) -> None:
@@ -259,7 +271,7 @@ def _write_outputs(result, args) -> None:
             result.log.save(args.trace)
         if args.html:
             from bidirl.viz import gantt_figure
-            gantt_figure(result.log, title=f"{result.policy}").write_html(args.html, include_plotlyjs=True)
+            gantt_figure(result, title=f"{result.policy}").write_html(args.html, include_plotlyjs=True)
     except OSError as exc:
         raise CommandError(f"cannot write output: {exc.strerror or exc}") from None
 
@@ -289,6 +301,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 def _run_run(args: argparse.Namespace) -> int:
     from bidirl import config as cfgmod
+    from bidirl.checkpoints import CheckpointError
     from bidirl.cluster.pool import ClusterError
     from bidirl.cluster.run import run
     from bidirl.tracking import OutputError, default_out_dir
@@ -296,18 +309,31 @@ def _run_run(args: argparse.Namespace) -> int:
                  if value is not None}
     cfg = cfgmod.load(args.config).with_overrides(overrides)
     out = args.out or str(default_out_dir())
+    for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--keep", args.keep)):
+        if value < 1:
+            raise CommandError(f"{flag} must be ≥ 1, got {value}")
     try:
         with stdout_to_stderr(args.json):
             result = run(cfg, args.policy, steps=args.steps, seed=args.seed, emulate=args.emulate,
                          address=args.address, time_scale=args.time_scale, model_dir=args.model_dir,
-                         out_dir=out, progress=not args.json)
+                         out_dir=out, progress=not args.json, checkpoint_dir=args.checkpoint_dir,
+                         checkpoint_every=args.checkpoint_every, keep=args.keep, resume=args.resume)
     except ClusterError as exc:
         raise CommandError(str(exc)) from None
-    except OutputError as exc:
+    except (OutputError, CheckpointError) as exc:
         raise CommandError(str(exc)) from None
     status = _print_result(result, args)
     if not args.json:
+        summary = result.summary_dict
+        if summary.get("resumed_from"):
+            print(f"resumed after step {summary['resumed_from']['step']} from {summary['resumed_from']['checkpoint']}"
+                  f": steps {summary['resumed_from']['step']}-{len(result.log.steps) - 1} ran in this process")
+        for rec in summary.get("recoveries", ()):
+            print(f"worker {rec['worker']} failed at t = {rec['t']:.1f} s and was restarted (restart "
+                  f"{rec['restart']}): {rec['error']}")
         print(f"metrics, TensorBoard events, trace and summary written to {out}")
+        if args.checkpoint_dir or args.resume:
+            print(f"checkpoints in {args.checkpoint_dir or args.resume}")
     return status
 
 
@@ -372,8 +398,9 @@ def _args_calibrate(p: argparse.ArgumentParser) -> None:
                         "batch)")
     p.add_argument("--colocated", action="store_true",
                    help="with --log: rollout and trainer shared all GPUs (veRL's default trainer)")
-    p.add_argument("--knobs", default=",".join(_log_default_knobs()), metavar="K1,K2",
-                   help="with --log: the hardware knobs to fit (default %(default)s)")
+    p.add_argument("--knobs", default=None, metavar="K1,K2",
+                   help="with --log: the hardware knobs to fit (default: bidirl.job_log.DEFAULT_KNOBS, the "
+                        "trainer's and the decoder's efficiency)")
     p.add_argument("--skip", type=int, default=1, metavar="N",
                    help="with --log: warm-up steps left out of the fit (default 1)")
     p.add_argument("--what-if", action="store_true",
@@ -394,11 +421,6 @@ def _args_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-def _log_default_knobs() -> tuple:
-    from bidirl.job_log import DEFAULT_KNOBS
-    return DEFAULT_KNOBS
-
-
 def _run_calibrate_log(args: argparse.Namespace) -> int:
     from bidirl import job_log
     from bidirl.presets import PresetError
@@ -406,7 +428,9 @@ def _run_calibrate_log(args: argparse.Namespace) -> int:
         raise CommandError("--log needs --config: the logged job as a bidirl config (model, hardware, GPUs, "
                            "cluster.partition, prompts per step, group size)")
     try:
-        cal = job_log.calibrate_from_log(args.log, args.config, knobs=[k.strip() for k in args.knobs.split(",") if k],
+        knobs = (list(job_log.DEFAULT_KNOBS) if args.knobs is None
+                 else [k.strip() for k in args.knobs.split(",") if k])
+        cal = job_log.calibrate_from_log(args.log, args.config, knobs=knobs,
                                          hardware=args.hardware, colocated=args.colocated, holdout=args.holdout,
                                          seed=args.seed, skip=args.skip)
         job_log.write_preset(cal, args.out)

@@ -54,7 +54,9 @@ class Partition:
     trainer: int
 
     def label(self) -> str:
-        return f"rollout:{self.rollout}+trainer:{self.trainer}"
+        """``8-24``: the one spelling of a split, :func:`bidirl.planner.label`."""
+        from bidirl.planner import label
+        return label(self.rollout, self.trainer)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,21 @@ class ClusterConfig:
     gpus_per_node: int = 8
     placement: Placement = "node-aligned"
     partition: Optional[Partition] = None
+
+
+@dataclass(frozen=True)
+class ResponseLengths:
+    """A job's own response-length distribution, replacing the ``workload.dataset`` preset's (the workload
+    statistics W of §4 that the planner and the simulator draw lengths from; ``bidirl.perf.workload``).
+
+    Lengths are ``min(max_response_len, max(1, round(X)))`` with ``X`` log-normal of mean ``mean`` tokens and
+    coefficient of variation ``cv`` (the presets' family): ``cv`` around 1 or more gives a long tail — most
+    responses short, a few near ``max_response_len``. ``step_noise`` is the relative per-step jitter of the mean
+    (empty: the preset's). The prompt lengths stay the preset's.
+    """
+    mean: float
+    cv: float
+    step_noise: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +95,12 @@ class WorkloadConfig:
     gets row ``g mod prompt_pool`` (the first ``prompt_pool`` rows) or ``g mod`` the number of rows. A relative
     path is relative to the directory the run starts in. ``dataset`` still names the workload preset whose
     length statistics the planner and the simulator use.
+
+    ``response_lengths`` replaces the preset's response-length distribution (:class:`ResponseLengths`).
+    ``forced_lengths``: engine runs generate every response to exactly the length the workload model draws for
+    it — response ``i`` of group ``g`` gets ``GroupLengths(config, seed)(g)[1][i]`` tokens (vLLM ``ignore_eos``,
+    as ``bidirl profile`` forces lengths) — so a real run does the work ``bidirl simulate`` and the planner
+    predict, request by request. The reward scores the text before a response's first end-of-sequence token.
     """
     dataset: str = "geo3k"
     prompts_per_step: int = 64
@@ -86,6 +109,8 @@ class WorkloadConfig:
     steps: int = 20
     prompt_pool: Optional[int] = None
     data_file: Optional[str] = None
+    response_lengths: Optional[ResponseLengths] = None
+    forced_lengths: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,7 +184,17 @@ class JobConfig:
 
     @property
     def workload_stats(self) -> "presets.WorkloadStats":
-        return presets.workload(self.workload.dataset)
+        """The dataset preset's length statistics, with ``workload.response_lengths`` in place of its response
+        distribution when the job sets one (what every planner, simulator and gate draw comes from)."""
+        stats = presets.workload(self.workload.dataset)
+        own = self.workload.response_lengths
+        if own is None:
+            return stats
+        return dataclasses.replace(
+            stats, response_mean_fraction=own.mean / self.workload.max_response_len, response_cv=own.cv,
+            step_noise=stats.step_noise if own.step_noise is None else own.step_noise,
+            sources=tuple(x for x in stats.sources if not x.startswith("responses"))
+            + (f"responses: the job's workload.response_lengths (log-normal, mean {own.mean:g} tokens, cv {own.cv:g})",))
 
     def switch_costs(self, direction: str) -> SwitchCosts:
         """Configured costs for ``trainer_on_rollout_pool`` / ``rollout_on_trainer_pool``, else the preset's."""
@@ -330,6 +365,19 @@ def _check_types(obj, path: str = "") -> None:
             _coerce(hints[f.name], value, where)
 
 
+def _check_response_lengths(own: ResponseLengths, max_response_len: int) -> None:
+    """``workload.response_lengths``: a mean within ``[1, max_response_len]`` and non-negative spreads."""
+    where = "workload.response_lengths"
+    if not 1 <= own.mean <= max_response_len:
+        raise ConfigError(f"{where}.mean", f"must lie in [1, workload.max_response_len = {max_response_len}] "
+                          f"tokens, got {own.mean:g}",
+                          "give the mean response length in tokens (lengths are clipped to max_response_len), or "
+                          "raise workload.max_response_len")
+    _positive(f"{where}.cv", own.cv, allow_zero=True)
+    if own.step_noise is not None:
+        _positive(f"{where}.step_noise", own.step_noise, allow_zero=True)
+
+
 def validate(cfg: JobConfig) -> None:
     """Check cross-field rules; raises :class:`ConfigError` naming the first violated field."""
     _check_types(cfg)
@@ -375,6 +423,8 @@ def validate(cfg: JobConfig) -> None:
                           "set rl.reference_model: true (the KL needs the reference log-probs) or kl_coef: 0")
     if w.prompt_pool is not None:
         _positive("workload.prompt_pool", w.prompt_pool)
+    if w.response_lengths is not None:
+        _check_response_lengths(w.response_lengths, w.max_response_len)
     if w.data_file is not None:
         from bidirl.rl.data import DATA_SUFFIXES
         if not w.data_file.strip() or not w.data_file.endswith(DATA_SUFFIXES):

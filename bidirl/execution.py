@@ -99,14 +99,17 @@ class Driver:
             raise TypeError(f"{type(self).__name__} has no handler for {', '.join(missing)}; a driver defines "
                             "do_<Command> for every command of bidirl.core.protocol.COMMANDS")
         self._handlers = {cls: getattr(self, "do_" + cls.__name__) for cls in P.COMMANDS}
+        own_models = self.predictor is not None
         self.assembly = a = assemble(self.config, self.policy_name, steps=self.steps, seed=self.seed,
                                      predictor=self.predictor)
         self.policy_name = a.coordinator.policy.name
         self.plan, self.topology, self.predictor, self.coordinator = a.plan, a.topology, a.predictor, a.coordinator
         env = self.plan.envelope
         # what the work really takes where the driver models it (simulator, emulated workers): the presets'
-        # models, kept apart from the coordinator's, which the online profiler refits
-        self.truth = StagePredictor.from_config(self.config, env.rollout_layout, env.trainer_layout)
+        # models, kept apart from the coordinator's predictor, which the online profiler refits (while the
+        # coordinator starts from the presets too, both share the model objects and their memo)
+        self.truth = (StagePredictor.from_config(self.config, env.rollout_layout, env.trainer_layout) if own_models
+                      else self.predictor.sharing_models())
         self.log = EventLog()
         self.messages: list = []      # every command and report executed, in order (cross-driver checks)
         self.version = 0              # the primary trainer's actor version, as the events fed have told

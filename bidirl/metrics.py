@@ -30,6 +30,12 @@ from bidirl.trace import EventLog
 
 SAMPLE_KEYS: tuple = ("generated", "consumed", "lost", "duplicated")
 
+#: the unit of throughput (§7.1): prompt + response tokens per second
+THROUGHPUT_UNIT = "tokens/s"
+#: the one unit of a rate — the planner's λ_r, λ_t, λ_pipe (§4.2) and a simulated partition's rate: prompt groups
+#: (one prompt and its ``group_size`` responses) per second
+RATE_UNIT = "prompt groups/s"
+
 
 # --------------------------------------------------------------------------------------------------
 # interval arithmetic (vectorised: sort + cumulative max)
@@ -427,24 +433,110 @@ def summary_row(summary: Mapping) -> dict:
     return out
 
 
+#: how a run's switch costs were obtained, by provenance (``run --json``'s ``costs``)
+COST_SOURCES: dict = {"measured": "measured on the real engines",
+                      "emulated": "timed on emulated workers: the models' costs as slept, plus Ray's overhead",
+                      "simulated": "charged by the models"}
+
+
 def format_summary(s: dict) -> str:
-    """The human-readable summary of ``simulate`` / ``run`` (what ``bidirl simulate`` prints)."""
+    """The human-readable summary of ``simulate`` / ``run`` (what ``bidirl simulate`` prints), headed by what
+    the numbers are (the summary's ``provenance``: simulated, emulated or measured)."""
     tput = s.get("throughput")
-    lines = [f"policy {s['policy']}: throughput "
-             + (f"{tput:,.0f} tokens/s" if tput is not None else f"n/a ({s.get('throughput_note', 'too few steps')})"),
+    what = s.get("provenance")
+    head = f"policy {s['policy']}" + (f" ({provenance_text(what)})" if what else "")
+    lines = [f"{head}: throughput "
+             + (f"{tput:,.0f} {THROUGHPUT_UNIT} over the §7.1 window" if tput is not None
+                else f"n/a ({s.get('throughput_note', 'too few steps')})"),
              "step times (s): " + " ".join(f"{t:.1f}" for t in s["step_times"]),
              "idle share: " + ", ".join(f"{k} {v:.1%}" for k, v in s["idle"].items() if v is not None)
              + f"; utilization {s['utilization']:.1%}",
              "borrows: " + ", ".join(f"{k} {v}" for k, v in s["borrows"].items()),
              "samples: " + ", ".join(f"{k} {v}" for k, v in s["samples"].items())]
     if s.get("costs"):
-        lines.append("measured switch costs (s): " + "; ".join(
+        lines.append(f"switch costs (s, {COST_SOURCES.get(what, 'source not given')}): " + "; ".join(
             f"{d} " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()) for d, c in s["costs"].items()))
     if s.get("calibration"):
         lines.append("online calibration, measured / predicted stage time: " + ", ".join(
             f"{k} {v:.2f}" for k, v in s["calibration"]["scales"].items()))
     if s.get("reward"):
         lines.append("mean reward per step: " + " ".join(f"{r:.3f}" for r in s["reward"]))
+    return "\n".join(lines)
+
+
+def provenance_text(provenance: Optional[str]) -> str:
+    """``simulated (model prediction)`` etc. for a summary's ``provenance`` (:data:`bidirl.execution.PROVENANCE`,
+    the one source of these words); '' for ``None``."""
+    from bidirl.execution import PROVENANCE
+    if provenance is None:
+        return ""
+    if provenance not in PROVENANCE:
+        raise ValueError(f"provenance must be one of {', '.join(PROVENANCE)}, got {provenance!r}")
+    return PROVENANCE[provenance]
+
+
+def length_label(tokens: int) -> str:
+    """A response length as the paper writes it: ``2K`` for 2048 tokens, else the token count."""
+    tokens = int(tokens)
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else f"{tokens} tok"
+
+
+def config_label(config: Any) -> str:
+    """What sets a run apart, in a few words: split, model, GPUs, prompts per step, max response length and
+    staleness, e.g. ``8-8 · qwen3-vl-4b · 16×a6000 · 64 prompts/step · 2K · s=1``. The split is the fixed
+    ``cluster.partition`` (``planner's split`` when the planner chooses)."""
+    from bidirl import config as cfgmod
+    cfg = cfgmod.load(config)
+    split = cfg.cluster.partition.label() if cfg.cluster.partition is not None else "planner's split"
+    w = cfg.workload
+    return " · ".join([split, cfg.model, f"{cfg.cluster.gpus}×{cfg.hardware}", f"{w.prompts_per_step} prompts/step",
+                       length_label(w.max_response_len), f"s={cfg.rl.staleness:g}"])
+
+
+def run_label(config: Any, policy: Optional[str] = None) -> str:
+    """A run's label carrying its config: the policy (default: the config's), then :func:`config_label`, e.g.
+    ``bidirl · 8-8 · qwen3-vl-4b · 16×a6000 · 64 prompts/step · 2K · s=1``."""
+    from bidirl import config as cfgmod
+    cfg = cfgmod.load(config)
+    return f"{policy or cfg.scheduler.policy} · {config_label(cfg)}"
+
+
+def window_text(summary: Mapping) -> str:
+    """Which steps the §7.1 throughput of ``summary`` covers, in words."""
+    kept, steps = summary.get("measured_steps"), len(summary.get("step_times", ()) or ())
+    if summary.get("throughput") is None or not kept:
+        return f"no §7.1 window: {summary.get('throughput_note', 'too few steps')}"
+    return f"§7.1 window: {int(kept)} of {steps} steps, warm-up and tail steps dropped"
+
+
+def run_time(summary: Mapping) -> float:
+    """The whole run's time in seconds: the sum of its step times (first step's start to last step's end)."""
+    times = summary.get("step_times") or ()
+    return float(sum(times)) if len(times) else math.nan
+
+
+def format_comparison(summaries: Mapping[str, Mapping], baseline: str) -> str:
+    """Each run against ``baseline`` twice: throughput over its §7.1 window (steady state, warm-up dropped) and
+    the whole run's time (warm-up included) — borrowing during warm-up shows only in the second, so a ratio is
+    never printed without both. Headed by what the numbers are (the runs' provenance)."""
+    if baseline not in summaries:
+        raise ValueError(f"baseline {baseline!r} is not among the runs {list(summaries)}")
+    kinds = {s.get("provenance") for s in summaries.values()}
+    head = (provenance_text(kinds.pop()) or "source not given") if len(kinds) == 1 else "runs of mixed provenance"
+    base = summaries[baseline]
+    lines = [f"{head}:"]
+    for label, s in summaries.items():
+        tput, total = s.get("throughput"), run_time(s)
+        first = (f"{tput:,.0f} {THROUGHPUT_UNIT}" if tput is not None else "throughput n/a") + f" ({window_text(s)})"
+        line = f"  {label}: {first}; whole run {total:,.0f} s"
+        if label != baseline:
+            ratios = []
+            if tput is not None and base.get("throughput"):
+                ratios.append(f"{tput / base['throughput']:.3f}x the throughput in the window")
+            if math.isfinite(total) and total > 0:
+                ratios.append(f"whole run {run_time(base) / total:.3f}x as fast")
+            line += f" — vs {baseline}: " + ", ".join(ratios) if ratios else ""
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -31,12 +31,15 @@ they are expected to complete (:func:`consumption_order`), ``old_logprob`` (``re
 
 **Complexity** (§4.3): layouts and models are built once; stage times depend on a candidate only through
 its replica counts, and only ``min(d, groups)`` (rollout) / ``min(d, samples)`` (trainer) replicas can be busy,
-so each distinct capped count is evaluated once and shared by every candidate with that count; the scan
-over candidates is vectorised, O(|S_Π|) after the at most ``groups + samples`` model evaluations.
+so each distinct capped count is evaluated once and shared by every candidate with that count. Each model
+evaluates all its distinct counts in one vectorised pass (:meth:`~bidirl.perf.rollout.RolloutModel.stage_times`,
+:meth:`~bidirl.perf.trainer.TrainerModel.stage_times`: the same numbers as one count at a time), and the scan
+over candidates is vectorised, O(|S_Π|).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -63,8 +66,10 @@ GiB = float(1 << 30)
 
 
 def label(rollout_gpus: int, trainer_gpus: int) -> str:
-    """The sweep key of a partition, e.g. ``rollout:8+trainer:24`` (as ``config.Partition.label``)."""
-    return f"rollout:{int(rollout_gpus)}+trainer:{int(trainer_gpus)}"
+    """The one spelling of a rollout/trainer split everywhere (sweep keys, CLI, widgets, figures, notebooks):
+    ``8-24`` is 8 rollout GPUs and 24 trainer GPUs, as the paper writes its splits (§7: "the default 8-8
+    partition", "a 4-12 rollout/trainer partition"). ``config.Partition.label`` returns the same."""
+    return f"{int(rollout_gpus)}-{int(trainer_gpus)}"
 
 
 @dataclass(frozen=True)
@@ -287,25 +292,20 @@ def plan(config, *, progress: bool = False, hardware=None) -> Plan:
     d_r, d_t = g_r // rho_r, g_t // rho_t
     ok = ((g_r % rho_r == 0) & (g_r % rho_t == 0) & (g_t % rho_r == 0) & (g_t % rho_t == 0))
 
-    # stage times per distinct (capped) replica count, shared by every candidate with that count
+    # stage times per distinct (capped) replica count, shared by every candidate with that count; each model
+    # evaluates all its counts in one vectorised pass (the same numbers as one count at a time)
     cap_r, cap_t = np.minimum(d_r, n_groups), np.minimum(d_t, n_samples)
     uniq_r, uniq_t = np.unique(cap_r[cap_r > 0]), np.unique(cap_t[cap_t > 0])
-    todo = [("r", int(d)) for d in uniq_r] + [("t", int(d)) for d in uniq_t]
-    if progress:
-        from tqdm.auto import tqdm
-        todo = tqdm(todo, desc="stage times", unit="model")
     # rollout: groups dispatched in group-id order; trainer: samples consumed in completion order
     g = w.group_size
     order = consumption_order(p, r, g)
-    p_t, r_t = p[order], r[order]
-    times = {}
-    for kind, d in todo:
-        if kind == "r":
-            times[kind, d] = rollout.stage_time(p, r, d, g)
-        else:
-            times[kind, d] = trainer.stage_time(p_t, r_t, d, cfg.rl.micro_batch_per_device, stages)
-    t_r = np.array([times["r", int(d)] if d > 0 else math.inf for d in cap_r], dtype=float)
-    t_t = np.array([times["t", int(d)] if d > 0 else math.inf for d in cap_t], dtype=float)
+    with _progress(progress, 2) as tick:
+        times_r = rollout.stage_times(p, r, uniq_r.tolist(), g)
+        tick()
+        times_t = trainer.stage_times(p[order], r[order], uniq_t.tolist(), cfg.rl.micro_batch_per_device, stages)
+        tick()
+    t_r = _per_candidate(cap_r, uniq_r, times_r)
+    t_t = _per_candidate(cap_t, uniq_t, times_t)
     with np.errstate(divide="ignore"):
         lam_r = np.where(np.isfinite(t_r) & (t_r > 0), n_groups / t_r, np.where(t_r == 0, math.inf, 0.0))
         lam_t = np.where(np.isfinite(t_t) & (t_t > 0), n_groups / t_t, np.where(t_t == 0, math.inf, 0.0))
@@ -352,6 +352,25 @@ def plan(config, *, progress: bool = False, hardware=None) -> Plan:
                    rollout_rate=float(lam_r[idx]), trainer_rate=float(lam_t[idx]),
                    rollout_model=rollout, trainer_model=trainer)
     return Plan(cfg, env, sweep, needs, (p, r), stages, fixed)
+
+
+def _per_candidate(caps: np.ndarray, distinct: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """Each candidate's stage time from the times of the distinct replica counts (inf with no replica)."""
+    out = np.full(caps.size, math.inf)
+    busy = caps > 0
+    out[busy] = np.asarray(times, dtype=float)[np.searchsorted(distinct, caps[busy])]
+    return out
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, total: int):
+    """A tqdm bar over the stage models (``tick()`` after each), or nothing."""
+    if not enabled:
+        yield lambda: None
+        return
+    from tqdm.auto import tqdm
+    with tqdm(total=total, desc="stage times", unit="model") as bar:
+        yield lambda: bar.update(1)
 
 
 def predict_stage_times(plan: Plan, prompt_lens, response_lens, consumed=None) -> tuple:

@@ -35,6 +35,11 @@ def data_dir() -> Path:
     env = os.environ.get("BIDIRL_DATA")
     if env:
         return Path(env)
+    return _shipped_data_dir()
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped_data_dir() -> Path:
     here = Path(__file__).resolve().parent
     installed = here / "data"              # a wheel ships data/ as the package bidirl.data
     return installed if (installed / "presets").is_dir() else here.parent / "data"

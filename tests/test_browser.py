@@ -1,18 +1,28 @@
-"""A real browser runs the quickstart notebook in JupyterLab and the plotly figures render.
+"""A real browser runs notebooks 01–03 in JupyterLab, as a new user would, and the figures answer.
 
-JupyterLab is started on 127.0.0.1 with a random free port and a random token, in a temporary root holding a
-copy of ``notebooks/01-quickstart.ipynb`` (the repository copy is never written). Debian's ``chromium``,
-driven by Playwright's Python package (``executable_path``; Playwright's own browser download is not used),
-opens the notebook, runs all cells and waits for the kernel to finish. The test then checks that the partition
-sweep and the Gantt chart rendered as plotly SVG, with the trace counts the same code gives in this process,
-and saves a screenshot to the test's tmp folder and to ``results/browser/quickstart.png`` (plus the sweep
-figure alone as ``quickstart-sweep.png``).
+JupyterLab is started once for the module on 127.0.0.1 with a random free port and a random token, in a
+temporary root holding copies of the three notebooks (the repository copies are never written). Debian's
+``chromium``, driven by Playwright's Python package (``executable_path``; Playwright's own browser download is
+not used), opens each notebook, runs all cells and waits for the kernel to finish. Then:
 
+* **01 quickstart** — the partition sweep and the Gantt chart rendered as plotly SVG, with the trace counts the
+  same code gives in this process;
+* **02 partition explorer** — clicking the *placement* control re-plans and the chart changes (its number of
+  bars becomes the new sweep's), and clicking *simulate all candidates* draws one simulated rate per compatible
+  split beside the predicted ones; no control label is cut off;
+* **03 live bubbles** — the cells that build the empty chart run first; once it is drawn, the live cell runs
+  while a timer in the page samples the Gantt: it must be seen at two sizes while the status line still says
+  running (a screenshot is taken then), and at the end the legend names the windows and step lines.
+
+Screenshots go to the test's tmp folder and to ``results/browser/`` (``quickstart.png``,
+``quickstart-sweep.png``, ``partition-explorer.png``, ``partition-explorer-controls.png``,
+``live-bubbles-mid-run.png``, ``live-bubbles.png``).
 Skipped, with the reason, only when chromium or Playwright is missing. Run with ``-m integration``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -26,16 +36,20 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not Path("/usr/bin/chromium").exists(),
+                                 reason="chromium is not installed at /usr/bin/chromium "
+                                        "(apt-get update && apt-get install -y chromium)")]
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = ROOT / "notebooks" / "01-quickstart.ipynb"
+NOTEBOOKS = {name: ROOT / "notebooks" / f"{name}.ipynb"
+             for name in ("01-quickstart", "02-partition-explorer", "03-live-bubbles")}
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SCREENSHOT = ROOT / "results" / "browser" / "quickstart.png"
+SHOTS = ROOT / "results" / "browser"
 SERVER_START_S = 60
-RUN_ALL_S = 150
+RUN_ALL_S = 300
 
 
 def _free_port() -> int:
@@ -84,28 +98,31 @@ def _expected_trace_counts() -> dict:
     free = bidirl.config.load("a6000-default").with_overrides({"cluster.partition": None,
                                                                "cluster.placement": "any"})
     sweep = sweep_figure(plan(free))
-    gantt = gantt_figure(simulate(free, "bidirl", steps=4, seed=0).log)
+    gantt = gantt_figure(simulate(free, "bidirl", steps=4, seed=0))
     return {"sweep": len(sweep.data), "gantt": len(gantt.data)}
 
 
-@pytest.fixture
-def lab(tmp_path):
-    """A JupyterLab server over a temporary root holding a copy of notebook 01; yields (url, root)."""
-    if not NOTEBOOK.exists():
-        pytest.fail(f"{NOTEBOOK} is missing")
-    root = tmp_path / "lab"
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """One JupyterLab server over a temporary root holding copies of notebooks 01–03."""
+    pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
+    tmp = tmp_path_factory.mktemp("lab")
+    root = tmp / "root"
     root.mkdir()
-    shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
-    settings = tmp_path / "settings"
+    for path in NOTEBOOKS.values():
+        if not path.exists():
+            pytest.fail(f"{path} is missing")
+        shutil.copy(path, root / path.name)
+    settings = tmp / "settings"
     _lab_settings(settings)
     port, token = _free_port(), secrets.token_hex(16)
-    env = dict(os.environ, BIDIRL_SMOKE="1", JUPYTER_CONFIG_DIR=str(tmp_path / "jupyter-config"),
-               JUPYTER_RUNTIME_DIR=str(tmp_path / "jupyter-runtime"),
+    env = dict(os.environ, BIDIRL_SMOKE="1", JUPYTER_CONFIG_DIR=str(tmp / "jupyter-config"),
+               JUPYTER_RUNTIME_DIR=str(tmp / "jupyter-runtime"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
-    log = tmp_path / "jupyterlab.log"
+    log = tmp / "jupyterlab.log"
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-           f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
+           f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={tmp / 'workspaces'}",
            "--LabApp.check_for_updates_class=jupyterlab.handlers.announcements.NeverCheckForUpdate"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-root")          # CI containers run as root
@@ -114,7 +131,7 @@ def lab(tmp_path):
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_for_server(f"{base}/api/status?token={token}", proc, log)
-        yield {"url": f"{base}/lab/tree/{NOTEBOOK.name}?token={token}", "api": base, "token": token, "log": log}
+        yield {"base": base, "token": token, "log": log, "tmp": tmp}
     finally:
         proc.terminate()
         try:
@@ -124,102 +141,271 @@ def lab(tmp_path):
             proc.wait(timeout=5)
 
 
-def _wait_for_kernel(base: str, token: str) -> None:
+def _sessions(lab: dict) -> list:
+    with urllib.request.urlopen(f"{lab['base']}/api/sessions?token={lab['token']}", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def _wait_for_kernel(lab: dict, notebook: str) -> None:
     """Until the notebook's kernel has started and reports idle (the Run menu does nothing before)."""
     deadline = time.monotonic() + SERVER_START_S
+    sessions: list = []
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"{base}/api/sessions?token={token}", timeout=5) as r:
-            sessions = json.loads(r.read())
-        if any((x.get("kernel") or {}).get("execution_state") == "idle" for x in sessions):
+        sessions = _sessions(lab)
+        if any(x.get("path", "").endswith(notebook) and (x.get("kernel") or {}).get("execution_state") == "idle"
+               for x in sessions):
             return
         time.sleep(0.5)
-    pytest.fail(f"no idle kernel within {SERVER_START_S} s; sessions: {sessions}")
+    pytest.fail(f"no idle kernel for {notebook} within {SERVER_START_S} s; sessions: {sessions}")
+
+
+@contextlib.contextmanager
+def notebook_page(lab: dict, name: str, profile: Path):
+    """Chromium showing notebook ``name`` with its kernel idle and the file browser hidden; yields the page."""
+    from playwright.sync_api import sync_playwright
+
+    file = NOTEBOOKS[name].name
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(profile), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
+            viewport={"width": 1400, "height": 1300})
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            page.set_default_timeout(60_000)
+            # a workspace of its own, reset: only this notebook open, whatever an earlier test left
+            page.goto(f"{lab['base']}/lab/workspaces/{name}/tree/{file}?reset&token={lab['token']}")
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            _wait_for_kernel(lab, file)
+            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+            page.keyboard.press("Control+b")            # hide the file browser: more room for the figures
+            yield page
+        finally:
+            context.close()
 
 
 def _finished(prompts: list) -> bool:
     return bool(prompts) and all(p.startswith("[") and p[1:-2].strip().isdigit() for p in prompts)
 
 
-def _run_all(page, log: Path) -> list:
-    """Run ▸ Run All Cells, as a person would; re-issued once if no cell started (a click lost while the lab
-    was still settling). Returns the final prompts (``[n]:`` each)."""
+def _start(page, command: str) -> None:
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text=command).first.click()
+
+
+def _run_all(page, log: Path, while_running=None, command: str = "Run All Cells", done=_finished) -> list:
+    """Run ▸ ``command`` (Run All Cells by default), as a person would; re-issued once if no cell started (a
+    click lost while the lab was still settling). ``while_running(page, prompts)`` is called on every poll
+    until ``done(prompts)``. Returns the final prompts."""
     deadline = time.monotonic() + RUN_ALL_S
     prompts: list = []
     for attempt in range(2):
-        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        before = page.evaluate(CELL_STATE_JS)
+        _start(page, command)
         started = time.monotonic()
         while time.monotonic() < deadline:
             prompts = page.evaluate(CELL_STATE_JS)
-            if _finished(prompts):
+            if while_running is not None:
+                while_running(page, prompts)
+            if done(prompts):
                 return prompts
             errors = page.evaluate(ERRORS_JS)
             if errors:
                 pytest.fail(f"a cell raised:\n{errors[0]}")
-            if attempt == 0 and all(p in ("[ ]:", "") for p in prompts) and time.monotonic() - started > 15:
+            if attempt == 0 and prompts == before and "[*]:" not in prompts and time.monotonic() - started > 15:
                 break
-            page.wait_for_timeout(500)
+            page.wait_for_timeout(250)
     pytest.fail(f"the notebook did not finish within {RUN_ALL_S} s; cell prompts: {prompts}\n"
                 f"{log.read_text()[-2000:]}")
 
 
+def _save(shot: Path, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    shutil.copy(shot, SHOTS / name)
+    assert shot.stat().st_size > 10_000, f"the screenshot {name} is suspiciously small"
+
+
+#: a figure's traces as plotly.js decoded them (``data`` may hold numpy arrays still base64-encoded)
+TRACES_JS = "(d) => (d._fullData || d.data || []).map(t => ({name: t.name, type: t.type, " \
+            "x: Array.from(t.x || []), y: Array.from(t.y || [])}))"
 CELL_STATE_JS = """() => Array.from(document.querySelectorAll('.jp-CodeCell')).map(c => {
     const p = c.querySelector('.jp-InputArea-prompt');
     return p ? p.textContent.trim() : '';
 })"""
-PLOTS_JS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(d => ({
+PLOTS_JS = f"""() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(d => ({{
     traces: (d.data || []).length,
     svg: d.querySelectorAll('svg.main-svg').length,
     bars: d.querySelectorAll('g.trace.bars, g.barlayer g.trace').length,
-    title: (d.layout && d.layout.title && d.layout.title.text) || ''
-}))"""
+    points: ({TRACES_JS})(d).reduce((n, t) => n + t.x.filter(v => v !== null).length, 0),
+    title: (d.layout && d.layout.title && d.layout.title.text) || '',
+    legend: Array.from(d.querySelectorAll('g.legend text.legendtext')).map(e => e.textContent)
+}}))"""
 ERRORS_JS = """() => Array.from(document.querySelectorAll('.jp-OutputArea-output'))
     .map(e => e.textContent).filter(t => t.includes('Traceback')).map(t => t.slice(0, 1500))"""
+#: the explorer's chart (the first plotly figure of notebook 02): bars per split, simulated rates drawn
+SWEEP_JS = f"""() => {{
+    const d = document.querySelectorAll('.js-plotly-plot')[0];
+    const data = ({TRACES_JS})(d);
+    const sim = data.find(t => t.name === 'simulated rate');
+    const shown = (a) => a.filter(v => v !== null && v !== undefined && !Number.isNaN(v)).length;
+    return {{splits: data[0].x.length, rendered: d.querySelectorAll('g.barlayer g.point path').length,
+             rates: shown(data[0].y), simulated: shown(sim.y)}};
+}}"""
+#: spans drawn in the live Gantt (the first plotly figure of notebook 03)
+GANTT_SPANS_JS = f"""() => {{
+    const d = document.querySelectorAll('.js-plotly-plot')[0];
+    return d ? ({TRACES_JS})(d).filter(t => t.type === 'bar').reduce((n, t) => n + t.x.length, 0) : 0;
+}}"""
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="chromium is not installed at /usr/bin/chromium "
-                                                   "(apt-get update && apt-get install -y chromium)")
 def test_quickstart_renders_in_chromium(lab, tmp_path):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
     expected = _expected_trace_counts()
-
-    with sync_api.sync_playwright() as pw:
-        context = pw.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=str(CHROMIUM), headless=True,
-            args=CHROMIUM_FLAGS, viewport={"width": 1400, "height": 1300})
-        try:
-            page = context.pages[0] if context.pages else context.new_page()
-            page.set_default_timeout(60_000)
-            page.goto(lab["url"])
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-            _wait_for_kernel(lab["api"], lab["token"])
-            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
-            page.keyboard.press("Control+b")            # hide the file browser: more room for the figures
-            prompts = _run_all(page, lab["log"])
-            errors = page.evaluate(ERRORS_JS)
-            assert not errors, f"cells raised errors: {errors}"
-            page.wait_for_function("document.querySelectorAll('.js-plotly-plot svg.main-svg').length >= 2",
-                                   timeout=30_000)
-            plots = page.evaluate(PLOTS_JS)
-            figures = page.locator(".js-plotly-plot")
-            sweep_shot = tmp_path / "quickstart-sweep.png"
-            figures.first.scroll_into_view_if_needed()
-            figures.first.screenshot(path=str(sweep_shot))
-            # the page as a person sees it, scrolled to the Gantt
-            figures.last.scroll_into_view_if_needed()
-            page.wait_for_timeout(500)
-            shot = tmp_path / "quickstart.png"
-            page.screenshot(path=str(shot))
-        finally:
-            context.close()
-
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(shot, SCREENSHOT)
-    shutil.copy(sweep_shot, SCREENSHOT.with_name("quickstart-sweep.png"))
-    assert shot.stat().st_size > 10_000, "the screenshot is suspiciously small"
+    with notebook_page(lab, "01-quickstart", tmp_path / "profile") as page:
+        _run_all(page, lab["log"])
+        errors = page.evaluate(ERRORS_JS)
+        assert not errors, f"cells raised errors: {errors}"
+        page.wait_for_function("document.querySelectorAll('.js-plotly-plot svg.main-svg').length >= 2",
+                               timeout=30_000)
+        plots = page.evaluate(PLOTS_JS)
+        figures = page.locator(".js-plotly-plot")
+        sweep_shot = tmp_path / "quickstart-sweep.png"
+        figures.first.scroll_into_view_if_needed()
+        figures.first.screenshot(path=str(sweep_shot))
+        figures.last.scroll_into_view_if_needed()         # the page as a person sees it, scrolled to the Gantt
+        page.wait_for_timeout(500)
+        shot = tmp_path / "quickstart.png"
+        page.screenshot(path=str(shot))
+    _save(shot, "quickstart.png")
+    _save(sweep_shot, "quickstart-sweep.png")
     assert len(plots) == 2, f"expected the sweep and the Gantt, found {len(plots)} plotly figures: {plots}"
     sweep, gantt = plots
     assert all(p["svg"] >= 1 for p in plots), f"a figure has no rendered SVG: {plots}"
     assert sweep["traces"] == expected["sweep"], (sweep, expected)
     assert gantt["traces"] == expected["gantt"], (gantt, expected)
     assert gantt["bars"] >= 1 and sweep["bars"] >= 1, f"no bar traces were drawn: {plots}"
+    assert "simulated (model prediction)" in gantt["title"]
+    assert "end of a training step" in gantt["legend"] and "generation" in gantt["legend"]
+
+
+def test_partition_explorer_answers_a_click(lab, tmp_path):
+    import bidirl.config
+    from bidirl.planner import plan
+
+    with notebook_page(lab, "02-partition-explorer", tmp_path / "profile") as page:
+        _run_all(page, lab["log"])
+        chart = page.locator(".js-plotly-plot").first
+        chart.scroll_into_view_if_needed()
+        before = page.evaluate(SWEEP_JS)
+        # the notebook ends on the paper's default job with any placement: click "node-aligned"
+        page.locator(".widget-toggle-button", has_text="node-aligned").first.click()
+        page.wait_for_function(f"({SWEEP_JS})().splits !== {before['splits']}", timeout=60_000)
+        after = page.evaluate(SWEEP_JS)
+        node = plan(bidirl.config.load("a6000-default").with_overrides({"cluster.partition": None}))
+        assert after["splits"] == len(node.sweep) != before["splits"], (before, after)
+        # back to any placement, then simulate every compatible split in the page
+        page.locator(".widget-toggle-button", has_text="any").first.click()
+        page.wait_for_function(f"({SWEEP_JS})().splits === {before['splits']}", timeout=60_000)
+        page.locator("button", has_text="simulate all candidates").first.click()
+        page.wait_for_function(f"({SWEEP_JS})().simulated > 0", timeout=120_000)
+        page.wait_for_timeout(500)
+        drawn = page.evaluate(SWEEP_JS)
+        shot = tmp_path / "partition-explorer.png"
+        chart.screenshot(path=str(shot))
+        status = page.locator(".widget-html-content", has_text="best simulated split").first.text_content()
+        controls = page.locator(".widget-vbox", has_text="GPU budget G").first
+        controls.scroll_into_view_if_needed()
+        page.wait_for_timeout(300)
+        labels = page.evaluate("() => Array.from(document.querySelectorAll('.widget-label'))"
+                               ".filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.textContent)")
+        controls_shot = tmp_path / "partition-explorer-controls.png"
+        page.screenshot(path=str(controls_shot))
+    _save(shot, "partition-explorer.png")
+    _save(controls_shot, "partition-explorer-controls.png")
+    assert not labels, f"control labels cut off: {labels}"
+    anyp = plan(bidirl.config.load("a6000-default").with_overrides({"cluster.partition": None,
+                                                                    "cluster.placement": "any"}))
+    assert drawn["simulated"] == int(anyp.sweep["compatible"].sum()), drawn
+    assert drawn["rendered"] >= drawn["rates"] > 0, f"bars not rendered: {drawn}"
+    assert "simulated" in status
+
+
+#: an in-page sampler of the live Gantt (a timer in the page, so it also shows how responsive the page stays):
+#: every 200 ms ``[ms since start, spans drawn, whether the status line says a run is still running]``
+SAMPLER_JS = f"""() => {{
+    window.__gantt = [];
+    const t0 = performance.now();
+    const spans = {GANTT_SPANS_JS};
+    setInterval(() => {{
+        const status = Array.from(document.querySelectorAll('.widget-html-content'))
+            .map(e => e.textContent).find(t => t.includes(' step ')) || '';
+        window.__gantt.push([Math.round(performance.now() - t0), spans(), status.includes('(running)')]);
+    }}, 200);
+}}"""
+
+
+CHART_DRAWN_JS = ("(() => { const d = document.querySelector('.js-plotly-plot');"
+                  " return !!d && (d.data || []).length > 0; })()")
+IDLE_JS = "!Array.from(document.querySelectorAll('.jp-InputArea-prompt')).some(p => p.textContent.includes('*'))"
+
+
+def _wait_for_chart(page, attempts: int = 3) -> None:
+    """Until the live chart shows its traces. plotly's widget draws an empty placeholder first, then the traces;
+    on a heavily loaded machine it now and then never gets to the second step, and a person then runs the cell
+    again — so does this (at most ``attempts`` tries, each given a minute)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    chart_cell = page.locator(".jp-CodeCell", has_text="LiveGantt(labels").first
+    for attempt in range(attempts):
+        try:
+            page.wait_for_function(CHART_DRAWN_JS, timeout=60_000)
+            return
+        except PlaywrightTimeout:
+            if attempt == attempts - 1:
+                raise
+            chart_cell.locator(".jp-InputPrompt").click()
+            page.keyboard.press("Shift+Enter")
+            page.wait_for_function(IDLE_JS, timeout=60_000)
+
+
+def test_live_gantt_grows_while_the_cell_runs(lab, tmp_path):
+    mid = tmp_path / "live-bubbles-mid-run.png"
+
+    def watch(page, _prompts):
+        if mid.exists():
+            return
+        drawn = page.evaluate("() => new Set((window.__gantt || []).filter(s => s[2] && s[1] > 0)"
+                              ".map(s => s[1])).size")
+        if drawn >= 2:                          # the chart has grown at least once while the run ran
+            page.screenshot(path=str(mid))
+
+    with notebook_page(lab, "03-live-bubbles", tmp_path / "profile") as page:
+        page.set_viewport_size({"width": 1400, "height": 1600})
+        # as a person would: run the cells that build the (empty) chart, let it render, then run the live cell
+        live_cell = page.locator(".jp-CodeCell", has_text="gantt.run(").first
+        index = page.locator(".jp-CodeCell").evaluate_all(
+            "(cells) => cells.findIndex(c => c.textContent.includes('gantt.run('))")
+        live_cell.locator(".jp-InputPrompt").click()
+        _run_all(page, lab["log"], command="Run All Above Selected Cell", done=lambda p: _finished(p[:index]))
+        _wait_for_chart(page)
+        live_cell.locator(".jp-InputPrompt").click()
+        page.evaluate(SAMPLER_JS)
+        _run_all(page, lab["log"], while_running=watch, command="Run Selected Cell and All Below")
+        final = page.evaluate(GANTT_SPANS_JS)
+        samples = page.evaluate("() => window.__gantt")
+        plots = page.evaluate(PLOTS_JS)
+        page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
+        page.wait_for_timeout(500)
+        shot = tmp_path / "live-bubbles.png"
+        page.screenshot(path=str(shot))
+    running = sorted({n for _, n, live in samples if live and n > 0})
+    assert len(running) >= 2, f"the live Gantt was not seen growing while its run was running: {samples}"
+    assert running[-1] <= final, (running, final)
+    gaps = [b[0] - a[0] for a, b in zip(samples, samples[1:])]
+    print(f"live Gantt: {len(running)} distinct sizes drawn while running, final {final} spans; "
+          f"longest stall of the page's 200 ms timer {max(gaps, default=0)} ms")
+    assert mid.exists(), "no screenshot was taken while the run was running"
+    _save(mid, "live-bubbles-mid-run.png")
+    _save(shot, "live-bubbles.png")
+    live = plots[0]
+    assert "simulated (model prediction)" in live["title"]
+    assert {"window: trainer pool lent to rollout", "window: rollout pool lent to training",
+            "end of a training step"} <= set(live["legend"]), live["legend"]

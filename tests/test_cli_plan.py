@@ -49,8 +49,8 @@ def test_plan_human_table(capsys, tmp_path):
     path = write_config(tmp_path, **{"cluster.partition": None, "cluster.gpus": 32})
     code, out, _ = run(capsys, "plan", path)
     assert code == 0
-    assert "envelope rollout:" in out and "planner choice" in out
-    assert "rollout:8+trainer:24" in out and "rollout:16+trainer:16" in out and "<==" in out
+    assert "envelope 8-24" in out and "planner choice" in out
+    assert "16-16" in out and "24-8" in out and "<==" in out
 
 
 def test_plan_table_is_shortened_for_big_sweeps(capsys, tmp_path):

@@ -42,6 +42,10 @@ def test_emulated_run_borrows_both_ways_and_keeps_every_sample(ray_session):
     assert s["borrows"]["rollout_on_trainer_pool"] + s["borrows"]["trainer_on_rollout_pool"] > 0
     assert s["costs"], "switch costs were measured"
     _exclusive(res.log.spans_df())
+    # what the run is travels with it to its figures
+    from bidirl.viz import TIME_AXIS_TITLES, gantt_figure
+    assert res.provenance == s["provenance"] == "emulated"
+    assert gantt_figure(res).layout.xaxis.title.text == TIME_AXIS_TITLES["emulated"]
 
 
 def test_killing_an_auxiliary_trainer_mid_window_loses_nothing(ray_session):
@@ -59,6 +63,68 @@ def test_killing_an_auxiliary_trainer_mid_window_loses_nothing(ray_session):
     assert killed, "the scenario never lent the rollout pool to auxiliary trainers"
     assert len(s["step_times"]) == 3
     assert s["samples"]["lost"] == 0 and s["samples"]["consumed"] == 3 * 32 * 8
+
+
+def test_killing_primary_workers_is_recovered_and_the_run_completes(ray_session):
+    from bidirl.core import protocol as P
+    from bidirl.cluster.emulated import EmulatedDriver
+    cfg = cfgmod.from_dict(SMALL)
+    killed = []
+
+    def kill(driver):
+        rollouter = P.rollouter(P.ROLLOUT_POOL, 0)
+        if not killed and driver.steps_done >= 1 and driver.r_busy.get(rollouter):
+            ray_session.kill(driver.actors[rollouter])
+            killed.append(rollouter)
+        elif len(killed) == 1 and driver.chunk_running.get(P.PRIMARY_TRAINER) is not None:
+            ray_session.kill(driver.actors[P.PRIMARY_TRAINER])      # mid-step: the step starts over
+            killed.append(P.PRIMARY_TRAINER)
+
+    res = EmulatedDriver(cfg, "bidirl", steps=3, seed=0, time_scale=100).run(kill=kill)
+    s = res.summary()
+    assert len(killed) == 2, killed
+    assert [r["worker"] for r in s["recoveries"]] == killed and res.view.failed == ()
+    assert len(s["step_times"]) == 3 and s["samples"]["lost"] == 0 and s["samples"]["duplicated"] == 0
+    assert s["samples"]["consumed"] == 3 * 32 * 8
+    _exclusive(res.log.spans_df())
+
+
+def test_a_worker_that_keeps_failing_ends_the_run_naming_it(ray_session):
+    from bidirl.core import protocol as P
+    from bidirl.cluster.emulated import EmulatedDriver
+    from bidirl.cluster.pool import ClusterError
+    cfg = cfgmod.from_dict(SMALL)
+    rollouter = P.rollouter(P.ROLLOUT_POOL, 0)
+
+    def kill(driver):
+        if driver.r_busy.get(rollouter) and rollouter not in driver.failed:
+            ray_session.kill(driver.actors[rollouter])
+
+    with pytest.raises(ClusterError, match=r"worker rollout_pool/rollouter/0 failed 2 times: it was restarted 1 "
+                                           r"times, the limit \(max_restarts=1\), with no whole step completed "
+                                           r"between its failures, so the run stops. Last error: "):
+        EmulatedDriver(cfg, "bidirl", steps=3, seed=0, time_scale=100, max_restarts=1).run(kill=kill)
+
+
+def test_an_emulated_run_resumed_from_a_checkpoint_continues_its_steps_and_log(ray_session, tmp_path):
+    from bidirl import checkpoints
+    from bidirl.cluster.emulated import EmulatedDriver
+    cfg = cfgmod.from_dict(SMALL).with_overrides({"workload.steps": 4})
+    straight = EmulatedDriver(cfg, "bidirl", steps=4, seed=0, time_scale=100, checkpoint_dir=str(tmp_path / "a"),
+                              keep=4).run()
+    assert [p.name for p in checkpoints.step_folders(tmp_path / "a")] == [f"step-00000{k}" for k in (1, 2, 3, 4)]
+    resumed_driver = EmulatedDriver(cfg, "bidirl", steps=4, seed=0, time_scale=100,
+                                    resume=str(tmp_path / "a" / "step-000002"), checkpoint_dir=str(tmp_path / "b"))
+    resumed = resumed_driver.run()
+    s = resumed.summary()
+    assert s["resumed_from"]["step"] == 2 and len(s["step_times"]) == 4
+    assert [r.step for r in resumed.log.steps] == [0, 1, 2, 3]
+    # the first two steps are the checkpoint's, recorded once; the rest continue the same timeline
+    assert resumed.log.steps[:2] == straight.log.steps[:2]
+    assert resumed.log.steps[2].start == straight.log.steps[2].start
+    assert [sorted(ids) for _, _, ids in resumed.view.batches] == [sorted(ids) for _, _, ids in straight.view.batches]
+    assert s["samples"]["consumed"] == 4 * 32 * 8 and s["samples"]["lost"] == 0 and s["samples"]["duplicated"] == 0
+    _exclusive(resumed.log.spans_df())
 
 
 def test_a_cluster_without_the_slots_gives_a_clear_error(ray_session):
@@ -100,3 +166,32 @@ def test_the_simulator_and_emulated_workers_record_the_same_things(ray_session):
     a, b = sim_res.summary(), emu_res.summary()
     assert a["utilization"] is not None and b["utilization"] is not None
     assert set(a["idle"]) == set(b["idle"]) and a["provenance"] == "simulated" and b["provenance"] == "emulated"
+
+
+def test_replicas_sharing_a_host_fail_and_come_back_together(ray_session):
+    """Two rollout replicas per process: a kill takes both, both are restarted, nothing is lost."""
+    from bidirl.core import protocol as P
+    from bidirl.cluster.emulated import EmulatedDriver
+    cfg = cfgmod.from_dict(SMALL).with_overrides({"cluster.partition": [4, 4]})
+    killed = []
+
+    def kill(driver):
+        rollouter = P.rollouter(P.ROLLOUT_POOL, 1)
+        if not killed and driver.steps_done >= 1 and driver.r_busy.get(rollouter):
+            ray_session.kill(driver.actors[rollouter])
+            killed.append(rollouter)
+
+    driver = EmulatedDriver(cfg, "bidirl", steps=3, seed=0, time_scale=100, replicas_per_host=2)
+    res = driver.run(kill=kill)
+    s = res.summary()
+    assert driver.hosts[0] == [P.rollouter(P.ROLLOUT_POOL, 0), P.rollouter(P.ROLLOUT_POOL, 1)]
+    assert killed and sorted(r["worker"] for r in s["recoveries"]) == sorted(driver.hosts[0])
+    assert len(s["step_times"]) == 3 and s["samples"]["lost"] == 0 and s["samples"]["duplicated"] == 0
+    assert s["samples"]["consumed"] == 3 * 32 * 8
+    _exclusive(res.log.spans_df())
+
+
+def test_replicas_per_host_is_checked():
+    from bidirl.cluster.emulated import EmulatedDriver
+    with pytest.raises(ValueError, match="replicas_per_host must be an integer ≥ 1"):
+        EmulatedDriver(cfgmod.from_dict(SMALL), "bidirl", steps=1, seed=0, replicas_per_host=0)

@@ -68,7 +68,7 @@ def test_load_returns_jobconfig_unchanged():
     assert C.load(cfg) is cfg
 
 
-@pytest.mark.parametrize("name", ["a6000-default", "h100-default", "tiny-cpu"])
+@pytest.mark.parametrize("name", ["a6000-default", "h100-default", "tiny-cpu", "tiny-cpu-longtail"])
 def test_shipped_example_configs_load_by_name(name):
     cfg = C.load(name)
     assert cfg.cluster.partition is not None
@@ -134,7 +134,7 @@ def test_partition_as_pair_and_as_mapping():
     mapping = C.load(base(cluster={"partition": {"rollout": 8, "trainer": 8}}))
     assert pair == mapping
     assert pair.cluster.partition == Partition(8, 8)
-    assert pair.cluster.partition.label() == "rollout:8+trainer:8"
+    assert pair.cluster.partition.label() == "8-8"
 
 
 def test_partition_list_of_wrong_length():
@@ -422,7 +422,7 @@ def test_override_with_bad_value_is_validated():
     assert info.value.field == "scheduler.policy"
 
 
-@pytest.mark.parametrize("name", ["a6000-default", "h100-default", "tiny-cpu"])
+@pytest.mark.parametrize("name", ["a6000-default", "h100-default", "tiny-cpu", "tiny-cpu-longtail"])
 def test_round_trip_through_yaml_file(tmp_path, name):
     cfg = C.load(name)
     path = tmp_path / "job.yaml"
@@ -496,3 +496,77 @@ def test_data_files_are_parquet_or_jsonl(path):
 def test_other_data_files_are_refused(path):
     raises(base(workload={"data_file": path}), "workload.data_file", contains="is not a .parquet or .jsonl file",
            fix_contains="veRL's layout")
+
+
+# --------------------------------------------------------------------------------------------------
+# workload.response_lengths and workload.forced_lengths (the long-tail CPU job)
+# --------------------------------------------------------------------------------------------------
+
+def test_response_lengths_and_forced_lengths_default_to_the_preset_and_off():
+    cfg = C.load(base())
+    assert cfg.workload.response_lengths is None and cfg.workload.forced_lengths is False
+    assert cfg.workload_stats == C.presets.workload("geo3k")
+
+
+def test_response_lengths_replace_the_presets_response_distribution_only():
+    cfg = C.load(base(workload={"dataset": "arithmetic", "max_response_len": 56,
+                                "response_lengths": {"mean": 20, "cv": 1.2}, "forced_lengths": True}))
+    preset, stats = C.presets.workload("arithmetic"), cfg.workload_stats
+    assert cfg.workload.response_lengths == C.ResponseLengths(mean=20.0, cv=1.2)
+    assert cfg.workload.forced_lengths is True
+    assert stats.response_mean_fraction == pytest.approx(20 / 56) and stats.response_cv == 1.2
+    assert stats.step_noise == preset.step_noise                  # empty: the preset's
+    assert (stats.prompt_mean, stats.prompt_min, stats.prompt_max) == (preset.prompt_mean, preset.prompt_min,
+                                                                      preset.prompt_max)
+    assert stats.name == preset.name
+    assert "workload.response_lengths" in stats.sources[-1]
+    own_noise = C.load(base(workload={"response_lengths": {"mean": 500, "cv": 1, "step_noise": 0.3}}))
+    assert own_noise.workload_stats.step_noise == 0.3
+
+
+def test_response_lengths_round_trip_through_yaml(tmp_path):
+    cfg = C.load(base(workload={"response_lengths": {"mean": 300, "cv": 0.8, "step_noise": 0.1},
+                                "forced_lengths": True}))
+    path = tmp_path / "job.yaml"
+    path.write_text(cfg.to_yaml())
+    assert C.load(path) == cfg
+    assert cfg.with_overrides({"workload.response_lengths.cv": 2.0}).workload.response_lengths.cv == 2.0
+
+
+@pytest.mark.parametrize("mean", [0, 0.5, 2049, -3])
+def test_a_response_mean_outside_one_to_max_response_len_is_refused(mean):
+    raises(base(workload={"response_lengths": {"mean": mean, "cv": 1.0}}), "workload.response_lengths.mean",
+           contains="must lie in [1, workload.max_response_len = 2048]", fix_contains="raise workload.max_response_len")
+
+
+@pytest.mark.parametrize("key", ["cv", "step_noise"])
+def test_negative_response_spreads_are_refused(key):
+    lengths = {"mean": 100, "cv": 1.0, key: -0.1}
+    raises(base(workload={"response_lengths": lengths}), f"workload.response_lengths.{key}", contains="≥ 0")
+
+
+def test_response_lengths_need_a_mean_and_a_cv():
+    raises(base(workload={"response_lengths": {"mean": 100}}), "workload.response_lengths.cv",
+           contains="missing required key", fix_contains="add 'cv'")
+
+
+def test_an_unknown_response_lengths_key_gets_a_suggestion():
+    raises(base(workload={"response_lengths": {"mean": 100, "cv": 1.0, "step_nosie": 0.1}}),
+           "workload.response_lengths.step_nosie", contains="unknown key", fix_contains="did you mean 'step_noise'?")
+
+
+@pytest.mark.parametrize("value,contains", [("lognormal", "expected a mapping"), (20, "expected a mapping")])
+def test_response_lengths_must_be_a_section(value, contains):
+    raises(base(workload={"response_lengths": value}), "workload.response_lengths", contains=contains,
+           fix_contains="mean")
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_forced_lengths_is_true_or_false(value):
+    raises(base(workload={"forced_lengths": value}), "workload.forced_lengths", contains="expected true or false")
+
+
+def test_response_lengths_built_directly_are_checked_too():
+    with pytest.raises(ConfigError) as info:
+        JobConfig(workload=C.WorkloadConfig(max_response_len=64, response_lengths=C.ResponseLengths(mean=65, cv=1)))
+    assert info.value.field == "workload.response_lengths.mean"

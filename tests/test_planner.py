@@ -16,7 +16,7 @@ from bidirl.config import ConfigError
 from bidirl.perf import memory
 from bidirl.planner import (CANDIDATE_KEYS, ENVELOPE_KEYS, candidate_partitions, compatible, min_feasible_layouts,
                             plan, replica_count, representative_batch)
-from bidirl.viz_plan import INCOMPATIBLE, sweep_figure
+from bidirl.viz_plan import INCOMPATIBLE, TRACE_NAMES, sweep_figure
 
 GiB = 1 << 30
 
@@ -89,7 +89,7 @@ def test_paper_default_plans_and_json_has_the_design_keys():
     assert data["chosen_by"] == "planner"
     # the example config plans as it is (its partition fixed)
     fixed = plan("a6000-default")
-    assert fixed.fixed and fixed.choice == "rollout:8+trainer:8"
+    assert fixed.fixed and fixed.choice == "8-8"
 
 
 def test_sweep_rates_follow_from_the_stage_times():
@@ -159,7 +159,7 @@ def test_incompatible_partitions_are_never_chosen(model, gpus, placement, max_le
 
 def test_fixed_partition_is_used_and_the_sweep_stays_complete():
     result = plan(job(**{"cluster.gpus": 32, "cluster.partition": [8, 24]}))
-    assert result.fixed and result.choice == "rollout:8+trainer:24"
+    assert result.fixed and result.choice == "8-24"
     assert len(result.sweep) == 3 and result.sweep["chosen"].sum() == 1
     assert json.loads(result.to_json())["chosen_by"] == "cluster.partition"
 
@@ -169,7 +169,7 @@ def test_incompatible_fixed_partition_names_the_field_and_alternatives():
         plan(job(**{"cluster.placement": "any", "cluster.partition": [6, 10]}))
     err = info.value
     assert err.field == "cluster.partition"
-    assert "rollout:4+trainer:12" in err.fix and "rollout:8+trainer:8" in err.fix
+    assert "4-12" in err.fix and "8-8" in err.fix
     with pytest.raises(ConfigError) as info:
         plan(job(**{"cluster.gpus": 32, "cluster.partition": [4, 28]}))      # not node-aligned
     assert info.value.field == "cluster.partition" and "placement" in info.value.fix
@@ -188,7 +188,7 @@ def test_budget_too_small_for_one_replica_of_each_role():
 def test_no_compatible_partition_is_a_config_error():
     # 12 GPUs in 8-GPU nodes with placement any: 4-GPU trainer replicas allow only 4-8 and 8-4
     assert plan(job(**{"cluster.gpus": 12, "cluster.placement": "any"})).choice in (
-        "rollout:4+trainer:8", "rollout:8+trainer:4")
+        "4-8", "8-4")
     with pytest.raises(ConfigError) as info:
         plan(job(**{"cluster.gpus": 10, "cluster.placement": "any"}))
     assert info.value.field == "cluster.gpus" and "multiples of 4" in info.value.fix
@@ -216,14 +216,14 @@ def test_sweep_figure_has_fixed_traces_and_highlights_the_choice():
     result = plan(job(**{"cluster.gpus": 16, "cluster.placement": "any"}))
     fig = sweep_figure(result)
     n = len(result.sweep)
-    assert len(fig.data) == 3 and all(len(t.x) == n for t in fig.data)
+    assert len(fig.data) == len(TRACE_NAMES) and all(len(t.x) == n for t in fig.data[:5])
     colors = list(fig.data[0].marker.color)
     ok = result.sweep["compatible"].to_numpy()
     assert all(c == INCOMPATIBLE for c, good in zip(colors, ok) if not good)
     i = int(np.nonzero(result.sweep["chosen"].to_numpy())[0][0])
     shape = [s for s in fig.layout.shapes if s.name == "choice"][0]
     assert shape.x0 == i - 0.5 and result.choice in fig.layout.annotations[0].text
-    assert len(sweep_figure(plan(job(**{"cluster.gpus": 24, "cluster.placement": "any"}))).data) == 3
+    assert len(sweep_figure(plan(job(**{"cluster.gpus": 24, "cluster.placement": "any"}))).data) == len(TRACE_NAMES)
 
 
 def test_memory_need_parts_add_up():

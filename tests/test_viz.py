@@ -39,7 +39,8 @@ def test_spans_to_bars_one_entry_per_kind_role_present():
     assert set(bars) == present and len(bars) == 7
     assert list(bars) == [k for k in viz.TRACE_KEYS if k in present]
     lanes = viz.default_lanes(spans)
-    assert lanes == [R0, R1, TR, AUX_R]
+    assert lanes == [R0, R1, TR, "trainer_pool/rollouter/*"]         # auxiliary rollouters share one lane
+    assert viz.default_lanes(spans, group_auxiliary=False) == [R0, R1, TR, AUX_R]
     gen = bars[("generate", "primary")]
     assert gen["y"].tolist() == [0.0, 1.0, 0.0] and gen["base"].tolist() == [0, 0, 5]
     assert gen["x"].tolist() == [4, 5, 2]
@@ -47,18 +48,20 @@ def test_spans_to_bars_one_entry_per_kind_role_present():
         assert arrays["y"].dtype == arrays["base"].dtype == arrays["x"].dtype == np.float64
         assert arrays["customdata"].shape == (len(arrays["x"]), len(viz.CUSTOMDATA_COLUMNS))
     chunk = bars[("chunk", "primary")]["customdata"][0]
-    assert chunk[0] == TR and chunk[1] == 5 and chunk[2] == 8 and "stage=actor_update" in chunk[5]
+    assert chunk[0] == TR and chunk[1] == 5 and chunk[2] == 8 and "stage=actor_update" in chunk[6]
+    assert chunk[3] == 3                                                # the tooltip's duration, not the end
+    assert "customdata[3]" in viz.HOVER and "%{x" not in viz.HOVER     # %{x} of a based bar is base + x
     assert viz.spans_to_bars(EventLog().spans_df()) == {}
 
 
 def test_spans_to_bars_respects_given_lanes_and_rejects_missing_workers():
     spans = demo_log().spans_df()
     lanes = [AUX_R, TR, R1, R0]
-    bars = viz.spans_to_bars(spans, lanes)
+    bars = viz.spans_to_bars(spans, lanes, group_auxiliary=False)
     assert bars[("generate", "auxiliary")]["y"].tolist() == [0.0]
     assert bars[("generate", "primary")]["y"].tolist() == [3.0, 2.0, 3.0]
     with pytest.raises(ValueError, match="trainer_pool/rollouter/0"):
-        viz.spans_to_bars(spans, [R0, R1, TR])
+        viz.spans_to_bars(spans, [R0, R1, TR], group_auxiliary=False)
 
 
 @settings(max_examples=40, deadline=None)
@@ -77,16 +80,19 @@ def test_bars_hold_every_span_exactly_once(rows):
 def test_gantt_figure_structure():
     log = demo_log()
     fig = viz.gantt_figure(log, title="demo")
-    assert len(fig.data) == 7
-    assert all(isinstance(t, go.Bar) and t.orientation == "h" for t in fig.data)
+    bars = [t for t in fig.data if isinstance(t, go.Bar)]
+    assert len(bars) == 7 and all(t.orientation == "h" for t in bars)
     names = [t.name for t in fig.data]
-    assert len(set(names)) == len(names) and "generate (auxiliary)" in names
-    assert fig.layout.xaxis.type == "linear" and list(fig.layout.yaxis.ticktext) == [R0, R1, TR, AUX_R]
-    chunk = next(t for t in fig.data if t.name == "chunk (primary)")
+    assert len(set(names)) == len(names) and "generation · borrowed GPUs" in names
+    # legend entries for the one window direction present and the step lines, after the bars
+    assert names[7:] == [viz.WINDOW_NAMES["rollout_on_trainer_pool"], viz.STEP_LINE_NAME]
+    assert fig.layout.xaxis.type == "linear"
+    assert list(fig.layout.yaxis.ticktext) == [R0, R1, TR, "trainer_pool/rollouter/* (1 auxiliary)"]
+    chunk = next(t for t in fig.data if t.name == "training chunk")
     assert list(chunk.base) == [5.0] and list(chunk.x) == [3.0]
     assert chunk.marker.color == viz.COLORS[("chunk", "primary")]
-    aux = next(t for t in fig.data if t.name == "generate (auxiliary)")
-    assert aux.marker.color != next(t for t in fig.data if t.name == "generate (primary)").marker.color
+    aux = next(t for t in fig.data if t.name == "generation · borrowed GPUs")
+    assert aux.marker.color != next(t for t in fig.data if t.name == "generation").marker.color
     windows = [s for s in fig.layout.shapes if s.name == "borrow:rollout_on_trainer_pool"]
     # the window spans switch_in start .. switch_out end on the trainer pool's lanes (indices 2..3)
     assert len(windows) == 1 and (windows[0].x0, windows[0].x1) == (8.0, 12.0)
@@ -95,14 +101,17 @@ def test_gantt_figure_structure():
     assert len([s for s in fig.layout.shapes if s.name == "pool_separator"]) == 1
     # a bare spans table works too (no step lines)
     fig2 = viz.gantt_figure(log.spans_df())
-    assert len(fig2.data) == 7 and not [s for s in fig2.layout.shapes if s.name == "step_end"]
+    assert len(fig2.data) == 7 + 1 and not [s for s in fig2.layout.shapes if s.name == "step_end"]
+    assert viz.STEP_LINE_NAME not in [t.name for t in fig2.data]
+    # the legend sits below the plot with room reserved for its rows
+    assert fig.layout.legend.orientation == "h" and fig.layout.margin.b >= 58 + viz.LEGEND_ROW_PX
 
 
 def test_compare_gantt_stacks_runs_on_a_shared_axis():
     a = demo_log()
     b = EventLog(spans=[span(R0, "generate", 0, 3), span(TR, "chunk", 3, 6)], steps=[StepRecord(0, 0, 6, 5, 1)])
     fig = viz.compare_gantt({"bidirl": a, "no-borrow": b})
-    assert len(fig.data) == 7 + 2
+    assert len(fig.data) == 7 + 2 + 2                       # bars of both rows, then window and step entries
     assert {t.yaxis for t in fig.data} == {"y", "y2"}
     assert fig.layout.xaxis.matches == "x2" or fig.layout.xaxis2.matches == "x"
     legend = [t.name for t in fig.data if t.showlegend is not False]
@@ -153,7 +162,7 @@ def test_gantt_state_accumulates_like_a_one_shot_build():
             assert arrays[name][order].tolist() == once[key][name][ref].tolist()
     state.apply(fig, log.steps_df())
     gen = fig.data[viz.TRACE_KEYS.index(("generate", "primary"))]
-    assert len(gen.x) == 3 and list(fig.layout.yaxis.ticktext) == state.lanes
+    assert len(gen.x) == 3 and list(fig.layout.yaxis.ticktext) == viz.lane_labels(state.lanes, spans["worker"])
     assert len([s for s in fig.layout.shapes if s.name == "step_end"]) == 2
 
 
@@ -179,4 +188,66 @@ def test_figures_serialise_to_html(tmp_path):
     fig = viz.compare_gantt({"a": demo_log(), "b": demo_log()})
     path = tmp_path / "g.html"
     fig.write_html(path, include_plotlyjs=False)
-    assert path.stat().st_size > 0 and "chunk (primary)" in path.read_text()
+    assert path.stat().st_size > 0 and "training chunk" in path.read_text()
+
+
+def test_replay_clipping_shows_the_run_as_it_stood():
+    log = demo_log()
+    spans = log.spans_df()
+    bars = viz.spans_to_bars(spans)
+    at = viz.clip_bars(bars[("generate", "primary")], 4.5)
+    assert at["base"].tolist() == [0, 0] and at["x"].tolist() == [4, 4.5]     # R1's span cut at t, R0's later one hidden
+    assert at["customdata"][1][2] == 5                                          # its tooltip keeps the real end
+    cut = viz.clip_spans(spans, 10.0)
+    assert (cut["end"] <= 10.0).all() and len(cut) == (spans["start"] <= 10.0).sum()
+    state = viz.GanttState()
+    state.add(log)
+    assert state.end == 14.0
+    layout = state.layout(log.steps_df(), until=10.0)
+    windows = [s for s in layout["shapes"] if s["name"].startswith("borrow:")]
+    assert [(w["x0"], w["x1"]) for w in windows] == [(8.0, 10.0)]             # the window still open at t
+    assert [s["x0"] for s in layout["shapes"] if s["name"] == "step_end"] == [7.0]
+
+
+def test_many_auxiliary_rollouters_share_one_lane_unless_asked():
+    spans = [span(f"trainer_pool/rollouter/{i}", "generate", i, i + 1) for i in range(12)] + [span(TR, "chunk", 0, 3)]
+    log = EventLog(spans=spans)
+    fig = viz.gantt_figure(log, provenance="simulated")
+    assert list(fig.layout.yaxis.ticktext) == [TR, "trainer_pool/rollouter/* (12 auxiliary)"]
+    expanded = viz.gantt_figure(log, provenance="simulated", group_auxiliary=False)
+    assert len(expanded.layout.yaxis.ticktext) == 13
+    aux = next(t for t in fig.data if t.name == "generation · borrowed GPUs")
+    assert set(aux.y) == {1.0} and sorted(aux.customdata[:, 0]) == sorted(s.worker for s in spans[:12])
+
+
+def test_export_writes_html_and_png_where_kaleido_renders(tmp_path):
+    written = viz.export_figure(viz.gantt_figure(demo_log(), provenance="simulated"), tmp_path / "g")
+    assert written["html"] == tmp_path / "g.html" and "training chunk" in written["html"].read_text()
+    try:
+        import kaleido  # noqa: F401
+    except ImportError:
+        assert written["png"] is None and "kaleido is not installed" in written["note"]
+    else:
+        # installed: either a PNG, or a note saying why this machine could not render one
+        assert (written["png"] is not None and written["png"].stat().st_size > 1000) or "could not" in written["note"]
+    only_html = viz.export_figure(viz.gantt_figure(demo_log()), tmp_path / "h.html", png=False)
+    assert only_html["png"] is None and only_html["note"] == "HTML only"
+
+
+def test_png_export_keeps_each_figures_own_size(tmp_path, monkeypatch):
+    pytest.importorskip("kaleido")
+    import plotly.io as pio
+
+    seen = {}
+
+    def write_images(figs, paths, width=None, height=None):
+        seen.update(width=width, height=height, paths=paths)
+        for p in paths:
+            open(p, "wb").close()
+
+    monkeypatch.setattr(pio, "write_images", write_images)
+    sized = viz.gantt_figure(demo_log(), provenance="simulated")
+    bare = go.Figure()
+    assert viz.write_pngs({tmp_path / "a.png": sized, tmp_path / "b.png": bare}) is None
+    assert seen["width"] == [sized.layout.width, viz.PNG_SIZE[0]]
+    assert seen["height"] == [sized.layout.height, viz.PNG_SIZE[1]]

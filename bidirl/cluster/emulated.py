@@ -10,9 +10,11 @@ This lets 16-512 virtual GPUs run on one machine and measures what the control p
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -22,6 +24,9 @@ from bidirl.execution import switch_lane
 from bidirl.loop import EventLoop
 from bidirl.perf.engine import BatchingEngine, EngineGroup
 from bidirl.perf.workload import GroupLengths
+
+#: rollout hosts (processes) per pool by default: replicas are spread over at most this many
+HOSTS_PER_POOL = 8
 
 
 class VirtualClock:
@@ -38,50 +43,101 @@ class VirtualClock:
             time.sleep(seconds / self.scale)
 
 
-class EmulatedRollout:
-    """A rollout replica emulated with the replica model. Driven by ``advance`` calls from the driver."""
+class RolloutHost:
+    """Rollout replicas emulated in one process (one Ray actor): the replica model of each, on one event loop in
+    virtual time advanced to the wall clock.
 
-    def __init__(self, name: str, engine_costs, t0: float, scale: float, seed):
-        self.name, self.clock = name, VirtualClock(t0, scale)
+    One process per replica does not scale: a Ray worker process costs ~70 MB and a second of start-up, so 256
+    virtual GPUs would need 256 processes. A host runs ``names`` replicas, and one ``advance`` call reports every
+    completion on all of them, so the driver's round trips grow with hosts, not replicas. Timed state operations
+    on a replica (a weight load, an offload or onload in a switch) are events on the same loop
+    (:meth:`hold`): they run side by side with the other replicas' generation, as on separate GPUs, and are
+    reported by ``advance`` when they end.
+
+    The methods are ``async`` so that Ray runs the actor as an async actor: a ``start``, ``interrupt`` or ``hold``
+    arriving while ``advance`` waits for the next completion wakes it at once, rather than queueing behind it.
+    """
+
+    def __init__(self, names, engine_costs, t0: float, scale: float, seeds):
+        self.clock = VirtualClock(t0, scale)
         self.loop = EventLoop()
-        self.finished, self.spans = [], []
-        self.engine = BatchingEngine(name, engine_costs, self.loop, np.random.default_rng(seed),
-                                     on_group=lambda w, st, el: self.finished.append((self.loop.now, st)),
-                                     on_span=lambda w, kind, a, b, det: self.spans.append((kind, a, b, det)),
-                                     on_record=lambda *a: None)
+        self.engines, self.finished, self.spans = {}, {}, {}
+        self.holds_done: list = []
+        self._wake = None
+        for name, seed in zip(names, seeds):
+            self.finished[name], self.spans[name] = [], []
+            self.engines[name] = BatchingEngine(
+                name, engine_costs, self.loop, np.random.default_rng(seed),
+                on_group=lambda w, st, el, name=name: self.finished[name].append((self.loop.now, st)),
+                on_span=lambda w, kind, a, b, det, name=name: self.spans[name].append((kind, a, b, det)),
+                on_record=lambda *a: None)
 
     def _catch_up(self) -> None:
         self.loop.run(until=self.clock.now())
 
-    def _report(self, **extra) -> dict:
-        out, self.finished = self.finished, []
-        spans, self.spans = self.spans, []
-        return {"finished": out, "busy": self.engine.busy, "spans": spans, "t": self.loop.now, **extra}
+    def _wake_advance(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
 
-    def start(self, groups: list) -> int:
-        """``groups``: :class:`~bidirl.perf.engine.EngineGroup` to add now."""
+    def _report(self, names=None, **extra) -> dict:
+        replicas = {}
+        for name in (self.engines if names is None else names):
+            finished, self.finished[name] = self.finished[name], []
+            spans, self.spans[name] = self.spans[name], []
+            replicas[name] = {"finished": finished, "spans": spans, "busy": self.engines[name].busy}
+        holds, self.holds_done = self.holds_done, []
+        return {"replicas": replicas, "holds": holds, "t": self.loop.now, **extra}
+
+    async def start(self, name: str, groups: list) -> int:
+        """Add :class:`~bidirl.perf.engine.EngineGroup` s to replica ``name`` now."""
         self._catch_up()
-        self.engine.add(*groups)
+        self.engines[name].add(*groups)
+        self._wake_advance()
         return len(groups)
 
-    def advance(self, max_wall: float) -> dict:
-        """Sleep until the next completion (or ``max_wall``), then report what finished."""
+    async def interrupt(self, name: str, group_ids) -> dict:
+        """Stop groups on replica ``name`` now: the replica's report, with ``stopped`` (their states)."""
         self._catch_up()
-        target = min(self.loop.peek(), self.loop.now + max_wall * self.clock.scale)
-        if math.isfinite(target):
-            self.clock.sleep_virtual(target - self.clock.now())
+        stopped = self.engines[name].interrupt(group_ids)
+        self._wake_advance()
+        return {**self._report([name])["replicas"][name], "t": self.loop.now, "stopped": stopped}
+
+    async def hold(self, token, seconds: float) -> float:
+        """Start a timed operation of ``seconds`` (virtual) now; ``advance`` reports ``(token, start, end)`` when
+        it ends. Returns its start."""
         self._catch_up()
+        start = self.loop.now
+        self.loop.schedule(max(0.0, seconds), lambda: self.holds_done.append((token, start, self.loop.now)))
+        self._wake_advance()
+        return start
+
+    def pending(self) -> bool:
+        """Whether anything is left to report or to happen: a busy replica, or a hold not yet ended."""
+        return not self.loop.empty or any(e.busy for e in self.engines.values())
+
+    async def advance(self, max_wall: float) -> dict:
+        """Wait until the next completion or hold end (at most ``max_wall`` wall seconds, or until a call
+        arrives), then report what finished on every replica."""
+        import asyncio
+        self._catch_up()
+        if not self._has_news():
+            target = min(self.loop.peek(), self.loop.now + max_wall * self.clock.scale)
+            wait = max(0.0, (target - self.clock.now()) / self.clock.scale)
+            self._wake = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=wait)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._wake = None
+            self._catch_up()
         return self._report()
 
-    def interrupt(self, group_ids) -> dict:
-        self._catch_up()
-        return self._report(stopped=self.engine.interrupt(group_ids))
+    def _has_news(self) -> bool:
+        return bool(self.holds_done) or any(self.finished.values())
 
-    def hold(self, seconds: float) -> float:
-        """A timed state operation on this worker (weight load, offload, onload): returns virtual seconds."""
-        t0 = self.clock.now()
-        self.clock.sleep_virtual(seconds)
-        return self.clock.now() - t0
+    async def set_clock(self, t0: float) -> None:
+        self.clock.t0 = t0
 
 
 class EmulatedTrainer:
@@ -100,12 +156,21 @@ class EmulatedTrainer:
         self.clock.sleep_virtual(seconds)
         return self.clock.now() - t0
 
+    def set_clock(self, t0: float) -> None:
+        self.clock.t0 = t0
+
 
 @dataclass
 class EmulatedDriver(PoolDriver):
-    """Run a job on Ray with emulated, model-timed workers (``time_scale`` virtual s per wall s)."""
+    """Run a job on Ray with emulated, model-timed workers (``time_scale`` virtual s per wall s).
+
+    Rollout replicas run on :class:`RolloutHost` actors, ``replicas_per_host`` each (default: as many as keep a
+    pool on at most :data:`HOSTS_PER_POOL` processes), so 256 virtual GPUs take tens of processes, not hundreds.
+    A host's death fails every replica on it; the driver restarts the host once and each replica comes back.
+    """
     time_scale: float = 20.0
     max_wall: float = 0.05
+    replicas_per_host: Optional[int] = None
 
     label = "emulated"
     provenance = "emulated"
@@ -113,35 +178,119 @@ class EmulatedDriver(PoolDriver):
     def __post_init__(self):
         super().__post_init__()
         self.lengths = GroupLengths.of(self.config, self.seed)
+        if self.replicas_per_host is not None and (isinstance(self.replicas_per_host, bool) or
+                                                   not isinstance(self.replicas_per_host, int) or
+                                                   self.replicas_per_host < 1):
+            raise ValueError(f"EmulatedDriver.replicas_per_host must be an integer ≥ 1 (rollout replicas per "
+                             f"process), got {self.replicas_per_host!r}")
+        self.hosts: list = []                 # [names of the replicas it runs], by host index
+        self.host_of: dict = {}               # rollouter -> host index
+        for pool in (self.topology.rollouters, self.topology.aux_rollouters):
+            k = self.replicas_per_host or max(1, math.ceil(len(pool) / HOSTS_PER_POOL))
+            for i in range(0, len(pool), k):
+                self.host_of.update({w: len(self.hosts) for w in pool[i:i + k]})
+                self.hosts.append(list(pool[i:i + k]))
+        self.host_advancing: dict = {}        # host -> an advance call is in flight
+        self.host_holds: dict = {}            # host -> {token: (finish, on_error)} of holds not yet ended
+        self._tokens = itertools.count()
+        self._respawned: set = set()          # hosts started afresh in the current failure (one per host)
+        self._orphaned: list = []             # tolerant holds of a failed host, finished after the failure
+        self.host_down: set = set()           # hosts discarded whose successor is not started yet
 
     def _place(self):
         import ray
 
-        env = self.plan.envelope
-        g_r = env.rollout_gpus
-        Rollout, Trainer = ray.remote(EmulatedRollout), ray.remote(EmulatedTrainer)
-        costs = self.truth.engine_costs()
-        top = self.topology
-        self.t0 = time.time() + 1.0
-        for i, w in enumerate(top.rollouters):
-            self.actors[w] = Rollout.options(**self._at(i * env.rollout_layout)).remote(
-                w, costs, self.t0, self.time_scale, [self.seed, 3, i])
-        for j, w in enumerate(top.aux_rollouters):
-            self.actors[w] = Rollout.options(**self._at(g_r + j * env.rollout_layout)).remote(
-                w, costs, self.t0, self.time_scale, [self.seed, 3, len(top.rollouters) + j])
-        self.actors[P.PRIMARY_TRAINER] = Trainer.options(**self._at(g_r)).remote(P.PRIMARY_TRAINER, self.t0,
-                                                                                self.time_scale)
-        if top.aux_trainer_replicas:
-            self.actors[P.AUX_TRAINER] = Trainer.options(**self._at(0)).remote(P.AUX_TRAINER, self.t0,
-                                                                              self.time_scale)
+        if self.workers is not None:
+            raise ValueError("EmulatedDriver.workers: emulated workers start in a second; kept workers are for "
+                             "engine runs (EngineDriver)")
+
+        # the virtual clock starts a second from now (see _begin for a resumed run)
+        self.t0 = time.time() + 1.0 - self.clock_start / self.time_scale
+        self._respawned = set()
+        for w in self.topology.workers:
+            self._spawn(w)
         # every worker is initialised up front and kept (auxiliaries passive)
         try:
-            ray.get([a.hold.remote(0.0) for a in self.actors.values()], timeout=self.start_timeout)
+            ray.get([a.set_clock.remote(self.t0) for a in self._all_actors()], timeout=self.start_timeout)
         except Exception as exc:
             raise ClusterError(f"a worker failed to start: {exc}") from None
 
+    def _spawn(self, worker: str) -> None:
+        """A trainer gang is one emulated actor on its first slot; a rollouter runs on its host (started once
+        per placement or failure) on the bundle of the host's first replica."""
+        import ray
+
+        env, top = self.plan.envelope, self.topology
+        g_r = env.rollout_gpus
+        if P.worker_kind(worker) == P.TRAINER:
+            bundle = g_r if P.is_primary(worker) else 0
+            self.actors[worker] = ray.remote(EmulatedTrainer).options(**self._at(bundle)).remote(
+                worker, self.t0, self.time_scale)
+            return
+        h = self.host_of[worker]
+        if h in self._respawned:
+            return
+        self._respawned.add(h)
+        self.host_down.discard(h)
+        names = self.hosts[h]
+        seeds = []
+        for w in names:
+            i = int(w.rsplit("/", 1)[1])
+            seeds.append([self.seed, 3, i if P.is_primary(w) else len(top.rollouters) + i])
+        first = int(names[0].rsplit("/", 1)[1])
+        bundle = (0 if P.is_primary(names[0]) else g_r) + first * env.rollout_layout
+        actor = ray.remote(RolloutHost).options(**self._at(bundle)).remote(
+            names, self.truth.engine_costs(), self.t0, self.time_scale, seeds)
+        self.actors.update({w: actor for w in names})
+        self.host_advancing[h], self.host_holds[h] = False, {}
+
+    def _discard(self, worker: str) -> None:
+        import ray
+        h = self.host_of.get(worker)
+        if h is not None:
+            if h in self._respawned:
+                return
+            # the host's holds end with it: a tolerant one finishes once the failure is reported
+            self._orphaned += [on_error for _, on_error in self.host_holds.pop(h, {}).values() if on_error]
+            self.host_advancing[h] = False
+            self.host_down.add(h)      # no advance is sent to it until its successor is spawned
+        try:
+            ray.kill(self.actors[worker], no_restart=True)
+        except Exception:
+            pass
+
+    def _worker_failed(self, worker: str, error: str) -> None:
+        """A rollout host's process is shared by its replicas: they fail, and are restarted, together."""
+        h = self.host_of.get(worker)
+        self._respawned, self._orphaned = set(), []
+        super()._worker_failed(worker, error)          # discards and restarts the worker (a host: once)
+        for mate in (self.hosts[h] if h is not None else ()):
+            if mate != worker and mate not in self.failed:
+                super()._worker_failed(mate, f"{error} (the process it shares with {worker})")
+        orphaned, self._orphaned = self._orphaned, []
+        for on_error in orphaned:
+            on_error()
+
+    def _restarted(self, worker: str) -> None:
+        super()._restarted(worker)
+        if worker in self.host_of:
+            self._ensure_advance(worker)       # holds sent while it was being restarted
+
+    def _restore(self, worker: str, then) -> None:
+        """An emulated worker holds no weights: ready is restored."""
+        self._submit(worker, self.actors[worker].set_clock.remote(self.t0), lambda _: then())
+
+    def _all_actors(self) -> list:
+        return list({id(a): a for a in self.actors.values()}.values())
+
     def _begin(self):
-        time.sleep(max(0.0, self.t0 - time.time()))
+        if self.boundary is not None:
+            # a resumed run's timeline goes on from its boundary when every worker is ready (start-up is not
+            # part of it); a fresh run's clock started when the workers were placed
+            import ray
+            self.t0 = time.time() - self.clock_start / self.time_scale
+            ray.get([a.set_clock.remote(self.t0) for a in self._all_actors()], timeout=self.start_timeout)
+        time.sleep(max(0.0, self.t0 + self.clock_start / self.time_scale - time.time()))
 
     def now(self) -> float:
         return (time.time() - self.t0) * self.time_scale
@@ -153,18 +302,35 @@ class EmulatedDriver(PoolDriver):
         for t, state in result["finished"]:
             self.feed(P.GroupFinished(t, worker, state))
 
-    def _advance_call(self, worker):
-        return self.actors[worker].advance.remote(self.max_wall)
+    def _ensure_advance(self, worker):
+        """Keep a host reporting while any replica on it is busy or any hold on it has not ended: one
+        ``advance`` call in flight per host, whose report covers every replica on it."""
+        h = self.host_of[worker]
+        names = self.hosts[h]
+        live = [w for w in names if w not in self.failed]
+        if h in self.host_down or self.host_advancing.get(h) or (not self.host_holds.get(h) and not any(self.r_busy.get(w) for w in live)):
+            return
+        self.host_advancing[h] = True
+        starts = {w: self.r_starts.get(w, 0) for w in live}
 
-    def _advanced(self, worker, result, starts_before):
-        self.r_busy[worker] = self._still_busy(worker, result["busy"], starts_before)
-        self._rollout_report(worker, result)
+        def done(result):
+            self.host_advancing[h] = False
+            for w, report in result["replicas"].items():
+                if w in starts and w not in self.failed:
+                    self.r_busy[w] = self._still_busy(w, report["busy"], starts[w])
+                    self._rollout_report(w, report)
+            holds = self.host_holds.get(h, {})
+            for token, a, b in result["holds"]:
+                if token in holds:
+                    holds.pop(token)[0](a, b)
+            self._ensure_advance(worker)
+        self._submit(names[0], self.actors[names[0]].advance.remote(self.max_wall), done)
 
     def do_Generate(self, cmd: P.Generate):
         groups = [EngineGroup.from_task(t, *self.lengths(t.group_id), cmd.version) for t in cmd.tasks]
         self.r_busy[cmd.worker] = True
         self._count_start(cmd.worker)
-        self._submit(cmd.worker, self.actors[cmd.worker].start.remote(groups), lambda _: None)
+        self._submit(cmd.worker, self.actors[cmd.worker].start.remote(cmd.worker, groups), lambda _: None)
         self._ensure_advance(cmd.worker)
 
     def do_Interrupt(self, cmd: P.Interrupt):
@@ -176,7 +342,7 @@ class EmulatedDriver(PoolDriver):
             self.feed(P.GenerationStopped(result["t"], cmd.worker, tuple(result["stopped"])))
             self._ensure_advance(cmd.worker)
         self._submit(cmd.worker, self.actors[cmd.worker].interrupt.remote(
-            list(cmd.group_ids) if cmd.group_ids is not None else None), done)
+            cmd.worker, list(cmd.group_ids) if cmd.group_ids is not None else None), done)
 
     # trainer -------------------------------------------------------------------------------------
     def _run_chunk(self, cmd: P.RunChunk):
@@ -187,16 +353,36 @@ class EmulatedDriver(PoolDriver):
         self._submit(cmd.worker, self.actors[cmd.worker].run_chunk.remote(ch.chunk_id, seconds),
                      lambda result: self._chunk_done(cmd, result["start"], result["end"]))
 
-    def _hold(self, worker, seconds, finish):
+    def _hold(self, worker, seconds, finish, tolerate: bool = False):
+        """A timed operation on ``worker``; with ``tolerate`` it ends even if the worker dies meanwhile (a
+        switch or a sync goes on without it). A rollouter's runs on its host's loop (:meth:`RolloutHost.hold`)
+        and ends in the host's report; a trainer gang's is a call that returns when it ends."""
+        on_error = (lambda: finish(start, self.now())) if tolerate else None
+        h = self.host_of.get(worker)
+        if h is None:
+            start = self.now()
+            self._submit(worker, self.actors[worker].hold.remote(seconds), lambda el: finish(start, start + el),
+                         on_error=on_error)
+            return
         start = self.now()
-        self._submit(worker, self.actors[worker].hold.remote(seconds), lambda el: finish(start, start + el))
+        token = next(self._tokens)
+        self.host_holds[h][token] = (finish, on_error)
+
+        def sent(_):
+            self._ensure_advance(worker)
+
+        def lost():
+            entry = self.host_holds.get(h, {}).pop(token, None)
+            if entry is not None and entry[1] is not None:
+                entry[1]()
+        self._submit(worker, self.actors[worker].hold.remote(token, seconds), sent, on_error=lost)
 
     def do_Switch(self, cmd: P.Switch):
         def finish(a, b):
             self._measure((cmd.direction, "c_in" if cmd.phase == "in" else "c_out"), b - a)
             self.record_switch(cmd, a, b)
             self.feed(P.SwitchFinished(b, cmd.pool, cmd.to_role, b - a))
-        self._hold(switch_lane(cmd.pool, cmd.to_role), cmd.expected, finish)
+        self._hold(switch_lane(cmd.pool, cmd.to_role), cmd.expected, finish, tolerate=True)
 
     def do_SyncWeights(self, cmd: P.SyncWeights):
         seconds = self.config.weight_sync_time()
@@ -211,7 +397,7 @@ class EmulatedDriver(PoolDriver):
                     self.feed(P.SyncFinished(end, cmd.version, cmd.targets, end - start))
             return f
         for w in cmd.targets:
-            self._hold(w, seconds, finish(w))
+            self._hold(w, seconds, finish(w), tolerate=True)
 
     def do_MergeGradients(self, cmd: P.MergeGradients):
         def finish(a, b):

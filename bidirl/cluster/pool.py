@@ -8,8 +8,21 @@ bundle it sits on, and are kept: a hot switch changes which one works, never res
 
 Every timed command becomes one or more actor calls; their completion becomes the matching event, fed to the
 coordinator through :meth:`bidirl.execution.Driver.feed`. Workers record their own spans and return them with
-their results. A worker whose actor dies is reported to the coordinator as ``WorkerFailed``; auxiliary work
-is recovered on the primaries.
+their results.
+
+**Failures** (:mod:`bidirl.cluster.recovery`). A worker whose actor dies — or a trainer rank whose collective
+breaks because a peer died — is reported to the coordinator as ``WorkerFailed``; the driver gives the rest of it
+up, starts it afresh on the same bundles (:meth:`PoolDriver._spawn`), brings it to the state it serves
+(:meth:`PoolDriver._restore`) and reports ``WorkerRestarted``; the coordinator re-dispatches its lost work. A worker
+is restarted at most ``max_restarts`` times in a row (no whole step completed between its failures). A rollouter
+whose call raised (an engine or reward error, not a lost process) ends the run with a :class:`ClusterError`:
+restarting would only fail again.
+
+**Checkpoints** (:mod:`bidirl.checkpoints`). With ``checkpoint_dir`` the driver writes a checkpoint at step
+boundaries (every ``checkpoint_every`` steps and after the last, keeping ``keep``): just before a step's
+``SyncFinished`` is fed, when the run is quiescent. With ``resume`` it continues from a checkpoint: the control
+plane is restored, the workers start fresh and the trainer loads its state, and the boundary event is fed
+instead of ``Started``, so step numbers, the event log and the clock continue where they stopped.
 
 Trainer chunks go through a queue per gang (paper Table 2): a ``RunChunk`` for a gang that is busy waits in the
 driver as ``queued`` — a ``CancelChunk`` then reclaims it and answers ``ChunkCancelled`` — and starts
@@ -18,18 +31,52 @@ driver as ``queued`` — a ``CancelChunk`` then reclaims it and answers ``ChunkC
 
 from __future__ import annotations
 
+import math
 import os
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
+from bidirl import checkpoints
+from bidirl.cluster.recovery import MAX_RESTARTS, Restarts
 from bidirl.core import protocol as P
 from bidirl.execution import Driver, RunResult, progress_bar
 
 
+#: logical CPUs each GPU slot's bundle reserves (for its workers' Ray processes)
+BUNDLE_CPU = 0.1
+
+
 class ClusterError(RuntimeError):
     """The cluster cannot run the job as configured (resources, worker start-up, a failed primary)."""
+
+
+@dataclass
+class Workers:
+    """A finished run's placement group and actors, kept for the next run of the same shape
+    (``run(keep_workers=True)`` leaves them in ``driver.kept``; pass them on as ``workers=``). Starting engines is
+    most of a short run's time on a small machine (tests, runs side by side); the next run resets every worker to
+    what a fresh one holds. :meth:`release` ends them."""
+    pg: object
+    actors: dict
+    gangs: dict
+    shape: dict                   # what the next run must match (PoolDriver.worker_shape)
+
+    def release(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+        for actor in list(self.actors.values()) + [r for ranks in self.gangs.values() for r in ranks]:
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+        try:
+            remove_placement_group(self.pg)
+        except Exception:
+            pass
 
 
 def root_cause(exc: Exception) -> str:
@@ -45,19 +92,30 @@ def root_cause(exc: Exception) -> str:
 
 @dataclass
 class PoolDriver(Driver):
-    """What every Ray driver shares (module doc). Subclasses place their workers (``_place``), run a chunk
-    on a gang (``_run_chunk``), keep a rollouter generating (``_advance_call`` / ``_advanced``) and handle the
-    remaining commands (``do_<Command>``)."""
+    """What every Ray driver shares (module doc). Subclasses start a worker's actors (``_spawn``), bring a
+    fresh one to its state (``_restore``), run a chunk on a gang (``_run_chunk``), keep a rollouter generating
+    (``_advance_call`` / ``_advanced``) and handle the remaining commands (``do_<Command>``).
+
+    ``checkpoint_dir`` / ``checkpoint_every`` / ``keep``: write checkpoints (module doc); ``resume``: a checkpoint
+    folder (or one ``step-*`` checkpoint) to continue from; ``max_restarts``: restarts allowed per worker in a row
+    (:mod:`bidirl.cluster.recovery`)."""
     address: Optional[str] = None
     start_timeout: float = 120.0
     stall_timeout: float = 60.0
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 1
+    keep: int = 3
+    resume: Optional[str] = None
+    max_restarts: int = MAX_RESTARTS
+    workers: Optional[Workers] = None
 
     label = "ray"
 
     def __post_init__(self):
         super().__post_init__()
-        self.pending: dict = {}           # object ref -> (worker, callback, on_error)
-        self.actors: dict = {}
+        self.pending: dict = {}           # object ref -> (worker, incarnation, callback, on_error)
+        self.actors: dict = {}            # worker -> its actor
+        self.gangs: dict = {}             # trainer gang -> its ranks' actors (engine runs)
         self.measured: dict = {}          # (direction | "start" | ..., which) -> [seconds]
         self.failed: set = set()          # workers reported to the coordinator as failed
         self.pg = None
@@ -68,6 +126,24 @@ class PoolDriver(Driver):
         self.r_starts: dict = {}          # rollouter -> number of start calls sent (see _still_busy)
         self.chunk_queue: dict = {}       # gang -> deque of queued RunChunk commands
         self.chunk_running: dict = {}     # gang -> the RunChunk it executes
+        self.restarts = Restarts(self.max_restarts)
+        # whether each worker's pool has it offloaded (auxiliaries start so); a restarted worker is brought there
+        self.passive: dict = {w: not P.is_primary(w) for w in self.topology.workers}
+        self.switching: dict = {}         # pool -> the Switch in flight on it
+        self.syncing: Optional[P.SyncWeights] = None     # the weight sync in flight
+        self.step_marks: list = []        # (spans, decisions) in the log when each step finished
+        self.clock_start = 0.0            # the timeline's time when this run starts (a resumed run continues it)
+        self.boundary = None              # the step boundary a resumed run starts from (its SyncFinished)
+        self.resumed_from: Optional[checkpoints.Checkpoint] = None
+        if self.resume is not None:
+            checkpoints.check_source(self.resume)        # before the writer creates a folder of that name
+        self.writer = (checkpoints.CheckpointWriter(self.checkpoint_dir, self.checkpoint_every, self.keep)
+                       if self.checkpoint_dir is not None else None)
+        self.keep_workers = False
+        self._identity: Optional[checkpoints.RunIdentity] = None
+        self.kept: Optional[Workers] = None          # this run's workers, when kept for the next run
+        # wall time of the ray.wait loop: waiting for replies, and handling them (driver + coordinator)
+        self.loop_stats: dict = {"wait_s": 0.0, "handle_s": 0.0, "replies": 0, "calls": 0, "events": 0}
 
     # ------------------------------------------------------------------------------------------
     # Ray start-up and placement
@@ -84,8 +160,23 @@ class PoolDriver(Driver):
             if self.address:
                 ray.init(address=self.address, namespace="bidirl", log_to_driver=False)
             else:
-                ray.init(num_cpus=max(4, os.cpu_count() or 1), **self._local_slots(G),
-                         include_dashboard=False, log_to_driver=False, namespace="bidirl")
+                # each of the G bundles reserves BUNDLE_CPU logical CPUs: enough of them for every bundle
+                for attempt in range(3):
+                    try:
+                        ray.init(num_cpus=max(4, os.cpu_count() or 1, math.ceil(BUNDLE_CPU * G) + 1),
+                                 **self._local_slots(G), include_dashboard=False, log_to_driver=False,
+                                 namespace="bidirl")
+                        break
+                    except Exception as exc:
+                        # on a loaded machine the local node may miss Ray's fixed 30 s registration deadline
+                        if "timed out during startup" not in str(exc):
+                            raise
+                        ray.shutdown()
+                        if attempt == 2:
+                            raise ClusterError("the local Ray node did not start in 3 tries (it must register "
+                                               "within 30 s; this machine is too loaded now): retry when it is "
+                                               "less busy, or start Ray yourself (ray start --head) and pass "
+                                               "--address auto") from None
         have = ray.cluster_resources().get(self._resource(), 0)
         if have < G:
             raise ClusterError(f"the Ray cluster offers {have:g} '{self._resource()}' resources but cluster.gpus "
@@ -101,7 +192,16 @@ class PoolDriver(Driver):
         from ray.util.placement_group import placement_group
 
         G, res = self.config.cluster.gpus, self._resource()
-        self.pg = placement_group([{res: 1.0, "CPU": 0.1}] * G, strategy="PACK")
+        if self.workers is not None:
+            shape = self.worker_shape()
+            diff = sorted(k for k in set(shape) | set(self.workers.shape) if shape.get(k) != self.workers.shape.get(k))
+            if diff:
+                raise ValueError(f"{type(self).__name__}.workers: the kept workers were started for another job ("
+                                 + ", ".join(f"{k}: {self.workers.shape.get(k)!r} there, {shape.get(k)!r} here"
+                                             for k in diff) + "); release them and start new ones")
+            self.pg = self.workers.pg
+            return
+        self.pg = placement_group([{res: 1.0, "CPU": BUNDLE_CPU}] * G, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=self.start_timeout)
         except Exception as exc:
@@ -115,10 +215,31 @@ class PoolDriver(Driver):
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
 
     def _place(self):
+        """Start every worker (``_spawn``) and wait until they are ready."""
         raise NotImplementedError
 
+    def _spawn(self, worker: str) -> None:
+        """Start ``worker``'s actor(s) on its bundle(s) — at start-up and, after a failure, as a fresh process."""
+        raise NotImplementedError
+
+    def _discard(self, worker: str) -> None:
+        """Give up what is left of a failed worker's actor(s) (a gang's other ranks would hang in collectives)."""
+        raise NotImplementedError
+
+    def _restore(self, worker: str, then: Callable[[], None]) -> None:
+        """Bring a freshly spawned ``worker`` to the state it serves (calls through :meth:`_submit`), then call
+        ``then``; a call that fails instead counts as the worker's next failure."""
+        raise NotImplementedError
+
+    def _resume_workers(self) -> None:
+        """After placement in a resumed run: load the checkpoint's worker state (the trainer's)."""
+
+    def worker_shape(self) -> dict:
+        """What kept workers must have been started for to serve this run (layout and engine settings)."""
+        return {"driver": self.label, "resource": self._resource(), **self.layout()}
+
     def _begin(self):
-        """Called after placement, right before ``Started``."""
+        """Called after placement, right before ``Started`` (or the resumed boundary)."""
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -127,9 +248,11 @@ class PoolDriver(Driver):
     # calls in flight
     # ------------------------------------------------------------------------------------------
     def _submit(self, worker: str, ref, callback, on_error: Optional[Callable] = None):
-        """Track a call on ``worker``: ``callback(value)`` when it completes; if the worker's actor died,
-        the coordinator is told and ``on_error()`` runs (for calls whose completion others wait on)."""
-        self.pending[ref] = (worker, callback, on_error)
+        """Track a call on ``worker``'s current process: ``callback(value)`` when it completes. If the worker
+        fails, or failed since the call was sent, the call is void: ``on_error()`` runs instead (for calls whose
+        completion others wait on), and a failure of the current process restarts the worker."""
+        self.pending[ref] = (worker, self.restarts.incarnation(worker), callback, on_error)
+        self.loop_stats["calls"] += 1
 
     def _when_all(self, calls: list, callback, tolerate: bool = False):
         """Call ``callback(values)`` once every ``(worker, ref)`` call has completed (at once if there are none).
@@ -158,14 +281,41 @@ class PoolDriver(Driver):
     def _alive(self, workers) -> list:
         return [w for w in workers if w not in self.failed]
 
-    def _worker_failed(self, worker: str, exc: Exception):
-        """A call on ``worker`` raised because its actor died: tell the coordinator (once)."""
+    def _call_failed(self, worker: str, exc: Exception) -> None:
+        """A call on ``worker``'s current process raised: a lost process (or a trainer collective broken by a
+        lost peer) is recovered; a rollouter's own error ends the run."""
+        from ray.exceptions import RayActorError
+        if not isinstance(exc, RayActorError) and P.worker_kind(worker) == P.ROLLOUT:
+            raise ClusterError(f"worker {worker} failed: {root_cause(exc)}") from exc
+        self._worker_failed(worker, root_cause(exc))
+
+    def _worker_failed(self, worker: str, error: str) -> None:
+        """``worker``'s current process failed: past the bound the run stops; otherwise its calls become void,
+        the coordinator is told, and a fresh process is started and restored (``WorkerRestarted``)."""
+        if self.restarts.exhausted(worker, self.steps_done):
+            raise ClusterError(self.restarts.message(worker, error))
+        self.restarts.begin(worker, self.now(), error, self.steps_done)
+        self._discard(worker)
         self.r_busy[worker] = self.r_advancing[worker] = False
         self.chunk_queue.pop(worker, None)
         self.chunk_running.pop(worker, None)
         if worker not in self.failed:
             self.failed.add(worker)
-            self.feed(P.WorkerFailed(self.now(), worker, str(exc).splitlines()[0]))
+            self.feed(P.WorkerFailed(self.now(), worker, error))
+        self._spawn(worker)
+        self._restore(worker, lambda: self._restarted(worker))
+
+    def _restarted(self, worker: str) -> None:
+        self.failed.discard(worker)
+        self.feed(P.WorkerRestarted(self.now(), worker))
+
+    def switch_sides(self, cmd: P.Switch) -> tuple:
+        """The workers a switch offloads (passive) and onloads (active): a pool's trainer gang and its rollouters."""
+        rollouters = self.topology.aux_rollouters if cmd.pool == P.TRAINER_POOL else self.topology.rollouters
+        trainer = P.trainer_gang(cmd.pool)
+        if cmd.to_role == P.ROLLOUT:
+            return [trainer], list(rollouters)
+        return list(rollouters), [trainer]
 
     # ------------------------------------------------------------------------------------------
     # rollouters: one generation call in flight per busy rollouter
@@ -235,39 +385,168 @@ class PoolDriver(Driver):
         self._next_chunk(cmd.worker)
 
     # ------------------------------------------------------------------------------------------
-    def run(self, progress: bool = False, kill: Optional[Callable] = None) -> RunResult:
-        """Run to the configured number of steps. ``kill(driver)`` is polled each loop (fault tests)."""
+    # the protocol, as the Ray drivers add to it: what is in flight, checkpoints at step boundaries
+    # ------------------------------------------------------------------------------------------
+    def feed(self, event) -> None:
+        self.loop_stats["events"] += 1
+        if isinstance(event, P.SyncFinished):
+            self.syncing = None
+            self._maybe_checkpoint(event)
+        elif isinstance(event, P.SwitchFinished):
+            self.switching.pop(event.pool, None)
+        super().feed(event)
+
+    def execute(self, msg) -> None:
+        if isinstance(msg, P.Switch):
+            self.switching[msg.pool] = msg
+            passive, active = self.switch_sides(msg)
+            self.passive.update({w: True for w in passive})
+            self.passive.update({w: False for w in active})
+        elif isinstance(msg, P.SyncWeights):
+            self.syncing = msg
+        super().execute(msg)
+        if isinstance(msg, P.StepDone):
+            self.step_marks.append((len(self.log.spans), len(self.log.decisions)))
+
+    # ------------------------------------------------------------------------------------------
+    # checkpoints and resume (bidirl.checkpoints)
+    # ------------------------------------------------------------------------------------------
+    def layout(self) -> dict:
+        """The world size of every pool and gang (GPU slots, replicas, ranks)."""
+        env, top = self.plan.envelope, self.topology
+        return {"gpus": self.config.cluster.gpus, "rollout_gpus": env.rollout_gpus,
+                "trainer_gpus": env.trainer_gpus, "rollout_layout": env.rollout_layout,
+                "trainer_layout": env.trainer_layout, "rollouters": top.rollout_replicas,
+                "aux_rollouters": top.aux_rollout_replicas,
+                "trainer_ranks": top.trainer_replicas * env.trainer_layout,
+                "aux_trainer_ranks": top.aux_trainer_replicas * env.trainer_layout}
+
+    def identity(self) -> checkpoints.RunIdentity:
+        """What a checkpoint of this run records and a resumed run must match (computed once: it hashes the
+        prompt file)."""
+        if self._identity is None:
+            self._identity = checkpoints.RunIdentity(
+                config=self.config.to_dict(), policy=self.policy_name, steps=self.steps, seed=self.seed,
+                driver=self.label, model=self._model_identity(), data=self._data_identity(), layout=self.layout())
+        return self._identity
+
+    def _model_identity(self) -> dict:
+        return {"name": self.config.model}
+
+    def _data_identity(self) -> dict:
+        return {}
+
+    def checkpoint_state(self) -> dict:
+        """The driver's own per-run state a checkpoint keeps (subclasses add theirs)."""
+        return {"version": self.version, "measured": self.measured, "step_marks": list(self.step_marks),
+                "recoveries": list(self.restarts.record)}
+
+    def restore_state(self, state: dict) -> None:
+        """Take back what :meth:`checkpoint_state` returned (a resumed run)."""
+        self.version = state["version"]
+        self.measured = {k: list(v) for k, v in state["measured"].items()}
+        self.step_marks = list(state["step_marks"])
+        self.restarts.record = list(state["recoveries"])
+
+    def _save_trainer_state(self, folder: Path) -> bool:
+        """Write the trainer's state into ``folder`` (a checkpoint's ``trainer/``); False if there is none.
+        Raises :class:`~bidirl.checkpoints.CheckpointSkipped` when it cannot now (the trainer is being restarted).
+        Other workers hold nothing a checkpoint needs: one being restarted is announced again on resume."""
+        return False
+
+    def _maybe_checkpoint(self, boundary: P.SyncFinished) -> None:
+        """Write a checkpoint at the boundary ``boundary`` closes, if one is due (called before it is fed)."""
+        step = self.steps_done + 1
+        if self.writer is None or boundary is self.boundary or not self.writer.due(step, last=step >= self.steps):
+            return                       # (a resumed run's own boundary is the checkpoint it started from)
+        tmp = self.writer.begin(step)
+        try:
+            try:
+                trainer = self._save_trainer_state(tmp / checkpoints.TRAINER_DIR)
+            except checkpoints.CheckpointSkipped as exc:
+                self.writer.abandon(tmp)
+                warnings.warn(f"no checkpoint after step {step}: {exc}; the next boundary writes one", RuntimeWarning,
+                              stacklevel=2)
+                return
+            control = checkpoints.capture(self, boundary, self.checkpoint_state())
+            self.writer.commit(tmp, step=step, trainer_version=boundary.version, t=boundary.t,
+                               identity=self.identity(), control=control, config_yaml=self.config.to_yaml(),
+                               trainer=trainer)
+        except BaseException:
+            self.writer.abandon(tmp)
+            raise
+
+    def _load_resume(self) -> None:
+        """Restore the control plane and the driver's state from ``resume`` (before Ray starts: a bad
+        checkpoint fails fast, naming what is wrong)."""
+        if self.resume is None:
+            return
+        found = checkpoints.find(self.resume, self.identity())
+        if self.steps <= found.step:
+            raise checkpoints.CheckpointError(
+                f"checkpoint {str(found.path)!r} holds {found.step} steps already; this run asks for {self.steps} "
+                f"in all: pass --steps greater than {found.step} to continue it")
+        control = found.control()
+        checkpoints.install(self, control)
+        self.restore_state(control.driver)
+        self.boundary, self.clock_start, self.resumed_from = control.boundary, float(control.boundary.t), found
+        if self.writer is not None and Path(self.writer.root).resolve() == found.path.parent.resolve():
+            newer = [p for p in checkpoints.step_folders(self.writer.root) if checkpoints.step_of(p) > found.step]
+            if newer:
+                warnings.warn(f"resuming from {found.path.name}: removing the newer checkpoints "
+                              f"{', '.join(p.name for p in newer)}, which this run replaces", RuntimeWarning,
+                              stacklevel=2)
+                for p in newer:
+                    self.writer.abandon(p)
+
+    # ------------------------------------------------------------------------------------------
+    def run(self, progress: bool = False, kill: Optional[Callable] = None, keep_workers: bool = False) -> RunResult:
+        """Run to the configured number of steps. ``kill(driver)`` is polled each loop (fault tests);
+        ``keep_workers``: leave the workers running for another run of the same shape (``self.kept``)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        self.progress = progress
+        self.progress, self.keep_workers = progress, keep_workers
+        self._load_resume()
         self._start_ray()
         try:
             self._reserve()
             self._place()
+            self._resume_workers()
             self._begin()
             with progress_bar(self.steps, f"run {self.policy_name} ({self.label})", progress) as tick:
-                self.feed(P.Started(self.now()))
+                tick(self.steps_done)
+                if self.boundary is None:
+                    self.feed(P.Started(self.now()))
+                else:
+                    self.feed(self.boundary)
+                    # workers that were being restarted when the checkpoint was written are fresh ones now
+                    for w in self.coordinator.view().failed:
+                        self.feed(P.WorkerRestarted(self.now(), w))
                 while self.pending:
+                    t_wait = time.perf_counter()
                     ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=self.stall_timeout)
+                    t_ready = time.perf_counter()
+                    self.loop_stats["wait_s"] += t_ready - t_wait
+                    self.loop_stats["replies"] += len(ready)
                     if not ready:
                         raise ClusterError(f"no worker answered for {self.stall_timeout:.0f} s at step "
                                            f"{self.steps_done}; the job is stuck")
                     for ref in ready:
-                        worker, callback, on_error = self.pending.pop(ref)
+                        worker, incarnation, callback, on_error = self.pending.pop(ref)
+                        current = incarnation == self.restarts.incarnation(worker)
                         try:
                             value = ray.get(ref)
                         except (RayActorError, RayTaskError) as exc:
-                            died = isinstance(exc, RayActorError)
-                            if not died and P.is_primary(worker):
-                                raise ClusterError(f"worker {worker} failed: {root_cause(exc)}") from exc
-                            # an auxiliary worker that died or whose call failed (e.g. a collective broken by a
-                            # dead peer) is given up: the coordinator recovers its work on the primaries
-                            self._worker_failed(worker, exc)
+                            if current:
+                                self._call_failed(worker, exc)
+                            value, current = None, False
+                        if not current:          # the worker failed: its calls are void
                             if on_error is not None:
                                 on_error()
                             continue
                         callback(value)
+                    self.loop_stats["handle_s"] += time.perf_counter() - t_ready
                     if kill is not None:
                         kill(self)
                     tick(self.steps_done)
@@ -284,6 +563,11 @@ class PoolDriver(Driver):
     def shutdown(self):
         import ray
         from ray.util.placement_group import remove_placement_group
+        if self.keep_workers and self.finished and self.pg is not None:
+            self.kept = Workers(self.pg, dict(self.actors), {g: list(r) for g, r in self.gangs.items()},
+                                self.worker_shape())
+            self.pg = None
+            return
         for a in self._all_actors():
             try:
                 ray.kill(a)
@@ -307,4 +591,7 @@ class PoolDriver(Driver):
         for (direction, which), values in sorted(self.measured.items()):
             costs.setdefault(direction, {})[which] = float(np.median(values))
         out["costs"] = costs
+        out["recoveries"] = list(self.restarts.record)
+        if self.resumed_from is not None:
+            out["resumed_from"] = {"checkpoint": str(self.resumed_from.path), "step": self.resumed_from.step}
         return out

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 from bidirl import config as cfgmod
+from bidirl.cluster.recovery import MAX_RESTARTS
 from bidirl.execution import RunResult
 
 
 def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, seed: Optional[int] = None,
         emulate: bool = False, address: Optional[str] = None, time_scale: float = 20.0,
         model_dir: Optional[str] = None, out_dir: Optional[str] = None, progress: bool = False,
-        on_event=None) -> RunResult:
+        on_event=None, checkpoint_dir: Optional[str] = None, checkpoint_every: int = 1, keep: int = 3,
+        resume: Optional[str] = None, max_restarts: int = MAX_RESTARTS) -> RunResult:
     """Run a job on Ray (embedded local Ray unless ``address`` names a cluster).
 
     Engine workers (vLLM rollouters, torch trainers: :class:`~bidirl.cluster.engines.driver.EngineDriver`)
@@ -19,6 +22,12 @@ def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, se
     at ``time_scale`` virtual seconds per wall second. ``on_event`` sees every event (live views).
     ``out_dir``: the run's output folder (``bidirl.tracking``: per-step metrics as JSONL and TensorBoard, trace,
     event log, summary); engine runs write their metrics while they run, emulated runs when they end.
+
+    ``checkpoint_dir``: write a checkpoint every ``checkpoint_every`` steps and after the last, keeping the last
+    ``keep`` (``bidirl.checkpoints``); ``resume``: continue from the newest good checkpoint in that folder (or
+    from that ``step-*`` checkpoint) — it keeps checkpointing there unless ``checkpoint_dir`` names another
+    folder. ``max_restarts``: restarts allowed per worker in a row (no whole step completed between its failures)
+    before its next failure ends the run.
     """
     cfg = cfgmod.load(config)
     policy = policy or cfg.scheduler.policy
@@ -34,13 +43,18 @@ def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, se
     if out_dir is not None:
         from bidirl.tracking import check_out_dir
         check_out_dir(out_dir)
+    if resume is not None and checkpoint_dir is None:
+        from bidirl.checkpoints import MANIFEST
+        checkpoint_dir = str(Path(resume).parent if (Path(resume) / MANIFEST).exists() else Path(resume))
+    durable = dict(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep, resume=resume,
+                   max_restarts=max_restarts)
     if not emulate:
         from bidirl.cluster.engines.driver import EngineDriver
         return EngineDriver(cfg, policy, steps, seed, on_event=on_event, address=address,
-                            model_dir=model_dir, out_dir=out_dir).run(progress)
+                            model_dir=model_dir, out_dir=out_dir, **durable).run(progress)
     from bidirl.cluster.emulated import EmulatedDriver
     result = EmulatedDriver(cfg, policy, steps, seed, on_event=on_event, address=address,
-                            time_scale=time_scale).run(progress)
+                            time_scale=time_scale, **durable).run(progress)
     if out_dir is not None:
         from bidirl.tracking import write_run
         result.summary_dict["out_dir"] = str(out_dir)

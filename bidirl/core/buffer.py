@@ -8,6 +8,8 @@ Group ids are admitted in order 0, 1, 2, …; the driver maps an id to a prompt.
 
 from __future__ import annotations
 
+import collections
+import heapq
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -37,13 +39,62 @@ BATCH_RULES = {
 
 @dataclass
 class RolloutBuffer:
+    """The live groups and three indexes kept in step with them (so the coordinator's per-event questions —
+    what runs on a worker, how many are complete, which are parked — cost O(answer), not a scan): every status
+    change goes through :meth:`_move`."""
     rule: StalenessRule
-    groups: dict = field(default_factory=dict)       # group_id -> GroupRecord, live groups only
+    groups: dict = field(default_factory=dict)       # group_id -> GroupRecord, live groups only (id order)
     consumed_ids: set = field(default_factory=set)   # consumed groups leave ``groups`` (keeps scans short)
     next_group_id: int = 0
     commits: int = 0
     duplicates: int = 0
     dropped: int = 0                                  # groups discarded unfinished; their admission slots free
+    on_worker: dict = field(default_factory=dict)     # worker -> ids of the groups running there
+    partial: set = field(default_factory=set)         # ids of the parked groups
+    complete: set = field(default_factory=set)        # ids of the complete groups
+    tags: collections.Counter = field(default_factory=collections.Counter)           # tag -> live groups
+    complete_tags: collections.Counter = field(default_factory=collections.Counter)  # tag -> complete groups
+    complete_by_tag: dict = field(default_factory=dict)  # tag -> {id: None} of its complete groups, commit order
+
+    def _move(self, rec: GroupRecord, status: str, worker: Optional[str] = None) -> None:
+        """Set a live group's status and worker, keeping the indexes in step."""
+        if rec.status == "running" and rec.worker is not None:
+            self.on_worker[rec.worker].discard(rec.group_id)
+        elif rec.status == "partial":
+            self.partial.discard(rec.group_id)
+        elif rec.status == "complete":
+            self.complete.discard(rec.group_id)
+            self.complete_tags[rec.version] -= 1
+            del self.complete_by_tag[rec.version][rec.group_id]
+        rec.status, rec.worker = status, worker
+        if status == "running" and worker is not None:
+            self.on_worker.setdefault(worker, set()).add(rec.group_id)
+        elif status == "partial":
+            self.partial.add(rec.group_id)
+        elif status == "complete":
+            self.complete.add(rec.group_id)
+            self.complete_tags[rec.version] += 1
+            self.complete_by_tag.setdefault(rec.version, {})[rec.group_id] = None
+
+    def _retag(self, rec: GroupRecord, version: int) -> None:
+        """Lower a group's staleness tag to ``version`` if older (the oldest version among its tokens)."""
+        if version < rec.version:
+            self.tags[rec.version] -= 1
+            self.tags[version] += 1
+            if rec.status == "complete":
+                self.complete_tags[rec.version] -= 1
+                self.complete_tags[version] += 1
+                del self.complete_by_tag[rec.version][rec.group_id]
+                ids = self.complete_by_tag.setdefault(version, {})
+                ids[rec.group_id] = None
+                # keep the tag's groups in commit order
+                self.complete_by_tag[version] = dict.fromkeys(sorted(ids, key=lambda g: self.groups[g].commit_seq))
+            rec.version = version
+
+    def _remove(self, rec: GroupRecord) -> None:
+        self._move(rec, "removed")
+        self.tags[rec.version] -= 1
+        del self.groups[rec.group_id]
 
     # admission -----------------------------------------------------------------------------------
     def admissible(self, rollout_version: int) -> int:
@@ -52,12 +103,14 @@ class RolloutBuffer:
 
     def in_flight(self) -> int:
         """Groups generating or waiting to resume."""
-        return sum(1 for r in self.groups.values() if r.status in ("running", "partial"))
+        return len(self.groups) - len(self.complete)
 
     def admit(self, rollout_version: int, worker: str, t: float = 0.0) -> int:
         gid = self.next_group_id
         self.next_group_id += 1
-        self.groups[gid] = GroupRecord(gid, rollout_version, "running", worker, started=t)
+        self.groups[gid] = rec = GroupRecord(gid, rollout_version, "new", None, started=t)
+        self.tags[rollout_version] += 1
+        self._move(rec, "running", worker)
         return gid
 
     # generation results --------------------------------------------------------------------------
@@ -69,8 +122,9 @@ class RolloutBuffer:
         if rec is None or rec.status == "complete":
             self.duplicates += 1
             return False
-        rec.status, rec.worker, rec.state = "complete", None, state
-        rec.version = min(rec.version, state.version)
+        self._retag(rec, state.version)
+        self._move(rec, "complete")
+        rec.state = state
         rec.commit_seq = self.commits
         self.commits += 1
         return True
@@ -80,35 +134,40 @@ class RolloutBuffer:
         rec = self.groups.get(state.group_id)
         if rec is None or rec.status == "complete":
             return
-        rec.status, rec.worker, rec.state = "partial", None, state
-        rec.version = min(rec.version, state.version)
+        self._retag(rec, state.version)
+        self._move(rec, "partial")
+        rec.state = state
 
     def resume(self, group_id: int, worker: str, t: float = 0.0) -> Optional[GroupState]:
         rec = self.groups[group_id]
-        rec.status, rec.worker, rec.started = "running", worker, t
+        self._move(rec, "running", worker)
+        rec.started = t
         return rec.state
 
     def drop(self, group_id: int) -> None:
         """Discard an unfinished group with its tokens (a system that drops over-stale work, as ROLL does); its
         admission slot is free again."""
-        rec = self.groups.pop(group_id)
+        rec = self.groups[group_id]
         if rec.status == "complete":
             raise AssertionError(f"group {group_id} is complete; only unfinished groups are dropped")
+        self._remove(rec)
         self.dropped += 1
 
     def lose(self, group_id: int) -> None:
         """The worker generating the group died: it waits to be resumed from its last known state (the prefix
         generated since it was last parked is lost with the worker)."""
-        rec = self.groups[group_id]
-        rec.status, rec.worker = "partial", None
+        self._move(self.groups[group_id], "partial")
 
     def partial_ids(self) -> list[int]:
         """Parked groups, oldest tag first (they are the ones the trainer may have to wait for)."""
-        return sorted((r.group_id for r in self.groups.values() if r.status == "partial"),
-                      key=lambda g: (self.groups[g].version, g))
+        return sorted(self.partial, key=lambda g: (self.groups[g].version, g))
 
     def running_on(self, worker: str) -> list[int]:
-        return [g for g, r in self.groups.items() if r.status == "running" and r.worker == worker]
+        """The groups running on ``worker``, in id order."""
+        return sorted(self.on_worker.get(worker, ()))
+
+    def running_count(self, worker: str) -> int:
+        return len(self.on_worker.get(worker, ()))
 
     # consumption ---------------------------------------------------------------------------------
     def select_batch(self, trainer_version: int, rule: str = "lookahead") -> Optional[list[int]]:
@@ -117,11 +176,13 @@ class RolloutBuffer:
         if rule == "lookahead":
             return self._select_lookahead(trainer_version)
         if rule == "oldest-first":
-            live = sorted(self.groups.values(), key=lambda r: (r.version, r.group_id))[:B]
+            live = self._oldest() if len(self.complete) >= B else []
             return [r.group_id for r in live] if len(live) == B and all(r.status == "complete" for r in live) \
                 else None
         key = {"completion": lambda r: r.commit_seq, "submission": lambda r: r.group_id}[rule]
-        complete = sorted((r for r in self.groups.values() if r.status == "complete"), key=key)
+        if len(self.complete) < B:
+            return None
+        complete = sorted((self.groups[g] for g in self.complete), key=key)
         return [r.group_id for r in complete[:B]] if len(complete) >= B else None
 
     def _select_lookahead(self, trainer_version: int) -> Optional[list[int]]:
@@ -133,27 +194,41 @@ class RolloutBuffer:
         batch may be left). Otherwise the trainer waits for the older groups still generating.
         """
         B = self.rule.batch
-        complete = sorted((r for r in self.groups.values() if r.status == "complete"),
-                          key=lambda r: (r.version, r.commit_seq))
-        if len(complete) < B:
+        if len(self.complete) < B:
             return None
-        chosen = complete[:B]
-        taken = {r.group_id for r in chosen}
-        left = sorted(r.version for r in self.groups.values() if r.group_id not in taken)
-        if not self.rule.leaves_consumable(left, trainer_version):
+        # the tags the B oldest complete groups take, and the tags of every live group left behind (counts: the
+        # test needs only the multiset of tags, so it costs O(tags) until a batch is accepted)
+        left, need = collections.Counter(self.tags), B
+        for tag in sorted(t for t, n in self.complete_tags.items() if n):
+            take = min(need, self.complete_tags[tag])
+            left[tag] -= take
+            need -= take
+            if not need:
+                break
+        if not self.rule.leaves_consumable_counts(left, trainer_version):
             return None
-        return [r.group_id for r in chosen]
+        # the B oldest complete groups by (tag, commit order): each tag's groups are kept in commit order
+        chosen = []
+        for tag in sorted(t for t, n in self.complete_tags.items() if n):
+            for gid in self.complete_by_tag[tag]:
+                chosen.append(gid)
+                if len(chosen) == B:
+                    return chosen
+        return chosen
 
     def deficit(self, trainer_version: int) -> int:
         """Q_r: groups still generating among the ``B`` oldest live ones (what the next batch waits for)."""
-        live = sorted(self.groups.values(), key=lambda r: (r.version, r.group_id))[: self.rule.batch]
+        live = self._oldest()
         missing = sum(1 for r in live if r.status != "complete")
         return missing + max(0, self.rule.batch - len(live))
 
     def needed(self) -> list:
         """The records of the groups the next batch waits for: not complete among the ``B`` oldest live ones."""
-        live = sorted(self.groups.values(), key=lambda r: (r.version, r.group_id))[: self.rule.batch]
-        return [r for r in live if r.status != "complete"]
+        return [r for r in self._oldest() if r.status != "complete"]
+
+    def _oldest(self) -> list:
+        """The ``B`` oldest live groups, by tag then id."""
+        return heapq.nsmallest(self.rule.batch, self.groups.values(), key=lambda r: (r.version, r.group_id))
 
     def consume(self, group_ids: list[int]) -> list[GroupState]:
         out = []
@@ -161,14 +236,12 @@ class RolloutBuffer:
             rec = self.groups.get(gid)
             if rec is None or rec.status != "complete":
                 raise AssertionError(f"group {gid} consumed while {rec.status if rec else 'consumed'}")
-            del self.groups[gid]
+            self._remove(rec)
             self.consumed_ids.add(gid)
             out.append(rec.state)
         return out
 
     # accounting ----------------------------------------------------------------------------------
     def counts(self) -> dict:
-        by = {"running": 0, "partial": 0, "complete": 0, "consumed": len(self.consumed_ids)}
-        for rec in self.groups.values():
-            by[rec.status] += 1
-        return by
+        return {"running": len(self.groups) - len(self.partial) - len(self.complete), "partial": len(self.partial),
+                "complete": len(self.complete), "consumed": len(self.consumed_ids)}

@@ -15,11 +15,16 @@ Finished chunks are merged in unit order, so where a chunk ran never changes wha
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from bidirl.core.gates import joint_tail_split
 from bidirl.core.protocol import AUXILIARY, FORWARD_STAGES, PRIMARY, UPDATE_STAGES, Chunk
+
+
+#: a tail side whose chunks hold at most this many samples in all is timed in one vectorised pass
+TAIL_VECTOR_SAMPLES = 100_000
 
 
 @dataclass
@@ -53,12 +58,9 @@ class TrainerStep:
     aux_update_chunks: list = field(default_factory=list)
 
     def __post_init__(self):
-        self.prompt_lens, self.response_lens, self.sample_refs = [], [], []
-        for g in self.groups:
-            for i, r in enumerate(g.generated):
-                self.prompt_lens.append(g.prompt_len)
-                self.response_lens.append(int(r))
-                self.sample_refs.append((g.group_id, i))
+        self.prompt_lens = [g.prompt_len for g in self.groups for _ in g.generated]
+        self.response_lens = [int(r) for g in self.groups for r in g.generated]
+        self.sample_refs = [(g.group_id, i) for g in self.groups for i in range(len(g.generated))]
         self.segments = [tuple(s for s in seg if s in self.stages) for seg in (FORWARD_STAGES, UPDATE_STAGES)]
         self.segments = [s for s in self.segments if s]
         self._open_segment()
@@ -73,7 +75,7 @@ class TrainerStep:
         return self.segments[self.segment_index]
 
     def _open_segment(self):
-        self.units = [(stage, i) for stage in self.segment for i in range(self.n_samples)]
+        self.units = list(itertools.product(self.segment, range(self.n_samples)))   # (stage, sample), stage-major
         self.pending = list(range(len(self.units)))
         self.tail_plan, self.chunks, self.merged_upto = {}, {}, 0
 
@@ -94,6 +96,12 @@ class TrainerStep:
         return True
 
     def lens(self, units) -> tuple:
+        """``(prompt_lens, response_lens)`` of the units' samples, in unit order."""
+        units = list(units)
+        if units and units == list(range(units[0], units[0] + len(units))) \
+                and self.units[units[0]][0] == self.units[units[-1]][0]:
+            i = self.units[units[0]][1]          # consecutive units of one stage: consecutive samples
+            return self.prompt_lens[i:i + len(units)], self.response_lens[i:i + len(units)]
         idx = [self.units[u][1] for u in units]
         return [self.prompt_lens[i] for i in idx], [self.response_lens[i] for i in idx]
 
@@ -113,6 +121,11 @@ class TrainerStep:
             return ()
         first = self.pending[0]
         stage = self.units[first][0]
+        last = min(limit, len(self.pending)) - 1
+        if self.pending[last] == first + last and self.units[first + last][0] == stage:
+            run = self.pending[: last + 1]          # consecutive units of one stage (the usual case)
+            del self.pending[: last + 1]
+            return tuple(run)
         run = [first]
         for u in self.pending[1:limit]:
             if u != run[-1] + 1 or self.units[u][0] != stage:
@@ -167,24 +180,41 @@ class TrainerStep:
             runs.append(tuple(cur))
         return runs
 
-    def plan_tail(self, d_p: int, d_a: int, ready_p: float, ready_a: float,
-                  chunk_time: Callable) -> tuple[int, float]:
+    def plan_tail(self, d_p: int, d_a: int, ready_p: float, ready_a: float, chunk_time: Callable,
+                  span_times: Optional[Callable] = None, span_bounds: Optional[Callable] = None) -> tuple[int, float]:
         """JointTailSplit over the pending units (:func:`bidirl.core.gates.joint_tail_split`): the auxiliary
         side takes the trailing ``n_a`` units, each side runs full chunks of s_max plus at most one remainder.
-        Returns (units given to the auxiliary side, predicted joint completion)."""
+        Returns (units given to the auxiliary side, predicted joint completion).
+
+        ``chunk_time(stage, prompt_lens, response_lens, d, side)`` predicts one chunk. A side's time for k units
+        is a short list of chunks (:class:`TailSide`); all k together need O(n · s_max) samples' worth of chunks.
+        The optional callables take chunks as spans ``[start, stop)`` of the step's samples (a chunk is a run of
+        consecutive samples of one stage), ``(stage, prompt_lens, response_lens, starts, stops, d, side)``:
+        ``span_times`` predicts many at once — used to time every chunk of a side in one pass while that is
+        small (:data:`TAIL_VECTOR_SAMPLES`) — and ``span_bounds`` returns lower bounds, with which the search
+        skips every split that cannot beat the best so far, so only the splits it asks about are timed. Either
+        way the split and completion are those of timing every chunk one by one.
+        """
         units = list(self.pending)
         n = len(units)
+        sides = (TailSide(self, units, d_p, PRIMARY, chunk_time, from_end=False),
+                 TailSide(self, units, d_a, AUXILIARY, chunk_time, from_end=True))
+        bounds, lazy = [None, None], []
+        for k, side in enumerate(sides):
+            if span_times is not None and side.samples() <= TAIL_VECTOR_SAMPLES:
+                side.time_all(span_times)
+                continue
+            if span_bounds is not None:
+                bounds[k] = side.bounds(span_bounds).__getitem__
+            lazy.append(side)
 
-        def side_time(part, d, side):
-            total = 0.0
-            for run in self.split_runs(part, d):
-                p, r = self.lens(run)
-                total += chunk_time(self.units[run[0]][0], p, r, d, side)
-            return total
-
+        def prepare(splits: list) -> None:
+            # the search's next candidates, timed together: the spans they need, one vectorised call per stage
+            for side in lazy:
+                side.time_some([n_a if side.from_end else n - n_a for n_a in splits], span_times)
         n_a, finish = joint_tail_split(n, d_p * self.rho, d_a * self.rho, ready_p, ready_a,
-                                       lambda k: side_time(units[:k], d_p, PRIMARY),
-                                       lambda k: side_time(units[n - k:], d_a, AUXILIARY))
+                                       sides[0].time, sides[1].time, *bounds,
+                                       prepare=prepare if span_times is not None and lazy else None)
         self.tail_plan = {PRIMARY: self.split_runs(units[: n - n_a], d_p),
                           AUXILIARY: self.split_runs(units[n - n_a:], d_a)}
         self.pending = []
@@ -256,3 +286,100 @@ class TrainerStep:
         if self.tail_plan:
             return bool(self.tail_plan.get(side))
         return bool(self.pending)
+
+
+class TailSide:
+    """One side of the tail split: how long it takes to run ``k`` of the pending ``units`` — the first k
+    (``from_end=False``, the primaries) or the last k (the auxiliaries) — cut into chunks as
+    :meth:`TrainerStep.split_runs` cuts them, for any k.
+
+    A prefix's runs are the full list's runs cut at k (the cut is greedy from the front); a suffix's runs each
+    end where a run starting at that position always ends (``size`` units on, or the next stage change or gap).
+    So every k is a short list of *spans* ``(first unit, units)``; a span is timed once (``chunk_time``) and
+    the side's time adds its spans' times in run order, as running them one after another would.
+    """
+
+    def __init__(self, step: TrainerStep, units: list, d: int, side: str, chunk_time: Callable, from_end: bool):
+        self.step, self.d, self.side, self.chunk_time, self.from_end = step, d, side, chunk_time, from_end
+        self.n = n = len(units)
+        if from_end:
+            size = step.chunk_units(d)
+            brk = [n] * (n + 1)            # brk[i]: the first position after i where a run must start anew
+            for i in range(n - 2, -1, -1):
+                a, b = units[i], units[i + 1]
+                brk[i] = i + 1 if step.units[a][0] != step.units[b][0] or b != a + 1 else brk[i + 1]
+            self.end = [min(i + size, brk[i]) for i in range(n)]
+        else:
+            self.runs = step.split_runs(units, d)
+            self.run_starts = list(itertools.accumulate((len(r) for r in self.runs[:-1]), initial=0))
+        self.units = units
+        self._times: dict = {}
+
+    def spans(self, k: int) -> list:
+        """The chunks, ``(first unit, units)`` in run order, of running k units on this side."""
+        if k <= 0:
+            return []
+        if self.from_end:
+            out, i = [], self.n - k
+            while i < self.n:
+                out.append((self.units[i], self.end[i] - i))
+                i = self.end[i]
+            return out
+        j = bisect.bisect_right(self.run_starts, k - 1) - 1
+        return [(run[0], len(run)) for run in self.runs[:j]] + [(self.runs[j][0], k - self.run_starts[j])]
+
+    def time(self, k: int) -> float:
+        """The side's predicted time for k units (its spans' times added in order)."""
+        total = 0.0
+        for span in self.spans(k):
+            t = self._times.get(span)
+            if t is None:
+                u, m = span
+                t = self._times[span] = self.chunk_time(self.step.units[u][0], *self.step.lens(range(u, u + m)),
+                                                        self.d, self.side)
+            total += t
+        return total
+
+    def distinct_spans(self) -> list:
+        """Every span of every k, once."""
+        return list(dict.fromkeys(span for k in range(self.n + 1) for span in self.spans(k)))
+
+    def samples(self) -> int:
+        """The samples of all distinct spans: what timing every k costs."""
+        return sum(m for _, m in self.distinct_spans())
+
+    def _per_span(self, fn: Callable, spans: list) -> dict:
+        """``fn`` (a ``span_times``-like callable) on ``spans``, one call per stage: span -> value."""
+        by_stage: dict = {}
+        for span in spans:
+            by_stage.setdefault(self.step.units[span[0]][0], []).append(span)
+        out = {}
+        for stage, group in by_stage.items():
+            starts = [self.step.units[u][1] for u, _ in group]
+            stops = [i + m for i, (_, m) in zip(starts, group)]
+            out.update(zip(group, fn(stage, self.step.prompt_lens, self.step.response_lens, starts, stops, self.d,
+                                     self.side)))
+        return out
+
+    def time_some(self, ks: list, span_times: Callable) -> None:
+        """Time the spans of these k that are not timed yet, in one vectorised call per stage."""
+        todo = list(dict.fromkeys(span for k in ks for span in self.spans(k) if span not in self._times))
+        if todo:
+            self._times.update(self._per_span(span_times, todo))
+
+    def time_all(self, span_times: Callable) -> None:
+        """Time every distinct span now, in one vectorised call per stage (then :meth:`time` only adds)."""
+        self._times.update(self._per_span(span_times, self.distinct_spans()))
+
+    def bounds(self, span_bounds: Callable) -> list:
+        """A lower bound of :meth:`time` for every k = 0 … n: the spans' lower bounds added the same way (so
+        each is at most the time it bounds), all spans bounded in one call per stage."""
+        lower = self._per_span(span_bounds, self.distinct_spans())
+        out = []
+        for k in range(self.n + 1):
+            total = 0.0
+            for span in self.spans(k):
+                total += lower[span]
+            out.append(total)
+        return out
+

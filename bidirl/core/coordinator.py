@@ -25,6 +25,8 @@ Life of a training step ``k`` (trainer holds version ``v = k``):
 from __future__ import annotations
 
 import enum
+import functools
+import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -47,6 +49,7 @@ class Phase(enum.Enum):
     CONSUMING = "consuming"      # running the step's chunks
     FINISHING = "finishing"      # gradient merge and optimizer step
     SYNCING = "syncing"          # pushing the new weights
+    ROLLING_BACK = "rolling_back"  # the primary trainer failed mid-step: the step starts over once it is back
     DONE = "done"
 
 
@@ -59,20 +62,20 @@ class Topology:
     aux_trainer_replicas: int      # trainer replicas the rollout pool can host (g_r / ρ_t)
     trainer_layout: int = 1        # ρ_t: devices per trainer replica
 
-    @property
+    @functools.cached_property
     def rollouters(self) -> tuple:
         return tuple(P.rollouter(P.ROLLOUT_POOL, i) for i in range(self.rollout_replicas))
 
-    @property
+    @functools.cached_property
     def aux_rollouters(self) -> tuple:
         return tuple(P.rollouter(P.TRAINER_POOL, i) for i in range(self.aux_rollout_replicas))
 
-    @property
+    @functools.cached_property
     def trainers(self) -> tuple:
         """The trainer gangs: the primary one, and the auxiliary one if the rollout pool can host it."""
         return (P.PRIMARY_TRAINER,) + ((P.AUX_TRAINER,) if self.aux_trainer_replicas else ())
 
-    @property
+    @functools.cached_property
     def workers(self) -> tuple:
         return self.rollouters + self.aux_rollouters + self.trainers
 
@@ -325,29 +328,72 @@ class Coordinator:
         self._try_start_step()
 
     def _on_WorkerFailed(self, ev: P.WorkerFailed):
-        """An auxiliary worker died: its work returns to the primaries and the lease ends (no sample lost).
+        """A worker died; the driver restarts it (``WorkerRestarted``) and nothing it held is lost.
 
-        A failed rollouter's groups restart from their last known state (the prefix is lost with the
-        process); a failed auxiliary trainer's chunks, running ones included, go back to the queue.
-        A primary failure cannot be recovered here and is re-raised to the driver.
+        * A rollouter's groups wait to resume from their last known state (the prefix generated since they
+          were last parked is lost with the process, and regenerated with the same tokens: sampling is
+          position-keyed) on the other rollouters of its pool, or on it once it is back; an auxiliary
+          rollouter's lease is revoked.
+        * An auxiliary trainer gang's chunks, running ones included, go back to the queue; its lease is revoked.
+        * The primary trainer gang keeps the step's update-chunk gradients on its ranks, so a failure mid-step
+          rolls the step back to its start (:meth:`_roll_back_step`); between steps nothing is lost.
         """
         w = ev.worker
-        if P.is_primary(w):
-            raise RuntimeError(f"primary worker {w} failed: {ev.error}")
         self.failed.add(w)
         if P.worker_kind(w) == P.ROLLOUT:
             for gid in self.buffer.running_on(w):
-                self.buffer.lose(gid)
                 self.aux_assigned.discard(gid)
+                self.migrating.discard(gid)
+                if gid in self.dropping:
+                    self.dropping.discard(gid)
+                    self.buffer.drop(gid)
+                else:
+                    self.buffer.lose(gid)
             self.stopping.discard(w)
-        elif self.step is not None:
-            for c in self.step.live(P.AUXILIARY):
-                c.status = "queued"          # its worker is gone: even a running chunk is recovered
-                self.step.cancel(c.chunk.chunk_id)
-            self.step.release_plan()
-        self._revoke(P.worker_pool(w))
-        self._dispatch_rollouts()
+            if not P.is_primary(w):
+                self._revoke(P.TRAINER_POOL)
+        elif P.is_primary(w):
+            self._roll_back_step()
+        else:
+            if self.step is not None:
+                for c in self.step.live(P.AUXILIARY):
+                    c.status = "queued"          # its worker is gone: even a running chunk is recovered
+                    self.step.cancel(c.chunk.chunk_id)
+                self.step.release_plan()
+            self._revoke(P.ROLLOUT_POOL)
+        self._after_rollout_change()
         self._schedule_chunks()
+
+    def _on_WorkerRestarted(self, ev: P.WorkerRestarted):
+        """A failed worker is back: it takes work again (a rolled-back step starts over on the primary gang)."""
+        self.failed.discard(ev.worker)
+        self._after_rollout_change()
+        self._schedule_chunks()
+
+    def _roll_back_step(self):
+        """The primary trainer gang failed while a step consumed its batch (or merged and applied it): the
+        gradients its ranks kept are lost, so the step starts over with the same batch once the gang is back
+        and no auxiliary chunk of the lost attempt still runs (:meth:`_restart_step`). The auxiliaries' lease
+        is revoked; the optimizer step never happened (``OptimizerStepped`` is sent only after it is safe)."""
+        step = self.step
+        if step is None or self.phase not in (Phase.CONSUMING, Phase.FINISHING):
+            return
+        self.phase = Phase.ROLLING_BACK
+        self.merge_log = [m for m in self.merge_log if m[0] != step.step]
+        for c in step.live(P.PRIMARY):
+            c.status = "cancelled"           # lost with the gang's processes
+        self._revoke(P.ROLLOUT_POOL)
+
+    def _restart_step(self):
+        """Start a rolled-back step over: the same batch, new chunks, once the primary gang is back."""
+        old = self.step
+        if P.PRIMARY_TRAINER in self.failed or old.live(P.AUXILIARY):
+            return
+        self.phase = Phase.CONSUMING
+        self.step = self._trainer_step(old.step, list(old.groups))
+        self._out.append(P.StartStep(old.step, self.trainer_version, tuple(old.groups)))
+        self._schedule_chunks()
+        self._consider_trainer_on_rollout_pool()
 
     # =============================================================================================
     # rollout side
@@ -358,6 +404,8 @@ class Coordinator:
             self.profiler.observe_group(group.prompt_len, group.generated)
 
     def _alive(self, workers) -> list:
+        if not self.failed:                  # the common case: a copy at C speed (a scan per event at scale)
+            return list(workers)
         return [w for w in workers if w not in self.failed]
 
     def _active_rollouters(self, pool: str) -> list:
@@ -368,31 +416,42 @@ class Coordinator:
 
     def _interrupt_all(self, workers) -> None:
         for w in workers:
-            if self.buffer.running_on(w) and w not in self.stopping:
+            if self.buffer.running_count(w) and w not in self.stopping:
                 self.stopping.add(w)
                 self._out.append(P.Interrupt(w, None))
 
     def _dispatch_rollouts(self):
         """Resume parked groups (oldest tag first), then admit new ones up to the run-ahead bound."""
-        workers = [w for w in self._active_rollouters(P.ROLLOUT_POOL) if w not in self.stopping]
-        if not workers or self.phase is Phase.DONE or self.sync_wanted:
+        # nothing starts while the new weights are on their way (a worker that is back waits for the sync too)
+        if self.phase in (Phase.DONE, Phase.SYNCING) or self.sync_wanted:
             return
-        load = {w: len(self.buffer.running_on(w)) for w in workers}
+        fresh = self._admissible()
+        if not fresh and not self.buffer.partial:       # nothing to start: no event pays for the worker list
+            return
+        workers = self._active_rollouters(P.ROLLOUT_POOL)
+        if self.stopping:
+            workers = [w for w in workers if w not in self.stopping]
+        if not workers:
+            return
+        parked = [gid for gid in self.buffer.partial_ids() if gid not in self.migrating]
+        if not parked and not fresh:
+            return
+        # the least-loaded worker first (ties: the first listed), one group at a time
+        load = [(self.buffer.running_count(w), i, w) for i, w in enumerate(workers)]
+        heapq.heapify(load)
         tasks = {w: [] for w in workers}
 
         def least_loaded():
-            return min(workers, key=lambda w: (load[w], workers.index(w)))
+            n, i, w = load[0]
+            heapq.heapreplace(load, (n + 1, i, w))
+            return w
 
-        for gid in self.buffer.partial_ids():
-            if gid in self.migrating:
-                continue
+        for gid in parked:
             w = least_loaded()
             tasks[w].append(P.GroupTask(gid, self.buffer.resume(gid, w, self._now)))
-            load[w] += 1
-        for _ in range(self._admissible()):
+        for _ in range(fresh):
             w = least_loaded()
             tasks[w].append(P.GroupTask(self.buffer.admit(self.rollout_version, w, self._now)))
-            load[w] += 1
         for w in workers:
             if tasks[w]:
                 self._out.append(P.Generate(w, tuple(tasks[w]), self.rollout_version))
@@ -407,14 +466,14 @@ class Coordinator:
     def _rollout_pool_idle(self) -> bool:
         if not self.leases[P.ROLLOUT_POOL].primary:
             return False
-        busy = any(self.buffer.running_on(w) for w in self.topology.rollouters) or self.stopping
+        busy = any(self.buffer.running_count(w) for w in self.topology.rollouters) or self.stopping
         return not busy and not self.buffer.partial_ids() and not self._admissible()
 
     def _after_rollout_change(self):
         if self.phase is Phase.DONE:
             return
         if self.leases[P.TRAINER_POOL].lent:
-            aux_busy = any(self.buffer.running_on(w) for w in self.topology.aux_rollouters)
+            aux_busy = any(self.buffer.running_count(w) for w in self.topology.aux_rollouters)
             ready = self._batch() is not None
             if ready or (not aux_busy and not self.migrating and not self.aux_assigned):
                 self._revoke(P.TRAINER_POOL)
@@ -444,9 +503,13 @@ class Coordinator:
         def replica_time(context, remaining, prefill):
             return scales[("r", P.PRIMARY)] * self.predictor.replica_time(context, remaining, prefill)
 
+        def replica_times(request_sets):
+            return [scales[("r", P.PRIMARY)] * t for t in self._many("replica_times", "replica_time", request_sets)]
+
         groups = self._rollout_work()
         gate = gates.rollout_gate(groups, primaries, d_a, gates.rollout_dispatch(q, d_p, d_a), replica_time,
-                                  self.profiler.response_sample(self.prior), costs, self.policy.gated)
+                                  self.profiler.response_sample(self.prior), costs, self.policy.gated,
+                                  replica_times=replica_times)
         self._decide(ROT, gate.admitted, gate.gain, gate.cost,
                      {"deficit": q, "load": len(groups), "q_a": gate.q_a, "d_p": d_p, "d_a": d_a,
                       "t_no": gate.t_primary, "t_joint": gate.t_joint, "step": self.trainer_version})
@@ -467,13 +530,18 @@ class Coordinator:
             held = st.generated if st is not None else (0,) * self.settings.group_size
             done = st.done if st is not None else (False,) * self.settings.group_size
             context[rec.group_id] = (p, held, done)
-        per_token, prefill = {}, {}
-        for w in self.topology.rollouters:
-            live = [p + h for gid, rec in mine.items() if rec.worker == w
-                    for p, hs, ds in [context[gid]] for h, d in zip(hs, ds) if not d]
-            per_token[w] = self.predictor.iteration_time(live) if live else 0.0
-            # the KV cache of the groups (re)started together is rebuilt before they decode
-            prefill[w] = self.predictor.replica_time(live, [0] * len(live), [True] * len(live)) if live else 0.0
+        lives = {w: [] for w in self.topology.rollouters}       # each rollouter's unfinished requests' contexts
+        for gid, rec in mine.items():
+            if rec.worker in lives:
+                p, hs, ds = context[gid]
+                lives[rec.worker] += [p + h for h, d in zip(hs, ds) if not d]
+        busy = [w for w, live in lives.items() if live]
+        per_token = dict.fromkeys(lives, 0.0)
+        prefill = dict.fromkeys(lives, 0.0)
+        per_token.update(zip(busy, self._many("iteration_times", "iteration_time", [lives[w] for w in busy])))
+        # the KV cache of the groups (re)started together is rebuilt before they decode
+        prefill.update(zip(busy, self._many("replica_times", "replica_time",
+                                            [(lives[w], [0] * len(lives[w]), [True] * len(lives[w])) for w in busy])))
         out = []
         for gid, rec in mine.items():
             p, held, done = context[gid]
@@ -484,6 +552,15 @@ class Coordinator:
             out.append(gates.GroupWork(gid, rec.worker if rec.status == "running" else None, p, held, done,
                                        gid in needed, (rec.version, -gid), prefilling=grown == 0))
         return out
+
+    def _many(self, batched: str, single: str, items: list) -> list:
+        """The predictor's ``batched`` method on ``items`` where it has one (one vectorised pass), else its
+        ``single`` method item by item (the same numbers either way)."""
+        many = getattr(self.predictor, batched, None)
+        if many is not None:
+            return many(items)
+        one = getattr(self.predictor, single)
+        return [one(*item) if isinstance(item, tuple) else one(item) for item in items]
 
     def _start_aux_rollout(self):
         """Eq. 4: Q_a = round(d_a / (d_p + d_a) · Q_r) groups go to the auxiliary rollouters."""
@@ -520,11 +597,12 @@ class Coordinator:
         if not workers or not gids:
             return
         tasks = {w: [] for w in workers}
-        load = {w: len(self.buffer.running_on(w)) for w in workers}
+        load = [(self.buffer.running_count(w), i, w) for i, w in enumerate(workers)]   # least loaded first
+        heapq.heapify(load)
         for gid in gids:
-            w = min(workers, key=lambda x: (load[x], workers.index(x)))
+            n, i, w = load[0]
+            heapq.heapreplace(load, (n + 1, i, w))
             tasks[w].append(P.GroupTask(gid, self.buffer.resume(gid, w, self._now)))
-            load[w] += 1
             self.aux_assigned.add(gid)
         for w in workers:
             if tasks[w]:
@@ -538,6 +616,19 @@ class Coordinator:
 
     def _chunk_time(self, stage, p, r, d, side) -> float:
         return self.profiler.scales[("t", side)] * self.predictor.chunk_time(stage, p, r, d)
+
+    def _span_times(self, stage, prompt_lens, response_lens, starts, stops, d, side) -> list:
+        """:meth:`_chunk_time` of the chunks ``[start, stop)`` of these samples, in one call (used where the
+        predictor offers ``span_times``)."""
+        scale = self.profiler.scales[("t", side)]
+        return [scale * t for t in self.predictor.span_times(stage, prompt_lens, response_lens, starts, stops, d)]
+
+    def _span_bounds(self, stage, prompt_lens, response_lens, starts, stops, d, side) -> list:
+        """Lower bounds of :meth:`_chunk_time` for the chunks ``[start, stop)`` of these samples (the tail split's
+        search prunes with them; used where the predictor offers ``span_time_bounds``)."""
+        scale = self.profiler.scales[("t", side)]
+        return [scale * t for t in self.predictor.span_time_bounds(stage, prompt_lens, response_lens, starts, stops,
+                                                                  d)]
 
     def _batch(self) -> Optional[list]:
         return self.buffer.select_batch(self.trainer_version, self.policy.batch_rule)
@@ -559,30 +650,48 @@ class Coordinator:
         self.batches.append((self.steps_done, self.trainer_version, [g.group_id for g in groups]))
         self.consume_start = self._now
         self.phase = Phase.CONSUMING
-        s = self.settings
-        self.step = TrainerStep(step=self.steps_done, version=self.trainer_version, groups=groups,
-                                stages=s.stages, max_chunk=s.max_chunk,
-                                next_chunk_id=lambda: next(self._chunk_ids), rho=self.topology.trainer_layout)
+        self.step = self._trainer_step(self.steps_done, groups)
         self._out.append(P.StartStep(self.step.step, self.trainer_version, tuple(groups)))
+        warm = getattr(self.predictor, "warm_chunk_times", None)
+        if warm is not None:      # the chunks lazy pull cuts on the primaries, predicted in one pass
+            d = self._gang(P.PRIMARY)
+            for stage in self.step.stages:
+                warm(stage, self.step.prompt_lens, self.step.response_lens, d, self.step.chunk_units(d))
         self._schedule_chunks()
         self._consider_trainer_on_rollout_pool()
 
+    def _trainer_step(self, index: int, groups: list) -> TrainerStep:
+        """The chunk queue of step ``index`` over ``groups`` (chunk ids from the run's counter; a plain
+        callable, so the coordinator pickles into a checkpoint)."""
+        s = self.settings
+        return TrainerStep(step=index, version=self.trainer_version, groups=groups, stages=s.stages,
+                           max_chunk=s.max_chunk, next_chunk_id=functools.partial(next, self._chunk_ids),
+                           rho=self.topology.trainer_layout)
+
     def _schedule_chunks(self):
         step = self.step
+        if step is not None and self.phase is Phase.ROLLING_BACK:
+            self._restart_step()
+            return
         if step is None or self.phase is not Phase.CONSUMING:
             return
         while step.segment_done and step.advance_segment():
             pass
         if step.done:
-            self._finish_step()
+            if P.PRIMARY_TRAINER not in self.failed:     # the merge and update run on the primary gang
+                self._finish_step()
             return
         aux_on = self.leases[P.ROLLOUT_POOL].lent
         sides = [(P.PRIMARY, P.PRIMARY_TRAINER)] + ([(P.AUXILIARY, P.AUX_TRAINER)] if aux_on else [])
         if aux_on and self.policy.model_split and step.in_tail_window(
                 self._gang(P.PRIMARY), self._gang(P.AUXILIARY), self.settings.tail_window):
             step.plan_tail(self._gang(P.PRIMARY), self._gang(P.AUXILIARY),
-                           self._ready_in(P.PRIMARY), self._ready_in(P.AUXILIARY), self._chunk_time)
+                           self._ready_in(P.PRIMARY), self._ready_in(P.AUXILIARY), self._chunk_time,
+                           self._span_times if hasattr(self.predictor, "span_times") else None,
+                           self._span_bounds if hasattr(self.predictor, "span_time_bounds") else None)
         for side, worker in sides:
+            if worker in self.failed:
+                continue                     # being restarted: it pulls again when it is back
             # lazy pull, several chunks deep: the next chunk's inputs move while the current one runs (§6)
             while len(step.live(side)) < self.settings.chunks_in_flight:
                 rec = step.pull(side, self._gang(side), worker)
@@ -646,8 +755,8 @@ class Coordinator:
 
     def _start_aux_training(self):
         step = self.step
-        if step is None or self.phase is not Phase.CONSUMING or not step.pending:
-            self._revoke(P.ROLLOUT_POOL)
+        if step is None or self.phase is not Phase.CONSUMING or not step.pending or P.AUX_TRAINER in self.failed:
+            self._revoke(P.ROLLOUT_POOL)        # (a gang that failed during the switch gives the pool back)
             return
         if not self.policy.model_split:
             step.plan_proportional(self._gang(P.PRIMARY), self._gang(P.AUXILIARY))
@@ -690,7 +799,7 @@ class Coordinator:
             return
         if pool == P.TRAINER_POOL:
             aux = self._alive(self.topology.aux_rollouters)
-            if any(self.buffer.running_on(w) for w in aux) or any(w in self.stopping for w in
+            if any(self.buffer.running_count(w) for w in aux) or any(w in self.stopping for w in
                                                                   self.topology.aux_rollouters):
                 return
             self.aux_assigned.clear()
@@ -714,9 +823,13 @@ class Coordinator:
         if not self.sync_wanted or not self.leases[P.ROLLOUT_POOL].primary:
             return
         rollouters = self._alive(self.topology.rollouters)
+        if self.settings.partial_rollout:
+            # a primary that was stopping for some of its groups only (a migration) when the step ended may still
+            # run others: they park for the sync too (weights change only on an idle engine)
+            self._interrupt_all(rollouters)
         if any(w in self.stopping for w in rollouters):
             return
-        if not self.settings.partial_rollout and any(self.buffer.running_on(w) for w in rollouters):
+        if not self.settings.partial_rollout and any(self.buffer.running_count(w) for w in rollouters):
             return
         self.sync_wanted = False
         self._out.append(P.SyncWeights(self.trainer_version, tuple(rollouters)))

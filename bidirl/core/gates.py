@@ -12,6 +12,8 @@ coordinator state, so each is tested directly:
 
 from __future__ import annotations
 
+import collections
+import heapq
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -86,7 +88,8 @@ def expected_remaining(progress: Sequence[int], done: Sequence[bool], sample: np
 
 def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int, q_a: int,
                  replica_time: Callable[[np.ndarray, np.ndarray, np.ndarray], float], sample: np.ndarray,
-                 costs: SwitchCosts, gated: bool = True) -> RolloutGate:
+                 costs: SwitchCosts, gated: bool = True,
+                 replica_times: Optional[Callable[[list], list]] = None) -> RolloutGate:
     """Eq. 3 on the work the batch really waits for.
 
     ``replica_time(context, remaining, prefill)`` predicts how long one rollout replica needs for a request set:
@@ -102,7 +105,8 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
       ``f = C_in / T_no`` of the work is done before the auxiliaries start and
       ``T_joint = (1 − f) · max(primaries, auxiliaries)``.
 
-    Remaining lengths are :func:`expected_remaining` over ``sample``. The window is admitted when
+    ``replica_times(request_sets)``, if given, is ``replica_time`` of many replicas in one call (the same
+    numbers). Remaining lengths are :func:`expected_remaining` over ``sample``. The window is admitted when
     ``C_in + T_joint + C_out < T_no`` (always, when not ``gated``: the opportunistic ablation). With fresh
     groups only and no other load this is Eq. 3, ``M_r(Q_r, d_p) − M_r(Q_r, d_p + d_a) > C_in + C_out``.
     """
@@ -110,14 +114,24 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
     needed = [g for g in groups if g.needed]
     if not needed or not primaries:
         return RolloutGate(admitted=not gated and bool(needed), t_primary=0.0, t_joint=0.0, q_a=0, cost=cost)
-    load = {w: sum(1 for g in groups if g.worker == w) for w in primaries}
+    running = collections.Counter(g.worker for g in groups)
+    load = [(running[w], i, w) for i, w in enumerate(primaries)]    # parked needed groups go to the least loaded
+    heapq.heapify(load)
     placed = {}
     for g in sorted(needed, key=lambda g: g.rank):
         if g.worker is None:
-            w = min(primaries, key=lambda x: (load[x], list(primaries).index(x)))
-            load[w] += 1
+            n, i, w = load[0]
+            heapq.heapreplace(load, (n + 1, i, w))
             placed[g.group_id] = w
-    work = {g.group_id: expected_remaining(g.progress, g.done, sample) for g in groups}
+    members = {w: [] for w in primaries}          # each primary's groups (its own and those placed on it), in order
+    for g in groups:
+        owner = g.worker if g.worker is not None else placed.get(g.group_id)
+        if owner in members:
+            members[owner].append(g)
+    # every group's expected remaining lengths in one pass (elementwise: the same as group by group)
+    left = expected_remaining([h for g in groups for h in g.progress], [d for g in groups for d in g.done], sample)
+    ends = np.cumsum([len(g.progress) for g in groups])
+    work = {g.group_id: part for g, part in zip(groups, np.split(left, ends[:-1]))}
 
     def requests(members, horizon=None, prefill_all=False):
         ctx, rem, pre = [], [], []
@@ -130,10 +144,15 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
                     pre.append(prefill_all or g.worker is None or g.prefilling)
         return np.asarray(ctx, float), np.asarray(rem, float), np.asarray(pre, bool)
 
+    def times(request_sets: list) -> list:
+        if replica_times is not None:
+            return replica_times(request_sets)
+        return [replica_time(*sets) for sets in request_sets]
+
     def primaries_time(moved: set) -> float:
-        worst = 0.0
+        request_sets = []
         for w in primaries:
-            mine = [g for g in groups if (g.worker == w or placed.get(g.group_id) == w) and g.group_id not in moved]
+            mine = [g for g in members[w] if g.group_id not in moved]
             need = [g for g in mine if g.needed]
             if not need:
                 continue
@@ -141,8 +160,10 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
             others = [g for g in mine if not g.needed]
             c1, r1, p1 = requests(need)
             c2, r2, p2 = requests(others, horizon=horizon)
-            worst = max(worst, replica_time(np.concatenate([c1, c2]), np.concatenate([r1, r2]),
-                                            np.concatenate([p1, p2])))
+            request_sets.append((np.concatenate([c1, c2]), np.concatenate([r1, r2]), np.concatenate([p1, p2])))
+        worst = 0.0
+        for t in times(request_sets):
+            worst = max(worst, t)
         return worst
 
     t_no = primaries_time(set())
@@ -150,10 +171,8 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
     movers = sorted(needed, key=lambda g: (g.worker is not None, g.rank))[:q_a]
     t_aux = 0.0
     if movers and d_a > 0:
-        for k in range(d_a):
-            share = movers[k::d_a]
-            if share:
-                t_aux = max(t_aux, replica_time(*requests(share, prefill_all=True)))
+        for t in times([requests(movers[k::d_a], prefill_all=True) for k in range(d_a) if movers[k::d_a]]):
+            t_aux = max(t_aux, t)
     drained = min(1.0, costs.c_in / t_no) if t_no > 0 else 1.0
     t_joint = (1.0 - drained) * max(primaries_time({g.group_id for g in movers}), t_aux)
     return RolloutGate(admitted=(t_no - t_joint > cost) if gated else True, t_primary=t_no, t_joint=t_joint,
@@ -234,8 +253,15 @@ def trainer_gate(stages: Sequence[str], run_time: Callable[[int, int, int], floa
                        t_borrow=t_borrow, drained=drained, cost=costs.c_in + tail)
 
 
+#: candidates of the tail split announced to ``prepare`` at a time (:func:`joint_tail_split`)
+TAIL_BLOCK = 64
+
+
 def joint_tail_split(n: int, d_p: int, d_a: int, ready_p: float, ready_a: float,
-                     time_p: Callable[[int], float], time_a: Callable[[int], float]) -> tuple:
+                     time_p: Callable[[int], float], time_a: Callable[[int], float],
+                     bound_p: Optional[Callable[[int], float]] = None,
+                     bound_a: Optional[Callable[[int], float]] = None,
+                     prepare: Optional[Callable[[list], None]] = None) -> tuple:
     """JointTailSplit: how many of the ``n`` trailing units the auxiliary side takes.
 
     Candidates are every integer split where each side gets nothing or at least one unit per device;
@@ -243,17 +269,35 @@ def joint_tail_split(n: int, d_p: int, d_a: int, ready_p: float, ready_a: float,
     remainder), starting when it is ready (``ready_*`` seconds from now). The choice minimises the later
     completion (ties: fewer units to the auxiliary side); O(n) candidates. Returns ``(n_a, finish)``; when no
     split is feasible (fewer units than devices on either side) everything stays with the primaries.
+
+    ``bound_p(k)`` / ``bound_a(k)``, if given, are lower bounds of ``time_p(k)`` / ``time_a(k)``: a candidate
+    whose bounded completion cannot beat the best so far is passed over without asking ``time_*`` (the same
+    choice; only candidates near the optimum are timed).
+
+    ``prepare(splits)``, if given, is told ahead of the scan, a block of :data:`TAIL_BLOCK` candidates at a time,
+    which ``n_a`` it is about to time (those the bounds do not already rule out), so a caller can time their
+    chunks in one vectorised pass; the scan and its choice are unchanged.
     """
-    best = None
-    for n_a in range(n + 1):
+    def at_least(n_a: int) -> float:
         n_p = n - n_a
-        if (0 < n_a < d_a) or (0 < n_p < d_p):
-            continue
-        t_p = ready_p + time_p(n_p) if n_p else ready_p
-        t_a = ready_a + time_a(n_a) if n_a else ready_a
-        finish = max(t_p, t_a)
-        if best is None or finish < best[1] - 1e-12:
-            best = (n_a, finish)
+        return max(ready_p + bound_p(n_p) if n_p else ready_p, ready_a + bound_a(n_a) if n_a else ready_a)
+
+    pruning = bound_p is not None and bound_a is not None
+    feasible = [n_a for n_a in range(n + 1) if not ((0 < n_a < d_a) or (0 < n - n_a < d_p))]
+    best = None
+    for b0 in range(0, len(feasible), TAIL_BLOCK):
+        block = feasible[b0:b0 + TAIL_BLOCK]
+        if prepare is not None:
+            prepare([n_a for n_a in block if best is None or not pruning or at_least(n_a) < best[1] - 1e-12])
+        for n_a in block:
+            n_p = n - n_a
+            if best is not None and pruning and not at_least(n_a) < best[1] - 1e-12:
+                continue
+            t_p = ready_p + time_p(n_p) if n_p else ready_p
+            t_a = ready_a + time_a(n_a) if n_a else ready_a
+            finish = max(t_p, t_a)
+            if best is None or finish < best[1] - 1e-12:
+                best = (n_a, finish)
     if best is None:
         best = (0, ready_p + time_p(n))
     return best

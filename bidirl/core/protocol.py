@@ -423,9 +423,18 @@ class OptimizerStepped:
 
 @dataclass(frozen=True)
 class WorkerFailed:
+    """``worker`` (a rollouter, or a whole trainer gang) died or its call failed; the driver restarts it."""
     t: float
     worker: str
     error: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerRestarted:
+    """A failed ``worker`` is back: a fresh process holding the weights (and, for the primary trainer, the
+    optimizer state) of the version it serves, offloaded if its pool is lent. It may take work again."""
+    t: float
+    worker: str
 
 
 @dataclass(frozen=True)
@@ -440,4 +449,5 @@ class RolloutRecord:
 
 
 EVENTS: tuple = (Started, GroupFinished, GenerationStopped, ChunkStarted, ChunkFinished, ChunkCancelled,
-                 SwitchFinished, SyncFinished, GradientsMerged, OptimizerStepped, WorkerFailed, RolloutRecord)
+                 SwitchFinished, SyncFinished, GradientsMerged, OptimizerStepped, WorkerFailed, WorkerRestarted,
+                 RolloutRecord)

@@ -81,6 +81,16 @@ class StalenessRule:
         return True
 
 
+    def leaves_consumable_counts(self, left_counts: dict, trainer_version: int) -> bool:
+        """:meth:`leaves_consumable` with the tags left given as counts ``{tag: groups}`` (the same answer,
+        in O(tags) instead of O(groups))."""
+        for k in range(self.max_lag + 1):
+            limit = trainer_version + k - self.max_lag
+            if sum(n for tag, n in left_counts.items() if tag <= limit) > k * self.batch:
+                return False
+        return True
+
+
 def check_batch(rule: StalenessRule, group_versions: list[int], trainer_version: int) -> None:
     """Raise AssertionError if a batch violates the rule (used by tests and the drivers' self-checks)."""
     if len(group_versions) != rule.batch:

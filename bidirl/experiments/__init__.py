@@ -23,13 +23,16 @@ from bidirl.experiments.specs import SPECS, PanelSpec, get, select
 def reproduce(out_dir="reproduce", only: Optional[Sequence[str]] = None, quick: bool = False, *,
               simulate_fn: Optional[Callable] = None, max_workers: int = 2, progress: bool = True,
               plan_fn: Optional[Callable] = None, fit_fn: Optional[Callable] = None,
-              derive_fn: Optional[Callable] = None) -> dict:
+              derive_fn: Optional[Callable] = None, cache: bool = True, cache_dir=None) -> dict:
     """Run the selected panels (all by default; ``only`` takes panel ids or id prefixes such as ``e2e-a6000``),
     check every claim of ``data/paper/claims.yaml`` and write ``out_dir``: ``report.json``, ``report.md``,
     ``results.csv`` (one row per simulated cell), ``speedups.csv`` and one HTML figure per panel.
 
-    ``quick`` runs each panel's CI-sized variant. The keyword-only arguments inject replacements for the
-    simulator, the planner, the calibration and the switch-cost derivation (tests use them).
+    ``quick`` runs each panel's CI-sized variant. Simulated runs are cached (:mod:`bidirl.experiments.cache`:
+    keyed by config, policy, steps, seed and the code version) under ``cache_dir`` (default ``$BIDIRL_CACHE`` or
+    ``~/.cache/bidirl``), so a second reproduction only rebuilds the report; ``cache=False`` simulates every run
+    again (and stores nothing). The other keyword-only arguments inject replacements for the simulator, the
+    planner, the calibration and the switch-cost derivation (tests use them).
 
     Returns ``{"out_dir", "summary", "claims", "files", "png", "results", "speedups"}`` (the last two are
     pandas DataFrames).
@@ -44,7 +47,9 @@ def reproduce(out_dir="reproduce", only: Optional[Sequence[str]] = None, quick: 
     out.mkdir(parents=True, exist_ok=True)
     specs = select(only, quick=quick)
     sim_specs = [s for s in specs if s.kind in ("end-to-end", "ablation", "static")]
-    results = run_specs(sim_specs, simulate_fn=simulate_fn, max_workers=max_workers, progress=progress)
+    from bidirl.experiments.cache import RunCache
+    runs = RunCache.at(cache_dir) if cache and simulate_fn is None else None
+    results = run_specs(sim_specs, simulate_fn=simulate_fn, max_workers=max_workers, progress=progress, cache=runs)
     by_id = {s.id: s for s in specs}
     sp = speedups(results, by_id)
 
@@ -93,6 +98,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="CI-sized variant: fewer points and steps")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--workers", type=int, default=2, help="simulation processes (default 2; 0 = in-process)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="simulate every run again instead of reusing cached runs (and cache nothing)")
+    p.add_argument("--cache-dir", metavar="DIR",
+                   help="where simulated runs are cached (default: $BIDIRL_CACHE or ~/.cache/bidirl)")
 
 
 def run_args(args: argparse.Namespace) -> int:
@@ -110,7 +119,7 @@ def run_args(args: argparse.Namespace) -> int:
         print("error: --workers must be ≥ 0 (0 runs the simulations in this process)", file=sys.stderr)
         return 2
     res = reproduce(args.out, only=args.only, quick=args.quick, max_workers=args.workers,
-                    progress=not args.json)
+                    progress=not args.json, cache=not args.no_cache, cache_dir=args.cache_dir)
     if args.json:
         print(json.dumps({"out_dir": res["out_dir"], "summary": res["summary"], "png": res["png"],
                           "report": str(Path(res["out_dir"]) / "report.json")}))
@@ -122,7 +131,8 @@ def run_args(args: argparse.Namespace) -> int:
 
 
 def cli_reproduce(argv: Optional[Sequence[str]] = None) -> int:
-    """``bidirl reproduce [--out DIR] [--only PANEL ...] [--quick] [--json] [--workers N]``; the exit status."""
+    """``bidirl reproduce [--out DIR] [--only PANEL ...] [--quick] [--json] [--workers N] [--no-cache]
+    [--cache-dir DIR]``; the exit status."""
     p = argparse.ArgumentParser(prog="bidirl reproduce",
                                 description="Reproduce the paper's evaluation (§7) in simulation and check "
                                             "every reported number.")

@@ -9,15 +9,18 @@ Speedup at a point (§7.2 / §7.3): BiDiRL's throughput divided by the strongest
 external baselines for end-to-end panels, the ablated variants for ablation panels.
 
 Cells run in a :class:`concurrent.futures.ProcessPoolExecutor` (two workers by default: the machine's two
-cores) with one tqdm bar per panel. ``simulate_fn`` replaces :func:`bidirl.sim.simulate` (tests inject a
-fake); with worker processes it must be a module-level function so it can be pickled.
+cores), every panel's cells queued at once behind one tqdm bar; a run several panels share is simulated once,
+and a :class:`~bidirl.experiments.cache.RunCache` answers the runs simulated before (same config, policy,
+steps, seed and code). ``simulate_fn`` replaces :func:`bidirl.sim.simulate` (tests inject a fake; it is never
+cached); with worker processes it must be a module-level function so it can be pickled.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -69,10 +72,11 @@ def _row(task: Task, status: str, reason: str = "", **values) -> dict:
     return row
 
 
-def unsupported_reason(task: Task) -> Optional[str]:
-    """Why a modelled baseline cannot run this task's job (``None`` for core policies and supported jobs)."""
+def unsupported_reason(task: Task, job: Optional[cfgmod.JobConfig] = None) -> Optional[str]:
+    """Why a modelled baseline cannot run this task's job (``None`` for core policies and supported jobs).
+    ``job`` is the task's config already built (else it is built from ``task.config``)."""
     from bidirl.sim.baselines import unsupported_reason as reason_of
-    return reason_of(task.policy, cfgmod.from_dict(task.config))
+    return reason_of(task.policy, job if job is not None else cfgmod.from_dict(task.config))
 
 
 def total_run_throughput(steps_df: pd.DataFrame) -> float:
@@ -94,8 +98,9 @@ def _summary_values(result) -> dict:
     return row
 
 
-def run_task(task: Task, simulate_fn: Optional[Callable] = None) -> dict:
-    """Simulate one cell; never raises for a run's own failure (the row says ``failed`` and why)."""
+def simulate_cell(task: Task, simulate_fn: Optional[Callable] = None) -> dict:
+    """Simulate one cell: ``{"status", "reason", "values", "wall_s"}`` (``values``: the run summary's, for the
+    report). Never raises for a run's own failure: the status says ``failed`` (or ``unsupported``) and why."""
     if simulate_fn is None:
         from bidirl.sim import simulate as simulate_fn
     t0 = time.perf_counter()
@@ -105,31 +110,39 @@ def run_task(task: Task, simulate_fn: Optional[Callable] = None) -> dict:
         values = _summary_values(result)
     except Exception as exc:  # noqa: BLE001 — every failure becomes a recorded, excluded run
         status = STATUS_UNSUPPORTED if type(exc).__name__ == "UnsupportedSetting" else STATUS_FAILED
-        return _row(task, status, f"{type(exc).__name__}: {exc}", wall_s=time.perf_counter() - t0)
+        return {"status": status, "reason": f"{type(exc).__name__}: {exc}", "values": {},
+                "wall_s": time.perf_counter() - t0}
+    return {"status": STATUS_OK, "reason": "", "values": values, "wall_s": time.perf_counter() - t0}
+
+
+def cell_row(task: Task, outcome: dict) -> dict:
+    """The results row of ``task`` from what its simulation produced (:func:`simulate_cell`)."""
+    if outcome["status"] != STATUS_OK:
+        return _row(task, outcome["status"], outcome["reason"], wall_s=outcome["wall_s"])
+    values = outcome["values"]
     metric = values["total_run_throughput"] if task.metric == "total_run_throughput" else values["summary_throughput"]
     if not (isinstance(metric, float) and math.isfinite(metric) and metric > 0):
-        return _row(task, STATUS_FAILED, f"no measurable {task.metric} ({metric!r})",
-                    wall_s=time.perf_counter() - t0, **values)
-    return _row(task, STATUS_OK, "", throughput=metric, wall_s=time.perf_counter() - t0, **values)
+        return _row(task, STATUS_FAILED, f"no measurable {task.metric} ({metric!r})", wall_s=outcome["wall_s"],
+                    **values)
+    return _row(task, STATUS_OK, "", throughput=metric, wall_s=outcome["wall_s"], **values)
 
 
-def run_panel(spec: PanelSpec, *, simulate_fn: Optional[Callable] = None, max_workers: int = 2,
-              progress: bool = True, executor=None) -> pd.DataFrame:
-    """Run every (point, policy) cell of ``spec``; one row per cell (columns :data:`RESULT_COLUMNS`).
+def run_task(task: Task, simulate_fn: Optional[Callable] = None) -> dict:
+    """Simulate one cell; never raises for a run's own failure (the row says ``failed`` and why)."""
+    return cell_row(task, simulate_cell(task, simulate_fn))
 
-    ``max_workers=0`` runs the cells in this process (no pickling). Pass ``executor`` to share one pool
-    across panels (see :func:`run_specs`).
-    """
-    if spec.kind == "stage-model":
-        raise ValueError(f"panel {spec.id} is a stage-model panel: run it with "
-                         "bidirl.experiments.stage_models.run_stage_panel")
-    from tqdm.auto import tqdm
 
-    cells = tasks(spec)
+def _static_rows(cells: list) -> tuple:
+    """Rows for the cells decided without simulating (a baseline that cannot run the point, a point that does
+    not plan), and the cells left to simulate."""
     rows, pending = [], []
+    jobs: dict = {}                  # the policies of a point share its config: built and validated once
     for task in cells:
         try:
-            reason = unsupported_reason(task)
+            key = json.dumps(task.config, sort_keys=True, default=str)
+            if key not in jobs:
+                jobs[key] = cfgmod.from_dict(task.config)
+            reason = unsupported_reason(task, jobs[key])
         except Exception as exc:  # noqa: BLE001 — e.g. the planner finds no feasible layout
             rows.append(_row(task, STATUS_FAILED, f"{type(exc).__name__}: {exc}"))
             continue
@@ -137,41 +150,81 @@ def run_panel(spec: PanelSpec, *, simulate_fn: Optional[Callable] = None, max_wo
             rows.append(_row(task, STATUS_UNSUPPORTED, reason))
         else:
             pending.append(task)
-    bar = tqdm(total=len(cells), desc=spec.id, disable=not progress, leave=True)
-    bar.update(len(rows))
-    try:
-        if max_workers == 0 and executor is None:
-            for task in pending:
-                rows.append(run_task(task, simulate_fn))
-                bar.update(1)
+    return rows, pending
+
+
+def _simulate_all(pending: list, *, simulate_fn, max_workers: int, executor, cache, bar) -> list:
+    """Rows of the cells to simulate: from ``cache`` where it has them, else simulated — each distinct run
+    once (panels share runs), in this process (``max_workers=0``) or on worker processes, one cell per task;
+    new runs are stored in ``cache``."""
+    keyed = {}                                     # run -> the cells it answers
+    for task in pending:
+        run = (json.dumps(task.config, sort_keys=True, default=str), task.policy, task.steps, task.seed)
+        keyed.setdefault(run, []).append(task)
+    outcomes, todo = {}, []
+    for run, tasks_ in keyed.items():
+        key = cache.key(tasks_[0].config, *run[1:]) if cache is not None else None
+        hit = cache.get(key) if key is not None else None
+        if hit is not None:
+            outcomes[run] = hit
+            bar.update(len(tasks_))
         else:
-            own = executor is None
-            pool = ProcessPoolExecutor(max_workers=max_workers) if own else executor
-            try:
-                futures = [pool.submit(run_task, task, simulate_fn) for task in pending]
-                for fut in futures:
-                    rows.append(fut.result())
-                    bar.update(1)
-            finally:
-                if own:
-                    pool.shutdown()
-    finally:
-        bar.close()
-    return results_frame(rows)
+            todo.append((run, key))
+
+    def done(run, key, outcome):
+        outcomes[run] = outcome
+        if key is not None and outcome["status"] != STATUS_FAILED:
+            cache.put(key, outcome)
+        bar.update(len(keyed[run]))
+
+    if max_workers == 0 and executor is None:
+        for run, key in todo:
+            done(run, key, simulate_cell(keyed[run][0], simulate_fn))
+    elif todo:
+        own = executor is None
+        pool = ProcessPoolExecutor(max_workers=max_workers) if own else executor
+        try:
+            futures = {pool.submit(simulate_cell, keyed[run][0], simulate_fn): (run, key) for run, key in todo}
+            for fut in as_completed(futures):
+                done(*futures[fut], fut.result())
+        finally:
+            if own:
+                pool.shutdown()
+    return [cell_row(task, outcomes[run]) for run, tasks_ in keyed.items() for task in tasks_]
+
+
+def run_panel(spec: PanelSpec, *, simulate_fn: Optional[Callable] = None, max_workers: int = 2,
+              progress: bool = True, executor=None, cache=None) -> pd.DataFrame:
+    """Run every (point, policy) cell of ``spec``; one row per cell (columns :data:`RESULT_COLUMNS`).
+
+    ``max_workers=0`` runs the cells in this process (no pickling). Pass ``executor`` to share a pool, and
+    ``cache`` (a :class:`~bidirl.experiments.cache.RunCache`, real simulator only) to reuse runs.
+    """
+    if spec.kind == "stage-model":
+        raise ValueError(f"panel {spec.id} is a stage-model panel: run it with "
+                         "bidirl.experiments.stage_models.run_stage_panel")
+    return run_specs([spec], simulate_fn=simulate_fn, max_workers=max_workers, progress=progress,
+                     executor=executor, cache=cache, desc=spec.id)
 
 
 def run_specs(specs: Iterable[PanelSpec], *, simulate_fn: Optional[Callable] = None, max_workers: int = 2,
-              progress: bool = True) -> pd.DataFrame:
-    """Run several simulation panels with one shared process pool; the concatenated results."""
+              progress: bool = True, executor=None, cache=None, desc: str = "simulate") -> pd.DataFrame:
+    """Run the cells of several simulation panels together (one pool, one progress bar); the rows of all.
+
+    Every cell of every panel is queued at once, so both worker processes stay busy until the last cell;
+    ``cache`` (real simulator only) answers the runs it holds and keeps the new ones."""
+    from tqdm.auto import tqdm
+
     specs = [s for s in specs if s.kind != "stage-model"]
-    if not specs:
-        return results_frame([])
-    if max_workers == 0:
-        frames = [run_panel(s, simulate_fn=simulate_fn, max_workers=0, progress=progress) for s in specs]
-    else:
-        with ProcessPoolExecutor(max_workers=max_workers) as pool:
-            frames = [run_panel(s, simulate_fn=simulate_fn, progress=progress, executor=pool) for s in specs]
-    return pd.concat(frames, ignore_index=True)
+    cells = [task for s in specs for task in tasks(s)]
+    rows, pending = _static_rows(cells)
+    if simulate_fn is not None:
+        cache = None                               # the code version does not cover an injected simulator
+    with tqdm(total=len(cells), desc=desc, unit="run", disable=not progress, leave=True) as bar:
+        bar.update(len(rows))
+        rows += _simulate_all(pending, simulate_fn=simulate_fn, max_workers=max_workers, executor=executor,
+                              cache=cache, bar=bar)
+    return results_frame(rows)
 
 
 def results_frame(rows: list) -> pd.DataFrame:
@@ -248,5 +301,6 @@ def speedups(results: pd.DataFrame, specs: Optional[dict] = None) -> pd.DataFram
     return pd.DataFrame(rows) if rows else pd.DataFrame(columns=columns)
 
 
-__all__ = ["Task", "tasks", "run_task", "run_panel", "run_specs", "results_frame", "speedups",
-           "total_run_throughput", "rebalance_bound", "RESULT_COLUMNS", "STATUS_OK", "STATUS_UNSUPPORTED", "STATUS_FAILED"]
+__all__ = ["Task", "tasks", "run_task", "simulate_cell", "cell_row", "run_panel", "run_specs", "results_frame",
+           "speedups", "total_run_throughput", "rebalance_bound", "RESULT_COLUMNS", "STATUS_OK", "STATUS_UNSUPPORTED",
+           "STATUS_FAILED"]

@@ -11,19 +11,44 @@ a partial-rollout group resumes, whose KV cache was dropped at the interruption.
 
 Between two changes (an arrival, an interruption, a completion) the running set is fixed, so the engine
 jumps straight to the next completion in closed form instead of stepping token by token; an interruption
-at any instant leaves each request with exactly the tokens decoded by then (a true prefix).
+at any instant leaves each request with exactly the tokens decoded by then (a true prefix). Every change
+draws a fresh log-normal jitter factor for the iterations that follow it (one draw per change, from the
+replica's own seeded stream).
+
+**Incremental state.** The engine counts the decode iterations it has run (``iterations``). A running request
+stores ``offset = tokens held − iterations`` when it is admitted, so its tokens held are ``offset +
+iterations`` at any time and it finishes when ``iterations`` reaches ``target − offset``: the running set is a
+heap on that finish count, the live length ``Σ (prompt + tokens held)`` is ``Σ (prompt + offset) + n ·
+iterations``, and a change costs O(log n) per request it finishes instead of a pass over every request.
+
+**Only group completions are events.** Most request completions change nothing outside the replica (the
+group still has responses running), so they are not scheduled on the event loop. After each change the
+engine plans ahead on a copy of its state (:class:`Batch`) up to its next *visible* completion — one that
+finishes a whole group — and schedules a single loop event there; the request completions before it are
+settled on the copy. A change that arrives earlier (``add``, ``interrupt``) cancels that event, replays the
+request completions before it on the real state and plans again. At a planned completion ``on_group`` and
+``on_record`` run once the engine has planned its next one, so a driver may hand what they report to the
+control plane at once instead of through one more loop event. The replica's behaviour is the one of
+stepping every request completion through the loop (the simulator's event logs are unchanged): the times,
+token counts and jitter draws are computed by the same arithmetic in the same order.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
 from bidirl.core.protocol import GroupState, GroupTask
+
+#: jitter factors drawn at a time from a replica's stream (the same values, in order, as one draw per change)
+FACTOR_BLOCK = 1024
+#: slack on the iteration count that fits a time span (absorbs rounding in the completion times)
+ITERATION_SLACK = 1e-12
 
 
 @dataclass
@@ -66,6 +91,59 @@ class EngineCosts:
 
 
 @dataclass
+class Batch:
+    """What a replica's scheduling changes between two changes: the running heap, the waiting queue and the
+    iteration clock (module doc). Copied when the engine plans ahead.
+
+    ``running`` holds ``(finish, seq, group_id, i, base)``: the iteration count at which the request finishes,
+    its admission order (the running set's order), and ``base = prompt + offset`` (its share of the live length
+    is ``base + iterations``).
+    """
+    running: list = field(default_factory=list)
+    waiting: deque = field(default_factory=deque)      # (group_id, i), in arrival order
+    left: dict = field(default_factory=dict)           # group_id -> requests not finished (running or waiting)
+    iterations: int = 0
+    live_base: int = 0                                 # Σ base over the running requests
+    admitted: int = 0                                  # admissions so far (the running order)
+    iter_start: float = 0.0                            # when the current iterations started (after any prefill)
+    factor: float = 1.0                                # this change's jitter factor
+    draws: int = 0                                     # jitter factors used
+    a: float = 0.0                                     # the i-th iteration from iter_start costs a + b·i
+    b: float = 0.0                                     #   (before jitter; set at each change)
+    run_cost: float = 0.0                              # seconds until the next completion's iterations are done
+    next_t: Optional[float] = None                     # the next request completion (None: nothing runs)
+    completions: int = 0                               # request completions settled (epochs of the replica)
+
+    def copy(self) -> "Batch":
+        return Batch(list(self.running), deque(self.waiting), dict(self.left), self.iterations, self.live_base,
+                     self.admitted, self.iter_start, self.factor, self.draws, self.a, self.b, self.run_cost,
+                     self.next_t, self.completions)
+
+    def finishing(self) -> list:
+        """The running requests that finish at the next completion (those with the smallest finish count)."""
+        heap, out = self.running, []
+        f = heap[0][0]
+        stack = [0]
+        while stack:
+            k = stack.pop()
+            if k < len(heap) and heap[k][0] == f:
+                out.append(heap[k])
+                stack += (2 * k + 1, 2 * k + 2)
+        return out
+
+    def finishes_a_group(self) -> bool:
+        """Whether the next completion finishes some group's last request (the engine reports it: visible)."""
+        heap = self.running
+        f = heap[0][0]
+        if (len(heap) < 2 or heap[1][0] != f) and (len(heap) < 3 or heap[2][0] != f):
+            return self.left[heap[0][2]] == 1          # one request finishes (the heap's children finish later)
+        count: dict = {}
+        for entry in self.finishing():
+            count[entry[2]] = count.get(entry[2], 0) + 1
+        return any(self.left[g] == n for g, n in count.items())
+
+
+@dataclass
 class BatchingEngine:
     name: str
     costs: EngineCosts
@@ -75,21 +153,22 @@ class BatchingEngine:
     on_span: Callable            # (worker, kind, start, end, detail) -> None
     on_record: Callable          # (worker, prompt_lens, response_lens, elapsed) -> None
     groups: dict = field(default_factory=dict)
-    running: list = field(default_factory=list)  # (gid, idx)
-    waiting: deque = field(default_factory=deque)
-    epoch: int = 0
-    iter_start: float = 0.0
-    factor: float = 1.0
+    batch: Batch = field(default_factory=Batch)
     busy_since: float = -1.0
     started_at: dict = field(default_factory=dict)
     clean: bool = True
     period: dict = field(default_factory=dict)   # (gid, i) -> [context at the period's start, tokens then, now]
+    _plan: Optional[Batch] = None                 # the state just before the next visible completion
+    _wake: Optional[int] = None                   # the loop event of that completion
+    _held: Optional[list] = None                  # callbacks held until the engine is consistent again
+    _factors: list = field(default_factory=list)  # the jitter stream drawn so far
 
     # ------------------------------------------------------------------------------------------
     def add(self, *groups: EngineGroup) -> None:
         """Queue ``groups`` now; the requests admitted in one scheduling step share one prefill wave."""
         now = self.loop.now
-        self._advance(now)
+        st = self._catch_up(now)
+        self._advance(st, now)
         if self.busy_since < 0:
             self.busy_since, self.clean, self.period = now, True, {}
         elif now > self.busy_since:
@@ -99,28 +178,43 @@ class BatchingEngine:
             self.started_at[group.group_id] = now
             for i in range(len(group.targets)):
                 if not group.done(i):
-                    self.waiting.append((group.group_id, i))
+                    st.waiting.append((group.group_id, i))
+                    st.left[group.group_id] = st.left.get(group.group_id, 0) + 1
                     held = group.generated[i]
                     self.period[(group.group_id, i)] = [group.prompt_len + held, held, held]
-        self._reschedule(now)
+        self._reschedule(st, now, report=True)
+        self._plan_ahead()
 
     def interrupt(self, group_ids=None) -> list:
         """Stop the listed groups (all if None) now; returns their states (prefixes kept exactly)."""
         now = self.loop.now
-        self._advance(now)
+        st = self._catch_up(now)
+        self._advance(st, now)
         ids = list(self.groups) if group_ids is None else [g for g in group_ids if g in self.groups]
         if len(ids) < len(self.groups):
             self.clean = False                  # part of the work leaves mid-period
+        drop = set(ids)
+        running = {(e[2], e[3]): e for e in st.running if e[2] in drop}
         out = []
         for gid in ids:
             g = self.groups.pop(gid)
             self.started_at.pop(gid, None)
+            st.left.pop(gid, None)
+            for i in range(len(g.targets)):
+                entry = running.get((gid, i))
+                if entry is not None:
+                    g.generated[i] = entry[4] - g.prompt_len + st.iterations
+                elif g.generated[i] < g.targets[i] and (gid, i) not in st.waiting:
+                    g.generated[i] = g.targets[i]          # finished earlier
             self._tokens_at_end(g)
             out.append(g.state())
-        drop = set(ids)
-        self.running = [r for r in self.running if r[0] not in drop]
-        self.waiting = deque(r for r in self.waiting if r[0] not in drop)
-        self._reschedule(now)
+        if running:
+            st.running = [e for e in st.running if e[2] not in drop]
+            heapq.heapify(st.running)
+            st.live_base -= sum(e[4] for e in running.values())
+        st.waiting = deque(r for r in st.waiting if r[0] not in drop)
+        self._reschedule(st, now, report=True)
+        self._plan_ahead()
         return out
 
     def _tokens_at_end(self, group: EngineGroup) -> None:
@@ -132,99 +226,218 @@ class BatchingEngine:
     def busy(self) -> bool:
         return bool(self.groups)
 
+    @property
+    def completions(self) -> int:
+        """Request completions settled so far (each one a change of the running set, as a loop event would be)."""
+        return self.batch.completions
+
     # ------------------------------------------------------------------------------------------
-    def _iteration_terms(self):
-        n = len(self.running)
-        live = sum(self.groups[g].prompt_len + self.groups[g].generated[i] for g, i in self.running)
-        c = self.costs
-        return n, c.tau_dec + c.beta_tok * n + c.beta_hist * live, c.beta_hist * n
+    # the replica model
+    # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _cost(factor: float, j: int, a: float, b: float) -> float:
+        """Seconds for j iterations whose i-th costs a + b·i (times the change's jitter factor)."""
+        return factor * (j * a + b * j * (j - 1) / 2)
 
-    def _cost(self, j: int, a: float, b: float) -> float:
-        """Seconds for j iterations whose i-th costs a + b·i (times this epoch's jitter)."""
-        return self.factor * (j * a + b * j * (j - 1) / 2)
-
-    def _iterations_by(self, seconds: float, a: float, b: float) -> int:
+    def _iterations_by(self, factor: float, seconds: float, a: float, b: float) -> int:
         if seconds <= 0:
             return 0
-        s = seconds / self.factor
+        s = seconds / factor
         if b <= 0:
             return int(s // a)
         # largest j with b/2 j^2 + (a - b/2) j - s <= 0
         A, B = b / 2, a - b / 2
         j = int((-B + math.sqrt(B * B + 4 * A * s)) / (2 * A))
-        while j > 0 and self._cost(j, a, b) > seconds + 1e-12:
+        while j > 0 and self._cost(factor, j, a, b) > seconds + ITERATION_SLACK:
             j -= 1
-        while self._cost(j + 1, a, b) <= seconds + 1e-12:
+        while self._cost(factor, j + 1, a, b) <= seconds + ITERATION_SLACK:
             j += 1
         return j
 
-    def _advance(self, now: float) -> None:
-        if not self.running or now <= self.iter_start:
+    def _advance(self, st: Batch, now: float) -> None:
+        """Run the iterations that fit between the last change and ``now`` (never past a request's target)."""
+        if not st.running or now <= st.iter_start:
             return
-        _, a, b = self._iteration_terms()
-        remaining = min(self.groups[g].targets[i] - self.groups[g].generated[i] for g, i in self.running)
-        j = min(self._iterations_by(now - self.iter_start, a, b), remaining)
-        for g, i in self.running:
-            self.groups[g].generated[i] += j
-        self.iter_start = now
+        remaining = st.running[0][0] - st.iterations
+        seconds = now - st.iter_start
+        if st.b > 0 and st.run_cost <= seconds + ITERATION_SLACK:
+            j = remaining              # _iterations_by would find at least this many (its cost is monotone)
+        else:
+            j = min(self._iterations_by(st.factor, seconds, st.a, st.b), remaining)
+        st.iterations += j
+        st.iter_start = now
 
-    def _reschedule(self, now: float) -> None:
-        self.epoch += 1
-        self._finish_requests()
-        # admit waiting requests while the KV budget and max_seqs allow
-        live = sum(self.groups[g].prompt_len + self.groups[g].generated[i] for g, i in self.running)
+    def _factor(self, st: Batch) -> float:
+        if not self.costs.noise:
+            return 1.0
+        if st.draws == len(self._factors):
+            self._draw_factors()
+        st.draws += 1
+        return self._factors[st.draws - 1]
+
+    def _draw_factors(self) -> None:
+        """The next block of the replica's jitter stream (in place: a plan and the real state share it)."""
+        self._factors.extend(np.exp(self.rng.normal(0.0, self.costs.noise, size=FACTOR_BLOCK)).tolist())
+
+    def _reschedule(self, st: Batch, now: float, report: bool) -> None:
+        """A change at ``now``: finish what reached its target, admit waiting requests while the KV budget and
+        ``max_seqs`` allow, draw the change's jitter and compute the next completion. ``report``: this is the
+        real state (completed groups are reported); otherwise a plan, which never completes a group."""
+        done = self._finish(st)
+        if done:
+            if not report:
+                raise AssertionError(f"{self.name}: a planned completion finished groups {done}")
+            for gid in done:
+                grp = self.groups.pop(gid)
+                start = self.started_at.pop(gid, now)
+                grp.generated = [max(n, t) for n, t in zip(grp.generated, grp.targets)]
+                self._tokens_at_end(grp)
+                self._report(self.on_group, self.name, grp.state(), now - start)
+        live = st.live_base + len(st.running) * st.iterations
         admitted = []
-        while self.waiting and len(self.running) < self.costs.max_seqs:
-            g, i = self.waiting[0]
-            need = self.groups[g].prompt_len + self.groups[g].generated[i] + 1
-            if self.running and live + need > self.costs.kv_tokens:
-                break
-            self.waiting.popleft()
-            self.running.append((g, i))
-            admitted.append(self.groups[g].prompt_len + self.groups[g].generated[i])
-            live += need
-        self.factor = float(np.exp(self.rng.normal(0.0, self.costs.noise))) if self.costs.noise else 1.0
-        start = max(now, self.iter_start)      # a prefill still in progress delays what follows it
-        if admitted:
-            c = self.costs
-            start += self.factor * (c.tau_pre + c.alpha_pre * c.prefill_flops(np.asarray(admitted)))
-        self.iter_start = start
-        if not self.running:
-            self._close_period(now)
-            return
-        _, a, b = self._iteration_terms()
-        k = min(self.groups[g].targets[i] - self.groups[g].generated[i] for g, i in self.running)
-        when = start + self._cost(k, a, b)
-        epoch = self.epoch
-        self.loop.schedule(when - now, lambda: self._on_completion(epoch), priority=2)
-
-    def _on_completion(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            return                       # superseded by a later change
-        now = self.loop.now
-        self._advance(now)
-        self._reschedule(now)
-
-    def _finish_requests(self) -> None:
-        """Drop finished requests from the running set; report groups whose every response is done."""
-        done_groups = []
-        still = []
-        for g, i in self.running:
+        c = self.costs
+        while st.waiting and len(st.running) < c.max_seqs:
+            g, i = st.waiting[0]
             grp = self.groups[g]
-            if grp.generated[i] < grp.targets[i]:
-                still.append((g, i))
-            elif g not in done_groups:
-                done_groups.append(g)
-        self.running = still
-        now = self.loop.now
-        for gid in done_groups:
-            grp = self.groups[gid]
-            if any(grp.generated[i] < grp.targets[i] for i in range(len(grp.targets))):
+            held = grp.generated[i]
+            need = grp.prompt_len + held + 1
+            if st.running and live + need > c.kv_tokens:
+                break
+            st.waiting.popleft()
+            base = grp.prompt_len + held - st.iterations
+            heapq.heappush(st.running, (grp.targets[i] - held + st.iterations, st.admitted, g, i, base))
+            st.admitted += 1
+            st.live_base += base
+            admitted.append(grp.prompt_len + held)
+            live += need
+        st.factor = self._factor(st)
+        start = max(now, st.iter_start)      # a prefill still in progress delays what follows it
+        if admitted:
+            start += st.factor * (c.tau_pre + c.alpha_pre * c.prefill_flops(np.asarray(admitted)))
+        st.iter_start = start
+        if not st.running:
+            st.next_t = None
+            if report:
+                self._close_period(now)
+            return
+        n = len(st.running)
+        st.a = c.tau_dec + c.beta_tok * n + c.beta_hist * (st.live_base + n * st.iterations)
+        st.b = c.beta_hist * n
+        st.run_cost = self._cost(st.factor, st.running[0][0] - st.iterations, st.a, st.b)
+        when = start + st.run_cost
+        st.next_t = now + (when - now)         # the event time a loop event scheduled now would get
+
+    def _finish(self, st: Batch) -> list:
+        """Drop the requests that reached their target from the running set; the groups now complete, in the
+        running set's order of their first finished request."""
+        heap = st.running
+        if not heap or heap[0][0] > st.iterations:
+            return []
+        finished = [heapq.heappop(heap)]
+        if not heap or heap[0][0] > st.iterations:       # one request (the common case)
+            _, _, gid, _, base = finished[0]
+            st.live_base -= base
+            st.left[gid] -= 1
+            if st.left[gid]:
+                return []
+            del st.left[gid]
+            return [gid]
+        while heap and heap[0][0] <= st.iterations:
+            finished.append(heapq.heappop(heap))
+        finished.sort(key=lambda e: e[1])
+        touched = []
+        for _, _, gid, _, base in finished:
+            st.live_base -= base
+            st.left[gid] -= 1
+            if gid not in touched:
+                touched.append(gid)
+        done = [g for g in touched if st.left[g] == 0]
+        for g in done:
+            del st.left[g]
+        return done
+
+    def _complete(self, st: Batch, t: float, report: bool) -> None:
+        """The request completion at ``t``: advance to it and reschedule (one epoch of the replica)."""
+        st.completions += 1
+        self._advance(st, t)
+        self._reschedule(st, t, report)
+
+    # ------------------------------------------------------------------------------------------
+    # planning ahead: one loop event per visible completion
+    # ------------------------------------------------------------------------------------------
+    def _catch_up(self, now: float) -> Batch:
+        """The real state at ``now``, before a change made now: the request completions before ``now`` settled
+        (a completion at exactly ``now`` comes after the change, as a loop event of lower priority would)."""
+        if self._wake is not None:
+            self.loop.cancel(self._wake)
+        self._plan = self._wake = None
+        self._settle(self.batch, until=now, stop_at_visible=False)
+        return self.batch
+
+    def _plan_ahead(self) -> None:
+        """Settle request completions on a copy until the next one that finishes a group; schedule that one."""
+        if self.batch.next_t is None:
+            return
+        plan = self.batch.copy()
+        self._settle(plan, until=math.inf, stop_at_visible=True)
+        if plan.next_t is not None:
+            self._plan = plan
+            self._wake = self.loop.schedule_at(plan.next_t, self._on_visible, priority=2)
+
+    def _settle(self, st: Batch, until: float, stop_at_visible: bool) -> None:
+        """Settle the request completions before ``until`` (stopping before one that finishes a group if
+        ``stop_at_visible``) with ``report=False``.
+
+        The common completion — one request finishes and not its group's last, nothing waits, the iterations
+        fit exactly — is written out here with the arithmetic of :meth:`_advance` and :meth:`_reschedule` (the
+        same operations in the same order); any other goes through :meth:`_complete`."""
+        c = self.costs
+        heap, left, factors = st.running, st.left, self._factors
+        while st.next_t is not None and st.next_t < until:
+            t = st.next_t
+            f, _, gid, _, base = heap[0]
+            n = len(heap)
+            if (left[gid] < 2 or st.waiting or (n > 1 and heap[1][0] == f) or (n > 2 and heap[2][0] == f)
+                    or not (st.b > 0 and t > st.iter_start and st.run_cost <= t - st.iter_start + ITERATION_SLACK)):
+                if stop_at_visible and st.finishes_a_group():
+                    return
+                self._complete(st, t, report=False)
                 continue
-            del self.groups[gid]
-            start = self.started_at.pop(gid, now)
-            self._tokens_at_end(grp)
-            self.on_group(self.name, grp.state(), now - start)
+            st.completions += 1
+            st.iterations = f                       # _advance: every running request gains the k iterations
+            st.iter_start = t
+            heapq.heappop(heap)                     # _finish: the one request that reached its target
+            st.live_base -= base
+            left[gid] -= 1
+            n -= 1
+            if c.noise:                             # _reschedule: nothing to admit, the change's jitter
+                if st.draws == len(factors):
+                    self._draw_factors()
+                st.factor = factors[st.draws]
+                st.draws += 1
+            st.a = c.tau_dec + c.beta_tok * n + c.beta_hist * (st.live_base + n * f)
+            st.b = c.beta_hist * n
+            k = heap[0][0] - f
+            st.run_cost = st.factor * (k * st.a + st.b * k * (k - 1) / 2)
+            when = t + st.run_cost
+            st.next_t = t + (when - t)
+
+    def _on_visible(self) -> None:
+        """The planned completion: adopt the plan, finish the group(s), plan again; then report what happened
+        (callbacks run with the engine consistent, so they may feed the control plane right away)."""
+        self.batch, self._plan, self._wake = self._plan, None, None
+        self._held = []
+        self._complete(self.batch, self.loop.now, report=True)
+        self._plan_ahead()
+        held, self._held = self._held, None
+        for call, args in held:
+            call(*args)
+
+    def _report(self, call: Callable, *args) -> None:
+        if self._held is None:
+            call(*args)
+        else:
+            self._held.append((call, args))
 
     def _close_period(self, now: float) -> None:
         if self.busy_since < 0 or self.groups:
@@ -236,5 +449,5 @@ class BatchingEngine:
             work = [(ctx, end - held) for ctx, held, end in self.period.values() if end > held]
             if self.clean and work:
                 p, r = np.array(work, dtype=np.int64).T
-                self.on_record(self.name, p, r, now - self.busy_since)
+                self._report(self.on_record, self.name, p, r, now - self.busy_since)
         self.busy_since = -1.0

@@ -25,8 +25,18 @@ def overlap(x, c, r):
         raise ValueError(f"overlap exponent r must be a finite number ≥ 1, got {r}; use r = 1 for no overlap")
     if np.any(x < 0) or np.any(c < 0):
         raise ValueError("overlap: compute and communication times must be ≥ 0")
+    out = combine(x, c, r)
+    return float(out) if out.ndim == 0 else out
+
+
+def combine(x: np.ndarray, c: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """:func:`overlap` on float arrays already known valid (no checks: for callers that validated once).
+
+    Without communication the result is ``x`` itself — IEEE ``pow`` gives exactly 1 and 0 for the terms — so
+    the powers are skipped there (the same numbers)."""
+    if not np.any(c):
+        return np.where(x > 0, x, 0.0) if np.ndim(x) or np.ndim(r) else np.asarray(x if x > 0 else 0.0)
     m = np.maximum(x, c)
     safe = np.where(m > 0, m, 1.0)
     out = m * ((x / safe) ** r + (c / safe) ** r) ** (1.0 / r)
-    out = np.where(m > 0, out, 0.0)
-    return float(out) if out.ndim == 0 else out
+    return np.where(m > 0, out, 0.0)

@@ -49,9 +49,6 @@ class StagePredictor:
         return cls(RolloutModel(m, hw, tp=rollout_layout, max_seqs=MAX_SEQS),
                    TrainerModel(m, hw, layout=trainer_layout), w.group_size, context)
 
-    def __post_init__(self):
-        self._chunk_cache: dict = {}
-
     def refit(self, records) -> dict:
         """Refit the rollout and trainer models' parameters to profiling records (the online profiler's, §5.1:
         ``bidirl.core.profiler.ProfileRecord`` with the unit's lengths), starting from the current parameters,
@@ -70,19 +67,30 @@ class StagePredictor:
         if len(trainer) >= MIN_REFIT_RECORDS:
             fit = calibrate.calibrate_trainer(trainer, self.trainer)
             self.trainer, out["trainer"] = fit.model, fit.report()
-            self._chunk_cache.clear()
         return out
 
     def chunk_time(self, stage, prompt_lens, response_lens, d) -> float:
-        """M_t of one chunk (memoised: the scheduler re-evaluates the same chunks while it plans)."""
-        key = (stage, d, tuple(prompt_lens), tuple(response_lens))
-        t = self._chunk_cache.get(key)
-        if t is None:
-            if len(self._chunk_cache) > 200_000:
-                self._chunk_cache.clear()
-            t = self._chunk_cache[key] = float(self.trainer.chunk_time(
-                stage, np.asarray(prompt_lens), np.asarray(response_lens), d))
-        return t
+        """M_t of one chunk (memoised by the trainer model: the scheduler re-evaluates the same chunks while it
+        plans, and the simulator times the chunks the scheduler predicted)."""
+        return self.trainer.chunk_time(stage, prompt_lens, response_lens, d)
+
+    def warm_chunk_times(self, stage, prompt_lens, response_lens, d, chunk_size) -> None:
+        """Predict the chunks of ``chunk_size`` samples these samples cut into, together, ahead of
+        :meth:`chunk_time` asking for them one by one."""
+        self.trainer.warm_chunk_times(stage, prompt_lens, response_lens, d, chunk_size)
+
+    def span_times(self, stage, prompt_lens, response_lens, starts, stops, d) -> list:
+        """:meth:`chunk_time` of the chunks ``[start, stop)`` of these samples, evaluated together."""
+        return self.trainer.span_times(stage, prompt_lens, response_lens, starts, stops, d)
+
+    def span_time_bounds(self, stage, prompt_lens, response_lens, starts, stops, d) -> list:
+        """Lower bounds of :meth:`chunk_time` for the chunks ``[start, stop)`` of these samples, all at once."""
+        return self.trainer.span_time_bounds(stage, prompt_lens, response_lens, starts, stops, d)
+
+    def sharing_models(self) -> "StagePredictor":
+        """Another predictor on the same (immutable) models and their memo: a driver's ``truth`` when the
+        coordinator starts from the presets' models too. A refit replaces this one's models, not the other's."""
+        return StagePredictor(self.rollout, self.trainer, self.group_size, self.typical_context)
 
     def rollout_time(self, prompt_lens, response_lens, d) -> float:
         """M_r of a request set on ``d`` replicas (whole groups dealt when it is made of whole groups)."""
@@ -106,6 +114,27 @@ class StagePredictor:
         if pre.any():
             t += self.rollout.prefill_time(ctx_i[pre])
         return float(t)
+
+    def replica_times(self, request_sets) -> list:
+        """:meth:`replica_time` of each ``(context_lens, remaining_lens, prefill)`` set — one replica each — in one
+        vectorised pass (the same numbers: a replica's features are sums and counts of its own requests)."""
+        sets = [(np.asarray(c, dtype=float).reshape(-1), np.asarray(m, dtype=float).reshape(-1),
+                 np.asarray(f, dtype=bool).reshape(-1)) for c, m, f in request_sets]
+        if not sets:
+            return []
+        sizes = [c.size for c, _, _ in sets]
+        ctx = np.rint(np.concatenate([c for c, _, _ in sets])).astype(np.int64)
+        rem = np.maximum(np.ceil(np.concatenate([m for _, m, _ in sets])), 0).astype(np.int64)
+        pre = np.concatenate([f for _, _, f in sets])
+        replica = np.repeat(np.arange(len(sets), dtype=np.int64), sizes)
+        t = self.rollout.decode_times(ctx, rem, replica, len(sets))
+        if pre.any():
+            t = t + self.rollout.prefill_times(ctx[pre], replica[pre], len(sets))
+        return np.where(np.array(sizes) > 0, t, 0.0).tolist()
+
+    def iteration_times(self, live_sets) -> list:
+        """:meth:`iteration_time` of each set of live context lengths, in one pass."""
+        return self.rollout.decode_iteration_times(live_sets)
 
     def iteration_time(self, context_lens) -> float:
         """One continuous-batching decode iteration over requests with these contexts."""

@@ -43,7 +43,7 @@ from typing import Optional
 import numpy as np
 
 from bidirl.perf.flops import lengths
-from bidirl.perf.overlap import overlap
+from bidirl.perf.overlap import combine, overlap
 from bidirl.perf.balance import check_replicas
 
 _BIG = float(2 ** 62)
@@ -92,8 +92,10 @@ def replica_times_from_features(params: RolloutParams, feat: RolloutFeatures) ->
     """T_r,rep for every replica described by ``feat``."""
     p_pre = params.tau_pre * feat.w_pre + params.alpha_pre * feat.f_pre
     p_dec = params.tau_dec * feat.w_dec + params.beta_tok * feat.n_tok + params.beta_hist * feat.h_dec
-    return (overlap(p_pre, params.c_pre * feat.prompt_tokens, params.r)
-            + overlap(p_dec, params.c_dec * feat.n_tok, params.r))
+    # the parameters were checked when made and the features are non-negative: the overlap without its checks
+    r = np.asarray(params.r, dtype=float)
+    return (combine(np.asarray(p_pre, dtype=float), np.asarray(params.c_pre * feat.prompt_tokens, dtype=float), r)
+            + combine(np.asarray(p_dec, dtype=float), np.asarray(params.c_dec * feat.n_tok, dtype=float), r))
 
 
 class RolloutModel:
@@ -224,6 +226,21 @@ class RolloutModel:
         q = self.params
         return float(overlap(q.tau_dec * w + q.beta_tok * n + q.beta_hist * h, q.c_dec * n, q.r))
 
+    def prefill_times(self, prompt_lens, replica, d: int) -> np.ndarray:
+        """:meth:`prefill_time` of each of ``d`` replicas, request i on replica ``replica[i]`` (one pass)."""
+        p = lengths(prompt_lens)
+        f = self.replica_features(p, np.zeros_like(p), replica, d)
+        q = self.params
+        return combine(np.asarray(q.tau_pre * f.w_pre + q.alpha_pre * f.f_pre, dtype=float),
+                       np.asarray(q.c_pre * f.prompt_tokens, dtype=float), np.asarray(q.r, dtype=float))
+
+    def decode_times(self, prompt_lens, response_lens, replica, d: int) -> np.ndarray:
+        """:meth:`decode_time` of each of ``d`` replicas, request i on replica ``replica[i]`` (one pass)."""
+        f = self.replica_features(prompt_lens, response_lens, replica, d)
+        q = self.params
+        return combine(np.asarray(q.tau_dec * f.w_dec + q.beta_tok * f.n_tok + q.beta_hist * f.h_dec, dtype=float),
+                       np.asarray(q.c_dec * f.n_tok, dtype=float), np.asarray(q.r, dtype=float))
+
     def replica_time(self, prompt_lens, response_lens) -> float:
         """T_r,rep = overlap(P_pre, C_pre, r) + overlap(P_dec, C_dec, r)."""
         return float(replica_times_from_features(self.params, self.replica_features(prompt_lens, response_lens))[0])
@@ -254,6 +271,74 @@ class RolloutModel:
         """M_r: replica-max over the round-robin partition of the requests (groups whole) on d replicas."""
         t = self.replica_times(prompt_lens, response_lens, d, group_size)
         return float(t.max()) if t.size else 0.0
+
+    def stage_times(self, prompt_lens, response_lens, ds, group_size: int = 1) -> np.ndarray:
+        """:meth:`stage_time` for every replica count in ``ds`` at once (the planner's every candidate), the same
+        numbers.
+
+        A replica's features are sums over the groups dealt to it (group k to replica k mod d) of per-group
+        sums, and those are sums of whole numbers — exact in any order below 2**53 (otherwise each d is
+        evaluated as :meth:`stage_time` does). So each d costs one reshape of the per-group sums; the decode
+        waves of the replicas whose requests overflow the KV cache come from :meth:`_decode_waves`, and every
+        replica of every d is timed in one vectorised pass."""
+        p, r = lengths(prompt_lens, response_lens)
+        ds = [check_replicas(d) for d in ds]
+        self.partition(p, r, 1, group_size)               # checks the layout into whole groups
+        g = check_replicas(group_size, "group_size")
+        n_groups = p.size // g
+        pf, rf = p.astype(float), r.astype(float)
+        per_request = np.stack([np.ones(p.size), pf, pf * pf, rf, rf * pf + rf * (rf - 1.0) / 2.0,
+                                np.maximum(p + r - 1, 0).astype(float)])
+        if n_groups == 0 or np.any(per_request.sum(axis=1) >= 2.0 ** 53):
+            return np.array([self.stage_time(p, r, d, g) for d in ds])
+        # per group: its sums (one row each) and its longest response; zero rows pad the round-robin deal
+        per_group = np.zeros((2 * n_groups, len(per_request) + 1))
+        per_group[:n_groups, :-1] = per_request.reshape(len(per_request), n_groups, g).sum(axis=2).T
+        per_group[:n_groups, -1] = rf.reshape(n_groups, g).max(axis=1)
+        parts, starts, start = [], [], 0
+        for d in ds:
+            width = min(d, n_groups)
+            grid = per_group[:-(-n_groups // width) * width].reshape(-1, width, per_group.shape[1])
+            parts.append(np.concatenate([grid[:, :, :-1].sum(axis=0), grid[:, :, -1:].max(axis=0)], axis=1))
+            starts.append(start)
+            start += width
+        b, p_sum, p2_sum, n_tok, h_dec, final, w_max = np.concatenate(parts).T
+        mean_p = p_sum / np.maximum(b, 1.0)
+        n_pre = np.minimum(b, self._n_max(mean_p))
+        w_pre = np.where(b > 0, np.ceil(b / np.maximum(n_pre, 1.0)), 0.0)
+        m = self.model
+        f_pre = 2.0 * m.params_nonembedding * p_sum + 4.0 * m.layers * m.hidden * p2_sum + 2.0 * m.hidden * m.vocab * b
+        easy = final <= self.kv_budget_bytes / self.kv_bytes_per_token
+        if self.max_seqs is not None:
+            easy &= b <= self.max_seqs
+        w_dec = np.where(easy, w_max, 0.0)
+        # the counts with a replica that overflows: all their replicas step through decode in one call
+        hard = [(min(d, n_groups), first) for d, first, ok in zip(ds, starts, np.logical_and.reduceat(easy, starts))
+                if not ok]
+        if hard:
+            group = np.arange(n_groups, dtype=np.int64)
+            replica = np.concatenate([np.repeat(first + group % width, g) for width, first in hard])
+            waves = self._decode_waves(np.tile(p, len(hard)), np.tile(r, len(hard)), replica, b.size)
+            for width, first in hard:
+                w_dec[first:first + width] = waves[first:first + width]
+        t = replica_times_from_features(self.params, RolloutFeatures(b, w_pre, f_pre, p_sum, w_dec, n_tok, h_dec))
+        return np.maximum.reduceat(t, starts)
+
+    def decode_iteration_times(self, live_sets) -> list:
+        """:meth:`decode_iteration_time` of each set of live lengths, in one pass (the same numbers)."""
+        sets = [np.asarray(x, dtype=float).reshape(-1) for x in live_sets]
+        sizes = np.array([x.size for x in sets], dtype=np.int64)
+        if not sets:
+            return []
+        live = np.concatenate(sets)
+        if live.size and (np.any(live < 0) or np.any(~np.isfinite(live))):
+            raise ValueError("live_lens must be non-negative context lengths")
+        total = np.bincount(np.repeat(np.arange(len(sets)), sizes), weights=live, minlength=len(sets))
+        n = sizes.astype(float)
+        with np.errstate(invalid="ignore", divide="ignore"):      # empty sets: 0 below
+            w = np.ceil(n / np.minimum(n, self._n_max(total / np.maximum(n, 1.0))))
+        q = self.params
+        return np.where(sizes > 0, q.tau_dec * w + q.beta_tok * n + q.beta_hist * total, 0.0).tolist()
 
     def decode_iteration_time(self, live_lens) -> float:
         """One continuous-batching iteration advancing each running sequence (context ``live_lens``) by one

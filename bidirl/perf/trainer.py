@@ -47,7 +47,7 @@ from typing import Iterable, Mapping, Optional
 import numpy as np
 
 from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_stage, lengths, sample_forward_flops
-from bidirl.perf.overlap import overlap
+from bidirl.perf.overlap import combine, overlap
 from bidirl.perf.balance import check_replicas
 
 
@@ -102,6 +102,48 @@ def microbatch_times(params: TrainerParams, stage_idx, flops, message_bytes) -> 
     return tau + overlap(alpha * _MULT[i] * np.asarray(flops, float), comm, r)
 
 
+def _serpentine_sums(ranked: np.ndarray, width: int) -> np.ndarray:
+    """Each replica's sum when ``ranked`` (heaviest first) is dealt serpentine to ``width`` replicas: rounds of
+    ``width`` go 0, 1, …, width−1, then width−1, …, 0. Exact for whole numbers below 2**53 (any order)."""
+    rounds = -(-ranked.size // (2 * width))
+    padded = np.zeros(rounds * 2 * width)
+    padded[:ranked.size] = ranked
+    column = padded.reshape(rounds, 2 * width).sum(axis=0)
+    return column[:width] + column[:width - 1:-1] if width > 0 else column
+
+
+def _span_inputs(stage: str, prompt_lens, response_lens, starts, stops, d: int) -> tuple:
+    """Checked ``(d, p, r, starts, stops)`` of a span query (:meth:`TrainerModel.span_times` and its bounds)."""
+    check_stage(stage)
+    d = check_replicas(d)
+    p, r = lengths(prompt_lens, response_lens)
+    starts, stops = _spans(starts, stops, p.size)
+    return d, p, r, starts, stops
+
+
+def _spans(starts, stops, n: int) -> tuple:
+    """``starts``, ``stops`` as int64 arrays of non-empty spans of n samples, or a ValueError saying so."""
+    starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+    if starts.shape != stops.shape or starts.ndim != 1 or np.any(starts < 0) or np.any(stops > n) \
+            or np.any(stops <= starts):
+        raise ValueError(f"spans must be non-empty [start, stop) ranges with 0 ≤ start < stop ≤ {n}, one per chunk")
+    return starts, stops
+
+
+def _range_max(values: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """``max(values[start:stop])`` for each span, from a sparse table (O(n log n) once, O(1) a span)."""
+    table = [values]
+    while 2 ** len(table) <= values.size:
+        half = 2 ** (len(table) - 1)
+        table.append(np.maximum(table[-1][:-half], table[-1][half:]))
+    level = np.floor(np.log2(stops - starts)).astype(np.int64)
+    out = np.empty(starts.size)
+    for k in np.unique(level):
+        at = level == k
+        out[at] = np.maximum(table[k][starts[at]], table[k][stops[at] - 2 ** k])
+    return out
+
+
 class TrainerModel:
     """M_t for ``model`` on ``hardware`` with ρ = ``layout`` GPUs per replica (``params``: preset-derived
     defaults of :func:`bidirl.perf.params.default_trainer_params` when omitted)."""
@@ -117,6 +159,11 @@ class TrainerModel:
         share = (self.layout - 1) / self.layout
         self._message = {s: (2 * w + 4 * model.params_total) * share if s == "actor_update" else w * share
                          for s in STAGES}
+        self._memo: dict = {}      # (stage, d, prompt lens, response lens) -> one chunk's time (the model is fixed)
+        # per stage: τ_s, α_s·m_s, C_s and r_s of t_s(b), as microbatch_times computes them
+        self._terms = {s: (self.params.tau[s], self.params.alpha[s] * STAGE_MULTIPLIER[s],
+                           self.params.alpha_comm[s] + self.params.beta_comm[s] * self._message[s], self.params.r[s])
+                       for s in STAGES}
 
     def __repr__(self) -> str:
         return f"TrainerModel({self.model.name}, {self.hardware.name}, layout={self.layout})"
@@ -170,10 +217,14 @@ class TrainerModel:
         p, r = lengths(prompt_lens, response_lens)
         d = check_replicas(d)
         size = check_replicas(chunk_size, "chunk_size (samples per chunk)")
+        return self._grouped_times(stage, p, r, np.arange(p.size) // size, d)
+
+    def _grouped_times(self, stage: str, p: np.ndarray, r: np.ndarray, chunk: np.ndarray, d: int) -> np.ndarray:
+        """The time of each chunk of samples ``p``, ``r`` (int64), chunk ``chunk[i]`` of sample i (0, 1, …,
+        non-decreasing, every chunk non-empty), each chunk on a gang of ``d`` replicas."""
         n = p.size
         if n == 0:
             return np.zeros(0)
-        chunk = np.arange(n) // size
         counts = np.bincount(chunk)
         busy = np.minimum(d, counts)                          # replicas a chunk keeps busy
         # serpentine inside every chunk at once: heaviest first, then 0, 1, …, d−1, d−1, …, 0, 0, 1, …
@@ -193,6 +244,62 @@ class TrainerModel:
         np.maximum.at(out, used // d, t)
         return out
 
+    def _one_chunk_time(self, stage: str, p: np.ndarray, r: np.ndarray, d: int) -> float:
+        """:meth:`_grouped_times` of one non-empty chunk, without the bookkeeping for many (the same numbers)."""
+        n = p.size
+        width = min(d, n)
+        rank = np.empty(n, dtype=np.int64)
+        rank[np.argsort(-(p + r), kind="stable")] = np.arange(n)
+        rounds, pos = np.divmod(rank, width)
+        replica = np.where(rounds % 2 == 0, pos, width - 1 - pos)
+        flops = np.bincount(replica, weights=sample_forward_flops(self.model, p, r), minlength=width)
+        tau, alpha, comm, r_s = self._terms[stage]
+        t = tau + combine(np.float64(alpha) * flops, np.full(width, comm), np.full(width, r_s))
+        return float(t.max())
+
+    def warm_chunk_times(self, stage: str, prompt_lens, response_lens, d: int, chunk_size: int) -> None:
+        """Evaluate the chunks of this cut (:meth:`chunk_times`) in one pass and remember each, so that
+        :meth:`chunk_time` answers them from the memo (a step's chunks, as lazy pull will cut them)."""
+        p, r = lengths(prompt_lens, response_lens)
+        times = self.chunk_times(stage, p, r, d, chunk_size).tolist()
+        p, r = p.tolist(), r.tolist()
+        self._remember(((stage, d, tuple(p[a:a + chunk_size]), tuple(r[a:a + chunk_size])), t)
+                       for a, t in zip(range(0, len(p), chunk_size), times))
+
+    def span_times(self, stage: str, prompt_lens, response_lens, starts, stops, d: int) -> list:
+        """:meth:`chunk_time` of each chunk ``[start, stop)`` of these samples on a gang of ``d`` replicas, all in
+        one vectorised pass (a search's many candidate chunks: the tail split's, for one)."""
+        d, p, r, starts, stops = _span_inputs(stage, prompt_lens, response_lens, starts, stops, d)
+        if starts.size == 0:
+            return []
+        size = stops - starts
+        chunk = np.repeat(np.arange(starts.size), size)
+        idx = np.arange(chunk.size) - np.repeat(np.cumsum(size) - size - starts, size)
+        return self._grouped_times(stage, p[idx], r[idx], chunk, d).tolist()
+
+    def span_time_bounds(self, stage: str, prompt_lens, response_lens, starts, stops, d: int) -> list:
+        """A lower bound of :meth:`chunk_time` for each chunk ``[start, stop)`` of these samples on ``d``
+        replicas, all at once and without dealing any chunk: the busiest replica holds at least the mean of the
+        chunk's FLOPs over its busy replicas and at least its heaviest sample, and t_s(b) grows with F(b). The
+        bound is lowered by a relative 1e-9, far more than the rounding of either computation, so it never
+        exceeds the computed chunk time (what a search may prune with)."""
+        d, p, r, starts, stops = _span_inputs(stage, prompt_lens, response_lens, starts, stops, d)
+        if starts.size == 0:
+            return []
+        f = sample_forward_flops(self.model, p, r)
+        total = np.concatenate(([0.0], np.cumsum(f)))
+        mean = (total[stops] - total[starts]) / np.minimum(d, stops - starts)
+        heaviest = _range_max(f, starts, stops)
+        tau, alpha, comm, r_s = self._terms[stage]
+        busiest = np.maximum(mean, heaviest)
+        t = tau + combine(np.float64(alpha) * busiest, np.full(busiest.size, comm), np.full(busiest.size, r_s))
+        return (t * (1.0 - 1e-9)).tolist()
+
+    def _remember(self, items) -> None:
+        if len(self._memo) > 200_000:
+            self._memo.clear()
+        self._memo.update(items)
+
     def stage_time(self, prompt_lens, response_lens, d: int, micro_batch_per_device: int,
                    stages=STAGES) -> float:
         """M_t(U, d): every stage's samples, in consumption order, as chunks of one micro-batch per device on
@@ -201,12 +308,70 @@ class TrainerModel:
         size = self.chunk_size(micro_batch_per_device, d)
         return float(sum(self.chunk_times(s, prompt_lens, response_lens, d, size).sum() for s in stages))
 
+    def stage_times(self, prompt_lens, response_lens, ds, micro_batch_per_device: int, stages=STAGES) -> np.ndarray:
+        """:meth:`stage_time` for every gang size in ``ds`` at once (the planner's every candidate), the same
+        numbers.
+
+        Two facts make it cheap. Each sample's FLOPs are whole numbers, so a replica's sum (at most
+        ``micro_batch_per_device · layout`` samples) is exact in any order while below 2**53 (otherwise each d is
+        evaluated as :meth:`stage_time` does). And a chunk's serpentine
+        order is the global order (most tokens first) restricted to the chunk: ranking the samples once, each d
+        needs a stable radix sort of chunk ids, not a sort by tokens, and the serpentine deal of a chunk whose
+        samples are in that order is a reshape (:func:`_serpentine_sums`). The times of every (d, chunk,
+        replica) are then computed in one vectorised pass per stage."""
+        stages = tuple(check_stage(s) for s in stages)
+        p, r = lengths(prompt_lens, response_lens)
+        ds = [check_replicas(d) for d in ds]
+        per_replica = self.chunk_size(micro_batch_per_device, 1)       # samples per replica micro-batch
+        f = sample_forward_flops(self.model, p, r)
+        # a replica never holds more than ``per_replica`` samples of a chunk, so its sums stay below this bound
+        if p.size == 0 or not (np.all(f == np.floor(f)) and per_replica * f.max() < 2.0 ** 53) \
+                or p.size >= 2 ** 16 * per_replica:
+            return np.array([self.stage_time(p, r, d, micro_batch_per_device, stages) for d in ds])
+        n = p.size
+        order = np.argsort(-(p + r), kind="stable")
+        ranked = f[order]
+        flops, chunk_starts, d_chunks = [], [], []     # every d's bins; where its chunks' bins start; its chunks
+        start = 0
+        for d in ds:
+            size = per_replica * d
+            if size >= n:
+                sums = [_serpentine_sums(ranked, min(d, n))]
+            else:
+                by_chunk = ranked[np.argsort((order // size).astype(np.uint16), kind="stable")]
+                full = n // size
+                grid = by_chunk[:full * size].reshape(full, per_replica, d)
+                sums = list(grid[:, 0::2, :].sum(axis=1) + grid[:, 1::2, ::-1].sum(axis=1))
+                if n > full * size:
+                    sums.append(_serpentine_sums(by_chunk[full * size:], min(d, n - full * size)))
+            for x in sums:
+                chunk_starts.append(start)
+                start += len(x)
+            d_chunks.append(len(sums))
+            flops += sums
+        flops = np.concatenate(flops)
+        ends = np.cumsum(d_chunks)
+        totals = []
+        for stage in stages:
+            tau, alpha, comm, r_s = self._terms[stage]
+            t = tau + combine(np.float64(alpha) * flops, np.full(flops.size, comm), np.full(flops.size, r_s))
+            chunk_max = np.maximum.reduceat(t, chunk_starts)
+            totals.append([chunk_max[a - k:a].sum() for a, k in zip(ends, d_chunks)])
+        return np.array([float(sum(by_stage)) for by_stage in zip(*totals)])
+
     def chunk_time(self, stage: str, prompt_lens, response_lens, d: int) -> float:
         """One chunk of ``stage`` on a gang of d replicas, each running its share as one micro-batch;
-        replica-max (0 for an empty chunk)."""
-        p, r = lengths(prompt_lens, response_lens)
-        if p.size == 0:
+        replica-max (0 for an empty chunk). Memoised: the scheduler and the simulator ask for the same chunks."""
+        try:
+            key = (stage, d, tuple(prompt_lens), tuple(response_lens))
+            t = self._memo.get(key)
+        except TypeError:           # unhashable (e.g. nested) lengths: validated below
+            key, t = None, None
+        if t is None:
             check_stage(stage)
-            check_replicas(d)
-            return 0.0
-        return float(self.chunk_times(stage, p, r, d, p.size)[0])
+            d = check_replicas(d)
+            p, r = lengths(prompt_lens, response_lens)
+            t = self._one_chunk_time(stage, p, r, d) if p.size else 0.0
+            if key is not None:
+                self._remember([(key, t)])
+        return t

@@ -55,6 +55,7 @@ class SimDriver(Driver):
         self.sync_time = self.config.weight_sync_time()
         self.optimizer_time = self.assembly.optimizer_time()
         self._started = False
+        self._feeding = 0                      # feeds under way (an engine report inside one goes through the loop)
 
     # ------------------------------------------------------------------------------------------
     def _jitter(self, seconds: float) -> float:
@@ -66,6 +67,22 @@ class SimDriver(Driver):
         """Deliver an event to the coordinator through the loop (priority 0: before engine steps)."""
         self.loop.schedule(0.0, lambda: self.feed(event), priority=0)
 
+    def _deliver(self, event) -> None:
+        """An engine's report: fed now when it comes from the engine's own loop event (the engine is consistent
+        and nothing else can run at this instant before the events it would emit), through the loop when it
+        comes from a command the coordinator is issuing (never feed it re-entrantly)."""
+        if self._feeding:
+            self._emit(event)
+        else:
+            self.feed(event)
+
+    def feed(self, event) -> None:
+        self._feeding += 1
+        try:
+            super().feed(event)
+        finally:
+            self._feeding -= 1
+
     def _after(self, seconds: float, done) -> None:
         """Run ``done(t0)`` ``seconds`` from now (``t0``: now), ahead of engine steps at the same instant."""
         t0 = self.loop.now
@@ -73,14 +90,14 @@ class SimDriver(Driver):
 
     # engine callbacks ----------------------------------------------------------------------------
     def _group_done(self, worker, state, _elapsed):
-        self._emit(P.GroupFinished(self.loop.now, worker, state))
+        self._deliver(P.GroupFinished(self.loop.now, worker, state))
 
     def _generate_span(self, worker, kind, start, end, detail):
         self.span(worker, kind, start, end, detail)
 
     def _record(self, worker, prompt_lens, response_lens, elapsed):
-        self._emit(P.RolloutRecord(self.loop.now, worker, tuple(int(x) for x in prompt_lens),
-                                   tuple(int(x) for x in response_lens), elapsed))
+        self._deliver(P.RolloutRecord(self.loop.now, worker, tuple(np.asarray(prompt_lens, np.int64).tolist()),
+                                      tuple(np.asarray(response_lens, np.int64).tolist()), elapsed))
 
     # command handlers ------------------------------------------------------------------------------
     def do_Generate(self, cmd: P.Generate):
@@ -113,9 +130,7 @@ class SimDriver(Driver):
         ch = cmd.chunk
         self.gang_busy.add(gang)
         # the trainer sees the lengths generated, which equal the drawn targets once a group completed
-        lengths = [self.lengths(g) for g, _ in ch.samples]
-        p = [prompt for prompt, _ in lengths]
-        r = [targets[i] for (_, targets), (_, i) in zip(lengths, ch.samples)]
+        p, r = self.lengths.sample_lengths(ch.samples)
         duration = self._jitter(self.truth.chunk_time(ch.stage, p, r, self.topology.gang_size(gang)))
         self.feed(P.ChunkStarted(self.loop.now, gang, ch.chunk_id))
 

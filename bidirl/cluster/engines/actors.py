@@ -88,6 +88,10 @@ class RolloutActor(_Timed):
     def load_weights(self, state_dict, version: Optional[int] = None) -> Reply:
         return self._reply("sync", self.engine.load_weights, state_dict, version, detail={"version": version})
 
+    def reset(self) -> Reply:
+        """A fresh engine's state again (a new run on kept workers: ``PoolDriver.workers``)."""
+        return self._reply("reset", self.engine.reset)
+
     def status(self) -> dict:
         e = self.engine
         return {"busy": e.busy, "groups": e.group_ids, "version": e.version, "steps": e.steps,
@@ -109,6 +113,11 @@ class TrainerActor(_Timed):
 
     def ready(self) -> Reply:
         return Reply(self.engine.role, (self._start_span,))
+
+    def reset(self) -> Reply:
+        """A fresh engine's state again (a new run on kept workers: ``PoolDriver.workers``)."""
+        self._kept.clear()
+        return self._reply("reset", self.engine.reset)
 
     def address(self) -> str:
         """A free ``host:port`` on this actor's node for a gang's rendezvous (called on rank 0)."""
@@ -177,3 +186,28 @@ class TrainerActor(_Timed):
 
     def load_state_dict(self, state: dict, version: Optional[int] = None) -> Reply:
         return self._reply("sync", self.engine.load_state_dict, state, version, detail={"version": version})
+
+    # The primary gang's training state: run checkpoints (every rank writes its shards with
+    # torch.distributed.checkpoint) and the snapshot after each optimizer step that a restarted gang takes back.
+    def save_train_state(self, path: str) -> Reply:
+        return self._reply("checkpoint", self.engine.save_train_state, path, detail={"path": path})
+
+    def load_train_state(self, path: str, version: int) -> Reply:
+        return self._reply("checkpoint", self.engine.load_train_state, path, version, detail={"version": version})
+
+    @ray.method(num_returns=3)
+    def snapshot(self):
+        """(Reply acknowledging the version, the full weights on rank 0 else None, this rank's training-state
+        shard). Every rank of a sharded gang must be asked (the weight gather is a collective); the caller owns
+        the returned objects, so they outlive this actor."""
+        start = time.time()
+        weights = self.engine.state_dict() or None
+        shard = self.engine.train_state_shard()
+        ack = Reply({"version": self.engine.version}, ({"worker": self.name, "kind": "snapshot", "start": start,
+                                                        "end": time.time(), "detail": {}},))
+        return ack, weights, shard
+
+    def restore(self, shard: dict) -> Reply:
+        """Take back a snapshot's shard of this rank (a restarted gang)."""
+        return self._reply("restore", self.engine.restore_train_state_shard, shard,
+                           detail={"version": shard.get("version")})

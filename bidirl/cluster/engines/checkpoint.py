@@ -85,6 +85,18 @@ def causal_lm_config(model_dir: Union[str, Path], who: str = "model_dir"):
     return config
 
 
+def model_identity(model_dir: Union[str, Path]) -> dict:
+    """What identifies the model a run trains (a run checkpoint records it; ``bidirl.checkpoints``): its
+    architectures, the SHA-256 of its ``config.json`` and its weight files' names and sizes (not their contents:
+    hashing a large model at every checkpoint would cost minutes). The folder's path is not part of it."""
+    import hashlib
+
+    path = model_folder(model_dir)
+    return {"architectures": list(_raw_config(path).get("architectures") or []),
+            "config_sha256": hashlib.sha256((path / "config.json").read_bytes()).hexdigest(),
+            "weight_files": {f.name: f.stat().st_size for f in weight_files(path)}}
+
+
 def _raw_config(path: Path) -> dict:
     try:
         return json.loads((path / "config.json").read_text())

@@ -59,6 +59,7 @@ from bidirl import config as cfgmod
 from bidirl.cluster.pool import ClusterError, PoolDriver, root_cause
 from bidirl.core import protocol as P
 from bidirl.execution import RunResult
+from bidirl.trace import EventLog
 
 PRIMARY_TRAINER, AUX_TRAINER = P.PRIMARY_TRAINER, P.AUX_TRAINER
 
@@ -75,6 +76,14 @@ class StepData:
     old: list
     ref: list
     stats: list = field(default_factory=list)     # loss statistics of each update-chunk share
+
+
+@dataclass(frozen=True)
+class TrainerSnapshot:
+    """The primary gang's state after its last optimizer step, as Ray objects the driver owns (they outlive the
+    ranks): each rank's shard of weights and AdamW state. A restarted gang takes it back (:meth:`EngineDriver._restore`)."""
+    version: int
+    shards: tuple               # object refs, one per rank, in rank order
 
 
 @dataclass
@@ -117,14 +126,18 @@ class EngineDriver(PoolDriver):
             check_out_dir(self.out_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.prompts, self.reward = self._prompts_and_reward()
+        # workload.forced_lengths: every response gets the length the workload model draws for it (as simulated)
+        from bidirl.perf.workload import GroupLengths
+        self.forced_lengths = GroupLengths.of(cfg, self.seed) if cfg.workload.forced_lengths else None
         self.max_model_len = self.prompts.max_prompt_len + cfg.workload.max_response_len
-        self.gangs = {PRIMARY_TRAINER: [], AUX_TRAINER: []}
+        self.gangs.update({PRIMARY_TRAINER: [], AUX_TRAINER: []})
         self.versions: dict = {}          # worker -> weights version it holds
         self.weights: dict = {0: None}    # version -> object ref of the state_dict (None: the checkpoint)
         self.period: dict = {}            # rollouter -> its current busy period (for profiling records)
         self.step_data: Optional[StepData] = None
         self.aux_grads: dict = {}         # chunk id -> object ref of an auxiliary chunk's gradient
         self.step_stats: list = []
+        self.trainer_state: Optional[TrainerSnapshot] = None    # None: version 0, the model folder's weights
         self.final_weights = None
         self._resource_name: Optional[str] = None
         self.tracker = None               # bidirl.tracking.LiveStepMetrics when out_dir is set (opened by run)
@@ -178,31 +191,130 @@ class EngineDriver(PoolDriver):
         return opts
 
     def _place(self):
-        from bidirl.cluster.engines.actors import RolloutActor, TrainerActor
-
-        cfg, env, top = self.config, self.plan.envelope, self.topology
-        g_r = env.rollout_gpus
-        gpu = self._resource() == "GPU"
-        rollout_kwargs = dict(max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib,
-                              reward_fn=self.reward)
-        trainer_kwargs = dict(lr=cfg.rl.lr, seed=cfg.seed, kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
-                              device="cuda" if gpu else "cpu", threads=None if gpu else 1)
-        for i, w in enumerate(top.rollouters):
-            self.actors[w] = RolloutActor.options(**self._at(i * env.rollout_layout)).remote(
-                w, self.model_dir, cfg.seed, **rollout_kwargs)
-        for i, w in enumerate(top.aux_rollouters):
-            self.actors[w] = RolloutActor.options(**self._at(g_r + i * env.rollout_layout)).remote(
-                w, self.model_dir, cfg.seed, **rollout_kwargs)
-        # a trainer gang has one rank per GPU slot of its pool: d replicas of ρ_t ranks (FSDP2, see _join_gangs)
-        for j in range(top.trainer_replicas * env.trainer_layout):
-            self.gangs[PRIMARY_TRAINER].append(TrainerActor.options(**self._at(g_r + j)).remote(
-                f"{PRIMARY_TRAINER}/{j}", self.model_dir, role=P.PRIMARY, **trainer_kwargs))
-        for j in range(top.aux_trainer_replicas * env.trainer_layout):
-            self.gangs[AUX_TRAINER].append(TrainerActor.options(**self._at(j)).remote(
-                f"{AUX_TRAINER}/{j}", self.model_dir, role=P.AUXILIARY, **trainer_kwargs))
+        if self.workers is not None:
+            self._adopt()
+            return
+        for w in self.topology.workers:
+            self._spawn(w)
         self._wait_ready()
         self._join_gangs()
         self._passivate()
+
+    def _adopt(self):
+        """Take the kept workers of an earlier run (``workers``) and reset each to a fresh engine's state."""
+        import ray
+        kept = self.workers
+        self.actors = dict(kept.actors)
+        self.gangs = {g: list(r) for g, r in kept.gangs.items()}
+        try:
+            ray.get([a.reset.remote() for a in self._all_actors()], timeout=self.start_timeout)
+        except Exception as exc:
+            raise ClusterError(f"the kept workers could not be reset: {root_cause(exc)}; release them "
+                               "(Workers.release) and start new ones") from None
+        for w in self.topology.workers:
+            self.versions[w] = 0
+        self._passivate()
+
+    def worker_shape(self) -> dict:
+        cfg = self.config
+        return dict(super().worker_shape(), model_dir=str(self.model_dir), max_model_len=self.max_model_len,
+                    kv_cache_gib=self.kv_cache_gib, reward=self.reward.name, seed=cfg.seed, lr=cfg.rl.lr,
+                    kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps)
+
+    def _bundles(self, worker: str) -> list:
+        """The placement-group bundles a worker's actors sit on: a rollouter's first slot, one per gang rank."""
+        env = self.plan.envelope
+        g_r = env.rollout_gpus
+        if worker in self.gangs:
+            # a trainer gang has one rank per GPU slot of its pool: d replicas of ρ_t ranks (FSDP2, see _join_gangs)
+            ranks = self.topology.gang_size(worker) * env.trainer_layout
+            first = g_r if P.is_primary(worker) else 0
+            return [first + j for j in range(ranks)]
+        i = int(worker.rsplit("/", 1)[1])
+        return [(0 if P.worker_pool(worker) == P.ROLLOUT_POOL else g_r) + i * env.rollout_layout]
+
+    def _spawn(self, worker: str) -> None:
+        from bidirl.cluster.engines.actors import RolloutActor, TrainerActor
+
+        cfg = self.config
+        bundles = self._bundles(worker)
+        if worker in self.gangs:
+            gpu = self._resource() == "GPU"
+            kwargs = dict(lr=cfg.rl.lr, seed=cfg.seed, kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
+                          device="cuda" if gpu else "cpu", threads=None if gpu else 1, role=P.worker_role(worker))
+            self.gangs[worker] = [TrainerActor.options(**self._at(b)).remote(f"{worker}/{j}", self.model_dir, **kwargs)
+                                  for j, b in enumerate(bundles)]
+        else:
+            self.actors[worker] = RolloutActor.options(**self._at(bundles[0])).remote(
+                worker, self.model_dir, cfg.seed, max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib,
+                reward_fn=self.reward)
+        self.versions[worker] = 0            # a fresh process holds the model folder's weights
+
+    def _handles(self, worker: str) -> list:
+        return list(self.gangs[worker]) if worker in self.gangs else [self.actors[worker]]
+
+    def _discard(self, worker: str) -> None:
+        import ray
+        for actor in self._handles(worker):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        self.period.pop(worker, None)
+
+    def _restore(self, worker: str, then) -> None:
+        """A fresh worker: ready; a gang forms its process group; the primary trainer takes back its weights and
+        optimizer state (the snapshot of its last optimizer step, or the resumed checkpoint's); then it is
+        offloaded or onloaded as its pool's lease has it (``passive``). Rollouters and the auxiliary gang keep
+        the model folder's weights until their next command loads the version it needs."""
+        handles = self._handles(worker)
+
+        def settle(offloaded: bool = False):
+            want = self.passive.get(worker, False)
+            if want == offloaded:
+                then()
+                return
+            method = "offload" if want else "onload"
+            self._when_all([(worker, getattr(a, method).remote()) for a in handles], lambda _: settle(want))
+
+        def state():
+            snap = self.trainer_state
+            if worker != PRIMARY_TRAINER or snap is None:
+                settle()
+                return
+            self.versions[worker] = snap.version
+            self._when_all([(worker, r.restore.remote(shard)) for r, shard in zip(handles, snap.shards)],
+                           lambda _: settle())
+
+        def join(_ready):
+            if worker not in self.gangs or len(handles) < 2:
+                state()
+                return
+            layout = self.plan.envelope.trainer_layout
+
+            def form(addr):
+                self._when_all([(worker, r.init_process_group.remote(i, len(handles), addr, len(handles) // layout))
+                                for i, r in enumerate(handles)], lambda _: state())
+            self._submit(worker, handles[0].address.remote(), form)
+        self._when_all([(worker, a.ready.remote()) for a in handles], join)
+
+    def _resume_workers(self) -> None:
+        """A resumed run: every rank of the primary gang loads the checkpoint's trainer state (sharded as written),
+        then the snapshot recovery and the other workers' weight loads use is taken."""
+        import ray
+        found = self.resumed_from
+        if found is None:
+            return
+        ranks = self.gangs[PRIMARY_TRAINER]
+        try:
+            ray.get([r.load_train_state.remote(str(found.trainer_dir), found.trainer_version) for r in ranks],
+                    timeout=self.start_timeout)
+            acks, weights, shards = self._snapshot_calls()
+            ray.get(acks, timeout=self.start_timeout)
+        except Exception as exc:
+            raise ClusterError(f"the primary trainer could not load the checkpoint {found.path}: "
+                               f"{root_cause(exc)}") from None
+        self._keep_snapshot(found.trainer_version, weights, shards)
 
     def _named_actors(self) -> list:
         return list(self.actors.items()) + [(f"{g}/{j}", a) for g, ranks in self.gangs.items()
@@ -256,11 +368,15 @@ class EngineDriver(PoolDriver):
         ray.get([a.offload.remote() for a in aux], timeout=self.start_timeout)
 
     def _begin(self):
-        self.t0 = time.time()
+        self.t0 = time.time() - self.clock_start
         if self.out_dir is not None:
             from bidirl import tracking
             pools = [p for p, n in self.assembly.pool_gpus.items() if n > 0]
             self.tracker = tracking.LiveStepMetrics(tracking.RunOutput(self.out_dir, self.config), self.config, pools)
+            log = self.log
+            for k, (spans, decisions) in enumerate(self.step_marks):     # a resumed run writes every step's row
+                self.tracker.step_done(EventLog(spans=log.spans[:spans], steps=log.steps[:k + 1],
+                                                decisions=log.decisions[:decisions]), self.step_stats)
 
     def execute(self, msg) -> None:
         super().execute(msg)
@@ -279,20 +395,44 @@ class EngineDriver(PoolDriver):
             self.span(lane or sp["worker"], kind, self._wall(sp["start"]), self._wall(sp["end"]),
                       dict(sp["detail"], **detail), step=step)
 
-    def _worker_failed(self, worker: str, exc: Exception):
-        import ray
+    # ------------------------------------------------------------------------------------------
+    # checkpoints (bidirl.checkpoints): identity, the driver's state, the trainer's files
+    # ------------------------------------------------------------------------------------------
+    def _model_identity(self) -> dict:
+        from bidirl.cluster.engines.checkpoint import model_identity
+        return dict(model_identity(self.model_dir), name=self.config.model)
 
-        from bidirl.rl.rewards import RewardError
-        if isinstance(exc, RewardError) or isinstance(getattr(exc, "cause", None), RewardError):
-            # the user's reward function failed, not the worker: recovering would only fail again elsewhere
-            raise ClusterError(f"worker {worker} failed: {root_cause(exc)}") from None
-        if worker in self.gangs:
-            for r in self.gangs[worker]:       # a gang is one worker: its other ranks would hang in collectives
-                try:
-                    ray.kill(r)
-                except Exception:
-                    pass
-        super()._worker_failed(worker, exc)
+    def _data_identity(self) -> dict:
+        """The prompt file's SHA-256 and rows (group ``g`` is row ``g mod rows``), or the built-in task's seed."""
+        from bidirl.checkpoints import file_sha256
+        source = self.prompts.source
+        path = getattr(source, "path", None)
+        if path is None:
+            return {"task": type(source).__name__, "seed": self.config.seed}
+        return {"file_sha256": file_sha256(path), "rows": int(source.size)}
+
+    def checkpoint_state(self) -> dict:
+        return dict(super().checkpoint_state(), step_stats=list(self.step_stats))
+
+    def restore_state(self, state: dict) -> None:
+        super().restore_state(state)
+        self.step_stats = list(state["step_stats"])
+
+    def _save_trainer_state(self, folder) -> bool:
+        """Every primary rank writes its shards of weights and AdamW state (``torch.distributed.checkpoint``)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        from bidirl.checkpoints import CheckpointSkipped
+        if PRIMARY_TRAINER in self.failed:
+            raise CheckpointSkipped("the primary trainer is being restarted")
+        ranks = self.gangs[PRIMARY_TRAINER]
+        try:
+            ray.get([r.save_train_state.remote(str(folder)) for r in ranks], timeout=self.stall_timeout)
+        except (RayActorError, RayTaskError, GetTimeoutError) as exc:
+            # a rank died (recovered through its next call) or could not write: this boundary has no checkpoint
+            raise CheckpointSkipped(f"the primary trainer could not save its state: {root_cause(exc)}") from None
+        return True
 
     # ------------------------------------------------------------------------------------------
     # rollout
@@ -301,8 +441,9 @@ class EngineDriver(PoolDriver):
         from bidirl.cluster.engines.rollout import GroupRequest
         w = self.config.workload
         g = task.group_id
+        forced = self.forced_lengths(g)[1] if self.forced_lengths is not None else None
         return GroupRequest(g, self.prompts.prompt_ids(g), w.group_size, w.max_response_len,
-                            self.prompts.reward_input(g), resume=task.resume)
+                            self.prompts.reward_input(g), resume=task.resume, response_tokens=forced)
 
     def _weight_loads(self, workers, version: int) -> list:
         """``(worker, ref)`` calls that load actor ``version`` into those of ``workers`` (rollouters, or a
@@ -319,10 +460,11 @@ class EngineDriver(PoolDriver):
                 calls.append((w, self.actors[w].load_weights.remote(self.weights[version], version)))
         return calls
 
-    def _record_syncs(self, replies, version: int):
-        for reply in replies:
+    def _record_syncs(self, replies, version: int, lane: Optional[str] = None):
+        """Lazy weight loads as ``sync`` spans on each worker's lane (``lane``: a gang's, once for its ranks)."""
+        for reply in replies[:1] if lane is not None else replies:
             if reply is not None:
-                self._record_spans(reply, "sync", version=version)
+                self._record_spans(reply, "sync", lane=lane, version=version)
 
     def do_Generate(self, cmd: P.Generate):
         w = cmd.worker
@@ -383,11 +525,13 @@ class EngineDriver(PoolDriver):
     # trainer
     # ------------------------------------------------------------------------------------------
     def do_StartStep(self, cmd: P.StartStep):
-        """The step's samples, GRPO advantages (normalised per group) and loss normaliser, in batch order."""
+        """The step's samples, GRPO advantages (normalised per group) and loss normaliser, in batch order (again
+        after a rollback: what an earlier attempt of the step left behind is dropped)."""
         from bidirl.rl import grpo
         from bidirl.rl.samples import samples_from_groups
         import torch
 
+        self.aux_grads.clear()
         samples = samples_from_groups(cmd.groups)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         self.step_data = StepData(
@@ -408,6 +552,11 @@ class EngineDriver(PoolDriver):
         ranks = self.gangs[gang]
         layout = self.plan.envelope.trainer_layout
         shares = rank_shares(idx, ch.per_device, len(ranks))      # per_device samples on each rank (device)
+
+        # a gang behind the chunk's version loads it first (an auxiliary gang restarted since it was switched in
+        # holds the model folder's weights); calls on one actor run in order
+        self._when_all(self._weight_loads([gang], cmd.version),
+                       lambda replies: self._record_syncs(replies, cmd.version, lane=gang))
 
         def finished(replies):
             starts = [sp["start"] for r in replies if r is not None for sp in r.spans]
@@ -469,12 +618,27 @@ class EngineDriver(PoolDriver):
                                    f"{cmd.version}; a rank missed an update")
             sp = replies[0].spans[0]
             self.record_optimizer(cmd, self._wall(sp["start"]), self._wall(sp["end"]))
-            gathers = [r.weights.remote() for r in ranks]     # a sharded gang gathers together; rank 0 gets them
-            self.weights[cmd.version] = gathers[0]
-            self.versions[PRIMARY_TRAINER] = cmd.version
-            self.step_stats.append(self._step_stats(data, out))
-            self.feed(P.OptimizerStepped(self.now(), cmd.step, cmd.version))
+            acks, weights, shards = self._snapshot_calls()
+
+            def kept(_acks):
+                # the step counts once its state is safe: a gang that dies before this point rolls the step back
+                self._keep_snapshot(cmd.version, weights, shards)
+                self.step_stats.append(self._step_stats(data, out))
+                self.feed(P.OptimizerStepped(self.now(), cmd.step, cmd.version))
+            self._when_all([(PRIMARY_TRAINER, a) for a in acks], kept)
         self._when_all([(PRIMARY_TRAINER, r.apply_kept.remote(list(cmd.merge_order))) for r in ranks], done)
+
+    def _snapshot_calls(self) -> tuple:
+        """Ask every primary rank for its snapshot: (acknowledgement refs, rank 0's full weights ref, shard refs).
+        The weights and shards stay in the object store, owned by the driver; only the acknowledgements are
+        fetched."""
+        calls = [r.snapshot.remote() for r in self.gangs[PRIMARY_TRAINER]]    # the weight gather is collective
+        return [c[0] for c in calls], calls[0][1], tuple(c[2] for c in calls)
+
+    def _keep_snapshot(self, version: int, weights, shards) -> None:
+        self.weights[version] = weights
+        self.versions[PRIMARY_TRAINER] = version
+        self.trainer_state = TrainerSnapshot(version, shards)
 
     def _step_stats(self, data: StepData, update: dict) -> dict:
         """Per-step learning metrics (veRL names where the meaning is the same)."""
@@ -517,7 +681,8 @@ class EngineDriver(PoolDriver):
             if replies:
                 self._measure(("weight_sync", "rollout"), end - start)
             self.feed(P.SyncFinished(end, cmd.version, tuple(cmd.targets), end - start))
-        self._when_all(calls, done)
+        # a target that dies meanwhile drops out: it loads this version when it is back and next generates
+        self._when_all(calls, done, tolerate=True)
         self._prune_weights()
 
     def _prune_weights(self):
@@ -528,11 +693,7 @@ class EngineDriver(PoolDriver):
 
     def do_Switch(self, cmd: P.Switch):
         """Offload the pool's passive role, onload the active one and bring its weights to ``cmd.version``."""
-        top = self.topology
-        rollouters = top.aux_rollouters if cmd.pool == P.TRAINER_POOL else top.rollouters
-        trainer = P.trainer_gang(cmd.pool)
-        to_rollout = cmd.to_role == P.ROLLOUT
-        passive, active = ([trainer], list(rollouters)) if to_rollout else (list(rollouters), [trainer])
+        passive, active = self.switch_sides(cmd)
         start = self.now()
 
         def calls(method, workers):

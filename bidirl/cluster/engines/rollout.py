@@ -62,7 +62,9 @@ class GroupRequest:
     ``resume`` is the ``GroupState`` an earlier :meth:`RolloutEngine.interrupt` returned for this group
     (its payload must be a ``GroupPayload``); ``meta`` is handed to the engine's ``reward_fn``
     (e.g. the expected answer). ``ignore_eos`` generates exactly ``max_tokens`` tokens per response
-    (fixed-length runs for measurements and tests).
+    (fixed-length runs for measurements and tests). ``response_tokens`` forces each response's own length
+    instead (one entry per response, each in ``[1, max_tokens]``; ``workload.forced_lengths``): response ``i``
+    generates exactly ``response_tokens[i]`` tokens, and its reward scores the text before its first EOS.
     """
     group_id: int
     prompt_ids: tuple
@@ -71,6 +73,16 @@ class GroupRequest:
     meta: Any = None
     resume: Optional[GroupState] = None
     ignore_eos: bool = False
+    response_tokens: Optional[tuple] = None
+
+    def target_tokens(self, index: int) -> int:
+        """How many tokens response ``index`` generates at most (exactly, when forced)."""
+        return self.max_tokens if self.response_tokens is None else int(self.response_tokens[index])
+
+    @property
+    def forced(self) -> bool:
+        """Whether responses ignore EOS (one length for all, or forced lengths per response)."""
+        return self.ignore_eos or self.response_tokens is not None
 
 
 @dataclass
@@ -280,7 +292,7 @@ class RolloutEngine:
             for i, resp in enumerate(responses):
                 if resp.done:
                     continue
-                remaining = req.max_tokens - len(resp.tokens)
+                remaining = req.target_tokens(i) - len(resp.tokens)
                 if remaining <= 0:
                     resp.done, resp.finish_reason = True, "length"
                     continue
@@ -289,7 +301,7 @@ class RolloutEngine:
                 prompt = list(req.prompt_ids) + list(resp.tokens)
                 self.engine.add_request(rid, {"prompt_token_ids": prompt},
                                         self._params(remaining, request_seed(self.seed, req.group_id, i),
-                                                     req.ignore_eos))
+                                                     req.forced))
                 resp.request_id = rid
                 self._by_request[rid] = (req.group_id, i)
                 added += 1
@@ -306,6 +318,11 @@ class RolloutEngine:
             raise ValueError(f"group {req.group_id}: max_tokens must be ≥ 1, got {req.max_tokens}")
         if not req.prompt_ids:
             raise ValueError(f"group {req.group_id}: prompt_ids is empty")
+        if req.response_tokens is not None and (
+                len(req.response_tokens) != req.group_size
+                or any(not 1 <= int(n) <= req.max_tokens for n in req.response_tokens)):
+            raise ValueError(f"group {req.group_id}: response_tokens must give each of the {req.group_size} "
+                             f"responses a length in [1, max_tokens={req.max_tokens}], got {req.response_tokens}")
         if len(req.prompt_ids) + req.max_tokens > self.max_model_len:
             raise ValueError(f"group {req.group_id}: prompt ({len(req.prompt_ids)} tokens) + max_tokens "
                              f"({req.max_tokens}) exceeds max_model_len={self.max_model_len}; lower max_tokens "
@@ -394,7 +411,8 @@ class RolloutEngine:
         texts = rewards = None
         if self.reward_fn is not None:
             from bidirl.rl.rewards import score_response
-            texts = tuple(self.tokenizer.decode(r.tokens, skip_special_tokens=True) for r in rs)
+            texts = tuple(self.tokenizer.decode(self._scored_tokens(req, r.tokens), skip_special_tokens=True)
+                          for r in rs)
             rewards = tuple(score_response(self.reward_fn, req.meta, t, req.group_id, i) if r.done else float("nan")
                             for i, (r, t) in enumerate(zip(rs, texts)))
         payload = GroupPayload(
@@ -405,6 +423,13 @@ class RolloutEngine:
         return GroupState(group_id=req.group_id, prompt_len=len(req.prompt_ids),
                           generated=tuple(len(r.tokens) for r in rs), done=tuple(r.done for r in rs),
                           version=min(r.version for r in rs), payload=payload)
+
+    def _scored_tokens(self, req: GroupRequest, tokens: list) -> list:
+        """The tokens a reward scores: with forced lengths only those before the first EOS (the answer the
+        model gave; what follows stands in for a longer response's work), else all of them."""
+        if req.response_tokens is not None and self.eos_id in tokens:
+            return tokens[:tokens.index(self.eos_id)]
+        return tokens
 
     def interrupt(self, group_ids: Optional[Sequence[int]] = None, missing_ok: bool = False) -> list:
         """Abort the listed groups (``None``: all) and return their states (complete ones included).
@@ -508,6 +533,15 @@ class RolloutEngine:
         seconds = time.perf_counter() - t0
         self.last_switch["onload_seconds"] = seconds
         return seconds
+
+    def reset(self) -> float:
+        """Back to what a fresh engine holds — no groups, the model folder's weights, version 0, onloaded — for
+        a new run on the same process. Returns seconds."""
+        t0 = time.perf_counter()
+        self.interrupt(None)
+        self.onload()
+        self.load_weights(self._checkpoint_items(), 0)
+        return time.perf_counter() - t0
 
     def kv_cache_bytes(self) -> int:
         """Bytes the KV cache currently holds (0 while offloaded on CPU)."""

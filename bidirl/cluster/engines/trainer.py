@@ -113,6 +113,30 @@ def _like(local: torch.Tensor, param):
                               run_check=False)
 
 
+def _tree_map(obj, fn):
+    """``obj`` with every tensor ``t`` replaced by ``fn(t)`` (dicts, lists and tuples rebuilt)."""
+    if torch.is_tensor(obj):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _tree_map(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_tree_map(v, fn) for v in obj)
+    return obj
+
+
+def _rebuild(saved, template):
+    """``saved`` (plain local tensors) shaped like ``template``: each tensor on the template's device and, where the
+    template holds a DTensor, a DTensor with the template's sharding."""
+    if torch.is_tensor(template):
+        local = saved.to(_local(template).device)
+        return _like(local, template) if _is_dtensor(template) else local
+    if isinstance(template, dict):
+        return {k: _rebuild(saved[k], v) for k, v in template.items()}
+    if isinstance(template, (list, tuple)):
+        return type(template)(_rebuild(a, b) for a, b in zip(saved, template))
+    return saved
+
+
 def resolve_precision(precision: str, device) -> str:
     """``"auto"`` → ``"bf16-mixed"`` on CUDA, ``"fp32"`` elsewhere; other values are checked."""
     if precision == "auto":
@@ -522,6 +546,84 @@ class TrainerEngine:
         if version is not None:
             self.version = int(version)
         return time.perf_counter() - t0
+
+    def reset(self) -> float:
+        """Back to what a fresh engine holds — the model folder's weights, a new optimizer, version 0 — for a
+        new run on the same process (the sharding and the gang stay). Returns seconds."""
+        t0 = time.perf_counter()
+        self.onload()
+        self.load_state_dict(dict(checkpoint.checkpoint_weights(self.model_dir, self.tied)), 0)
+        self._clear_grads()
+        if self.optimizer is not None:
+            self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, betas=self.betas,
+                                               weight_decay=self.weight_decay)
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------------------
+    # training state: run checkpoints and recovery
+    # ------------------------------------------------------------------------------------------
+    def _train_state(self, what: str) -> dict:
+        """Weights and AdamW state as ``torch.distributed.checkpoint`` state dicts under the model's parameter
+        names (DTensors holding this rank's shards when sharded; the optimizer state is initialised first if no
+        step ran yet). Primary engines only: an auxiliary one holds no optimizer state."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self.optimizer is None:
+            raise RuntimeError(f"TrainerEngine.{what}: an {self.role} trainer holds no training state; the "
+                               "primary trainer's is saved and restored")
+        self._ready(what)
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def _set_train_state(self, state: dict, version: int) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.version = int(version)
+
+    def save_train_state(self, path: Union[str, Path]) -> float:
+        """Write weights and optimizer state into the folder ``path`` with ``torch.distributed.checkpoint``: on
+        a gang every rank calls it and writes its own shards (one file per rank). Returns seconds."""
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
+        dcp.save(self._train_state("save_train_state"), checkpoint_id=str(path), process_group=self._dcp_group())
+        return time.perf_counter() - t0
+
+    def load_train_state(self, path: Union[str, Path], version: int) -> float:
+        """Read what :meth:`save_train_state` wrote (every rank of a gang of the same layout calls it) and
+        become actor ``version``. Returns seconds."""
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
+        state = self._train_state("load_train_state")          # the layout to fill, this rank's shards
+        dcp.load(state, checkpoint_id=str(path), process_group=self._dcp_group())
+        self._set_train_state(state, version)
+        return time.perf_counter() - t0
+
+    def train_state_shard(self) -> dict:
+        """This rank's part of the training state as plain CPU tensors, with its version: handed to Ray as a
+        call's return value it is owned by the caller and outlives this process: how a restarted primary gang
+        gets its state back."""
+        state = self._train_state("train_state_shard")
+        return {"version": self.version,
+                "state": _tree_map(state, lambda t: _local(t).detach().to("cpu", copy=True))}
+
+    def restore_train_state_shard(self, shard: dict) -> float:
+        """Take back what :meth:`train_state_shard` returned on the same rank of a gang of the same layout (the
+        sharding comes from this engine's own parameters). Returns seconds."""
+        t0 = time.perf_counter()
+        template = self._train_state("restore_train_state_shard")
+        try:
+            state = _rebuild(shard["state"], template)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"restore_train_state_shard: the shard does not fit this engine's state ({exc}); pass "
+                             "train_state_shard() of the same rank of a gang with the same model and layout") from None
+        self._set_train_state(state, shard["version"])
+        return time.perf_counter() - t0
+
+    def _dcp_group(self):
+        return self._group if self._group is not None and self.world > 1 else None
 
     # ------------------------------------------------------------------------------------------
     # hot switching: offload / onload

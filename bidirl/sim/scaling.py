@@ -1,0 +1,146 @@
+"""How the simulator's own cost grows with the cluster it simulates (issue "interactive speed"; paper §7.2's
+scale-up setting as the base).
+
+:func:`scaled_config` grows the paper's default job (§7.1: Qwen3-VL-4B on Geo3K, A6000) to ``gpus`` GPUs with
+the batch growing in step — ``prompts_per_gpu`` prompt groups per GPU (4 by default: batch 128 on 32 GPUs, the
+§7.2 scale-up point) on an even split — so every replica keeps the same share of work and the simulated
+cluster is busy at every size. :func:`measure_scaling` simulates each (GPUs, steps) point and records the
+**wall time of the simulation itself** (measured on the machine running it, with the events it processed and
+the CPU time it used) and the cost per simulated GPU-step, in wall and in CPU time (the CPU figure is the one to
+read on a machine other work keeps busy); the simulated throughput is in the frame too, marked as a simulation. :func:`scaling_figure` draws wall time and cost per GPU-step against GPUs and steps.
+
+The cost per GPU-step is what should stay flat or fall as the cluster grows: the control plane's per-event
+work is indexed (no scan over all groups or workers per event), so the time per step grows with the requests
+and chunks of the step, not faster.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable, Optional, Union
+
+import pandas as pd
+
+from bidirl import config as cfgmod
+
+#: the frame's columns, in order
+COLUMNS: tuple = ("gpus", "steps", "prompts_per_step", "policy", "wall_s", "cpu_s", "events", "events_per_s",
+                  "gpu_steps", "us_per_gpu_step", "cpu_us_per_gpu_step", "simulated_throughput", "wall_provenance",
+                  "throughput_provenance")
+
+DEFAULT_GPUS: tuple = (16, 32, 64, 128, 256, 512, 1024)
+
+
+def scaled_config(gpus: int, *, base: Any = "a6000-default", prompts_per_gpu: int = 4) -> cfgmod.JobConfig:
+    """``base`` on ``gpus`` GPUs split evenly, with ``prompts_per_gpu × gpus`` prompt groups per step."""
+    gpus, prompts_per_gpu = int(gpus), int(prompts_per_gpu)
+    cfg = cfgmod.load(base)
+    node = cfg.cluster.gpus_per_node
+    if gpus < 2 or gpus % 2 or (gpus > node and (gpus // 2) % node):
+        raise cfgmod.ConfigError("gpus", f"{gpus} GPUs do not split evenly into two pools of whole nodes "
+                                 f"({node} GPUs per node)", f"use an even count ≤ {node} or a multiple of {2 * node}")
+    if prompts_per_gpu < 1:
+        raise cfgmod.ConfigError("prompts_per_gpu", f"must be ≥ 1, got {prompts_per_gpu}",
+                                 "give each GPU at least one prompt group per step")
+    return cfg.with_overrides({"cluster.gpus": gpus, "cluster.partition": [gpus // 2, gpus // 2],
+                               "workload.prompts_per_step": prompts_per_gpu * gpus})
+
+
+def measure_point(gpus: int, steps: int, *, policy: str = "bidirl", seed: Optional[int] = None,
+                  base: Any = "a6000-default", prompts_per_gpu: int = 4) -> dict:
+    """Simulate one point and time it (one row of :func:`measure_scaling`)."""
+    from bidirl.sim import simulate
+    cfg = scaled_config(gpus, base=base, prompts_per_gpu=prompts_per_gpu)
+    steps = int(steps)
+    if steps < 1:
+        raise cfgmod.ConfigError("steps", f"must be ≥ 1, got {steps}", "simulate at least one step")
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = simulate(cfg, policy, steps=steps, seed=seed)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    gpu_steps = int(gpus) * steps
+    return {"gpus": int(gpus), "steps": steps, "prompts_per_step": cfg.workload.prompts_per_step, "policy": policy,
+            "wall_s": wall, "cpu_s": cpu, "events": res.events_processed,
+            "events_per_s": res.events_processed / wall if wall > 0 else float("nan"),
+            "gpu_steps": gpu_steps, "us_per_gpu_step": 1e6 * wall / gpu_steps, "cpu_us_per_gpu_step": 1e6 * cpu / gpu_steps,
+            "simulated_throughput": res.summary().get("throughput"),
+            "wall_provenance": "measured", "throughput_provenance": res.provenance}
+
+
+def measure_scaling(gpus: Iterable[int] = DEFAULT_GPUS, steps: Union[int, Iterable[int]] = 5, *,
+                    policy: str = "bidirl", seed: Optional[int] = None, base: Any = "a6000-default",
+                    prompts_per_gpu: int = 4,
+                    progress: Union[bool, Callable[[int, int], Any], None] = False) -> pd.DataFrame:
+    """Simulate every (GPUs, steps) pair — ``gpus`` × ``steps`` (an int or several) — one after the other in
+    this process, and return one row per pair (columns :data:`COLUMNS`). ``progress``: ``True`` for a tqdm
+    bar, or a callable ``progress(done, total)``."""
+    pairs = [(int(g), int(s)) for g in gpus for s in ([steps] if isinstance(steps, int) else steps)]
+    if not pairs:
+        raise ValueError("measure_scaling needs at least one GPU count and one step count")
+    for g, _ in pairs:
+        scaled_config(g, base=base, prompts_per_gpu=prompts_per_gpu)       # bad sizes fail before anything runs
+    bar = None
+    if progress is True:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(pairs), desc="scaling", unit="run", leave=False)
+    rows = []
+    try:
+        for g, s in pairs:
+            rows.append(measure_point(g, s, policy=policy, seed=seed, base=base, prompts_per_gpu=prompts_per_gpu))
+            if bar is not None:
+                bar.update(1)
+            elif callable(progress):
+                progress(len(rows), len(pairs))
+    finally:
+        if bar is not None:
+            bar.close()
+    return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def scaling_figure(by_gpus: pd.DataFrame, by_steps: Optional[pd.DataFrame] = None):
+    """Plotly figure: simulation wall time and µs per simulated GPU-step against GPUs (log-log), and wall time
+    against steps when ``by_steps`` is given (frames of :func:`measure_scaling`)."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    cols = 3 if by_steps is not None else 2
+    titles = ["wall time vs GPUs", "cost per simulated GPU-step"] + (["wall time vs steps"] if by_steps is not None
+                                                                      else [])
+    fig = make_subplots(rows=1, cols=cols, subplot_titles=titles)
+    label = by_gpus["steps"].astype(str) + " steps"
+    fig.add_trace(go.Scatter(x=by_gpus["gpus"], y=by_gpus["wall_s"], mode="lines+markers", name="wall time",
+                             text=label, hovertemplate="%{x} GPUs, %{text}: %{y:.3g} s<extra></extra>"), 1, 1)
+    fig.add_trace(go.Scatter(x=by_gpus["gpus"], y=by_gpus["us_per_gpu_step"], mode="lines+markers",
+                             name="wall µs per GPU-step",
+                             hovertemplate="%{x} GPUs: %{y:.4g} wall µs per GPU-step<extra></extra>"), 1, 2)
+    fig.add_trace(go.Scatter(x=by_gpus["gpus"], y=by_gpus["cpu_us_per_gpu_step"], mode="lines+markers",
+                             name="CPU µs per GPU-step", line={"dash": "dot"},
+                             hovertemplate="%{x} GPUs: %{y:.4g} CPU µs per GPU-step<extra></extra>"), 1, 2)
+    fig.update_xaxes(type="log", title_text="GPUs simulated", row=1, col=1)
+    fig.update_xaxes(type="log", title_text="GPUs simulated", row=1, col=2)
+    fig.update_yaxes(type="log", title_text="seconds (measured)", row=1, col=1)
+    fig.update_yaxes(title_text="µs (measured)", rangemode="tozero", row=1, col=2)
+    if by_steps is not None:
+        name = by_steps["gpus"].astype(str) + " GPUs"
+        fig.add_trace(go.Scatter(x=by_steps["steps"], y=by_steps["wall_s"], mode="lines+markers",
+                                 name="wall time vs steps", text=name,
+                                 hovertemplate="%{text}, %{x} steps: %{y:.3g} s<extra></extra>"), 1, 3)
+        fig.update_xaxes(title_text="steps simulated", row=1, col=3)
+        fig.update_yaxes(title_text="seconds (measured)", rangemode="tozero", row=1, col=3)
+    fig.update_layout(title="Simulator cost at scale (measured on this machine)", height=380)
+    return fig
+
+
+def markdown_table(frame: pd.DataFrame) -> str:
+    """The frame as a Markdown table (what ``benchmarks/scaling.md`` holds)."""
+    head = ("| GPUs | steps | prompts/step | wall s | CPU s | events | events/s (wall) | µs per GPU-step (wall) "
+            "| CPU µs per GPU-step |")
+    rule = "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    lines = [head, rule]
+    for r in frame.itertuples(index=False):
+        lines.append(f"| {r.gpus} | {r.steps} | {r.prompts_per_step} | {r.wall_s:.2f} | {r.cpu_s:.2f} | {r.events} | "
+                     f"{r.events_per_s:,.0f} | {r.us_per_gpu_step:,.0f} | {r.cpu_us_per_gpu_step:,.0f} |")
+    return "\n".join(lines)
+
+
+__all__ = ["scaled_config", "measure_point", "measure_scaling", "scaling_figure", "markdown_table", "COLUMNS",
+           "DEFAULT_GPUS"]

@@ -1,0 +1,261 @@
+"""Real runs that survive: workers killed on a seeded schedule, and the driver process itself killed and resumed.
+
+Integration tests (``-m integration``) with the real engines on the built-in tiny model (``tiny-cpu``: two vLLM
+rollouters, a two-rank FSDP2 trainer gang on gloo, and the auxiliary rollouters and gang that borrowing switches
+in), on one local Ray for the module. The runs borrow in both directions at every step (policy
+``opportunistic``, 32 groups of 8 responses so generation outlasts a switch), so there are auxiliary workers to
+kill and switches to kill them in.
+
+* **Chaos.** A 10-step run at s = 0 and at s = 1 for each of three seeds. :class:`Chaos` kills one worker of
+  each kind — a primary rollouter, an auxiliary rollouter, a rank of the primary gang, a rank of the auxiliary
+  gang — each from a seeded step on: the primary rollouter while it receives a weight sync, the others while
+  they work (a rollouter generating, a gang running a chunk); and one more worker, of whichever kind, while a
+  switch it takes part in is in flight. The rollouter or rank is a seeded choice too (``ray.kill``: the process
+  dies). Every run completes with no sample lost or duplicated and no pool hosting both roles; every kill was
+  recovered; at s = 0 the same prompt groups train in every step and the final weights equal a fault-free run's
+  within 1e-4 (the tolerance of ``tests/test_engine_driver.py``: borrowing sums chunk gradients in another
+  grouping).
+* **Driver death.** ``bidirl run`` is killed (SIGKILL, its embedded Ray with it) once its checkpoint after 3 of 6
+  steps exists; ``bidirl run --resume`` runs the other 3. The result equals 6 steps straight (the fault-free
+  run's checkpoint after step 6): the same prompt groups per step, the same rewards, weights within 1e-5, and
+  the resumed run's log, metrics and summary number the steps 0-5.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from bidirl import checkpoints
+from bidirl import config as cfgmod
+from bidirl import metrics
+from bidirl.cluster.recovery import MAX_RESTARTS
+from bidirl.core import protocol as P
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="engine runs need vllm (pip install -e .[cpu])")]
+
+STEPS = 10
+POLICY = "opportunistic"
+WEIGHT_TOL = 1e-4
+RESUME_TOL = 1e-5
+KINDS = ("primary rollouter", "auxiliary rollouter", "primary trainer rank", "auxiliary trainer rank")
+
+
+def job(staleness: float):
+    return cfgmod.load("tiny-cpu").with_overrides({"rl.staleness": staleness, "workload.prompts_per_step": 32,
+                                                   "workload.group_size": 8})
+
+
+@dataclass
+class Chaos:
+    """A seeded kill schedule, polled by ``PoolDriver.run(kill=...)`` after every completed call (module doc).
+
+    Five kills, each armed from a seeded step and done the first time its moment comes: one per kind — the
+    primary rollouter while it is a target of the weight sync in flight (``sync``), the others while they work
+    (``work``: generating, or running a chunk) — and one of any worker taking part in a switch in flight
+    (``switch``). Which directions a run borrows in, and when, is the scheduler's choice: at s = 1 the trainer
+    pool is lent to rollout only in the first steps (later the trainer never waits), so the kills that need it
+    (an auxiliary rollouter's, the switch's) are armed from a step in ``[0, early]``, the others from one in
+    ``[1, last]``. The worker, and the rank of a gang, are seeded choices; ``ray.kill`` ends the process."""
+    seed: int
+    early: int = 1
+    last: int = 4
+    kills: list = field(default_factory=list)          # (kind, moment, worker, steps done)
+
+    def __post_init__(self):
+        self.rng = random.Random(self.seed)
+        self.moment = dict.fromkeys(KINDS, "work")
+        self.moment["primary rollouter"] = "sync"
+        self.moment["switch"] = "switch"
+        self.armed = {kind: (self.rng.randint(0, self.early) if kind in ("auxiliary rollouter", "switch")
+                             else self.rng.randint(1, self.last)) for kind in KINDS + ("switch",)}
+
+    def __call__(self, driver) -> None:
+        import ray
+        for kind, step in sorted(self.armed.items(), key=lambda kv: (kv[1], kv[0])):
+            if driver.steps_done < step:
+                break
+            candidates = sorted(w for w in self._in(kind, self.moment[kind], driver) if w not in driver.failed)
+            if candidates:
+                worker = self.rng.choice(candidates)
+                ranks = driver.gangs.get(worker) or [driver.actors[worker]]
+                ray.kill(self.rng.choice(ranks))
+                self.kills.append((self.kind_of(worker, driver.topology), self.moment[kind], worker,
+                                   driver.steps_done))
+                del self.armed[kind]
+                return
+
+    @staticmethod
+    def kind_of(worker: str, top) -> str:
+        if worker in top.rollouters:
+            return "primary rollouter"
+        if worker in top.aux_rollouters:
+            return "auxiliary rollouter"
+        return "primary trainer rank" if P.is_primary(worker) else "auxiliary trainer rank"
+
+    @staticmethod
+    def _in(kind: str, moment: str, d) -> list:
+        if moment == "switch":
+            return [w for cmd in d.switching.values() for side in d.switch_sides(cmd) for w in side]
+        top = d.topology
+        of_kind = {"primary rollouter": top.rollouters, "auxiliary rollouter": top.aux_rollouters,
+                   "primary trainer rank": (P.PRIMARY_TRAINER,), "auxiliary trainer rank": (P.AUX_TRAINER,)}[kind]
+        if moment == "sync":
+            busy = d.syncing.targets if d.syncing is not None else ()
+        else:
+            busy = [w for w in of_kind if d.r_busy.get(w) or d.chunk_running.get(w) is not None]
+        return [w for w in of_kind if w in busy]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def own_ray():
+    """One local Ray for the module's runs (the CLI runs start their own in their process)."""
+    import ray
+    os.environ.setdefault("RAY_enable_metrics_collection", "0")
+    ray.shutdown()
+    for attempt in range(3):           # a loaded machine may miss Ray's fixed 30 s node-registration deadline
+        try:
+            ray.init(num_cpus=4, resources={"gpu_slot": 4.0}, include_dashboard=False, log_to_driver=False,
+                     namespace="bidirl-chaos")
+            break
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == 2:
+                raise
+            ray.shutdown()
+    yield
+    ray.shutdown()
+
+
+class WarmWorkers:
+    """The module's engines, kept from run to run: starting eight engine processes is most of a short run's
+    time on two cores, and each run resets them to a fresh engine's state (``EngineDriver(workers=...)``). A
+    run that fails ends its workers; the next one starts new ones."""
+
+    def __init__(self, model_dir):
+        self.model_dir, self.kept = str(model_dir), None
+
+    def run(self, cfg, kill=None, **kwargs):
+        from bidirl.cluster.engines.driver import EngineDriver
+        driver = EngineDriver(cfg, POLICY, STEPS, cfg.seed, model_dir=self.model_dir, workers=self.kept, **kwargs)
+        self.kept = None
+        result = driver.run(kill=kill, keep_workers=True)
+        self.kept = driver.kept
+        return result
+
+    def release(self):
+        if self.kept is not None:
+            self.kept.release()
+            self.kept = None
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir):
+    warm = WarmWorkers(model_dir)
+    yield warm
+    warm.release()
+
+
+def _batches(view) -> list:
+    return [sorted(ids) for _, _, ids in view.batches]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def fault_free(engines, tmp_path_factory):
+    """The s = 0 run without faults, checkpointed after every step (all kept): the reference of both tests."""
+    folder = tmp_path_factory.mktemp("fault-free")
+    res = engines.run(job(0.0), checkpoint_dir=str(folder), keep=STEPS)
+    return res, folder
+
+
+@pytest.mark.parametrize("staleness", [0.0, 1.0])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_killing_any_worker_at_any_moment_loses_nothing(engines, fault_free, staleness, seed):
+    cfg = job(staleness)
+    chaos = Chaos(seed)
+    res = engines.run(cfg, kill=chaos)
+    s = res.summary()
+    assert not chaos.armed, f"kills never done: {chaos.armed} (killed: {chaos.kills})"
+    assert {m for _, m, _, _ in chaos.kills} == {"sync", "switch", "work"}
+    assert {k for k, _, _, _ in chaos.kills} == set(KINDS)
+    assert len(res.log.steps) == STEPS and [r.step for r in res.log.steps] == list(range(STEPS))
+    consumed = STEPS * cfg.workload.prompts_per_step * cfg.workload.group_size
+    assert s["samples"]["lost"] == 0 and s["samples"]["duplicated"] == 0 and s["samples"]["consumed"] == consumed
+    assert metrics.role_conflicts(res.log) == [], "a pool hosted both roles at once"
+    recovered = {r["worker"] for r in s["recoveries"]}
+    assert {w for _, _, w, _ in chaos.kills} <= recovered, (chaos.kills, s["recoveries"])
+    assert max(r["restart"] for r in s["recoveries"]) <= MAX_RESTARTS and res.view.failed == ()
+    diff = None
+    if staleness == 0.0:
+        ref, _ = fault_free
+        assert _batches(res.view) == _batches(ref.view), "other prompt groups trained"
+        diff = _max_diff(res.weights, ref.weights)
+        assert diff <= WEIGHT_TOL
+    print(f"chaos seed {seed} s={staleness}: kills {chaos.kills}; samples {s['samples']}; "
+          f"max |weight - fault-free weight| {diff}")
+
+
+def _cli(*args, env, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "bidirl.cli", "run", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
+
+
+def test_a_killed_driver_resumes_from_its_checkpoint_as_if_never_stopped(model_dir, fault_free, tmp_path):
+    ref, ref_folder = fault_free
+    config = tmp_path / "job.yaml"
+    config.write_text(job(0.0).to_yaml())
+    folder = tmp_path / "ck"
+    env = dict(os.environ, BIDIRL_CACHE=str(model_dir.parent))
+    common = ["--policy", POLICY, "--steps", "6", "--json"]
+
+    first = _cli(str(config), *common, "--checkpoint-dir", str(folder), "--checkpoint-every", "3",
+                 "--out", str(tmp_path / "out-1"), env=env)
+    deadline = time.time() + 900
+    try:
+        while not (folder / "step-000003" / checkpoints.MANIFEST).exists():
+            assert first.poll() is None, f"the run ended before its checkpoint: {first.communicate()[1][-3000:]}"
+            assert time.time() < deadline, "no checkpoint after 3 steps within 15 minutes"
+            time.sleep(0.05)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)        # the driver, and the embedded Ray it started
+        first.communicate()
+    assert not (folder / "step-000006").exists(), "the driver was killed after it finished"
+
+    second = _cli(str(config), *common, "--resume", str(folder), "--out", str(tmp_path / "out-2"), env=env)
+    out, err = second.communicate(timeout=900)
+    assert second.returncode == 0, err[-3000:]
+    summary = json.loads(out)
+    assert summary["resumed_from"]["step"] == 3
+    assert len(summary["step_times"]) == 6 and len(summary["reward"]) == 6
+    assert summary["samples"]["lost"] == 0 and summary["samples"]["duplicated"] == 0
+    assert summary["reward"] == ref.summary()["reward"][:6]
+
+    resumed, straight = checkpoints.find(folder), checkpoints.Checkpoint.open(ref_folder / "step-000006")
+    assert resumed.step == 6
+    assert _batches(resumed.control().coordinator.view()) == _batches(straight.control().coordinator.view())
+    diff = _max_diff(resumed.trainer_weights(), straight.trainer_weights())
+    print(f"3 + 3 resumed steps against 6 straight: max |weight difference| {diff}")
+    assert diff <= RESUME_TOL
+    # the resumed run's own outputs number the steps 0-5: its log continues the first run's
+    from bidirl.trace import EventLog
+    from bidirl.tracking import EVENTS_FILE, METRICS_FILE
+    log = EventLog.load(tmp_path / "out-2" / EVENTS_FILE)
+    assert [r.step for r in log.steps] == list(range(6))
+    rows = [json.loads(line) for line in (tmp_path / "out-2" / METRICS_FILE).read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(6))

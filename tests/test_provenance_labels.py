@@ -1,0 +1,92 @@
+"""Every figure and printed number says what it is — simulated, emulated or measured — taken from the run.
+
+A run's ``provenance`` is a class attribute of the driver that made it (``SimDriver``, ``EmulatedDriver``,
+``EngineDriver``) and travels in the ``RunResult`` and its summary; figures, widgets and printed summaries
+read it from there (:data:`bidirl.execution.PROVENANCE` holds the words). These tests give one simulated log
+each driver's provenance, as its driver would, and check every consumer. The integration tests of the Ray
+drivers check the same labels on real emulated and real engine runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bidirl import metrics, viz
+from bidirl.cluster.emulated import EmulatedDriver
+from bidirl.cluster.engines.driver import EngineDriver
+from bidirl.execution import PROVENANCE
+from bidirl.sim import simulate
+from bidirl.sim.driver import SimDriver
+from bidirl.widgets import LiveGantt, MetricsPanel
+
+DRIVERS = {SimDriver: "simulated", EmulatedDriver: "emulated", EngineDriver: "measured"}
+
+
+@pytest.fixture(scope="module")
+def simulated():
+    return simulate("tiny-cpu", "bidirl", steps=3, seed=0)
+
+
+def made_by(driver, run):
+    """``run`` as ``driver`` would have returned it: its provenance on the result and in the summary."""
+    summary = dict(run.summary(), provenance=driver.provenance)
+    return dataclasses.replace(run, provenance=driver.provenance, summary_dict=summary)
+
+
+def test_the_three_kinds_have_distinct_words_and_axes():
+    assert set(DRIVERS.values()) == set(PROVENANCE) == set(viz.TIME_AXIS_TITLES)
+    assert len(set(viz.TIME_AXIS_TITLES.values())) == len(PROVENANCE)
+    for kind, title in viz.TIME_AXIS_TITLES.items():
+        assert kind in title
+
+
+@pytest.mark.parametrize("driver, kind", DRIVERS.items(), ids=lambda x: getattr(x, "__name__", x))
+def test_figures_widgets_and_summaries_carry_the_runs_provenance(driver, kind, simulated):
+    run = made_by(driver, simulated)
+    assert run.provenance == kind
+    words = PROVENANCE[kind]
+    others = [w for k, w in PROVENANCE.items() if k != kind]
+
+    fig = viz.gantt_figure(run, title="bidirl")
+    assert fig.layout.title.text == f"bidirl — {words}"
+    assert fig.layout.xaxis.title.text == viz.TIME_AXIS_TITLES[kind]
+    both = viz.compare_gantt({"a": run, "b": run}, title="two")
+    assert both.layout.title.text == f"two — {words}"
+    assert kind in both.layout.xaxis2.title.text or kind in both.layout.xaxis.title.text
+
+    live = LiveGantt(labels=("bidirl",), title="live")
+    live.update(run)
+    assert live.figure.layout.title.text == f"live — {words}"
+    assert live.figure.layout.xaxis.title.text == viz.TIME_AXIS_TITLES[kind]
+
+    panel = MetricsPanel()
+    table = panel.add_runs([run])
+    assert list(table["provenance"]) == [kind] and kind in panel.table.value
+
+    printed = metrics.format_summary(run.summary())
+    assert words in printed.splitlines()[0] and not any(w in printed for w in others)
+    compared = metrics.format_comparison({"x": run.summary(), "y": run.summary()}, baseline="y")
+    assert compared.splitlines()[0] == f"{words}:"
+    if run.summary().get("costs"):
+        assert metrics.COST_SOURCES[kind] in printed
+
+
+def test_costs_of_an_emulated_run_are_not_called_measured(simulated):
+    summary = dict(made_by(EmulatedDriver, simulated).summary(),
+                   costs={"rollout_on_trainer_pool": {"c_in": 7.7, "c_out": 5.7}})
+    line = next(x for x in metrics.format_summary(summary).splitlines() if x.startswith("switch costs"))
+    assert "emulated" in line and "measured" not in line
+
+
+def test_contradictions_are_refused(simulated):
+    emulated = made_by(EmulatedDriver, simulated)
+    with pytest.raises(ValueError, match="one provenance"):
+        viz.compare_gantt({"sim": simulated, "ray": emulated})
+    with pytest.raises(ValueError, match="contradicts"):
+        viz.gantt_figure(emulated, provenance="measured")
+    with pytest.raises(ValueError, match="provenance must be one of"):
+        viz.gantt_figure(simulated.log, provenance="guessed")
+    # a bare log says nothing it does not know
+    assert viz.gantt_figure(simulated.log).layout.xaxis.title.text == viz.UNKNOWN_TIME_AXIS
