@@ -272,18 +272,25 @@ def test_trainer_on_rollout_pool_admitted_pulls_chunks_lazily_merges_in_order_an
     assert all(g.version == 1 for g in of(P.Generate, out))
 
 
-def _finish_on_primaries(c, live, t=5.0):
-    """Run every chunk the coordinator sends to the primary gang to completion; returns (chunks run, last out)."""
+def run_chunks(c, live, t=5.0, gang=None):
+    """Start and finish every chunk sent (and those that follow) in order, each on the gang it was sent to (which
+    must be ``gang`` when given); returns (chunks run, last messages)."""
     ran, out = [], []
     while live:
         cmd = live.pop(0)
-        assert cmd.worker == P.PRIMARY_TRAINER
+        if gang is not None:
+            assert cmd.worker == gang
         ran.append(cmd.chunk)
         c.handle(P.ChunkStarted(t, cmd.worker, cmd.chunk.chunk_id))
         out = c.handle(P.ChunkFinished(t + 0.05, cmd.worker, cmd.chunk.chunk_id, 0.05))
         live += of(P.RunChunk, out)
         t += 0.1
     return ran, out
+
+
+def _finish_on_primaries(c, live, t=5.0):
+    """Run every chunk the coordinator sends to the primary gang to completion; returns (chunks run, last out)."""
+    return run_chunks(c, live, t, gang=P.PRIMARY_TRAINER)
 
 
 def test_trainer_on_rollout_pool_revoked_when_the_auxiliary_gang_dies_mid_chunk():

@@ -8,20 +8,7 @@ mid-step rolls the step back to its start and starts it over with the same batch
 import pytest
 
 from bidirl.core import protocol as P
-from test_coordinator_async import R0, R1, coordinator, done_group, of, prefix, where
-
-
-def _run_chunks(c, live, t=5.0):
-    """Start and finish every chunk sent (and those that follow) in order; returns (chunks, last messages)."""
-    ran, out = [], []
-    while live:
-        cmd = live.pop(0)
-        ran.append(cmd.chunk)
-        c.handle(P.ChunkStarted(t, cmd.worker, cmd.chunk.chunk_id))
-        out = c.handle(P.ChunkFinished(t + 0.05, cmd.worker, cmd.chunk.chunk_id, 0.05))
-        live += of(P.RunChunk, out)
-        t += 0.1
-    return ran, out
+from test_coordinator_async import R0, R1, coordinator, done_group, of, prefix, run_chunks, where
 
 
 def _consume(c):
@@ -47,7 +34,7 @@ def test_a_primary_trainer_failure_mid_step_starts_the_step_over_once_the_gang_i
     assert again == start, "the same step, version and batch start over"
     chunks = of(P.RunChunk, out)
     assert chunks and min(r.chunk.chunk_id for r in chunks) > first.chunk.chunk_id
-    ran, out = _run_chunks(c, chunks, t=9.1)
+    ran, out = run_chunks(c, chunks, t=9.1)
     (opt,) = of(P.OptimizerStep, out)
     assert opt.step == 0 and opt.version == 1
     updates = [ch for ch in ran if ch.chunk_id in opt.merge_order]
@@ -58,13 +45,13 @@ def test_a_primary_trainer_failure_mid_step_starts_the_step_over_once_the_gang_i
 def test_a_failure_after_the_optimizer_step_was_sent_rolls_the_step_back_too():
     c = coordinator("no-borrow")
     _, live = _consume(c)
-    _, out = _run_chunks(c, live)
+    _, out = run_chunks(c, live)
     assert of(P.OptimizerStep, out) and c.view().phase == "finishing"
     # the gang died before OptimizerStepped: whatever it applied is gone with it
     c.handle(P.WorkerFailed(6.0, P.PRIMARY_TRAINER, "actor died"))
     out = c.handle(P.WorkerRestarted(7.0, P.PRIMARY_TRAINER))
     assert of(P.StartStep, out) and c.view().phase == "consuming" and c.view().trainer_version == 0
-    _, out = _run_chunks(c, of(P.RunChunk, out), t=7.1)
+    _, out = run_chunks(c, of(P.RunChunk, out), t=7.1)
     (opt,) = of(P.OptimizerStep, out)
     assert opt.version == 1
     out = c.handle(P.OptimizerStepped(8.0, 0, 1))
@@ -87,7 +74,7 @@ def test_a_rolled_back_step_waits_for_the_auxiliary_chunk_of_the_lost_attempt():
     assert [s.phase for s in of(P.Switch, out)] == ["out"]
     assert of(P.StartStep, out) and {r.worker for r in of(P.RunChunk, out)} == {P.PRIMARY_TRAINER}
     c.handle(P.SwitchFinished(4.6, P.ROLLOUT_POOL, P.ROLLOUT, 0.1))
-    ran, out = _run_chunks(c, of(P.RunChunk, out), t=5.0)
+    ran, out = run_chunks(c, of(P.RunChunk, out), t=5.0)
     assert of(P.OptimizerStep, out) and not of(P.MergeGradients, out), "nothing of the lost attempt is merged"
     assert all(ch.chunk_id > aux.chunk.chunk_id for ch in ran)
 
@@ -115,7 +102,7 @@ def test_a_rollouter_that_dies_with_the_sync_interrupt_in_flight_does_not_hold_t
     placed = where(c.handle(P.Started(0.0)))
     for k, g in enumerate(range(4)):
         out = c.handle(P.GroupFinished(1.0 + k, placed[g], done_group(g)))
-    _, out = _run_chunks(c, of(P.RunChunk, out))
+    _, out = run_chunks(c, of(P.RunChunk, out))
     out = c.handle(P.OptimizerStepped(6.0, 0, 1))
     interrupts = {i.worker for i in of(P.Interrupt, out)}
     assert interrupts == {R0, R1}, "the run-ahead groups are stopped for the sync"
@@ -161,7 +148,7 @@ def test_a_primary_stopping_for_a_migration_when_the_step_ends_parks_its_other_g
         c.handle(P.GroupFinished(t, placed[g], done_group(g)))
     c.handle(P.GenerationStopped(0.8, A0, (prefix(3, tokens=5),)))
     out = c.handle(P.SwitchFinished(0.9, P.TRAINER_POOL, P.TRAINER, 0.1))
-    _, out = _run_chunks(c, of(P.RunChunk, out), t=1.0)
+    _, out = run_chunks(c, of(P.RunChunk, out), t=1.0)
     assert of(P.OptimizerStep, out)
     assert of(P.Interrupt, c.handle(P.OptimizerStepped(2.0, 0, 1))) == [P.Interrupt(R1, None)]
     assert not c.handle(P.GenerationStopped(2.1, R1, tuple(prefix(g) for g in c.buffer.running_on(R1))))

@@ -111,10 +111,6 @@ class RolloutHost:
         self._wake_advance()
         return start
 
-    def pending(self) -> bool:
-        """Whether anything is left to report or to happen: a busy replica, or a hold not yet ended."""
-        return not self.loop.empty or any(e.busy for e in self.engines.values())
-
     async def advance(self, max_wall: float) -> dict:
         """Wait until the next completion or hold end (at most ``max_wall`` wall seconds, or until a call
         arrives), then report what finished on every replica."""
@@ -357,14 +353,13 @@ class EmulatedDriver(PoolDriver):
         """A timed operation on ``worker``; with ``tolerate`` it ends even if the worker dies meanwhile (a
         switch or a sync goes on without it). A rollouter's runs on its host's loop (:meth:`RolloutHost.hold`)
         and ends in the host's report; a trainer gang's is a call that returns when it ends."""
+        start = self.now()
         on_error = (lambda: finish(start, self.now())) if tolerate else None
         h = self.host_of.get(worker)
         if h is None:
-            start = self.now()
             self._submit(worker, self.actors[worker].hold.remote(seconds), lambda el: finish(start, start + el),
                          on_error=on_error)
             return
-        start = self.now()
         token = next(self._tokens)
         self.host_holds[h][token] = (finish, on_error)
 
