@@ -32,9 +32,15 @@ they are expected to complete (:func:`consumption_order`), ``old_logprob`` (``re
 **Complexity** (§4.3): layouts and models are built once; stage times depend on a candidate only through
 its replica counts, and only ``min(d, groups)`` (rollout) / ``min(d, samples)`` (trainer) replicas can be busy,
 so each distinct capped count is evaluated once and shared by every candidate with that count. Each model
-evaluates all its distinct counts in one vectorised pass (:meth:`~bidirl.perf.rollout.RolloutModel.stage_times`,
-:meth:`~bidirl.perf.trainer.TrainerModel.stage_times`: the same numbers as one count at a time), and the scan
-over candidates is vectorised, O(|S_Π|).
+evaluates all its distinct counts together, vectorised a few counts at a time, with the same numbers as one
+count at a time (:meth:`~bidirl.perf.rollout.RolloutModel.stage_times`,
+:meth:`~bidirl.perf.trainer.TrainerModel.stage_times`). M_r: a replica's features are sums of per-group
+sums, a replica holding a single group is timed once for every count, and only the replicas whose requests
+overflow the KV cache step through decode, by runs of equal active sets rather than step by step. M_t: the
+samples are ranked once; each count's chunks are a radix sort of chunk ids away from their serpentine deals,
+and only each chunk's busiest replicas are timed. Each count costs about a vectorised pass over the groups
+(rollout; and over the overflowing replicas' requests) or the samples (trainer), and the scan over candidates
+is vectorised, O(|S_Π|).
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ The array building is pure (:func:`spans_to_bars`, :func:`gantt_shapes`) and tes
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -478,26 +481,49 @@ def throughput_bars(results: pd.DataFrame, title: Optional[str] = None) -> go.Fi
 PNG_SIZE: tuple = (1000, 600)
 
 
-def write_pngs(figures: Mapping[Union[str, Path], go.Figure]) -> Optional[str]:
+def write_pngs(figures: Mapping[Union[str, Path], go.Figure], cache_dir: Optional[Union[str, Path]] = None,
+               ) -> Optional[str]:
     """Write each figure as PNG at its path with kaleido, in one batch (one browser start for all); returns
     ``None`` when written, else why not (kaleido missing, or no browser it can drive) — nothing is left half
-    written. PNG export is optional; HTML always works."""
+    written. PNG export is optional; HTML always works.
+
+    With ``cache_dir``, a PNG is kept there under a hash of the figure's JSON, its size and kaleido's version, and
+    a figure seen before is copied from it instead of rendered again (a browser start and ≈ 1 s a figure), so a
+    re-run whose figures did not change writes its PNGs at once.
+    """
     try:
-        import kaleido  # noqa: F401
+        import kaleido
     except ImportError:
         return "kaleido is not installed (pip install kaleido; it also needs a Chrome or Chromium)"
     import plotly.io as pio
-    paths = [Path(p) for p in figures]
-    figs = list(figures.values())
     # kaleido renders at its default size unless told; use each figure's own, so the PNG looks like the HTML
-    widths = [int(f.layout.width or PNG_SIZE[0]) for f in figs]
-    heights = [int(f.layout.height or PNG_SIZE[1]) for f in figs]
+    jobs = [(Path(p), f, int(f.layout.width or PNG_SIZE[0]), int(f.layout.height or PNG_SIZE[1]))
+            for p, f in figures.items()]
+    cached = {}
+    if cache_dir is not None:
+        cache = Path(cache_dir)
+        version = getattr(kaleido, "__version__", "")
+        for path, fig, w, h in jobs:
+            key = hashlib.sha256(f"{fig.to_json()}|{w}x{h}|{version}".encode()).hexdigest()
+            cached[path] = cache / key[:2] / f"{key}.png"
+    render = [j for j in jobs if not cached.get(j[0], Path()).is_file()]
     try:
-        pio.write_images(figs, [str(p) for p in paths], width=widths, height=heights)
+        if render:
+            pio.write_images([j[1] for j in render], [str(j[0]) for j in render],
+                             width=[j[2] for j in render], height=[j[3] for j in render])
     except Exception as exc:  # noqa: BLE001 — no browser, a kaleido/Chrome mismatch, ...
-        for path in paths:
+        for path, *_ in jobs:
             path.unlink(missing_ok=True)
         return f"kaleido could not render ({type(exc).__name__}: {str(exc)[:160]})"
+    rendered = {j[0] for j in render}
+    for path, entry in cached.items():
+        if path in rendered:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")   # atomic: no half entry is ever read
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, entry)
+        else:
+            shutil.copyfile(entry, path)
     return None
 
 

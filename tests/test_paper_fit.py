@@ -21,8 +21,10 @@ def test_shipped_a6000_preset_is_the_fit(fitted):
     assert math.isclose(hw.intra_node_bandwidth, fitted["intra_node_bandwidth"], rel_tol=1e-3)
     for knob in paper_fit.KNOBS:
         assert math.isclose(getattr(hw, knob), fitted[knob], rel_tol=5e-3), knob
+    # wake_fixed and sleep_fixed land on their lower bound (0 s), where the solver's last digits (≈1e-11 s) vary
+    # with the scipy/BLAS build: compare those to a microsecond, the rest relatively.
     for name, value in fitted["switch_model"].items():
-        assert math.isclose(hw.switch_model[name], value, rel_tol=5e-3), name
+        assert math.isclose(hw.switch_model[name], value, rel_tol=5e-3, abs_tol=1e-6), name
     # the fit reaches its targets: the planner picks 8-24 for 4B with the paper's 2.09x spread
     assert fitted["check"]["static_4b_choice"] == 8
     assert math.isclose(fitted["check"]["static_4b_spread"], 2.09, rel_tol=0.01)

@@ -343,6 +343,57 @@ def test_more_replicas_never_slower_on_balanced_work(prompt, response, n, d, mb)
 
 
 # --------------------------------------------------------------------------------------------------
+# the planner's all-counts evaluations equal one count at a time (hypothesis)
+# --------------------------------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2 ** 32 - 1), st.integers(1, 40), st.integers(1, 8),
+       st.sampled_from([(30.0, None), (400.0, 6), (4000.0, 64), (1e9, None)]), st.booleans())
+def test_rollout_stage_times_equal_one_count_at_a_time(seed, n_groups, group_size, kv, communication):
+    """Every count's M_r, from the deals of all counts at once (groups alone shared, the slowest replicas picked
+    by their groups' shares, KV overflows stepped through), is exactly what stage_time gives."""
+    rng = np.random.default_rng(seed)
+    p = np.repeat(rng.integers(0, 60, n_groups), group_size)
+    r = rng.integers(0, int(rng.choice([3, 40, 300])), n_groups * group_size)
+    comm = dict(c_pre=0.003, c_dec=0.02, r=3.0) if communication else {}
+    m = RolloutModel(toy_model(), toy_hw(), params=RolloutParams(tau_pre=1.0, alpha_pre=0.001, tau_dec=0.1,
+                                                                 beta_tok=0.01, beta_hist=0.001, **comm),
+                     kv_budget_bytes=kv[0], max_seqs=kv[1])
+    ds = sorted({int(d) for d in rng.integers(1, n_groups + 3, 6)} | {1, n_groups})
+    np.testing.assert_array_equal(m.stage_times(p, r, ds, group_size),
+                                  [m.stage_time(p, r, d, group_size) for d in ds])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2 ** 32 - 1), st.integers(1, 300), st.integers(1, 3), st.integers(1, 5),
+       st.sampled_from(["default", "no communication", "communication-bound"]))
+def test_trainer_stage_times_equal_one_count_at_a_time(seed, n, layout, mb, params):
+    """Every gang size's M_t, from the serpentine deals of all sizes at once and only the busiest replicas
+    timed, is exactly what stage_time gives."""
+    rng = np.random.default_rng(seed)
+    p, r = rng.integers(1, 400, n), rng.integers(0, 600, n)
+    chosen = {"default": None, "no communication": TrainerParams.uniform(0.01, 1e-12, 2.0, 0.0, 0.0),
+              "communication-bound": TrainerParams.uniform(0.01, 1e-16, 2.0, 50.0, 1e-9)}[params]
+    m = TrainerModel(Q2B, A6000, layout=layout, params=chosen)
+    stages = ("old_logprob", "ref_logprob", "actor_update")
+    ds = sorted({int(d) for d in rng.integers(1, n + 3, 8)} | {1, n})
+    np.testing.assert_array_equal(m.stage_times(p, r, ds, mb, stages), [m.stage_time(p, r, d, mb, stages)
+                                                                        for d in ds])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2 ** 32 - 1), st.integers(2, 200), st.integers(1, 12))
+def test_span_times_equal_chunk_time_of_each_span(seed, n, d):
+    rng = np.random.default_rng(seed)
+    p, r = rng.integers(1, 400, n).tolist(), rng.integers(0, 600, n).tolist()
+    starts = rng.integers(0, n - 1, 6)
+    stops = np.minimum(n, starts + rng.integers(1, 40, 6))
+    m = TrainerModel(Q2B, A6000, layout=2)
+    got = m.span_times("actor_update", p, r, starts, stops, d)
+    assert got == [m.chunk_time("actor_update", p[a:b], r[a:b], d) for a, b in zip(starts, stops)]
+
+
+# --------------------------------------------------------------------------------------------------
 # preset-derived defaults
 # --------------------------------------------------------------------------------------------------
 

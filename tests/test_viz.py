@@ -1,5 +1,7 @@
 """Gantt and bar figures: pure array building and figure structure, checked without a browser."""
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -251,3 +253,31 @@ def test_png_export_keeps_each_figures_own_size(tmp_path, monkeypatch):
     assert viz.write_pngs({tmp_path / "a.png": sized, tmp_path / "b.png": bare}) is None
     assert seen["width"] == [sized.layout.width, viz.PNG_SIZE[0]]
     assert seen["height"] == [sized.layout.height, viz.PNG_SIZE[1]]
+
+
+def test_png_cache_renders_only_figures_it_has_not_seen(tmp_path, monkeypatch):
+    pytest.importorskip("kaleido")
+    import plotly.io as pio
+
+    rendered = []
+
+    def write_images(figs, paths, width=None, height=None):
+        rendered.append(len(paths))
+        for fig, p in zip(figs, paths):
+            Path(p).write_bytes(fig.to_json().encode())   # stands in for the picture: distinct per figure
+
+    monkeypatch.setattr(pio, "write_images", write_images)
+    cache = tmp_path / "png-cache"
+    a, b = go.Figure(go.Bar(y=[1, 2])), go.Figure(go.Bar(y=[3]))
+    first = {tmp_path / "1" / "a.png": a, tmp_path / "1" / "b.png": b}
+    (tmp_path / "1").mkdir()
+    assert viz.write_pngs(first, cache_dir=cache) is None
+    (tmp_path / "2").mkdir()
+    again = {tmp_path / "2" / "a.png": a, tmp_path / "2" / "b.png": go.Figure(go.Bar(y=[4]))}
+    assert viz.write_pngs(again, cache_dir=cache) is None
+    assert rendered == [2, 1]                      # the unchanged figure came from the cache
+    assert (tmp_path / "2" / "a.png").read_bytes() == (tmp_path / "1" / "a.png").read_bytes()
+    assert (tmp_path / "2" / "b.png").read_bytes() != (tmp_path / "1" / "b.png").read_bytes()
+    a.update_layout(width=640)                     # a new size is a new picture
+    assert viz.write_pngs({tmp_path / "2" / "a.png": a}, cache_dir=cache) is None
+    assert rendered == [2, 1, 1]

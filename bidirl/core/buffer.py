@@ -37,6 +37,14 @@ BATCH_RULES = {
 }
 
 
+def _decrement(counts: collections.Counter, tag: int) -> None:
+    """One group fewer with ``tag``; a tag no group carries leaves the counter (so scans of it cost O(live tags),
+    not O(tags ever seen))."""
+    counts[tag] -= 1
+    if not counts[tag]:
+        del counts[tag]
+
+
 @dataclass
 class RolloutBuffer:
     """The live groups and three indexes kept in step with them (so the coordinator's per-event questions —
@@ -50,6 +58,7 @@ class RolloutBuffer:
     duplicates: int = 0
     dropped: int = 0                                  # groups discarded unfinished; their admission slots free
     on_worker: dict = field(default_factory=dict)     # worker -> ids of the groups running there
+    busy: set = field(default_factory=set)            # workers with at least one group running there
     partial: set = field(default_factory=set)         # ids of the parked groups
     complete: set = field(default_factory=set)        # ids of the complete groups
     tags: collections.Counter = field(default_factory=collections.Counter)           # tag -> live groups
@@ -59,16 +68,20 @@ class RolloutBuffer:
     def _move(self, rec: GroupRecord, status: str, worker: Optional[str] = None) -> None:
         """Set a live group's status and worker, keeping the indexes in step."""
         if rec.status == "running" and rec.worker is not None:
-            self.on_worker[rec.worker].discard(rec.group_id)
+            ids = self.on_worker[rec.worker]
+            ids.discard(rec.group_id)
+            if not ids:
+                self.busy.discard(rec.worker)
         elif rec.status == "partial":
             self.partial.discard(rec.group_id)
         elif rec.status == "complete":
             self.complete.discard(rec.group_id)
-            self.complete_tags[rec.version] -= 1
+            _decrement(self.complete_tags, rec.version)
             del self.complete_by_tag[rec.version][rec.group_id]
         rec.status, rec.worker = status, worker
         if status == "running" and worker is not None:
             self.on_worker.setdefault(worker, set()).add(rec.group_id)
+            self.busy.add(worker)
         elif status == "partial":
             self.partial.add(rec.group_id)
         elif status == "complete":
@@ -79,10 +92,10 @@ class RolloutBuffer:
     def _retag(self, rec: GroupRecord, version: int) -> None:
         """Lower a group's staleness tag to ``version`` if older (the oldest version among its tokens)."""
         if version < rec.version:
-            self.tags[rec.version] -= 1
+            _decrement(self.tags, rec.version)
             self.tags[version] += 1
             if rec.status == "complete":
-                self.complete_tags[rec.version] -= 1
+                _decrement(self.complete_tags, rec.version)
                 self.complete_tags[version] += 1
                 del self.complete_by_tag[rec.version][rec.group_id]
                 ids = self.complete_by_tag.setdefault(version, {})
@@ -93,7 +106,7 @@ class RolloutBuffer:
 
     def _remove(self, rec: GroupRecord) -> None:
         self._move(rec, "removed")
-        self.tags[rec.version] -= 1
+        _decrement(self.tags, rec.version)
         del self.groups[rec.group_id]
 
     # admission -----------------------------------------------------------------------------------
@@ -168,6 +181,10 @@ class RolloutBuffer:
 
     def running_count(self, worker: str) -> int:
         return len(self.on_worker.get(worker, ()))
+
+    def any_running(self, workers: frozenset) -> bool:
+        """Whether a group runs on any of ``workers`` (a set: the test costs the smaller of it and the busy set)."""
+        return not self.busy.isdisjoint(workers)
 
     # consumption ---------------------------------------------------------------------------------
     def select_batch(self, trainer_version: int, rule: str = "lookahead") -> Optional[list[int]]:

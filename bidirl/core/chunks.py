@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -25,6 +26,27 @@ from bidirl.core.protocol import AUXILIARY, FORWARD_STAGES, PRIMARY, UPDATE_STAG
 
 #: a tail side whose chunks hold at most this many samples in all is timed in one vectorised pass
 TAIL_VECTOR_SAMPLES = 100_000
+
+
+class SegmentUnits(Sequence):
+    """A segment's units ``(stage, sample)``, stage-major, computed from the unit index: unit ``u`` is sample
+    ``u mod n`` of the segment's stage ``u div n`` (``n`` samples). Never materialised, so opening a segment
+    costs O(1) however large the batch."""
+
+    def __init__(self, stages: tuple, n_samples: int):
+        self.stages, self.n_samples = stages, n_samples
+
+    def __len__(self) -> int:
+        return len(self.stages) * self.n_samples
+
+    def __getitem__(self, u):
+        if isinstance(u, slice):
+            return [self[i] for i in range(*u.indices(len(self)))]
+        n = len(self)
+        if not -n <= u < n:
+            raise IndexError(f"unit {u} out of range")
+        stage, sample = divmod(u % n, self.n_samples)
+        return self.stages[stage], sample
 
 
 @dataclass
@@ -52,6 +74,8 @@ class TrainerStep:
     pending: list = field(default_factory=list)       # sorted unit indices not yet in a live chunk
     tail_plan: dict = field(default_factory=dict)     # side -> list of unit tuples (after JointTailSplit)
     chunks: dict = field(default_factory=dict)        # chunk_id -> ChunkRecord (this segment)
+    open_chunks: dict = field(default_factory=dict)   # chunk_id -> ChunkRecord not finished or cancelled here
+    unmerged: dict = field(default_factory=dict)      # first unit -> finished ChunkRecord not merged yet
     merged_upto: int = 0
     merge_order: list = field(default_factory=list)   # chunk ids in merge order, all segments
     merge_positions: list = field(default_factory=list)  # (segment, first unit) of each merged chunk
@@ -75,9 +99,9 @@ class TrainerStep:
         return self.segments[self.segment_index]
 
     def _open_segment(self):
-        self.units = list(itertools.product(self.segment, range(self.n_samples)))   # (stage, sample), stage-major
+        self.units = SegmentUnits(self.segment, self.n_samples)
         self.pending = list(range(len(self.units)))
-        self.tail_plan, self.chunks, self.merged_upto = {}, {}, 0
+        self.tail_plan, self.chunks, self.open_chunks, self.unmerged, self.merged_upto = {}, {}, {}, {}, 0
 
     @property
     def segment_done(self) -> bool:
@@ -95,40 +119,64 @@ class TrainerStep:
         self._open_segment()
         return True
 
+    def stage_of(self, u: int) -> str:
+        """The stage of unit ``u`` of this segment."""
+        return self.segment[u // self.n_samples]
+
+    def _first_sample(self, units) -> Optional[int]:
+        """The sample of the first unit if ``units`` are consecutive units of one stage (then their samples are
+        consecutive too), else None."""
+        if not units:
+            return None
+        first, last = units[0], units[-1]
+        n = self.n_samples
+        if last - first != len(units) - 1 or first // n != last // n:
+            return None
+        if not isinstance(units, range) and list(units) != list(range(first, last + 1)):
+            return None
+        return first % n
+
     def lens(self, units) -> tuple:
         """``(prompt_lens, response_lens)`` of the units' samples, in unit order."""
-        units = list(units)
-        if units and units == list(range(units[0], units[0] + len(units))) \
-                and self.units[units[0]][0] == self.units[units[-1]][0]:
-            i = self.units[units[0]][1]          # consecutive units of one stage: consecutive samples
+        units = units if isinstance(units, (tuple, list, range)) else list(units)
+        i = self._first_sample(units)
+        if i is not None:
             return self.prompt_lens[i:i + len(units)], self.response_lens[i:i + len(units)]
-        idx = [self.units[u][1] for u in units]
+        n = self.n_samples
+        idx = [u % n for u in units]
         return [self.prompt_lens[i] for i in idx], [self.response_lens[i] for i in idx]
 
-    def remaining_units(self) -> list:
-        """Units not finished in this and later segments, as (stage, sample) pairs — the workload U."""
-        live = [u for c in self.chunks.values() if c.status in ("queued", "running") for u in c.units]
+    def remaining_work(self) -> tuple:
+        """The units not finished in this and later segments — the workload U — as two lists in unit order: each
+        unit's stage and its sample (built a stage at a time: a stage's units are one block of the sorted list)."""
+        live = [u for c in self.live() for u in c.units]
         planned = [u for plan in self.tail_plan.values() for run in plan for u in run]
-        now = [self.units[u] for u in sorted(set(self.pending) | set(live) | set(planned))]
-        later = [(stage, i) for seg in self.segments[self.segment_index + 1:] for stage in seg
-                 for i in range(self.n_samples)]
-        return now + later
+        units = sorted(set(self.pending).union(live, planned))
+        n, stages = self.n_samples, []
+        for k, stage in enumerate(self.segment):
+            stages += [stage] * (bisect.bisect_left(units, (k + 1) * n) - bisect.bisect_left(units, k * n))
+        samples = [u % n for u in units]
+        for seg in self.segments[self.segment_index + 1:]:
+            for stage in seg:
+                stages += [stage] * n
+                samples += range(n)
+        return stages, samples
 
     # pulling -------------------------------------------------------------------------------------
     def _take_run(self, limit: int) -> tuple:
         """Up to ``limit`` pending units from the front, contiguous and of one stage."""
         if not self.pending:
             return ()
-        first = self.pending[0]
-        stage = self.units[first][0]
+        first, n = self.pending[0], self.n_samples
+        stage = first // n
         last = min(limit, len(self.pending)) - 1
-        if self.pending[last] == first + last and self.units[first + last][0] == stage:
+        if self.pending[last] == first + last and (first + last) // n == stage:
             run = self.pending[: last + 1]          # consecutive units of one stage (the usual case)
             del self.pending[: last + 1]
             return tuple(run)
         run = [first]
         for u in self.pending[1:limit]:
-            if u != run[-1] + 1 or self.units[u][0] != stage:
+            if u != run[-1] + 1 or u // n != stage:
                 break
             run.append(u)
         del self.pending[: len(run)]
@@ -152,12 +200,16 @@ class TrainerStep:
         return self.max_chunk * self.rho * d
 
     def _make_chunk(self, units: tuple, side: str, d: int, worker: str) -> ChunkRecord:
-        stage = self.units[units[0]][0]
-        samples = tuple(self.sample_refs[self.units[u][1]] for u in units)
+        """A chunk of ``units``: consecutive units of one stage (as :meth:`_take_run` and :meth:`split_runs` cut
+        them from the sorted queue), so its samples are a slice of the step's."""
+        i = self._first_sample(units)
+        if i is None:
+            raise AssertionError(f"chunk units {units[:3]}… are not consecutive units of one stage")
+        samples = tuple(self.sample_refs[i:i + len(units)])
         per_device = -(-len(units) // (d * self.rho))
-        chunk = Chunk(self.next_chunk_id(), self.step, stage, units[0], samples, per_device)
+        chunk = Chunk(self.next_chunk_id(), self.step, self.stage_of(units[0]), units[0], samples, per_device)
         rec = ChunkRecord(chunk, side, units, worker=worker)
-        self.chunks[chunk.chunk_id] = rec
+        self.chunks[chunk.chunk_id] = self.open_chunks[chunk.chunk_id] = rec
         return rec
 
     # tail ----------------------------------------------------------------------------------------
@@ -169,10 +221,9 @@ class TrainerStep:
 
     def split_runs(self, units: list, d: int) -> list:
         """Full chunks of s_max·d units plus at most one remainder per stage (never across stages)."""
-        runs, cur = [], []
+        runs, cur, n, size = [], [], self.n_samples, self.chunk_units(d)
         for u in units:
-            if cur and (self.units[u][0] != self.units[cur[-1]][0] or len(cur) == self.chunk_units(d)
-                        or u != cur[-1] + 1):
+            if cur and (u // n != cur[-1] // n or len(cur) == size or u != cur[-1] + 1):
                 runs.append(tuple(cur))
                 cur = []
             cur.append(u)
@@ -243,6 +294,7 @@ class TrainerStep:
         if rec.status != "queued":
             return False
         rec.status = "cancelled"
+        del self.open_chunks[chunk_id]
         for u in rec.units:
             bisect.insort(self.pending, u)
         self.release_plan()
@@ -262,12 +314,13 @@ class TrainerStep:
         if rec.status == "finished":
             raise AssertionError(f"chunk {chunk_id} finished twice")
         rec.status = "finished"
+        self.open_chunks.pop(chunk_id, None)
+        self.unmerged[rec.units[0]] = rec
         if rec.side == AUXILIARY and rec.chunk.stage in UPDATE_STAGES:
             self.aux_update_chunks.append(chunk_id)
-        by_start = {c.units[0]: c for c in self.chunks.values() if c.status == "finished"}
         merged = []
-        while self.merged_upto in by_start:
-            c = by_start.pop(self.merged_upto)
+        while self.merged_upto in self.unmerged:
+            c = self.unmerged.pop(self.merged_upto)
             self.merged_upto = c.units[-1] + 1
             self.merge_order.append(c.chunk.chunk_id)
             self.merge_positions.append((self.segment_index, c.units[0]))
@@ -279,7 +332,8 @@ class TrainerStep:
         return tuple(c for c in self.merge_order if c in self.chunks and self.chunks[c].chunk.stage in UPDATE_STAGES)
 
     def live(self, side: Optional[str] = None) -> list:
-        return [c for c in self.chunks.values() if c.status in ("queued", "running")
+        """The chunks sent and not done (queued or running), of ``side`` if given, in the order they were made."""
+        return [c for c in self.open_chunks.values() if c.status in ("queued", "running")
                 and (side is None or c.side == side)]
 
     def has_work(self, side: str) -> bool:
@@ -305,15 +359,17 @@ class TailSide:
         if from_end:
             size = step.chunk_units(d)
             brk = [n] * (n + 1)            # brk[i]: the first position after i where a run must start anew
+            ns = step.n_samples
             for i in range(n - 2, -1, -1):
                 a, b = units[i], units[i + 1]
-                brk[i] = i + 1 if step.units[a][0] != step.units[b][0] or b != a + 1 else brk[i + 1]
+                brk[i] = i + 1 if a // ns != b // ns or b != a + 1 else brk[i + 1]
             self.end = [min(i + size, brk[i]) for i in range(n)]
         else:
             self.runs = step.split_runs(units, d)
             self.run_starts = list(itertools.accumulate((len(r) for r in self.runs[:-1]), initial=0))
         self.units = units
         self._times: dict = {}
+        self._run_totals = [0.0]           # a prefix side's time of its first j full runs, added in order
 
     def spans(self, k: int) -> list:
         """The chunks, ``(first unit, units)`` in run order, of running k units on this side."""
@@ -328,21 +384,39 @@ class TailSide:
         j = bisect.bisect_right(self.run_starts, k - 1) - 1
         return [(run[0], len(run)) for run in self.runs[:j]] + [(self.runs[j][0], k - self.run_starts[j])]
 
+    def _span_time(self, span: tuple) -> float:
+        t = self._times.get(span)
+        if t is None:
+            u, m = span
+            t = self._times[span] = self.chunk_time(self.step.stage_of(u), *self.step.lens(range(u, u + m)),
+                                                    self.d, self.side)
+        return t
+
     def time(self, k: int) -> float:
-        """The side's predicted time for k units (its spans' times added in order)."""
-        total = 0.0
-        for span in self.spans(k):
-            t = self._times.get(span)
-            if t is None:
-                u, m = span
-                t = self._times[span] = self.chunk_time(self.step.units[u][0], *self.step.lens(range(u, u + m)),
-                                                        self.d, self.side)
-            total += t
-        return total
+        """The side's predicted time for k units (its spans' times added in order). A prefix side's k units are
+        full runs and one cut run: the full runs' running total is kept (the same additions in the same order),
+        so each k costs O(1) instead of O(runs)."""
+        if k <= 0:
+            return 0.0
+        if self.from_end:
+            total = 0.0
+            for span in self.spans(k):
+                total += self._span_time(span)
+            return total
+        j = bisect.bisect_right(self.run_starts, k - 1) - 1
+        totals = self._run_totals
+        while len(totals) <= j:
+            run = self.runs[len(totals) - 1]
+            totals.append(totals[-1] + self._span_time((run[0], len(run))))
+        return totals[j] + self._span_time((self.runs[j][0], k - self.run_starts[j]))
 
     def distinct_spans(self) -> list:
-        """Every span of every k, once."""
-        return list(dict.fromkeys(span for k in range(self.n + 1) for span in self.spans(k)))
+        """Every span of every k, once, in the order the k = 0 … n first use them: a suffix side's k adds one span
+        (the one starting n − k units from the end; the rest are those of a smaller k), a prefix side's k the
+        first k − start units of the run that holds its last unit."""
+        if self.from_end:
+            return [(self.units[i], self.end[i] - i) for i in range(self.n - 1, -1, -1)]
+        return [(run[0], m) for run in self.runs for m in range(1, len(run) + 1)]
 
     def samples(self) -> int:
         """The samples of all distinct spans: what timing every k costs."""
@@ -351,11 +425,12 @@ class TailSide:
     def _per_span(self, fn: Callable, spans: list) -> dict:
         """``fn`` (a ``span_times``-like callable) on ``spans``, one call per stage: span -> value."""
         by_stage: dict = {}
+        segment, n = self.step.segment, self.step.n_samples
         for span in spans:
-            by_stage.setdefault(self.step.units[span[0]][0], []).append(span)
+            by_stage.setdefault(segment[span[0] // n], []).append(span)
         out = {}
         for stage, group in by_stage.items():
-            starts = [self.step.units[u][1] for u, _ in group]
+            starts = [u % n for u, _ in group]
             stops = [i + m for i, (_, m) in zip(starts, group)]
             out.update(zip(group, fn(stage, self.step.prompt_lens, self.step.response_lens, starts, stops, self.d,
                                      self.side)))
@@ -373,8 +448,15 @@ class TailSide:
 
     def bounds(self, span_bounds: Callable) -> list:
         """A lower bound of :meth:`time` for every k = 0 … n: the spans' lower bounds added the same way (so
-        each is at most the time it bounds), all spans bounded in one call per stage."""
+        each is at most the time it bounds), all spans bounded in one call per stage; a prefix side adds its full
+        runs' bounds once, as :meth:`time` does."""
         lower = self._per_span(span_bounds, self.distinct_spans())
+        if not self.from_end:
+            out, full = [0.0], 0.0
+            for run in self.runs:
+                out += [full + lower[(run[0], m)] for m in range(1, len(run) + 1)]
+                full += lower[(run[0], len(run))]
+            return out
         out = []
         for k in range(self.n + 1):
             total = 0.0

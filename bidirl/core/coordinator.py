@@ -71,6 +71,14 @@ class Topology:
         return tuple(P.rollouter(P.TRAINER_POOL, i) for i in range(self.aux_rollout_replicas))
 
     @functools.cached_property
+    def rollouter_set(self) -> frozenset:
+        return frozenset(self.rollouters)
+
+    @functools.cached_property
+    def aux_rollouter_set(self) -> frozenset:
+        return frozenset(self.aux_rollouters)
+
+    @functools.cached_property
     def trainers(self) -> tuple:
         """The trainer gangs: the primary one, and the auxiliary one if the rollout pool can host it."""
         return (P.PRIMARY_TRAINER,) + ((P.AUX_TRAINER,) if self.aux_trainer_replicas else ())
@@ -466,14 +474,14 @@ class Coordinator:
     def _rollout_pool_idle(self) -> bool:
         if not self.leases[P.ROLLOUT_POOL].primary:
             return False
-        busy = any(self.buffer.running_count(w) for w in self.topology.rollouters) or self.stopping
-        return not busy and not self.buffer.partial_ids() and not self._admissible()
+        busy = self.buffer.any_running(self.topology.rollouter_set) or self.stopping
+        return not busy and not self.buffer.partial and not self._admissible()
 
     def _after_rollout_change(self):
         if self.phase is Phase.DONE:
             return
         if self.leases[P.TRAINER_POOL].lent:
-            aux_busy = any(self.buffer.running_count(w) for w in self.topology.aux_rollouters)
+            aux_busy = self.buffer.any_running(self.topology.aux_rollouter_set)
             ready = self._batch() is not None
             if ready or (not aux_busy and not self.migrating and not self.aux_assigned):
                 self._revoke(P.TRAINER_POOL)
@@ -735,14 +743,13 @@ class Coordinator:
                 or self.phase is not Phase.CONSUMING or not self.topology.aux_trainer_replicas
                 or P.AUX_TRAINER in self.failed or not self._rollout_pool_idle()):
             return
-        units = step.remaining_units()
-        if not units:
+        stages, samples = step.remaining_work()
+        if not stages:
             return
         self.evaluated.add(key)
-        stages = [stage for stage, _ in units]
 
         def run_time(first, end, d):
-            idx = [units[k][1] for k in range(first, end)]
+            idx = samples[first:end]
             return self._chunk_time(stages[first], [step.prompt_lens[k] for k in idx],
                                     [step.response_lens[k] for k in idx], d, P.PRIMARY)
 
@@ -750,7 +757,7 @@ class Coordinator:
                                   self.settings.max_chunk, self.profiler.costs[TOR], self.policy.gated,
                                   rho=self.topology.trainer_layout, optimizer=self.settings.optimizer_seconds)
         self._decide(TOR, gate.admitted, gate.gain, gate.cost,
-                     {"t_no": gate.t_no, "t_borrow": gate.t_borrow, "units": len(units),
+                     {"t_no": gate.t_no, "t_borrow": gate.t_borrow, "units": len(stages),
                       "drained": gate.drained, "step": self.trainer_version})
 
     def _start_aux_training(self):

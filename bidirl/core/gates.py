@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -186,13 +187,11 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
 def chunk_runs(stages: Sequence[str], size: int) -> list:
     """``[(first, end)]`` index ranges cutting a stage-ordered unit list into chunks of at most ``size`` units
     that never cross a stage boundary (how lazy pull cuts it)."""
-    runs, i, n = [], 0, len(stages)
-    while i < n:
-        j = i
-        while j < n and j - i < size and stages[j] == stages[i]:
-            j += 1
-        runs.append((i, j))
-        i = j
+    runs, i = [], 0
+    for _, same in itertools.groupby(stages):
+        end = i + len(list(same))
+        runs += ((a, min(a + size, end)) for a in range(i, end, size))
+        i = end
     return runs
 
 

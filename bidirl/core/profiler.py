@@ -61,10 +61,11 @@ class Profiler:
         self.records.append(rec)
 
     def observe_group(self, prompt_len: int, response_lens) -> None:
-        for r in response_lens:
-            self.prompt_lens.append(int(prompt_len))
-            self.response_lens.append(int(r))
-        while len(self.response_lens) > self.window:
+        """Keep the group's (prompt, response) lengths, the most recent ``window`` responses in all."""
+        responses = [int(r) for r in response_lens]
+        self.prompt_lens.extend([int(prompt_len)] * len(responses))
+        self.response_lens.extend(responses)
+        for _ in range(len(self.response_lens) - self.window):
             self.prompt_lens.popleft()
             self.response_lens.popleft()
 

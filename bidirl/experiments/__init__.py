@@ -30,7 +30,8 @@ def reproduce(out_dir="reproduce", only: Optional[Sequence[str]] = None, quick: 
 
     ``quick`` runs each panel's CI-sized variant. Simulated runs are cached (:mod:`bidirl.experiments.cache`:
     keyed by config, policy, steps, seed and the code version) under ``cache_dir`` (default ``$BIDIRL_CACHE`` or
-    ``~/.cache/bidirl``), so a second reproduction only rebuilds the report; ``cache=False`` simulates every run
+    ``~/.cache/bidirl``), so a second reproduction only rebuilds the report, and a figure's PNG is copied from
+    ``<cache>/png`` when the figure did not change; ``cache=False`` simulates every run
     again (and stores nothing). The other keyword-only arguments inject replacements for the simulator, the
     planner, the calibration and the switch-cost derivation (tests use them).
 
@@ -77,7 +78,8 @@ def reproduce(out_dir="reproduce", only: Optional[Sequence[str]] = None, quick: 
             figures[s.id] = figs.stage_figure(s, evidence.stage[s.id].get("records"))
         else:
             figures[s.id] = figs.panel_figure(s, results, sp)
-    fig_paths, png_note = figs.write_figures(figures, out / "figures")
+    fig_paths, png_note = figs.write_figures(figures, out / "figures",
+                                             png_cache=runs.root / "png" if runs is not None else None)
 
     results.to_csv(out / "results.csv", index=False)
     sp.to_csv(out / "speedups.csv", index=False)

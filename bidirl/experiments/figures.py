@@ -286,8 +286,9 @@ def stage_figure(spec: PanelSpec, records: pd.DataFrame, claims: Optional[Sequen
     return fig
 
 
-def write_figures(figures: dict, out_dir: Path) -> tuple:
-    """Write each figure as HTML (plotly.js once, beside them) and as PNG when kaleido and a browser work.
+def write_figures(figures: dict, out_dir: Path, png_cache: Optional[Path] = None) -> tuple:
+    """Write each figure as HTML (plotly.js once, beside them) and as PNG when kaleido and a browser work;
+    ``png_cache`` keeps rendered PNGs by figure content (:func:`bidirl.viz.write_pngs`).
 
     Returns ``(paths, png_note)``: the files written and a sentence saying whether PNGs were made.
     """
@@ -300,14 +301,14 @@ def write_figures(figures: dict, out_dir: Path) -> tuple:
         paths.append(path)
     png_note = "no figures"
     if figures:
-        png_note = _try_png(figures, out_dir, paths)
+        png_note = _try_png(figures, out_dir, paths, png_cache)
     return paths, png_note
 
 
-def _try_png(figures: dict, out_dir: Path, paths: list) -> str:
+def _try_png(figures: dict, out_dir: Path, paths: list, png_cache: Optional[Path]) -> str:
     from bidirl.viz import write_pngs
     targets = {out_dir / f"{name}.png": fig for name, fig in figures.items()}
-    why = write_pngs(targets)
+    why = write_pngs(targets, cache_dir=png_cache)
     if why is not None:
         return f"PNG skipped: {why} (HTML figures only)"
     paths.extend(targets)

@@ -69,12 +69,9 @@ class EngineGroup:
         return cls(task.group_id, prompt_len, tuple(targets), list(task.resume.generated),
                    min(task.resume.version, version))
 
-    def done(self, i: int) -> bool:
-        return self.generated[i] >= self.targets[i]
-
     def state(self) -> GroupState:
         return GroupState(self.group_id, self.prompt_len, tuple(self.generated),
-                          tuple(self.done(i) for i in range(len(self.targets))), self.version)
+                          tuple(n >= t for n, t in zip(self.generated, self.targets)), self.version)
 
 
 @dataclass
@@ -157,7 +154,7 @@ class BatchingEngine:
     busy_since: float = -1.0
     started_at: dict = field(default_factory=dict)
     clean: bool = True
-    period: dict = field(default_factory=dict)   # (gid, i) -> [context at the period's start, tokens then, now]
+    period: dict = field(default_factory=dict)   # gid -> (prompt, {i: tokens at the period's start}, {i: now})
     _plan: Optional[Batch] = None                 # the state just before the next visible completion
     _wake: Optional[int] = None                   # the loop event of that completion
     _held: Optional[list] = None                  # callbacks held until the engine is consistent again
@@ -174,14 +171,17 @@ class BatchingEngine:
         elif now > self.busy_since:
             self.clean = False                  # joined a busy period: the period is no clean measurement
         for group in groups:
-            self.groups[group.group_id] = group
-            self.started_at[group.group_id] = now
-            for i in range(len(group.targets)):
-                if not group.done(i):
-                    st.waiting.append((group.group_id, i))
-                    st.left[group.group_id] = st.left.get(group.group_id, 0) + 1
-                    held = group.generated[i]
-                    self.period[(group.group_id, i)] = [group.prompt_len + held, held, held]
+            gid, prompt = group.group_id, group.prompt_len
+            self.groups[gid] = group
+            self.started_at[gid] = now
+            todo = [i for i, (held, target) in enumerate(zip(group.generated, group.targets)) if held < target]
+            if not todo:
+                continue
+            st.waiting.extend((gid, i) for i in todo)
+            st.left[gid] = st.left.get(gid, 0) + len(todo)
+            _, start, end = self.period.setdefault(gid, (prompt, {}, {}))
+            for i in todo:
+                start[i] = end[i] = group.generated[i]
         self._reschedule(st, now, report=True)
         self._plan_ahead()
 
@@ -195,6 +195,7 @@ class BatchingEngine:
             self.clean = False                  # part of the work leaves mid-period
         drop = set(ids)
         running = {(e[2], e[3]): e for e in st.running if e[2] in drop}
+        queued = {r for r in st.waiting if r[0] in drop}
         out = []
         for gid in ids:
             g = self.groups.pop(gid)
@@ -204,7 +205,7 @@ class BatchingEngine:
                 entry = running.get((gid, i))
                 if entry is not None:
                     g.generated[i] = entry[4] - g.prompt_len + st.iterations
-                elif g.generated[i] < g.targets[i] and (gid, i) not in st.waiting:
+                elif g.generated[i] < g.targets[i] and (gid, i) not in queued:
                     g.generated[i] = g.targets[i]          # finished earlier
             self._tokens_at_end(g)
             out.append(g.state())
@@ -218,9 +219,13 @@ class BatchingEngine:
         return out
 
     def _tokens_at_end(self, group: EngineGroup) -> None:
-        for i, n in enumerate(group.generated):
-            if (group.group_id, i) in self.period:
-                self.period[(group.group_id, i)][2] = n
+        """Note the tokens each of the group's requests in this busy period holds now (the period's entries are
+        plain ints in dicts, which the garbage collector does not track however many requests a period has)."""
+        entry = self.period.get(group.group_id)
+        if entry is not None:
+            generated, end = group.generated, entry[2]
+            for i in entry[1]:
+                end[i] = generated[i]
 
     @property
     def busy(self) -> bool:
@@ -293,23 +298,8 @@ class BatchingEngine:
                 grp.generated = [max(n, t) for n, t in zip(grp.generated, grp.targets)]
                 self._tokens_at_end(grp)
                 self._report(self.on_group, self.name, grp.state(), now - start)
-        live = st.live_base + len(st.running) * st.iterations
-        admitted = []
         c = self.costs
-        while st.waiting and len(st.running) < c.max_seqs:
-            g, i = st.waiting[0]
-            grp = self.groups[g]
-            held = grp.generated[i]
-            need = grp.prompt_len + held + 1
-            if st.running and live + need > c.kv_tokens:
-                break
-            st.waiting.popleft()
-            base = grp.prompt_len + held - st.iterations
-            heapq.heappush(st.running, (grp.targets[i] - held + st.iterations, st.admitted, g, i, base))
-            st.admitted += 1
-            st.live_base += base
-            admitted.append(grp.prompt_len + held)
-            live += need
+        admitted = self._admit(st, c) if st.waiting else []
         st.factor = self._factor(st)
         start = max(now, st.iter_start)      # a prefill still in progress delays what follows it
         if admitted:
@@ -326,6 +316,27 @@ class BatchingEngine:
         st.run_cost = self._cost(st.factor, st.running[0][0] - st.iterations, st.a, st.b)
         when = start + st.run_cost
         st.next_t = now + (when - now)         # the event time a loop event scheduled now would get
+
+    def _admit(self, st: Batch, c: EngineCosts) -> list:
+        """Move waiting requests into the running set, in arrival order, while ``max_seqs`` and the KV budget
+        allow (one request always fits an empty set); returns their contexts (prompt + tokens held)."""
+        waiting, running, groups, it = st.waiting, st.running, self.groups, st.iterations
+        live = st.live_base + len(running) * it
+        admitted = []
+        while waiting and len(running) < c.max_seqs:
+            g, i = waiting[0]
+            grp = groups[g]
+            context = grp.prompt_len + grp.generated[i]
+            if running and live + context + 1 > c.kv_tokens:
+                break
+            waiting.popleft()
+            base = context - it
+            heapq.heappush(running, (grp.targets[i] - grp.generated[i] + it, st.admitted, g, i, base))
+            st.admitted += 1
+            st.live_base += base
+            admitted.append(context)
+            live += context + 1
+        return admitted
 
     def _finish(self, st: Batch) -> list:
         """Drop the requests that reached their target from the running set; the groups now complete, in the
@@ -446,7 +457,8 @@ class BatchingEngine:
             self.on_span(self.name, "generate", self.busy_since, now, {})
             # a profiling record (§5.1): every request that was there from the start, with its context then and
             # the tokens it generated in the period — all of them, or until the interrupt that ended the period
-            work = [(ctx, end - held) for ctx, held, end in self.period.values() if end > held]
+            work = [(prompt + held, end[i] - held) for prompt, start, end in self.period.values()
+                    for i, held in start.items() if end[i] > held]
             if self.clean and work:
                 p, r = np.array(work, dtype=np.int64).T
                 self._report(self.on_record, self.name, p, r, now - self.busy_since)

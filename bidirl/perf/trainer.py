@@ -102,23 +102,148 @@ def microbatch_times(params: TrainerParams, stage_idx, flops, message_bytes) -> 
     return tau + overlap(alpha * _MULT[i] * np.asarray(flops, float), comm, r)
 
 
-def _serpentine_sums(ranked: np.ndarray, width: int) -> np.ndarray:
-    """Each replica's sum when ``ranked`` (heaviest first) is dealt serpentine to ``width`` replicas: rounds of
-    ``width`` go 0, 1, …, width−1, then width−1, …, 0. Exact for whole numbers below 2**53 (any order)."""
-    rounds = -(-ranked.size // (2 * width))
-    padded = np.zeros(rounds * 2 * width)
-    padded[:ranked.size] = ranked
-    column = padded.reshape(rounds, 2 * width).sum(axis=0)
-    return column[:width] + column[:width - 1:-1] if width > 0 else column
+_BATCH = 1 << 16        # replica micro-batches of the planner's gangs evaluated together (still in cache)
+_NEAR = 2.0 ** -20      # replicas this close to a chunk's busiest are timed too (TrainerModel._chunk_maxima)
+_ROUNDING = 2.0 ** -40  # a generous bound on the relative rounding error of a computed t_s(b)
+_FEW_CHUNKS = 3         # below this many whole chunks, a gang size's chunks are selected one by one
 
 
-def _span_inputs(stage: str, prompt_lens, response_lens, starts, stops, d: int) -> tuple:
-    """Checked ``(d, p, r, starts, stops)`` of a span query (:meth:`TrainerModel.span_times` and its bounds)."""
+def _dealt(grid: np.ndarray, d: int) -> np.ndarray:
+    """Each replica's sum when each row of ``grid`` (samples heaviest first, whole rounds of ``d``) is dealt
+    serpentine to ``d`` replicas: rounds go 0, 1, …, d−1, then d−1, …, 0. Exact for whole numbers below 2**53
+    (any order)."""
+    rounds = grid.shape[1] // d
+    if rounds % 2 == 0:                                   # pairs of rounds fold onto each other
+        column = grid.reshape(grid.shape[0], rounds // 2, 2 * d).sum(axis=1)
+        return column[:, :d] + column[:, :d - 1:-1]
+    grid = grid.reshape(grid.shape[0], rounds, d)
+    return grid[:, 0::2].sum(axis=1) + grid[:, 1::2, ::-1].sum(axis=1)
+
+
+class _Deal:
+    """The serpentine deal of a step's samples, in consumption order, as chunks on gangs of d replicas
+    (:meth:`TrainerModel.stage_times`). ``ranked``: the samples' FLOPs, most tokens first; ``order``: their
+    positions in consumption order; ``per_replica``: samples of one replica micro-batch."""
+
+    def __init__(self, ranked: np.ndarray, order: np.ndarray, per_replica: int):
+        n = ranked.size
+        self.n, self.per_replica = n, per_replica
+        self.position = order.astype(np.uint16) if n <= 2 ** 16 else order
+        self.ranked = ranked
+        self.padded = np.concatenate([ranked, np.zeros(2 * n)])     # zero samples pad a deal's last round
+        self.buffer = np.zeros(2 * n)
+
+    def replicas(self, ds: np.ndarray) -> np.ndarray:
+        """Replica micro-batches of each gang size in ``ds``, over all its chunks."""
+        size = self.per_replica * ds
+        return self.n // size * ds + np.minimum(ds, self.n % size)
+
+    def flops(self, ds) -> tuple:
+        """``(flops, widths, chunks)``: each replica micro-batch's FLOPs, chunk after chunk and gang size after
+        gang size; each chunk's busy replicas; each gang size's chunks.
+
+        Zero samples pad the last chunk's last round when it still keeps d replicas busy, and a last chunk of
+        fewer than d samples gives each its own replica. A chunk's samples in rank order are a stable radix sort
+        of the chunk ids away (with a few chunks, one selection each)."""
+        n, per = self.n, self.per_replica
+        parts, widths, chunks = [], [], []
+        for d in ds:
+            size = per * d
+            full, tail = n // size, n % size
+            if full == 0:                                       # one chunk: the samples in rank order
+                width = min(d, n)
+                parts.append(_dealt(self.padded[:-(-n // (2 * width)) * 2 * width].reshape(1, -1), width)[0])
+                widths.append(width)
+                chunks.append(1)
+                continue
+            by_chunk, chunk = self.buffer, self.position // size
+            if full < _FEW_CHUNKS:
+                for c in range(full + (tail > 0)):
+                    np.compress(chunk == c, self.ranked, out=by_chunk[c * size:min(n, (c + 1) * size)])
+            else:
+                np.take(self.ranked, np.argsort(chunk.astype(np.uint8) if full < 2 ** 8 else chunk, kind="stable"),
+                        out=by_chunk[:n])
+            whole = full + (tail >= d)
+            parts.append(_dealt(by_chunk[:whole * size].reshape(whole, size), d).reshape(-1))
+            if 0 < tail < d:
+                parts.append(by_chunk[full * size:n].copy())
+            widths += [d] * whole + ([tail] if 0 < tail < d else [])
+            chunks.append(full + (tail > 0))
+        return np.concatenate(parts), np.array(widths), np.array(chunks)
+
+
+class _Busiest:
+    """The replica micro-batches of a run of chunks — ``flops``, chunk after chunk, ``widths[k]`` replicas in
+    chunk k — with each chunk's largest FLOPs (``top``) and the replicas within a relative ``_NEAR`` of it."""
+
+    def __init__(self, flops: np.ndarray, widths: np.ndarray):
+        self.flops, self.widths = flops, widths
+        self.starts = np.cumsum(widths) - widths
+        self.top = np.maximum.reduceat(flops, self.starts) if flops.size else np.zeros(0)
+        self.low = self.top * (1.0 - _NEAR)
+        self.near = flops >= np.repeat(self.low, widths)
+
+    def candidates(self, every: np.ndarray) -> tuple:
+        """``(replicas, chunks)``: the replicas near their chunk's busiest or in a chunk flagged in ``every``,
+        and their chunks."""
+        pick = np.flatnonzero(self.near | np.repeat(every, self.widths) if every.any() else self.near)
+        return pick, np.searchsorted(self.starts, pick, side="right") - 1
+
+
+def _token_ranks(p: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """Each sample's place when the samples are ordered by tokens (p + r), most first, ties in order."""
+    tokens = p + r
+    fewer = tokens.max() - tokens if tokens.size else tokens
+    rank = np.empty(p.size, dtype=np.int64)
+    rank[np.argsort(fewer.astype(np.uint16) if fewer.size and fewer.max() < 2 ** 16 else fewer, kind="stable")] = \
+        np.arange(p.size)
+    return rank
+
+
+def _chunk_order(chunk: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """The samples chunk after chunk, each chunk's in ``rank`` order: two stable radix passes when the keys are
+    small, else a lexicographic sort."""
+    if rank.size and rank.max() < 2 ** 16 and chunk[-1] < 2 ** 16:
+        order = np.argsort(rank.astype(np.uint16), kind="stable")
+        return order[np.argsort(chunk[order].astype(np.uint16), kind="stable")]
+    return np.lexsort((rank, chunk))
+
+
+def _runs(sizes: np.ndarray, total: int):
+    """``(lo, hi)``: consecutive runs of ``sizes`` adding up to about ``total`` each (at least one item)."""
+    ends = np.cumsum(sizes)
+    lo = 0
+    while lo < sizes.size:
+        hi = max(lo + 1, int(np.searchsorted(ends, ends[lo] - sizes[lo] + total, side="right")))
+        yield lo, hi
+        lo = hi
+
+
+def _block_sums(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The sum of each consecutive block of ``counts[i]`` values, as ``values[a:b].sum()`` gives it (NumPy's
+    pairwise summation): blocks of one length are summed as the rows of one array, which NumPy sums as it sums
+    each row alone."""
+    ends = np.cumsum(counts)
+    out = np.empty(counts.size)
+    for c in np.unique(counts).tolist():
+        at = np.flatnonzero(counts == c)
+        out[at] = values[(ends[at] - c)[:, None] + np.arange(c)].sum(axis=1)
+    return out
+
+
+def _span_inputs(stage: str, prompt_lens, response_lens, starts, stops, d: int, covered: bool = False) -> tuple:
+    """Checked ``(d, p, r, starts, stops)`` of a span query (:meth:`TrainerModel.span_times` and its bounds);
+    with ``covered``, ``p`` and ``r`` hold only the samples from the first span's start to the last one's stop,
+    and the spans are relative to that window."""
     check_stage(stage)
     d = check_replicas(d)
-    p, r = lengths(prompt_lens, response_lens)
-    starts, stops = _spans(starts, stops, p.size)
-    return d, p, r, starts, stops
+    if len(prompt_lens) != len(response_lens):
+        raise ValueError(f"prompt_lens ({len(prompt_lens)}) and response_lens ({len(response_lens)}) must have one "
+                         "entry per sample")
+    starts, stops = _spans(starts, stops, len(prompt_lens))
+    lo, hi = (int(starts.min()), int(stops.max())) if covered and starts.size else (0, len(prompt_lens))
+    p, r = lengths(prompt_lens[lo:hi], response_lens[lo:hi])
+    return d, p, r, starts - lo, stops - lo
 
 
 def _spans(starts, stops, n: int) -> tuple:
@@ -214,38 +339,34 @@ class TrainerModel:
         """The time of each chunk when the samples, in this order, are cut into chunks of ``chunk_size`` and each
         chunk runs on a gang of ``d`` replicas (replica-max of one micro-batch per busy replica)."""
         check_stage(stage)
+        return self._chunk_maxima(stage, self._cut(prompt_lens, response_lens, d, chunk_size))
+
+    def _cut(self, prompt_lens, response_lens, d: int, chunk_size: int) -> "_Busiest":
+        """The replica micro-batches of the samples cut into chunks of ``chunk_size`` on gangs of ``d``."""
         p, r = lengths(prompt_lens, response_lens)
         d = check_replicas(d)
         size = check_replicas(chunk_size, "chunk_size (samples per chunk)")
-        return self._grouped_times(stage, p, r, np.arange(p.size) // size, d)
+        return self._deal_chunks(sample_forward_flops(self.model, p, r), _token_ranks(p, r),
+                                 np.arange(p.size) // size, d)
 
-    def _grouped_times(self, stage: str, p: np.ndarray, r: np.ndarray, chunk: np.ndarray, d: int) -> np.ndarray:
-        """The time of each chunk of samples ``p``, ``r`` (int64), chunk ``chunk[i]`` of sample i (0, 1, …,
-        non-decreasing, every chunk non-empty), each chunk on a gang of ``d`` replicas."""
-        n = p.size
-        if n == 0:
-            return np.zeros(0)
-        counts = np.bincount(chunk)
+    def _deal_chunks(self, flops: np.ndarray, rank: np.ndarray, chunk: np.ndarray, d: int) -> "_Busiest":
+        """The replica micro-batches of chunks of samples — their FLOPs ``flops``, their places ``rank`` in the
+        order of most tokens first (distinct), sample i in chunk ``chunk[i]`` (0, 1, …, non-decreasing, every
+        chunk non-empty) — each chunk dealt serpentine to a gang of ``d`` replicas."""
+        counts = np.bincount(chunk) if chunk.size else np.zeros(0, dtype=np.int64)
         busy = np.minimum(d, counts)                          # replicas a chunk keeps busy
         # serpentine inside every chunk at once: heaviest first, then 0, 1, …, d−1, d−1, …, 0, 0, 1, …
-        order = np.lexsort((-(p + r), chunk))
-        first = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        rank = np.empty(n, dtype=np.int64)
-        rank[order] = np.arange(n) - first[chunk[order]]
-        width = busy[chunk]
-        rounds, pos = np.divmod(rank, width)
-        replica = np.where(rounds % 2 == 0, pos, width - 1 - pos)
-        key = chunk * d + replica
-        flops = np.bincount(key, weights=sample_forward_flops(self.model, p, r), minlength=counts.size * d)
-        used = np.flatnonzero(np.bincount(key, minlength=counts.size * d))
-        t = microbatch_times(self.params, np.full(used.size, _STAGE_INDEX[stage]), flops[used],
-                             np.full(used.size, self._message[stage]))
-        out = np.zeros(counts.size)
-        np.maximum.at(out, used // d, t)
-        return out
+        order = _chunk_order(chunk, rank)
+        width = np.repeat(busy, counts)
+        turn = (np.arange(flops.size) - np.repeat(np.cumsum(counts) - counts, counts)) % (2 * width)
+        replica = np.empty(flops.size, dtype=np.int64)
+        replica[order] = np.repeat(np.arange(counts.size) * d, counts) + np.where(turn < width, turn,
+                                                                                  2 * width - 1 - turn)
+        sums = np.bincount(replica, weights=flops, minlength=counts.size * d).reshape(-1, d)
+        return _Busiest(sums[np.arange(d) < busy[:, None]], busy)
 
     def _one_chunk_time(self, stage: str, p: np.ndarray, r: np.ndarray, d: int) -> float:
-        """:meth:`_grouped_times` of one non-empty chunk, without the bookkeeping for many (the same numbers)."""
+        """:meth:`chunk_times` of one non-empty chunk, without the bookkeeping for many (the same numbers)."""
         n = p.size
         width = min(d, n)
         rank = np.empty(n, dtype=np.int64)
@@ -268,14 +389,16 @@ class TrainerModel:
 
     def span_times(self, stage: str, prompt_lens, response_lens, starts, stops, d: int) -> list:
         """:meth:`chunk_time` of each chunk ``[start, stop)`` of these samples on a gang of ``d`` replicas, all in
-        one vectorised pass (a search's many candidate chunks: the tail split's, for one)."""
-        d, p, r, starts, stops = _span_inputs(stage, prompt_lens, response_lens, starts, stops, d)
+        one vectorised pass (a search's many candidate chunks: the tail split's, for one). Reads only the
+        samples the spans cover."""
+        d, p, r, starts, stops = _span_inputs(stage, prompt_lens, response_lens, starts, stops, d, covered=True)
         if starts.size == 0:
             return []
         size = stops - starts
         chunk = np.repeat(np.arange(starts.size), size)
         idx = np.arange(chunk.size) - np.repeat(np.cumsum(size) - size - starts, size)
-        return self._grouped_times(stage, p[idx], r[idx], chunk, d).tolist()
+        flops, rank = sample_forward_flops(self.model, p, r), _token_ranks(p, r)
+        return self._chunk_maxima(stage, self._deal_chunks(flops[idx], rank[idx], chunk, d)).tolist()
 
     def span_time_bounds(self, stage: str, prompt_lens, response_lens, starts, stops, d: int) -> list:
         """A lower bound of :meth:`chunk_time` for each chunk ``[start, stop)`` of these samples on ``d``
@@ -305,20 +428,20 @@ class TrainerModel:
         """M_t(U, d): every stage's samples, in consumption order, as chunks of one micro-batch per device on
         the gang of ``d`` replicas; chunk times (replica-max) summed (module doc)."""
         stages = tuple(check_stage(s) for s in stages)
-        size = self.chunk_size(micro_batch_per_device, d)
-        return float(sum(self.chunk_times(s, prompt_lens, response_lens, d, size).sum() for s in stages))
+        cut = self._cut(prompt_lens, response_lens, d, self.chunk_size(micro_batch_per_device, d))
+        return float(sum(self._chunk_maxima(s, cut).sum() for s in stages))
 
     def stage_times(self, prompt_lens, response_lens, ds, micro_batch_per_device: int, stages=STAGES) -> np.ndarray:
         """:meth:`stage_time` for every gang size in ``ds`` at once (the planner's every candidate), the same
         numbers.
 
-        Two facts make it cheap. Each sample's FLOPs are whole numbers, so a replica's sum (at most
+        Three facts make it cheap. Each sample's FLOPs are whole numbers, so a replica's sum (at most
         ``micro_batch_per_device · layout`` samples) is exact in any order while below 2**53 (otherwise each d is
-        evaluated as :meth:`stage_time` does). And a chunk's serpentine
-        order is the global order (most tokens first) restricted to the chunk: ranking the samples once, each d
-        needs a stable radix sort of chunk ids, not a sort by tokens, and the serpentine deal of a chunk whose
-        samples are in that order is a reshape (:func:`_serpentine_sums`). The times of every (d, chunk,
-        replica) are then computed in one vectorised pass per stage."""
+        evaluated as :meth:`stage_time` does). A chunk's serpentine order is the global order (most tokens first)
+        restricted to the chunk: ranking the samples once, each d needs a stable radix sort of chunk ids, not a
+        sort by tokens, and the serpentine deal of a chunk whose samples are in that order is a reshape
+        (:class:`_Deal`). And only a chunk's busiest replicas need timing (:meth:`_chunk_maxima`). The gang sizes
+        are evaluated a few at a time (``_BATCH`` replica micro-batches), vectorised within each run."""
         stages = tuple(check_stage(s) for s in stages)
         p, r = lengths(prompt_lens, response_lens)
         ds = [check_replicas(d) for d in ds]
@@ -328,36 +451,41 @@ class TrainerModel:
         if p.size == 0 or not (np.all(f == np.floor(f)) and per_replica * f.max() < 2.0 ** 53) \
                 or p.size >= 2 ** 16 * per_replica:
             return np.array([self.stage_time(p, r, d, micro_batch_per_device, stages) for d in ds])
-        n = p.size
         order = np.argsort(-(p + r), kind="stable")
-        ranked = f[order]
-        flops, chunk_starts, d_chunks = [], [], []     # every d's bins; where its chunks' bins start; its chunks
-        start = 0
-        for d in ds:
-            size = per_replica * d
-            if size >= n:
-                sums = [_serpentine_sums(ranked, min(d, n))]
-            else:
-                by_chunk = ranked[np.argsort((order // size).astype(np.uint16), kind="stable")]
-                full = n // size
-                grid = by_chunk[:full * size].reshape(full, per_replica, d)
-                sums = list(grid[:, 0::2, :].sum(axis=1) + grid[:, 1::2, ::-1].sum(axis=1))
-                if n > full * size:
-                    sums.append(_serpentine_sums(by_chunk[full * size:], min(d, n - full * size)))
-            for x in sums:
-                chunk_starts.append(start)
-                start += len(x)
-            d_chunks.append(len(sums))
-            flops += sums
-        flops = np.concatenate(flops)
-        ends = np.cumsum(d_chunks)
-        totals = []
-        for stage in stages:
-            tau, alpha, comm, r_s = self._terms[stage]
-            t = tau + combine(np.float64(alpha) * flops, np.full(flops.size, comm), np.full(flops.size, r_s))
-            chunk_max = np.maximum.reduceat(t, chunk_starts)
-            totals.append([chunk_max[a - k:a].sum() for a, k in zip(ends, d_chunks)])
-        return np.array([float(sum(by_stage)) for by_stage in zip(*totals)])
+        deal = _Deal(f[order], order, per_replica)
+        out = np.zeros(len(ds))
+        for lo, hi in _runs(deal.replicas(np.array(ds)), _BATCH):
+            flops, widths, chunks = deal.flops(ds[lo:hi])
+            busiest = _Busiest(flops, widths)
+            by_terms = {}                     # stages with the same t_s(b) share their chunk times
+            for stage in stages:              # summed stage after stage, as stage_time does
+                if self._terms[stage] not in by_terms:
+                    by_terms[self._terms[stage]] = _block_sums(self._chunk_maxima(stage, busiest), chunks)
+                out[lo:hi] += by_terms[self._terms[stage]]
+        return out
+
+    def _times(self, stage: str, flops: np.ndarray) -> np.ndarray:
+        """t_s(b) of micro-batches of ``flops`` FLOPs (a float array), as every chunk time computes it."""
+        tau, alpha, comm, r_s = self._terms[stage]
+        return tau + combine(np.float64(alpha) * flops, np.full(flops.size, comm), np.full(flops.size, r_s))
+
+    def _chunk_maxima(self, stage: str, busiest: "_Busiest") -> np.ndarray:
+        """max_j t_s(b_j) over the replicas of each chunk of ``busiest``: the same numbers as timing every replica.
+
+        t_s grows with F(b), so the busiest replica is the slowest — exactly so as computed when there is no
+        communication (τ + α·F rounds monotonically). With communication the p-norm's roundings could reorder
+        two replicas whose times are within a rounding of each other, so the replicas within a relative
+        ``_NEAR`` of the busiest are timed too, and so is every replica of a chunk whose time barely grows with
+        its FLOPs: its time at (1 − _NEAR)·F_max not below its time at F_max by more than ``_ROUNDING`` (far more
+        than the error of a few roundings)."""
+        t_top = self._times(stage, busiest.top)
+        if self._terms[stage][2] == 0:
+            return t_top
+        flat = self._times(stage, busiest.low) * (1.0 + _ROUNDING) >= t_top * (1.0 - _ROUNDING)
+        pick, chunk = busiest.candidates(flat)
+        out = np.full(t_top.size, -np.inf)
+        np.maximum.at(out, chunk, self._times(stage, busiest.flops[pick]))
+        return out
 
     def chunk_time(self, stage: str, prompt_lens, response_lens, d: int) -> float:
         """One chunk of ``stage`` on a gang of d replicas, each running its share as one micro-batch;

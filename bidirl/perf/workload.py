@@ -206,16 +206,13 @@ class GroupLengths:
         return out
 
     def sample_lengths(self, samples) -> tuple:
-        """``(prompt_lens, response_lens)`` lists of ``(group_id, response index)`` pairs (a chunk's samples):
-        :meth:`__call__` per pair, without its per-call checks once a group is drawn."""
-        cache, p, r = self._cache, [], []
-        for g, i in samples:
-            out = cache.get(g)
-            if out is None:
-                out = self(g)
-            p.append(out[0])
-            r.append(out[1][i])
-        return p, r
+        """``(prompt_lens, response_lens)`` lists of a sequence of ``(group_id, response index)`` pairs (a chunk's
+        samples): :meth:`__call__` per pair, without its per-call checks once a group is drawn (the groups not
+        drawn yet are drawn first, then the lengths are read straight from the memo)."""
+        cache = self._cache
+        for g in {g for g, _ in samples}.difference(cache):
+            self(g)
+        return [cache[g][0] for g, _ in samples], [cache[g][1][i] for g, i in samples]
 
     def _draw_step(self, step: int) -> None:
         n, stats = self.group_size, self.stats

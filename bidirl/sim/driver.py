@@ -49,7 +49,7 @@ class SimDriver(Driver):
             self.engines[name] = BatchingEngine(name, engine_costs, self.loop,
                                                 np.random.default_rng([self.seed, 3, len(self.engines)]),
                                                 self._group_done, self._generate_span, self._record)
-        self.chunk_jobs: dict = {}             # chunk_id -> {"cmd", "arrived", "started", "cancelled"}
+        self.chunk_jobs: dict = {}             # chunk_id -> {"cmd", "arrives", "started", "cancelled"}
         self.gang_queue: dict = {}             # gang -> jobs sent to it and not started, in order
         self.gang_busy: set = set()            # gangs running a chunk
         self.sync_time = self.config.weight_sync_time()
@@ -110,19 +110,24 @@ class SimDriver(Driver):
 
     def do_RunChunk(self, cmd: P.RunChunk):
         """The chunk's inputs move to the gang (``CHUNK_TRANSFER``, Table 2's queued phase, overlapping whatever the
-        gang runs); it starts once they arrived and the gang is free: a gang runs its chunks one at a time."""
-        job = {"cmd": cmd, "arrived": False, "started": False, "cancelled": False}
-        self.chunk_jobs[cmd.chunk.chunk_id] = job
-        self.gang_queue.setdefault(cmd.worker, []).append(job)
+        gang runs); it starts once they arrived and the gang is free: a gang runs its chunks one at a time.
 
-        def arrived(_t0):
-            job["arrived"] = True
-            self._next_chunk(cmd.worker)
-        self._after(CHUNK_TRANSFER, arrived)
+        Only an arrival that can start the chunk is a loop event: a chunk sent to a gang that is busy, or that has
+        chunks queued ahead of it, is started by the finish before it (its inputs arrived by then) or by a wake at
+        its arrival (they had not)."""
+        job = {"cmd": cmd, "arrives": self.loop.now + CHUNK_TRANSFER, "started": False, "cancelled": False}
+        self.chunk_jobs[cmd.chunk.chunk_id] = job
+        queue = self.gang_queue.setdefault(cmd.worker, [])
+        queue.append(job)
+        if cmd.worker not in self.gang_busy and len(queue) == 1:
+            self._after(CHUNK_TRANSFER, lambda _t0: self._next_chunk(cmd.worker))
 
     def _next_chunk(self, gang: str) -> None:
         queue = self.gang_queue.get(gang)
-        if gang in self.gang_busy or not queue or not queue[0]["arrived"]:
+        if gang in self.gang_busy or not queue:
+            return
+        if queue[0]["arrives"] > self.loop.now:        # a free gang waits for the inputs of its next chunk
+            self.loop.schedule_at(queue[0]["arrives"], lambda: self._next_chunk(gang), priority=0)
             return
         job = queue.pop(0)
         job["started"] = True
