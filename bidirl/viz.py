@@ -506,7 +506,7 @@ def write_pngs(figures: Mapping[Union[str, Path], go.Figure], cache_dir: Optiona
         for path, fig, w, h in jobs:
             key = hashlib.sha256(f"{fig.to_json()}|{w}x{h}|{version}".encode()).hexdigest()
             cached[path] = cache / key[:2] / f"{key}.png"
-    render = [j for j in jobs if not cached.get(j[0], Path()).is_file()]
+    render = [j for j in jobs if j[0] not in cached or not cached[j[0]].is_file()]
     try:
         if render:
             pio.write_images([j[1] for j in render], [str(j[0]) for j in render],

@@ -74,7 +74,7 @@ class TrainerStep:
     pending: list = field(default_factory=list)       # sorted unit indices not yet in a live chunk
     tail_plan: dict = field(default_factory=dict)     # side -> list of unit tuples (after JointTailSplit)
     chunks: dict = field(default_factory=dict)        # chunk_id -> ChunkRecord (this segment)
-    open_chunks: dict = field(default_factory=dict)   # chunk_id -> ChunkRecord not finished or cancelled here
+    open_chunks: dict = field(default_factory=dict)   # chunk_id -> ChunkRecord queued or running
     unmerged: dict = field(default_factory=dict)      # first unit -> finished ChunkRecord not merged yet
     merged_upto: int = 0
     merge_order: list = field(default_factory=list)   # chunk ids in merge order, all segments
@@ -300,6 +300,21 @@ class TrainerStep:
         self.release_plan()
         return True
 
+    def recover(self, side: str) -> None:
+        """The ``side``'s gang died: every chunk sent to it, running ones too, returns its units to the queue
+        (§5.3: an auxiliary gang's work is recoverable)."""
+        for rec in self.live(side):
+            rec.status = "queued"
+            self.cancel(rec.chunk.chunk_id)
+        self.release_plan()
+
+    def lose(self, side: str) -> None:
+        """The ``side``'s gang died with the gradients of this step's attempt: its chunks are cancelled and
+        nothing returns to the queue (the step starts over, :meth:`Coordinator._restart_step`)."""
+        for rec in self.live(side):
+            rec.status = "cancelled"
+            del self.open_chunks[rec.chunk.chunk_id]
+
     def release_plan(self) -> None:
         """Fold the tail plan back into the queue (the auxiliary lease was revoked): primaries lazy-pull it."""
         for plan in self.tail_plan.values():
@@ -333,8 +348,7 @@ class TrainerStep:
 
     def live(self, side: Optional[str] = None) -> list:
         """The chunks sent and not done (queued or running), of ``side`` if given, in the order they were made."""
-        return [c for c in self.open_chunks.values() if c.status in ("queued", "running")
-                and (side is None or c.side == side)]
+        return [c for c in self.open_chunks.values() if side is None or c.side == side]
 
     def has_work(self, side: str) -> bool:
         if self.tail_plan:

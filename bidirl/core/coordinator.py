@@ -364,10 +364,7 @@ class Coordinator:
             self._roll_back_step()
         else:
             if self.step is not None:
-                for c in self.step.live(P.AUXILIARY):
-                    c.status = "queued"          # its worker is gone: even a running chunk is recovered
-                    self.step.cancel(c.chunk.chunk_id)
-                self.step.release_plan()
+                self.step.recover(P.AUXILIARY)
             self._revoke(P.ROLLOUT_POOL)
         self._after_rollout_change()
         self._schedule_chunks()
@@ -388,8 +385,7 @@ class Coordinator:
             return
         self.phase = Phase.ROLLING_BACK
         self.merge_log = [m for m in self.merge_log if m[0] != step.step]
-        for c in step.live(P.PRIMARY):
-            c.status = "cancelled"           # lost with the gang's processes
+        step.lose(P.PRIMARY)                 # lost with the gang's processes
         self._revoke(P.ROLLOUT_POOL)
 
     def _restart_step(self):

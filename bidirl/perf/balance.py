@@ -39,3 +39,33 @@ def serpentine(weights, d: int) -> tuple:
     replica[order] = rep
     rank[order] = rounds
     return replica, rank
+
+
+def small_keys(keys: np.ndarray) -> np.ndarray:
+    """Non-negative integer ``keys`` in the smallest unsigned type that holds them, so that NumPy's stable sort
+    of them is a radix sort (the stage models' sorts by length, chunk or replica)."""
+    top = int(keys.max()) if keys.size else 0
+    return keys.astype(np.uint8) if top < 2 ** 8 else keys.astype(np.uint16) if top < 2 ** 16 else keys
+
+
+def stable_order(keys: np.ndarray) -> np.ndarray:
+    """The indices that sort non-negative integer ``keys`` ascending, ties in input order."""
+    return np.argsort(small_keys(keys), kind="stable")
+
+
+def grouped_order(groups: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """The indices sorted by ``groups``, then by ``keys`` within a group, ties in input order (both non-negative
+    integers): two stable passes."""
+    order = stable_order(keys)
+    return order[stable_order(groups[order])]
+
+
+def runs_of(sizes: np.ndarray, total: int):
+    """``(lo, hi)``: consecutive runs of ``sizes`` adding up to about ``total`` each (at least one item), so that
+    the stage models vectorise a few replica counts at a time and stay in cache."""
+    ends = np.cumsum(sizes)
+    lo = 0
+    while lo < sizes.size:
+        hi = max(lo + 1, int(np.searchsorted(ends, ends[lo] - sizes[lo] + total, side="right")))
+        yield lo, hi
+        lo = hi

@@ -47,7 +47,7 @@ import numpy as np
 
 from bidirl.perf.flops import lengths
 from bidirl.perf.overlap import combine, overlap
-from bidirl.perf.balance import check_replicas
+from bidirl.perf.balance import check_replicas, grouped_order, runs_of, small_keys, stable_order
 
 _BIG = float(2 ** 62)
 _BATCH = 1 << 13      # replicas of the planner's deals evaluated together: vectorised, and still in cache
@@ -102,19 +102,6 @@ def replica_times_from_features(params: RolloutParams, feat: RolloutFeatures) ->
     return combine(np.asarray(p_pre, dtype=float), c_pre, r) + combine(np.asarray(p_dec, dtype=float), c_dec, r)
 
 
-def _small(keys: np.ndarray) -> np.ndarray:
-    """Non-negative integer ``keys`` in the smallest unsigned type that holds them, so that NumPy's stable sort
-    of them is a radix sort."""
-    top = int(keys.max()) if keys.size else 0
-    return keys.astype(np.uint8) if top < 2 ** 8 else keys.astype(np.uint16) if top < 2 ** 16 else keys
-
-
-def _longest_first(row: np.ndarray, r: np.ndarray) -> np.ndarray:
-    """The order that makes each row's requests contiguous (rows ascending), longest response first."""
-    order = np.argsort(_small(r.max() - r), kind="stable")
-    return order[np.argsort(_small(row[order]), kind="stable")]
-
-
 class _RoundRobin:
     """The round-robin deals of n groups — ``per_group``: each group's sums (a row each), ``longest``: its
     longest response — to each of ``widths`` replicas (distinct, ascending, each ≤ n): replica j of width w
@@ -133,12 +120,7 @@ class _RoundRobin:
 
     def batches(self, replicas: int):
         """``(lo, hi)``: runs of widths whose replicas with two or more groups number about ``replicas``."""
-        ends = np.cumsum(self.multi)
-        lo = 0
-        while lo < self.widths.size:
-            hi = max(lo + 1, int(np.searchsorted(ends, ends[lo] - self.multi[lo] + replicas, side="right")))
-            yield lo, hi
-            lo = hi
+        return runs_of(self.multi, replicas)
 
     def sums(self, lo: int, hi: int) -> tuple:
         """``(sums, longest, starts)`` of the replicas with two or more groups of ``widths[lo:hi]``, width after
@@ -298,7 +280,7 @@ class RolloutModel:
         slot[hard] = np.arange(hard.size)
         keep = slot[replica] >= 0
         rep, pp, rr = slot[replica[keep]], p[keep], r[keep]
-        order = _longest_first(rep, rr)
+        order = grouped_order(rep, rr.max() - rr)          # replica by replica, longest response first
         w[hard] = self._stepped_waves(pp[order], rr[order], np.bincount(rep, minlength=hard.size))
         return w
 
@@ -428,8 +410,8 @@ class RolloutModel:
         widths = np.minimum(ds, n_groups)
         deal = _RoundRobin(per_request.reshape(n_groups, g, -1).sum(axis=1), rf.reshape(n_groups, g).max(axis=1),
                            np.unique(widths))
-        longest_first = np.argsort(_small(r.max() - r), kind="stable")
-        requests = (p[longest_first], r[longest_first], _small(longest_first // g))   # longest response first
+        longest_first = stable_order(r.max() - r)
+        requests = (p[longest_first], r[longest_first], small_keys(longest_first // g))   # longest response first
         longest_prompt = p.max()
         best = np.full(deal.widths.size, -np.inf)
         for lo, hi in deal.batches(_BATCH):
@@ -467,11 +449,11 @@ class RolloutModel:
         waves = []
         for w in np.unique(widths).tolist():
             wanted = replicas[widths == w]
-            replica = _small(group % w)
+            replica = small_keys(group % w)
             if wanted.size < w:                                 # the others sort last and are left out
                 slot = np.full(w, wanted.size, dtype=np.int64)
                 slot[wanted] = np.arange(wanted.size)
-                replica = _small(slot[replica])
+                replica = small_keys(slot[replica])
             counts = np.bincount(replica, minlength=wanted.size)[:wanted.size]
             order = np.argsort(replica, kind="stable")[:counts.sum()]
             waves.append(self._stepped_waves(p[order], r[order], counts))

@@ -48,7 +48,7 @@ import numpy as np
 
 from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_stage, lengths, sample_forward_flops
 from bidirl.perf.overlap import combine, overlap
-from bidirl.perf.balance import check_replicas
+from bidirl.perf.balance import check_replicas, grouped_order, runs_of, stable_order
 
 
 @dataclass(frozen=True)
@@ -161,8 +161,7 @@ class _Deal:
                 for c in range(full + (tail > 0)):
                     np.compress(chunk == c, self.ranked, out=by_chunk[c * size:min(n, (c + 1) * size)])
             else:
-                np.take(self.ranked, np.argsort(chunk.astype(np.uint8) if full < 2 ** 8 else chunk, kind="stable"),
-                        out=by_chunk[:n])
+                np.take(self.ranked, stable_order(chunk), out=by_chunk[:n])
             whole = full + (tail >= d)
             parts.append(_dealt(by_chunk[:whole * size].reshape(whole, size), d).reshape(-1))
             if 0 < tail < d:
@@ -195,28 +194,8 @@ def _token_ranks(p: np.ndarray, r: np.ndarray) -> np.ndarray:
     tokens = p + r
     fewer = tokens.max() - tokens if tokens.size else tokens
     rank = np.empty(p.size, dtype=np.int64)
-    rank[np.argsort(fewer.astype(np.uint16) if fewer.size and fewer.max() < 2 ** 16 else fewer, kind="stable")] = \
-        np.arange(p.size)
+    rank[stable_order(fewer)] = np.arange(p.size)
     return rank
-
-
-def _chunk_order(chunk: np.ndarray, rank: np.ndarray) -> np.ndarray:
-    """The samples chunk after chunk, each chunk's in ``rank`` order: two stable radix passes when the keys are
-    small, else a lexicographic sort."""
-    if rank.size and rank.max() < 2 ** 16 and chunk[-1] < 2 ** 16:
-        order = np.argsort(rank.astype(np.uint16), kind="stable")
-        return order[np.argsort(chunk[order].astype(np.uint16), kind="stable")]
-    return np.lexsort((rank, chunk))
-
-
-def _runs(sizes: np.ndarray, total: int):
-    """``(lo, hi)``: consecutive runs of ``sizes`` adding up to about ``total`` each (at least one item)."""
-    ends = np.cumsum(sizes)
-    lo = 0
-    while lo < sizes.size:
-        hi = max(lo + 1, int(np.searchsorted(ends, ends[lo] - sizes[lo] + total, side="right")))
-        yield lo, hi
-        lo = hi
 
 
 def _block_sums(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -356,7 +335,7 @@ class TrainerModel:
         counts = np.bincount(chunk) if chunk.size else np.zeros(0, dtype=np.int64)
         busy = np.minimum(d, counts)                          # replicas a chunk keeps busy
         # serpentine inside every chunk at once: heaviest first, then 0, 1, …, d−1, d−1, …, 0, 0, 1, …
-        order = _chunk_order(chunk, rank)
+        order = grouped_order(chunk, rank)
         width = np.repeat(busy, counts)
         turn = (np.arange(flops.size) - np.repeat(np.cumsum(counts) - counts, counts)) % (2 * width)
         replica = np.empty(flops.size, dtype=np.int64)
@@ -454,7 +433,7 @@ class TrainerModel:
         order = np.argsort(-(p + r), kind="stable")
         deal = _Deal(f[order], order, per_replica)
         out = np.zeros(len(ds))
-        for lo, hi in _runs(deal.replicas(np.array(ds)), _BATCH):
+        for lo, hi in runs_of(deal.replicas(np.array(ds)), _BATCH):
             flops, widths, chunks = deal.flops(ds[lo:hi])
             busiest = _Busiest(flops, widths)
             by_terms = {}                     # stages with the same t_s(b) share their chunk times
