@@ -60,7 +60,7 @@ test-notebooks: venv
 	else echo "no notebooks to run"; fi
 
 demo: venv
-	$(PY) -m bidirl.demo
+	$(PY) -m bidirl.experiments.demo
 
 bench: venv
 	$(PY) -m bidirl.cli bench

@@ -1,7 +1,7 @@
 """Stage-time model errors on measured CPU records (paper appendix "Stage-Time Models", §7.4).
 
 Calibrates the shipped profile ``data/profiles/cpu-tiny`` (the tiny model on a two-core CPU, written by
-``bidirl profile tiny-cpu --grid full``) with :func:`bidirl.calibration.calibrate_profile` and reports the
+``bidirl profile tiny-cpu --grid full``) with :func:`bidirl.calibrate.from_records.calibrate_profile` and reports the
 held-out median / p90 relative errors. ``bidirl bench`` runs :func:`bench_calibration_cpu`;
 ``python -m benchmarks.bench_calibration --write benchmarks/calibration_cpu.md`` regenerates the page that
 quotes them, with the analyses below:
@@ -28,7 +28,7 @@ PREDICTOR_LABEL = {"prior": "prior (nominal `cpu` preset)", "knobs": "knobs",
 
 
 def _calibrate(seed: int = 0, statistic: str = "min"):
-    from bidirl.calibration import calibrate_profile
+    from bidirl.calibrate.from_records import calibrate_profile
     from bidirl.experiments.stage_models import shipped_profile
     return calibrate_profile(shipped_profile(), holdout=0.25, seed=seed, statistic=statistic)
 

@@ -23,7 +23,7 @@ import os
 import statistics
 import time
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 
 MARGIN = 0.05
 

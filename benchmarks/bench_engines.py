@@ -10,7 +10,7 @@ overheads, not a GPU job.
 
 from __future__ import annotations
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 
 POLICIES = ("no-borrow", "bidirl", "opportunistic")
 

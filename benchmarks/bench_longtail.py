@@ -24,7 +24,7 @@ import os
 
 import numpy as np
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 
 CONFIG = "tiny-cpu-longtail"
 POLICIES = ("no-borrow", "bidirl")
@@ -33,7 +33,7 @@ POLICIES = ("no-borrow", "bidirl")
 def bench_longtail(quick: bool) -> dict:
     import ray
 
-    from bidirl import side_by_side as sbs
+    from bidirl.experiments import side_by_side as sbs
 
     steps = 5 if quick else 8
     cfg = cfgmod.load(CONFIG)

@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 
-from bidirl import config, presets
+from bidirl.job import config, presets
 from bidirl.perf.rollout import RolloutModel
 from bidirl.perf.trainer import TrainerModel
 from bidirl.perf.workload import sample_groups
-from bidirl.planner import plan
+from bidirl.job.planner import plan
 
 
 def bench_plan_4096(quick: bool = False) -> dict:

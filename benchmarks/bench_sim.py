@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 
 
 def _config():

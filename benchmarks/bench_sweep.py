@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 
 
 def bench_sweep(quick: bool) -> dict:

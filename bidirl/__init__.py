@@ -2,9 +2,9 @@
 
 The public entry points mirror the command line (``bidirl plan | simulate | run | reproduce | bench``):
 
-* :func:`load_config` (= :func:`bidirl.config.load`) and :class:`JobConfig` — the job (paper §4's planning
+* :func:`load_config` (= :func:`bidirl.job.config.load`) and :class:`JobConfig` — the job (paper §4's planning
   input plus the RL and scheduler knobs of §2.2 and §5);
-* :func:`plan` (= :func:`bidirl.planner.plan`) — Algorithm 1's static partition planner (§4);
+* :func:`plan` (= :func:`bidirl.job.planner.plan`) — Algorithm 1's static partition planner (§4);
 * :func:`simulate` (= :func:`bidirl.sim.simulate`) — the discrete-event driver of the bidirectional
   scheduler (§5) and the modelled baselines.
 
@@ -24,10 +24,10 @@ except _metadata.PackageNotFoundError:  # running from a source tree that was ne
 
 # public name -> (module, attribute in that module)
 _LAZY = {
-    "load_config": ("bidirl.config", "load"),
-    "JobConfig": ("bidirl.config", "JobConfig"),
-    "ConfigError": ("bidirl.config", "ConfigError"),
-    "plan": ("bidirl.planner", "plan"),
+    "load_config": ("bidirl.job.config", "load"),
+    "JobConfig": ("bidirl.job.config", "JobConfig"),
+    "ConfigError": ("bidirl.errors", "ConfigError"),
+    "plan": ("bidirl.job.planner", "plan"),
     "simulate": ("bidirl.sim", "simulate"),
 }
 

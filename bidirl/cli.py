@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from bidirl.config import ConfigError
+from bidirl.errors import BidirlError
 
 
 @contextlib.contextmanager
@@ -60,7 +60,7 @@ def stdout_to_stderr(enabled: bool = True):
         os.close(saved)
 
 
-class CommandError(Exception):
+class CommandError(BidirlError):
     """A problem the user can fix (printed as ``error: ...``, exit status 2)."""
 
 
@@ -89,7 +89,7 @@ def _fmt(v, digits: int = 4) -> str:
 
 def format_plan(plan, rows: int = 40) -> str:
     """The human-readable envelope and sweep table of ``bidirl plan``."""
-    from bidirl.metrics import RATE_UNIT
+    from bidirl.results.metrics import RATE_UNIT
     cfg, env = plan.config, plan.envelope
     w = cfg.workload
     lines = [f"bidirl plan: {cfg.model} on {cfg.cluster.gpus} × {cfg.hardware} "
@@ -121,10 +121,10 @@ def format_plan(plan, rows: int = 40) -> str:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from bidirl.planner import plan as make_plan
+    from bidirl.job.planner import plan as make_plan
     result = make_plan(args.config)
     if args.html:
-        from bidirl.viz_plan import sweep_figure
+        from bidirl.viz.plan import sweep_figure
         try:
             sweep_figure(result).write_html(args.html, include_plotlyjs=True)
         except OSError as exc:
@@ -282,7 +282,7 @@ def _print_result(result, args) -> int:
     if args.json:
         print(json.dumps(summary, default=float))
     else:
-        from bidirl import metrics
+        from bidirl.results import metrics
         print(metrics.format_summary(summary))
         for what in ("trace", "html"):
             if getattr(args, what):
@@ -291,20 +291,15 @@ def _print_result(result, args) -> int:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from bidirl.sim import UnsupportedSetting, simulate
-    try:
-        result = simulate(args.config, args.policy, steps=args.steps, seed=args.seed, progress=not args.json)
-    except UnsupportedSetting as exc:
-        raise CommandError(str(exc)) from None
+    from bidirl.sim import simulate
+    result = simulate(args.config, args.policy, steps=args.steps, seed=args.seed, progress=not args.json)
     return _print_result(result, args)
 
 
 def _run_run(args: argparse.Namespace) -> int:
-    from bidirl import config as cfgmod
-    from bidirl.checkpoints import CheckpointError
-    from bidirl.cluster.pool import ClusterError
+    from bidirl.job import config as cfgmod
     from bidirl.cluster.run import run
-    from bidirl.tracking import OutputError, default_out_dir
+    from bidirl.results.tracking import default_out_dir
     overrides = {key: value for key, value in (("workload.data_file", args.data_file), ("rl.reward", args.reward))
                  if value is not None}
     cfg = cfgmod.load(args.config).with_overrides(overrides)
@@ -312,16 +307,11 @@ def _run_run(args: argparse.Namespace) -> int:
     for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--keep", args.keep)):
         if value < 1:
             raise CommandError(f"{flag} must be ≥ 1, got {value}")
-    try:
-        with stdout_to_stderr(args.json):
-            result = run(cfg, args.policy, steps=args.steps, seed=args.seed, emulate=args.emulate,
-                         address=args.address, time_scale=args.time_scale, model_dir=args.model_dir,
-                         out_dir=out, progress=not args.json, checkpoint_dir=args.checkpoint_dir,
-                         checkpoint_every=args.checkpoint_every, keep=args.keep, resume=args.resume)
-    except ClusterError as exc:
-        raise CommandError(str(exc)) from None
-    except (OutputError, CheckpointError) as exc:
-        raise CommandError(str(exc)) from None
+    with stdout_to_stderr(args.json):
+        result = run(cfg, args.policy, steps=args.steps, seed=args.seed, emulate=args.emulate,
+                     address=args.address, time_scale=args.time_scale, model_dir=args.model_dir,
+                     out_dir=out, progress=not args.json, checkpoint_dir=args.checkpoint_dir,
+                     checkpoint_every=args.checkpoint_every, keep=args.keep, resume=args.resume)
     status = _print_result(result, args)
     if not args.json:
         summary = result.summary_dict
@@ -367,8 +357,7 @@ def _args_profile(p: argparse.ArgumentParser) -> None:
 
 
 def _run_profile(args: argparse.Namespace) -> int:
-    from bidirl.perf.records import ProfileError
-    from bidirl.profiling import profile
+    from bidirl.calibrate.profile import profile
     if args.seed < 0:
         raise CommandError("--seed must be ≥ 0")
     if args.threads < 1:
@@ -376,8 +365,8 @@ def _run_profile(args: argparse.Namespace) -> int:
     try:
         prof = profile(args.config, grid=args.grid, seed=args.seed, model_dir=args.model_dir, out=args.out,
                        threads=args.threads, progress=True)
-    except ProfileError as exc:
-        raise CommandError(str(exc)) from None
+    except BidirlError:
+        raise
     except OSError as exc:
         raise CommandError(f"cannot write {args.out}: {exc.strerror or exc}") from None
     grid = prof.meta["grid"]
@@ -399,7 +388,7 @@ def _args_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", action="store_true",
                    help="with --log: rollout and trainer shared all GPUs (veRL's default trainer)")
     p.add_argument("--knobs", default=None, metavar="K1,K2",
-                   help="with --log: the hardware knobs to fit (default: bidirl.job_log.DEFAULT_KNOBS, the "
+                   help="with --log: the hardware knobs to fit (default: bidirl.calibrate.from_log.DEFAULT_KNOBS, the "
                         "trainer's and the decoder's efficiency)")
     p.add_argument("--skip", type=int, default=1, metavar="N",
                    help="with --log: warm-up steps left out of the fit (default 1)")
@@ -422,8 +411,7 @@ def _args_calibrate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_calibrate_log(args: argparse.Namespace) -> int:
-    from bidirl import job_log
-    from bidirl.presets import PresetError
+    from bidirl.calibrate import from_log as job_log
     if args.config is None:
         raise CommandError("--log needs --config: the logged job as a bidirl config (model, hardware, GPUs, "
                            "cluster.partition, prompts per step, group size)")
@@ -436,11 +424,9 @@ def _run_calibrate_log(args: argparse.Namespace) -> int:
         job_log.write_preset(cal, args.out)
         outcome = job_log.what_if(args.config, args.out, colocated=args.colocated, log=args.log) \
             if args.what_if else None
-    except PresetError as exc:
-        raise CommandError(f"{exc} — {exc.fix}" if exc.fix else str(exc)) from None
-    except ConfigError:
+    except BidirlError:                            # reported by main() with its fix
         raise
-    except ValueError as exc:                      # job_log.LogError and bad arguments
+    except ValueError as exc:                      # bad arguments
         raise CommandError(str(exc)) from None
     except OSError as exc:
         raise CommandError(f"cannot write {args.out}: {exc.strerror or exc}") from None
@@ -459,9 +445,7 @@ def _run_calibrate_log(args: argparse.Namespace) -> int:
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
-    from bidirl.calibration import calibrate_profile, format_calibration, write_preset
-    from bidirl.perf.records import ProfileError
-    from bidirl.presets import PresetError
+    from bidirl.calibrate.from_records import calibrate_profile, format_calibration, write_preset
     if not Path(args.out).name.endswith(".yaml"):
         raise CommandError(f"--out {args.out!r} must be a .yaml file named after the preset (e.g. cpu-calibrated.yaml)")
     if (args.records is None) == (args.log is None):
@@ -472,9 +456,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         cal = calibrate_profile(args.records, hardware=args.hardware, holdout=args.holdout, seed=args.seed,
                                 overrides=not args.knobs_only, statistic=args.statistic)
         write_preset(cal, args.out)
-    except PresetError as exc:
-        raise CommandError(f"{exc} — {exc.fix}" if exc.fix else str(exc)) from None
-    except (ProfileError, ValueError) as exc:
+    except BidirlError:                            # reported by main() with its fix
+        raise
+    except ValueError as exc:                      # bad arguments
         raise CommandError(str(exc)) from None
     except OSError as exc:
         raise CommandError(f"cannot write {args.out}: {exc.strerror or exc}") from None
@@ -519,8 +503,11 @@ def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except (ConfigError, CommandError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except BidirlError as exc:                     # every user-facing error (bidirl/errors.py)
+        message = str(exc)
+        if exc.fix and exc.fix not in message:
+            message += f" — {exc.fix}"
+        print(f"error: {message}", file=sys.stderr)
         return 2
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 from bidirl.core import protocol as P
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,8 +19,8 @@ PUBLIC = {"handle", "view"}
 
 def test_the_core_imports_the_standard_library_and_numpy_only():
     code = ("import sys, bidirl.core, bidirl.core.gates, bidirl.core.lease; "
-            "print(' '.join(m for m in ('pandas', 'yaml', 'torch', 'ray', 'vllm', 'scipy', 'bidirl.config', "
-            "'bidirl.trace', 'bidirl.sim', 'bidirl.perf') if m in sys.modules))")
+            "print(' '.join(m for m in ('pandas', 'yaml', 'torch', 'ray', 'vllm', 'scipy', 'bidirl.job.config', "
+            "'bidirl.results.trace', 'bidirl.sim', 'bidirl.perf') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"import bidirl.core loads {out.stdout.strip()}"
 
@@ -109,3 +109,91 @@ def test_simulator_event_logs_match_the_recorded_fingerprints(case):
         cfg = cfg.with_overrides(case["overrides"])
     res = simulate(cfg, case["policy"], steps=case["steps"], seed=case["seed"])
     assert res.log.fingerprint() == case["fingerprint"]
+
+
+# ------------------------------------------------------------------------------------------------
+# the package's layers (docs/architecture.md, "Layers"): no import points up, no import circle
+# ------------------------------------------------------------------------------------------------
+
+def _layer_order() -> list:
+    """The layer names, lowest first, from the ``Layers:`` line of docs/architecture.md."""
+    for line in (ROOT / "docs/architecture.md").read_text().splitlines():
+        if line.startswith("Layers, lowest first:"):
+            return [name.strip(" `.") for name in line.split(":", 1)[1].split("<")]
+    raise AssertionError("docs/architecture.md has no 'Layers, lowest first:' line")
+
+
+def _modules() -> dict:
+    """dotted module name -> path of every module under bidirl/."""
+    out = {}
+    for path in sorted((ROOT / "bidirl").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(modules: dict) -> dict:
+    """module -> the bidirl modules it imports anywhere in its source (function-level imports included: a
+    circle hidden inside a function is still a circle). ``from pkg import name`` counts ``pkg.name`` when that
+    is a module, else ``pkg``; the bare root package (``__version__``, lazy names only) is not counted."""
+    graph = {}
+    for mod, path in modules.items():
+        package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in modules:
+                    t = t.rpartition(".")[0]
+                if t and t != mod and t != "bidirl":
+                    found.add(t)
+        graph[mod] = found
+    return graph
+
+
+def _layer(mod: str) -> str:
+    parts = mod.split(".")
+    return "front door" if len(parts) == 2 and parts[1] in ("cli", "__main__") else parts[1]
+
+
+def test_every_module_belongs_to_a_layer_and_the_root_holds_only_the_front_door():
+    order = _layer_order()
+    strays = sorted(m for m in _modules() if m != "bidirl" and _layer(m) not in order)
+    assert not strays, f"modules outside the layers of docs/architecture.md: {strays}"
+
+
+def test_no_import_points_from_a_lower_layer_to_a_higher_one():
+    order = _layer_order()
+    rank = {name: i for i, name in enumerate(order)}
+    up = [f"{m} ({_layer(m)}) imports {t} ({_layer(t)})" for m, targets in _imports(_modules()).items()
+          for t in sorted(targets) if m != "bidirl" and rank[_layer(t)] > rank[_layer(m)]]
+    assert not up, "imports against the layer order:\n" + "\n".join(up)
+
+
+def test_there_is_no_import_circle():
+    graph = _imports(_modules())
+    state, circles = {}, []
+
+    def visit(m, path):
+        state[m] = "open"
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == "open":
+                circles.append(" -> ".join(path[path.index(t):] + [t]))
+            elif t not in state:
+                visit(t, path + [t])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not circles, "import circles:\n" + "\n".join(circles)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 from bidirl.sim import baselines as B
 from bidirl.sim.baselines import BASELINES
 

@@ -89,13 +89,13 @@ def _wait_for_server(url: str, proc: subprocess.Popen, log: Path) -> None:
 def _expected_trace_counts() -> dict:
     """What notebook 01 draws, computed here with the same inputs (BIDIRL_SMOKE=1 sizes; keep in step with
     the notebook's cells)."""
-    import bidirl.config
-    from bidirl.planner import plan
+    import bidirl.job.config
+    from bidirl.job.planner import plan
     from bidirl.sim import simulate
     from bidirl.viz import gantt_figure
-    from bidirl.viz_plan import sweep_figure
+    from bidirl.viz.plan import sweep_figure
 
-    free = bidirl.config.load("a6000-default").with_overrides({"cluster.partition": None,
+    free = bidirl.job.config.load("a6000-default").with_overrides({"cluster.partition": None,
                                                                "cluster.placement": "any"})
     sweep = sweep_figure(plan(free))
     gantt = gantt_figure(simulate(free, "bidirl", steps=4, seed=0))
@@ -287,8 +287,8 @@ def test_quickstart_renders_in_chromium(lab, tmp_path):
 
 
 def test_partition_explorer_answers_a_click(lab, tmp_path):
-    import bidirl.config
-    from bidirl.planner import plan
+    import bidirl.job.config
+    from bidirl.job.planner import plan
 
     with notebook_page(lab, "02-partition-explorer", tmp_path / "profile") as page:
         _run_all(page, lab["log"])
@@ -299,7 +299,7 @@ def test_partition_explorer_answers_a_click(lab, tmp_path):
         page.locator(".widget-toggle-button", has_text="node-aligned").first.click()
         page.wait_for_function(f"({SWEEP_JS})().splits !== {before['splits']}", timeout=60_000)
         after = page.evaluate(SWEEP_JS)
-        node = plan(bidirl.config.load("a6000-default").with_overrides({"cluster.partition": None}))
+        node = plan(bidirl.job.config.load("a6000-default").with_overrides({"cluster.partition": None}))
         assert after["splits"] == len(node.sweep) != before["splits"], (before, after)
         # back to any placement, then simulate every compatible split in the page
         page.locator(".widget-toggle-button", has_text="any").first.click()
@@ -321,7 +321,7 @@ def test_partition_explorer_answers_a_click(lab, tmp_path):
     _save(shot, "partition-explorer.png")
     _save(controls_shot, "partition-explorer-controls.png")
     assert not labels, f"control labels cut off: {labels}"
-    anyp = plan(bidirl.config.load("a6000-default").with_overrides({"cluster.partition": None,
+    anyp = plan(bidirl.job.config.load("a6000-default").with_overrides({"cluster.partition": None,
                                                                     "cluster.placement": "any"}))
     assert drawn["simulated"] == int(anyp.sweep["compatible"].sum()), drawn
     assert drawn["rendered"] >= drawn["rates"] > 0, f"bars not rendered: {drawn}"

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bidirl import presets
+from bidirl.job import presets
 from bidirl.perf import (RolloutModel, TrainerModel, TrainerParams, calibrate_rollout, calibrate_trainer,
                          sample_groups, sample_lengths, validate_records)
 

@@ -20,13 +20,13 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bidirl import presets
-from bidirl.calibration import (calibrate_profile, point_observations, predict_points, preset_document,
+from bidirl.job import presets
+from bidirl.calibrate.from_records import (calibrate_profile, point_observations, predict_points, preset_document,
                                 split_points, write_preset)
 from bidirl.perf import RolloutModel, TrainerModel
-from bidirl.perf.calibrate import calibrate_knobs, knob_hardware
+from bidirl.perf.fit import calibrate_knobs, knob_hardware
 from bidirl.perf.params import KNOBS, default_rollout_params, knob_rollout_params
-from bidirl.perf.records import (META_FILE, ROLLOUT_FILE, TRAINER_FILE, Profile, ProfileError, load_profile,
+from bidirl.calibrate.records import (META_FILE, ROLLOUT_FILE, TRAINER_FILE, Profile, ProfileError, load_profile,
                                  save_profile)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,7 +197,7 @@ def test_calibrated_preset_changes_the_models_defaults():
 
 
 def test_tiny_cpu_config_uses_the_calibrated_preset():
-    from bidirl.config import load
+    from bidirl.job.config import load
     from bidirl.perf.predictor import StagePredictor
     cfg = load("tiny-cpu")
     assert cfg.hardware == "cpu-calibrated"
@@ -419,7 +419,7 @@ def test_bad_preset_values_name_file_field_and_fix(user_data, changes, field):
 
 
 def test_bad_preset_in_a_config_is_a_config_error_naming_hardware(user_data):
-    from bidirl.config import ConfigError, load
+    from bidirl.job.config import ConfigError, load
     _write_hw(user_data, "broken", train_mfu=2.0)
     presets._load.cache_clear()
     with pytest.raises(ConfigError) as info:

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from bidirl import checkpoints
-from bidirl import config as cfgmod
-from bidirl import metrics
+from bidirl.runtime import checkpoints
+from bidirl.job import config as cfgmod
+from bidirl.results import metrics
 from bidirl.cluster.recovery import MAX_RESTARTS
 from bidirl.core import protocol as P
 
@@ -257,8 +257,8 @@ def test_a_killed_driver_resumes_from_its_checkpoint_as_if_never_stopped(model_d
     print(f"3 + 3 resumed steps against 6 straight: max |weight difference| {diff}")
     assert diff <= RESUME_TOL
     # the resumed run's own outputs number the steps 0-5: its log continues the first run's
-    from bidirl.trace import EventLog
-    from bidirl.tracking import EVENTS_FILE, METRICS_FILE
+    from bidirl.results.trace import EventLog
+    from bidirl.results.tracking import EVENTS_FILE, METRICS_FILE
     log = EventLog.load(tmp_path / "out-2" / EVENTS_FILE)
     assert [r.step for r in log.steps] == list(range(6))
     rows = [json.loads(line) for line in (tmp_path / "out-2" / METRICS_FILE).read_text().splitlines()]

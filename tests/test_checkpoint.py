@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from bidirl.cluster.engines import checkpoint
+from bidirl.rl import model_folder as checkpoint
 from bidirl.cluster.engines.trainer import TrainerEngine, forward_ranks, rank_shares, resolve_precision
 from bidirl.rl import tiny_model
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from bidirl import cli
-from bidirl.planner import CANDIDATE_KEYS, ENVELOPE_KEYS
+from bidirl.job.planner import CANDIDATE_KEYS, ENVELOPE_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 

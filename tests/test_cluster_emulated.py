@@ -2,7 +2,8 @@
 
 import pytest
 
-from bidirl import config as cfgmod, metrics
+from bidirl.job import config as cfgmod
+from bidirl.results import metrics
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +44,7 @@ def test_emulated_run_borrows_both_ways_and_keeps_every_sample(ray_session):
     assert s["costs"], "switch costs were measured"
     _exclusive(res.log.spans_df())
     # what the run is travels with it to its figures
-    from bidirl.viz import TIME_AXIS_TITLES, gantt_figure
+    from bidirl.viz.gantt import TIME_AXIS_TITLES, gantt_figure
     assert res.provenance == s["provenance"] == "emulated"
     assert gantt_figure(res).layout.xaxis.title.text == TIME_AXIS_TITLES["emulated"]
 
@@ -107,7 +108,7 @@ def test_a_worker_that_keeps_failing_ends_the_run_naming_it(ray_session):
 
 
 def test_an_emulated_run_resumed_from_a_checkpoint_continues_its_steps_and_log(ray_session, tmp_path):
-    from bidirl import checkpoints
+    from bidirl.runtime import checkpoints
     from bidirl.cluster.emulated import EmulatedDriver
     cfg = cfgmod.from_dict(SMALL).with_overrides({"workload.steps": 4})
     straight = EmulatedDriver(cfg, "bidirl", steps=4, seed=0, time_scale=100, checkpoint_dir=str(tmp_path / "a"),

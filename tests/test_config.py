@@ -1,4 +1,4 @@
-"""One test per rule of ``bidirl.config`` (``_build``/``_coerce`` type rules, ``validate`` cross-field rules).
+"""One test per rule of ``bidirl.job.config`` (``_build``/``_coerce`` type rules, ``validate`` cross-field rules).
 
 Every error must be a :class:`ConfigError` that names the offending field and carries a fix the user can act on.
 """
@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from bidirl import config as C
-from bidirl.config import ConfigError, JobConfig, Partition, SwitchCosts
+from bidirl.job import config as C
+from bidirl.job.config import ConfigError, JobConfig, Partition, SwitchCosts
 
 
 def base(**sections) -> dict:
@@ -451,7 +451,7 @@ def test_override_through_a_value_names_the_value():
 
 
 def test_directly_built_config_is_type_checked():
-    from bidirl.config import ClusterConfig, JobConfig
+    from bidirl.job.config import ClusterConfig, JobConfig
     with pytest.raises(ConfigError) as info:
         JobConfig(cluster=ClusterConfig(gpus="16"))
     assert info.value.field == "cluster.gpus"

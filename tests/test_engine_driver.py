@@ -19,8 +19,8 @@ import sys
 
 import pytest
 
-from bidirl import config as cfgmod
-from bidirl import metrics
+from bidirl.job import config as cfgmod
+from bidirl.results import metrics
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -59,7 +59,7 @@ def test_borrowing_changes_where_work_runs_not_what_is_learned_and_the_reward_ri
     borrow = _run(cfg, "opportunistic", model_dir, steps)
     a, b = _check_log(base, steps), _check_log(borrow, steps)
     # what the run is travels with it to its figures
-    from bidirl.viz import TIME_AXIS_TITLES, gantt_figure
+    from bidirl.viz.gantt import TIME_AXIS_TITLES, gantt_figure
     assert borrow.provenance == b["provenance"] == "measured"
     assert gantt_figure(borrow).layout.xaxis.title.text == TIME_AXIS_TITLES["measured"]
     assert b["borrows"]["rollout_on_trainer_pool"] > 0 and b["borrows"]["trainer_on_rollout_pool"] > 0, b["borrows"]

@@ -19,8 +19,8 @@ import importlib.util
 
 import pytest
 
-from bidirl import config as cfgmod
-from bidirl import metrics
+from bidirl.job import config as cfgmod
+from bidirl.results import metrics
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -84,7 +84,7 @@ def test_the_tiny_llama_trains_and_borrowing_keeps_its_weights(llama_dir):
 
 
 def test_trainer_gangs_sharded_over_two_slot_replicas(model_dir, monkeypatch):
-    from bidirl import planner
+    from bidirl.job import planner
     real = planner.min_feasible_layouts
 
     def two_slot_trainer_replicas(cfg, hardware=None):

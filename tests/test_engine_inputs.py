@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bidirl import config as cfgmod
-from bidirl import tracking
+from bidirl.job import config as cfgmod
+from bidirl.results import tracking
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

@@ -23,7 +23,7 @@ from bidirl.cluster.engines.rollout import GroupRequest, RolloutEngine, request_
 from bidirl.cluster.engines.trainer import TrainerEngine
 from bidirl.rl import grpo
 from bidirl.rl.bootstrap import ensure_tiny_model
-from bidirl.rl.loop import requests_for, run_grpo
+from bidirl.cluster.engines.sync_grpo import requests_for, run_grpo
 from bidirl.rl.samples import Sample, samples_from_groups
 from bidirl.rl.tasks import ArithmeticTask
 from bidirl.rl.tiny_model import TINY_LLAMA
@@ -129,7 +129,7 @@ def test_vllm_logprobs_match_the_trainer_after_weight_sync(synced):
 
 def test_weight_sync_takes_wrapped_names_and_refuses_another_models_weights(fresh, model_dir, llama_dir,
                                                                            initial_state):
-    from bidirl.cluster.engines.checkpoint import checkpoint_shapes
+    from bidirl.rl.model_folder import checkpoint_shapes
     assert "lm_head.weight" not in checkpoint_shapes(model_dir)      # the tied head is stored once
     assert "lm_head.weight" in checkpoint_shapes(llama_dir)          # the Llama's is its own
     trainer = TrainerEngine(model_dir, lr=3e-4, threads=1)

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 from bidirl.experiments import cli_reproduce, reproduce
 from bidirl.experiments import report as rep
 from bidirl.experiments import run as runmod
@@ -173,7 +173,7 @@ def test_static_planning_sweeps():
 
 def test_every_point_plans_with_the_real_planner():
     """Each configured partition is hot-switch compatible and fits in memory (else the run would fail)."""
-    from bidirl.planner import plan
+    from bidirl.job.planner import plan
     for spec in S.SPECS.values():
         if spec.kind == "stage-model":
             continue

@@ -4,7 +4,7 @@ rollout and trainer stage times of the batch the simulator ran are within 3 % of
 
 import pytest
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 from bidirl.experiments.fidelity import planner_vs_simulator
 
 CASES = {

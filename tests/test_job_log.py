@@ -1,4 +1,4 @@
-"""Calibration from a job's own step log (bidirl.job_log): the shipped log of a real CPU run round-trips to a
+"""Calibration from a job's own step log (bidirl.calibrate.from_log): the shipped log of a real CPU run round-trips to a
 preset that plans and simulates, a synthetic log recovers the knobs that made it, and bad logs say what is wrong."""
 
 import json
@@ -7,9 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from bidirl import config as cfgmod, job_log as J, presets
+from bidirl.job import config as cfgmod, presets
+from bidirl.calibrate import from_log as J
 from bidirl.cli import main
-from bidirl.planner import plan
+from bidirl.job.planner import plan
 from bidirl.sim import simulate
 
 LOG = presets.data_dir() / "logs" / "tiny-cpu-s0" / "metrics.jsonl"
@@ -42,7 +43,7 @@ def test_synthetic_log_recovers_the_knobs_that_made_it(tmp_path):
         "model": "qwen3-vl-2b", "cluster.gpus": 16, "cluster.placement": "any", "cluster.partition": [8, 8],
         "workload.prompts_per_step": 16, "workload.max_response_len": 2048, "rl.staleness": 0})
     truth = {"train_mfu": 0.31, "decode_mbu": 0.47}
-    from bidirl.perf.calibrate import knob_hardware
+    from bidirl.perf.fit import knob_hardware
     true_hw = knob_hardware(cfg.hardware_spec, truth)
     shape = J.JobShape.of(cfg, true_hw, colocated=False)
     rng = np.random.default_rng(0)

@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bidirl import metrics
-from bidirl.trace import Decision, EventLog, Span, StepRecord
+from bidirl.results import metrics
+from bidirl.results.trace import Decision, EventLog, Span, StepRecord
 
 R0, R1 = "rollout_pool/rollouter/0", "rollout_pool/rollouter/1"
 TR, AUX_R, AUX_T = "trainer_pool/trainer", "trainer_pool/rollouter/0", "rollout_pool/trainer"
@@ -283,8 +283,8 @@ def test_summary_input_errors():
 
 
 def test_role_conflicts_finds_a_pool_running_both_roles():
-    from bidirl.metrics import role_conflicts
-    from bidirl.trace import EventLog, Span
+    from bidirl.results.metrics import role_conflicts
+    from bidirl.results.trace import EventLog, Span
     log = EventLog()
     log.add_span(Span("rollout_pool/rollouter/0", "rollout_pool", "primary", "generate", 0.0, 10.0))
     log.add_span(Span("rollout_pool/trainer", "rollout_pool", "auxiliary", "chunk", 10.0, 12.0))

@@ -1,13 +1,13 @@
-"""Labels, units and formatting of run numbers (``bidirl.metrics``): one unit per quantity, one spelling of a
+"""Labels, units and formatting of run numbers (``bidirl.results.metrics``): one unit per quantity, one spelling of a
 split, runs labelled with their config, and a throughput ratio never printed without the whole run's time."""
 
 from __future__ import annotations
 
 import pytest
 
-import bidirl.config as cfgmod
-from bidirl import metrics
-from bidirl.planner import label, plan
+import bidirl.job.config as cfgmod
+from bidirl.results import metrics
+from bidirl.job.planner import label, plan
 from bidirl.sim import simulate
 
 
@@ -50,7 +50,7 @@ def test_a_comparison_gives_the_window_and_the_whole_run():
 
 def test_rates_have_one_unit_everywhere():
     from bidirl.cli import format_plan
-    from bidirl.viz_plan import sweep_figure
+    from bidirl.viz.plan import sweep_figure
 
     p = plan("a6000-default")
     assert metrics.RATE_UNIT in sweep_figure(p).layout.yaxis.title.text

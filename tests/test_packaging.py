@@ -224,11 +224,11 @@ def test_import_bidirl_is_cheap():
 
 def test_lazy_public_api():
     import bidirl
-    import bidirl.config
+    import bidirl.job.config
 
-    assert bidirl.load_config is bidirl.config.load
-    assert bidirl.JobConfig is bidirl.config.JobConfig
-    assert bidirl.ConfigError is bidirl.config.ConfigError
+    assert bidirl.load_config is bidirl.job.config.load
+    assert bidirl.JobConfig is bidirl.job.config.JobConfig
+    assert bidirl.ConfigError is bidirl.job.config.ConfigError
     assert {"load_config", "JobConfig", "plan", "simulate"} <= set(dir(bidirl)) & set(bidirl.__all__)
     with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
         bidirl.nonexistent  # noqa: B018
@@ -238,7 +238,7 @@ def test_lazy_simulate_and_plan_resolve():
     import bidirl
 
     assert bidirl.simulate is importlib.import_module("bidirl.sim").simulate
-    assert bidirl.plan is importlib.import_module("bidirl.planner").plan
+    assert bidirl.plan is importlib.import_module("bidirl.job.planner").plan
 
 
 def test_version_comes_from_the_installed_metadata():
@@ -270,7 +270,7 @@ def test_wheel_ships_everything_and_imports(tmp_path):
                     "-w", str(wheels), str(src)], check=True, capture_output=True, text=True)
     (wheel,) = wheels.glob("bidirl-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for expected in ("bidirl/__init__.py", "bidirl/config.py", "bidirl/widgets/__init__.py",
+    for expected in ("bidirl/__init__.py", "bidirl/job/config.py", "bidirl/widgets/__init__.py",
                      "bidirl/data/presets/models/qwen3-vl-4b.yaml", "bidirl/data/configs/a6000-default.yaml"):
         assert expected in names, f"{expected} missing from the wheel"
     assert not any(n.startswith(("widgets/", "data/", "tests/")) for n in names), "stray top-level folders"
@@ -280,7 +280,7 @@ def test_wheel_ships_everything_and_imports(tmp_path):
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
                    check=True, capture_output=True, text=True)
-    code = ("import bidirl, bidirl.widgets, bidirl.presets as p; "
+    code = ("import bidirl, bidirl.widgets, bidirl.job.presets as p; "
             "print(bidirl.__file__); print(bidirl.widgets.__file__); "
             "print(p.model('qwen3-vl-4b').kv_bytes_per_token()); print(bidirl.load_config('tiny-cpu').model)")
     env = {**os.environ, "PYTHONPATH": str(site)}

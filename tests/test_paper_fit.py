@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from bidirl import presets
+from bidirl.job import presets
 from bidirl.experiments import paper_fit
 from bidirl.experiments.claims import load_claims
 

@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bidirl import config as C
-from bidirl import presets
-from bidirl.config import ConfigError
+from bidirl.job import config as C
+from bidirl.job import presets
+from bidirl.job.config import ConfigError
 from bidirl.perf import memory
-from bidirl.planner import (CANDIDATE_KEYS, ENVELOPE_KEYS, candidate_partitions, compatible, min_feasible_layouts,
+from bidirl.job.planner import (CANDIDATE_KEYS, ENVELOPE_KEYS, candidate_partitions, compatible, min_feasible_layouts,
                             plan, replica_count, representative_batch)
-from bidirl.viz_plan import INCOMPATIBLE, TRACE_NAMES, sweep_figure
+from bidirl.viz.plan import INCOMPATIBLE, TRACE_NAMES, sweep_figure
 
 GiB = 1 << 30
 
@@ -107,7 +107,7 @@ def test_sweep_rates_follow_from_the_stage_times():
 
 def test_cached_stage_times_equal_direct_model_evaluation():
     """Rollout in dispatch (group-id) order, trainer in consumption order (groups as they complete)."""
-    from bidirl.planner import consumption_order
+    from bidirl.job.planner import consumption_order
     result = plan(job(**{"cluster.gpus": 24, "cluster.placement": "any"}))
     env, (p, r) = result.envelope, result.batch
     order = consumption_order(p, r, 8)
@@ -118,7 +118,7 @@ def test_cached_stage_times_equal_direct_model_evaluation():
 
 
 def test_consumption_order_puts_groups_in_completion_order():
-    from bidirl.planner import consumption_order
+    from bidirl.job.planner import consumption_order
     p = np.array([5, 5, 7, 7, 3, 3])
     r = np.array([10, 2, 1, 1, 40, 1])          # group longest: 10+5, 1+7, 40+3
     assert list(consumption_order(p, r, 2)) == [2, 3, 0, 1, 4, 5]

@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from bidirl import presets
-from bidirl.config import SwitchCosts
+from bidirl.job import presets
+from bidirl.job.config import SwitchCosts
 
 KINDS = {"models": presets.model, "hardware": presets.hardware, "workloads": presets.workload}
 SHIPPED = [(kind, name) for kind in KINDS for name in presets.names(kind)]

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bidirl import presets
+from bidirl.job import presets
 from bidirl.perf import RolloutModel, TrainerModel
-from bidirl.perf.records import load_profile
-from bidirl.profiling import GRIDS
+from bidirl.calibrate.records import load_profile
+from bidirl.calibrate.profile import GRIDS
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent

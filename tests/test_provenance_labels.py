@@ -2,7 +2,7 @@
 
 A run's ``provenance`` is a class attribute of the driver that made it (``SimDriver``, ``EmulatedDriver``,
 ``EngineDriver``) and travels in the ``RunResult`` and its summary; figures, widgets and printed summaries
-read it from there (:data:`bidirl.execution.PROVENANCE` holds the words). These tests give one simulated log
+read it from there (:data:`bidirl.results.provenance.PROVENANCE` holds the words). These tests give one simulated log
 each driver's provenance, as its driver would, and check every consumer. The integration tests of the Ray
 drivers check the same labels on real emulated and real engine runs.
 """
@@ -13,10 +13,11 @@ import dataclasses
 
 import pytest
 
-from bidirl import metrics, viz
+from bidirl.results import metrics
+from bidirl.viz import gantt as viz
 from bidirl.cluster.emulated import EmulatedDriver
 from bidirl.cluster.engines.driver import EngineDriver
-from bidirl.execution import PROVENANCE
+from bidirl.results.provenance import PROVENANCE
 from bidirl.sim import simulate
 from bidirl.sim.driver import SimDriver
 from bidirl.widgets import LiveGantt, MetricsPanel

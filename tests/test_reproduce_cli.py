@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from bidirl import presets
+from bidirl.job import presets
 
 pytestmark = pytest.mark.integration
 

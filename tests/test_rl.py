@@ -271,7 +271,7 @@ def test_create_is_byte_identical_per_seed_and_leaves_global_rng_alone(model_dir
 def test_parameter_counts_match_the_model_and_the_preset(model_dir):
     from transformers import Qwen2ForCausalLM
 
-    from bidirl import presets
+    from bidirl.job import presets
     from bidirl.rl import tiny_model
     model = Qwen2ForCausalLM.from_pretrained(model_dir)
     counts = tiny_model.parameter_counts()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 from bidirl.rl import data as D
 from bidirl.rl import word_problems as W
 from bidirl.rl.tasks import ArithmeticTask

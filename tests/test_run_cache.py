@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from tqdm.auto import tqdm
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 from bidirl.experiments import run as runmod
 from bidirl.experiments.cache import RunCache, cache_root, code_version, run_key
 

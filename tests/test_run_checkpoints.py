@@ -1,4 +1,4 @@
-"""Run checkpoints (``bidirl.checkpoints``): the format, atomic writes, keep-K, and the named errors a corrupt,
+"""Run checkpoints (``bidirl.runtime.checkpoints``): the format, atomic writes, keep-K, and the named errors a corrupt,
 partial or mismatched checkpoint gets. No Ray: checkpoints here are written by the format's own writer with the
 control plane of a simulated run, as a driver writes them (the engine runs that write the trainer's sharded state
 are in ``tests/test_chaos.py``)."""
@@ -10,9 +10,9 @@ import pickle
 
 import pytest
 
-from bidirl import checkpoints
-from bidirl import config as cfgmod
-from bidirl.checkpoints import CheckpointError, CheckpointWriter, RunIdentity
+from bidirl.runtime import checkpoints
+from bidirl.job import config as cfgmod
+from bidirl.runtime.checkpoints import CheckpointError, CheckpointWriter, RunIdentity
 from bidirl.core import protocol as P
 
 SMALL = {

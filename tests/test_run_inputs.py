@@ -2,7 +2,7 @@
 
 import pytest
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 from bidirl.cluster.engines.driver import EngineDriver
 from bidirl.core import protocol as P
 
@@ -129,7 +129,7 @@ def test_cli_run_reports_a_bad_reward_or_data_file_without_a_traceback(fresh_mod
 
 def test_an_output_folder_holding_another_run_is_refused_before_anything_starts(fresh_model, tmp_path):
     from bidirl.cli import main
-    from bidirl.tracking import METRICS_FILE, OutputError
+    from bidirl.results.tracking import METRICS_FILE, OutputError
     (tmp_path / METRICS_FILE).write_text("")
     with pytest.raises(OutputError, match="already holds a run's metrics"):
         EngineDriver(cfgmod.load("tiny-cpu"), "bidirl", 1, 0, model_dir=fresh_model, out_dir=str(tmp_path))

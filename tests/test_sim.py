@@ -7,7 +7,8 @@ violation fails the run itself; the properties below check what the event log an
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from bidirl import config as cfgmod, metrics
+from bidirl.job import config as cfgmod
+from bidirl.results import metrics
 from bidirl.sim import simulate
 
 BASE = {

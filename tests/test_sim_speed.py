@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import bidirl.config as cfgmod
+import bidirl.job.config as cfgmod
 from bidirl.core import gates
 from bidirl.core.buffer import RolloutBuffer
 from bidirl.core.protocol import GroupState

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-import bidirl.config as cfgmod
-from bidirl.planner import plan
+import bidirl.job.config as cfgmod
+from bidirl.job.planner import plan
 from bidirl.sim import simulate
 from bidirl.sim.sweep import COLUMNS, STATUSES, simulate_partitions
 

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bidirl.trace import (DECISION_COLUMNS, SPAN_COLUMNS, STEP_COLUMNS, Decision, EventLog, Span, StepRecord,
+from bidirl.results.trace import (DECISION_COLUMNS, SPAN_COLUMNS, STEP_COLUMNS, Decision, EventLog, Span, StepRecord,
                           lane_order)
 
 R0, R1 = "rollout_pool/rollouter/0", "rollout_pool/rollouter/1"

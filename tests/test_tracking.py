@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from bidirl import config as cfgmod
-from bidirl import metrics, tracking
+from bidirl.job import config as cfgmod
+from bidirl.results import metrics, tracking
 from bidirl.core import protocol as P
 from bidirl.sim import simulate
 
@@ -137,7 +137,7 @@ def test_the_output_folder_holds_jsonl_tensorboard_trace_and_summary(tmp_path, b
     assert json.loads((out / tracking.SUMMARY_FILE).read_text())["policy"] == "bidirl"
     assert "traceEvents" in json.loads((out / tracking.TRACE_FILE).read_text())
     assert cfgmod.load(out / tracking.CONFIG_FILE) == borrowing_run.config
-    from bidirl.trace import EventLog
+    from bidirl.results.trace import EventLog
     assert EventLog.load(out / tracking.EVENTS_FILE).fingerprint() == borrowing_run.log.fingerprint()
 
 

@@ -139,7 +139,7 @@ def _rounding_reference(model_dir, weights_per_step):
 def _fp32_bounds(model_dir, samples, max_logit: float) -> tuple:
     """(log-prob tolerance, gradient-norm relative tolerance) for two fp32 runs that differ in rounding only
     (the derivation is in the module docstring)."""
-    from bidirl.cluster.engines import checkpoint
+    from bidirl.rl import model_folder as checkpoint
     cfg = checkpoint.causal_lm_config(model_dir, "model_dir")
     h, f, layers, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
     head = h // cfg.num_attention_heads
@@ -283,7 +283,7 @@ def test_bf16_mixed_gang_keeps_fp32_master_weights_and_tracks_fp32(model_dir, tm
 
 
 def test_gathered_weights_carry_the_checkpoint_names(model_dir, tmp_path, reference):
-    from bidirl.cluster.engines import checkpoint
+    from bidirl.rl import model_folder as checkpoint
     state = reference["states"][0]
     assert "lm_head.weight" in state                         # the tied head travels with the weights
     checkpoint.check_weights(state, checkpoint.checkpoint_shapes(model_dir), tied=True, where="test")

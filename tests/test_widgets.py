@@ -11,10 +11,10 @@ import math
 import numpy as np
 import pytest
 
-import bidirl.config as cfgmod
-from bidirl import viz
-from bidirl.trace import EventLog, Span
-from bidirl.viz import TRACE_KEYS, spans_to_bars
+import bidirl.job.config as cfgmod
+from bidirl.viz import gantt as viz
+from bidirl.results.trace import EventLog, Span
+from bidirl.viz.gantt import TRACE_KEYS, spans_to_bars
 from bidirl.widgets import LiveGantt, MetricsPanel, PartitionSweep, RayRun, summary_table
 from bidirl.widgets.gantt import LEGEND_EXTRAS, TICK_S
 
@@ -416,8 +416,8 @@ def explorer(tmp_path):
 
 
 def test_sweep_shows_the_planners_sweep(explorer):
-    from bidirl.planner import plan
-    from bidirl.viz_plan import TRACE_NAMES, sweep_figure
+    from bidirl.job.planner import plan
+    from bidirl.viz.plan import TRACE_NAMES, sweep_figure
 
     cfg = cfgmod.load("a6000-default").with_overrides({"cluster.partition": None})
     reference = sweep_figure(plan(cfg))
@@ -440,8 +440,8 @@ def test_controls_show_their_whole_label(explorer):
 
 
 def test_staleness_change_recomputes_the_sweep_and_says_it_does_not_move(explorer, monkeypatch):
-    from bidirl.planner import plan
-    from bidirl.viz_plan import sweep_figure
+    from bidirl.job.planner import plan
+    from bidirl.viz.plan import sweep_figure
 
     traces = list(explorer.figure.data)
     n = explorer.recomputes
@@ -459,7 +459,7 @@ def test_staleness_change_recomputes_the_sweep_and_says_it_does_not_move(explore
 
 
 def test_budget_change_changes_the_number_of_bars(explorer):
-    from bidirl.planner import plan
+    from bidirl.job.planner import plan
 
     counts = {}
     for gpus in (16, 32):
@@ -483,7 +483,7 @@ def test_invalid_inputs_show_the_error_and_keep_the_chart(explorer):
 
 
 def test_simulate_button_runs_the_selected_partition(explorer):
-    from bidirl.metrics import run_label
+    from bidirl.results.metrics import run_label
     from bidirl.sim import simulate
 
     options = [v for _, v in explorer.controls["partition"].options]
@@ -506,7 +506,7 @@ def test_simulate_button_runs_the_selected_partition(explorer):
 
 def test_simulate_all_draws_the_library_sweep_beside_the_prediction(explorer, monkeypatch):
     from bidirl.sim import sweep as sweep_mod
-    from bidirl.viz_plan import TRACE_NAMES
+    from bidirl.viz.plan import TRACE_NAMES
 
     explorer.controls["placement"].value = "any"
     explorer.controls["policy"].value = "no-borrow"
@@ -538,7 +538,7 @@ def test_simulate_all_draws_the_library_sweep_beside_the_prediction(explorer, mo
 
 
 def test_response_length_change_moves_the_rates(explorer):
-    from bidirl.planner import plan
+    from bidirl.job.planner import plan
 
     explorer.controls["placement"].value = "any"
     before = _sweep_arrays(explorer.figure)
@@ -575,7 +575,7 @@ def test_clicking_a_bar_selects_its_partition_or_says_why_not(explorer):
 
 
 def test_a_stage_that_does_not_fit_is_marked_not_drawn_as_zero(explorer):
-    from bidirl.viz_plan import TRACE_NAMES
+    from bidirl.viz.plan import TRACE_NAMES
 
     explorer.controls["placement"].value = "any"
     explorer.controls["gpus"].value = 32                          # 29-3 … 31-1 hold no 4-GPU trainer replica
@@ -634,7 +634,7 @@ class FakeDriver:
     provenance, policy_name, steps = "emulated", "bidirl", 3
 
     def __init__(self):
-        import bidirl.config as cfg
+        import bidirl.job.config as cfg
         self.config = cfg.load("tiny-cpu")
         self.on_event, self.steps_done, self.seen = None, 0, []
 

@@ -1,9 +1,9 @@
 """``LiveGantt``: a per-worker timeline that grows while runs advance, with pace, pause and replay.
 
 One row per run (e.g. two policies) on a shared time axis; in each row one horizontal ``go.Bar`` trace per
-``(kind, role)`` of :data:`bidirl.viz.TRACE_KEYS` — colours by role and kind, borrowing windows (paper §5,
+``(kind, role)`` of :data:`bidirl.viz.gantt.TRACE_KEYS` — colours by role and kind, borrowing windows (paper §5,
 a pool lent to the other stage) shaded, step ends dotted, all with plain legend names. Every trace exists
-before the widget is displayed; updates assign whole float64 arrays from :class:`bidirl.viz.GanttState`
+before the widget is displayed; updates assign whole float64 arrays from :class:`bidirl.viz.gantt.GanttState`
 inside one ``fig.batch_update()``, at most ``refresh_hz`` times per wall second, driven by a poll loop in the
 calling cell (DESIGN.md, "Lessons from the anchors: Live widgets": output from background threads is
 unreliable under ipykernel 7).
@@ -18,7 +18,7 @@ unreliable under ipykernel 7).
 * **Provenance.** The time axis and title say what the run is (simulated, emulated or measured), taken from the
   drivers (:meth:`run`, :meth:`follow` with a driver) or given as ``provenance``.
 
-The array building lives in :mod:`bidirl.viz`; this module only polls drivers and assigns arrays.
+The array building lives in :mod:`bidirl.viz.gantt`; this module only polls drivers and assigns arrays.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ import ipywidgets as ipw
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from bidirl.trace import EventLog
-from bidirl.viz import (DIRECTIONS, TEMPLATE, TRACE_KEYS, GanttState, gantt_shapes, legend_layout, legend_traces,
-                        provenance_text, time_axis_title, titled)
+from bidirl.results.provenance import provenance_text
+from bidirl.results.trace import EventLog
+from bidirl.viz.gantt import (DIRECTIONS, TEMPLATE, TRACE_KEYS, GanttState, gantt_shapes, legend_layout,
+                              legend_traces, time_axis_title, titled)
 
 ROW_GAP = 0.08
 WIDTH = 1000          # px; a FigureWidget inside an ipywidgets box does not resize with it (plotly.py#4027)
@@ -225,7 +226,7 @@ class LiveGantt:
         fig.layout.height = 110 + bottom + 60 * len(self.labels) + LANE_PX * sum(heights)
 
     def _clipped_spans(self, label: str, until: Optional[float]):
-        from bidirl.viz import clip_spans
+        from bidirl.viz.gantt import clip_spans
         spans = self.states[label].spans_df()
         return spans if until is None else clip_spans(spans, until)
 
@@ -249,7 +250,7 @@ class LiveGantt:
         for label in self.labels:
             windows = self._clipped_spans(label, until)
             if len(windows):
-                from bidirl.metrics import borrow_windows
+                from bidirl.results.metrics import borrow_windows
                 directions |= set(borrow_windows(windows)["direction"])
             clipped = self._clipped_steps(label, until)
             steps = steps or (clipped is not None and len(clipped) > 0)
@@ -414,7 +415,7 @@ class LiveGantt:
         ``slice_seconds`` (simulated) defaults to one redraw's worth at the pace. Returns ``{label: RunResult}``;
         with ``metrics`` (a :class:`MetricsPanel`) the results are shown there too, labelled with their config.
         """
-        from bidirl.execution import progress_bar
+        from bidirl.runtime.driver import progress_bar
         from bidirl.sim.driver import advance_together
 
         drivers = self._as_mapping(drivers, "drivers")

@@ -1,7 +1,7 @@
 """``MetricsPanel``: throughput, idle share per pool and borrow counts of every run shown, with export.
 
 It shows the ``bidirl simulate --json`` summary (DESIGN.md, "Contracts others rely on"; computed by
-:func:`bidirl.metrics.summary`): throughput as the paper defines it (§7.1, over the throughput window that
+:func:`bidirl.results.metrics.summary`): throughput as the paper defines it (§7.1, over the throughput window that
 drops warm-up and tail steps), the whole run's time beside it, idle time per pool from the union of busy
 intervals, and the scheduler's borrowing decisions (§5.2: admitted per direction, rejected). Every row says
 what the run is — simulated, emulated or measured — from the summary's ``provenance``. Runs accumulate: a label
@@ -23,7 +23,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from bidirl.metrics import THROUGHPUT_UNIT
+from bidirl.results.metrics import THROUGHPUT_UNIT
 
 #: (summary-row column, legend name, colour, subplot column) of each trace, in trace order
 SERIES: tuple = (
@@ -50,9 +50,9 @@ TABLE: tuple = (
 
 
 def summary_table(summaries: Mapping[str, Mapping]) -> pd.DataFrame:
-    """One row per run label with the panel's numbers (:func:`bidirl.metrics.summary_row`), what the run is
+    """One row per run label with the panel's numbers (:func:`bidirl.results.metrics.summary_row`), what the run is
     (``provenance``) and the whole run's time (``run_time_s``)."""
-    from bidirl.metrics import SUMMARY_ROW, run_time, summary_row
+    from bidirl.results.metrics import SUMMARY_ROW, run_time, summary_row
     if not isinstance(summaries, Mapping):
         raise ValueError(f"summaries must be a dict {{label: summary dict}}, got {type(summaries).__name__}")
     rows = []
@@ -103,7 +103,7 @@ class MetricsPanel:
     """Bars of throughput, idle share per pool and borrows per run, plus a table of the numbers.
 
     Call :meth:`add_runs` with ``RunResult`` objects (labelled with their config,
-    :func:`bidirl.metrics.run_label`) or :meth:`update` with ``{label: summary}``. Runs accumulate;
+    :func:`bidirl.results.metrics.run_label`) or :meth:`update` with ``{label: summary}``. Runs accumulate;
     ``export_dir`` is where the export buttons write (created on first use).
     """
     title: Optional[str] = None
@@ -158,8 +158,8 @@ class MetricsPanel:
         return self._show()
 
     def add_runs(self, runs: Iterable[Any]) -> pd.DataFrame:
-        """Show ``RunResult`` objects, each labelled with its policy and config (:func:`bidirl.metrics.run_label`)."""
-        from bidirl.metrics import run_label
+        """Show ``RunResult`` objects, each labelled with its policy and config (:func:`bidirl.results.metrics.run_label`)."""
+        from bidirl.results.metrics import run_label
         batch: dict = {}
         for r in runs:
             label = run_label(r.config, r.policy)
@@ -205,8 +205,8 @@ class MetricsPanel:
 
     def export_figure(self, path: Any = None) -> dict:
         """Write the chart as HTML (and PNG where kaleido renders), default ``<export_dir>/runs.html``
-        (:func:`bidirl.viz.export_figure`)."""
-        from bidirl.viz import export_figure
+        (:func:`bidirl.viz.gantt.export_figure`)."""
+        from bidirl.viz.gantt import export_figure
         return export_figure(go.Figure(self.figure), Path(path) if path is not None
                              else Path(self.export_dir) / "runs.html")
 

@@ -9,7 +9,7 @@ while the kernel is busy starting workers) and, once the run has started, a step
 
 Ray also prints routine messages to the cell — the token-authentication notice of ``ray.init`` and the
 raylet's worker start-up concurrency warning on small machines — in red stderr boxes. :func:`ray_output`
-(:mod:`bidirl.ray_output`) sends everything written to this process's stdout and stderr while the run lasts
+(:mod:`bidirl.cluster.ray_output`) sends everything written to this process's stdout and stderr while the run lasts
 to a log file instead, echoes to the cell only the lines that are not routine, and the widget says at the end how
 many lines went to the log and where.
 """
@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import ipywidgets as ipw
 
-from bidirl.ray_output import DEFAULT_LOG, ROUTINE, ray_output, routine  # noqa: F401  (re-exported)
+from bidirl.cluster.ray_output import DEFAULT_LOG, ROUTINE, ray_output, routine  # noqa: F401  (re-exported)
 
 
 def _elapsed_counter():

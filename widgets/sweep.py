@@ -1,8 +1,8 @@
 """``PartitionSweep``: explore the planner's partition sweep (paper §4, Algorithm 1) and simulate splits.
 
 Controls set the planning inputs — model P, hardware, GPU budget G, placement Π, staleness bound s, maximum
-response length and prompts per step B_p — and every change re-runs :func:`bidirl.planner.plan`. The chart is
-:func:`bidirl.viz_plan.sweep_figure`: the predicted rollout rate λ_r = B_p / M_r, trainer rate λ_t = B_p / M_t
+response length and prompts per step B_p — and every change re-runs :func:`bidirl.job.planner.plan`. The chart is
+:func:`bidirl.viz.plan.sweep_figure`: the predicted rollout rate λ_r = B_p / M_r, trainer rate λ_t = B_p / M_t
 and pipeline rate λ_pipe = min(λ_r, λ_t) (§4.2) of every candidate split, in prompt groups per second, with a
 legend for its colours and shadings. The static plan does not depend on s (Algorithm 1 balances
 steady-state rates); s matters to the simulation, and the status line says so when s changes.
@@ -32,8 +32,8 @@ from typing import Any, Callable, Optional
 import ipywidgets as ipw
 import plotly.graph_objects as go
 
-from bidirl import config as cfgmod
-from bidirl import presets
+from bidirl.job import config as cfgmod
+from bidirl.job import presets
 
 from .metrics import MetricsPanel
 
@@ -123,8 +123,8 @@ class PartitionSweep:
         self.progress = ipw.IntProgress(value=0, min=0, max=1, description="", layout=ipw.Layout(width="220px",
                                                                                                  visibility="hidden"))
 
-        from bidirl.planner import plan as make_plan
-        from bidirl.viz_plan import sweep_figure
+        from bidirl.job.planner import plan as make_plan
+        from bidirl.viz.plan import sweep_figure
         self.plan = make_plan(self.config_for_planning())
         self.figure = go.FigureWidget(sweep_figure(self.plan))
         self.recomputes = 1
@@ -156,7 +156,7 @@ class PartitionSweep:
 
     def config_for_planning(self) -> cfgmod.JobConfig:
         """The base config with the controls applied and no fixed partition, so the planner chooses one.
-        Raises :class:`bidirl.config.ConfigError` for an inconsistent combination."""
+        Raises :class:`bidirl.job.config.ConfigError` for an inconsistent combination."""
         return self.base.with_overrides({**self.overrides(), "cluster.partition": None})
 
     def selected(self) -> Optional[tuple]:
@@ -165,8 +165,8 @@ class PartitionSweep:
         return tuple(value) if value else None
 
     def selected_label(self) -> Optional[str]:
-        """The selected split spelled as everywhere else (``8-8``, :func:`bidirl.planner.label`)."""
-        from bidirl.planner import label
+        """The selected split spelled as everywhere else (``8-8``, :func:`bidirl.job.planner.label`)."""
+        from bidirl.job.planner import label
         sel = self.selected()
         return label(*sel) if sel else None
 
@@ -189,8 +189,8 @@ class PartitionSweep:
     def refresh(self) -> bool:
         """Re-plan with the current controls and copy the new sweep into the figure. Returns False (and shows
         the error) when the inputs are invalid; the chart then keeps the last valid sweep."""
-        from bidirl.planner import plan as make_plan
-        from bidirl.viz_plan import sweep_figure
+        from bidirl.job.planner import plan as make_plan
+        from bidirl.viz.plan import sweep_figure
         try:
             plan = make_plan(self.config_for_planning())
         except (cfgmod.ConfigError, ValueError) as exc:
@@ -207,7 +207,7 @@ class PartitionSweep:
     def _draw(self, new: go.Figure) -> None:
         """Copy a fresh ``sweep_figure`` into the displayed widget's traces and layout in one message."""
         if [t.name for t in new.data] != [t.name for t in self.figure.data]:
-            raise RuntimeError("bidirl.viz_plan.sweep_figure changed its traces "
+            raise RuntimeError("bidirl.viz.plan.sweep_figure changed its traces "
                                f"({[t.name for t in self.figure.data]} -> {[t.name for t in new.data]}); "
                                "the widget relies on a fixed set of traces")
         with self.figure.batch_update():
@@ -235,7 +235,7 @@ class PartitionSweep:
 
     def _highlight(self, shapes: Optional[list] = None) -> None:
         """Shade the selected split's column (the planner's own highlight comes from ``sweep_figure``)."""
-        from bidirl.viz_plan import selected_shape
+        from bidirl.viz.plan import selected_shape
         base = [s for s in (self.figure.layout.shapes if shapes is None else shapes)
                 if getattr(s, "name", None) != "selected"]
         self.figure.layout.shapes = base + selected_shape(self.plan.index_of(self.selected()))
@@ -243,8 +243,8 @@ class PartitionSweep:
     def _on_click(self, trace, points, _state) -> None:
         if not points.point_inds:
             return
-        from bidirl.planner import label
-        from bidirl.viz_plan import no_fit_text
+        from bidirl.job.planner import label
+        from bidirl.viz.plan import no_fit_text
         i = points.point_inds[0]
         g_r, g_t, ok = self.plan.candidate(i)
         if ok:
@@ -260,7 +260,7 @@ class PartitionSweep:
         self._status_ok()
 
     def _status_ok(self) -> None:
-        from bidirl.metrics import RATE_UNIT
+        from bidirl.results.metrics import RATE_UNIT
         env = self.plan.envelope
         n = len(self.plan.sweep)
         k = int(self.plan.sweep["compatible"].astype(bool).sum())
@@ -304,7 +304,7 @@ class PartitionSweep:
         """Simulate every compatible split (:func:`bidirl.sim.sweep.simulate_partitions`, ``sweep_steps`` steps
         each, the selected policy) and draw the simulated rates beside the predicted ones. Returns the frame."""
         from bidirl.sim.sweep import simulate_partitions
-        from bidirl.viz_plan import sweep_figure
+        from bidirl.viz.plan import sweep_figure
         cfg = self.config_for_planning()
         policy = self.controls["policy"].value
         bar = self.progress
@@ -333,7 +333,7 @@ class PartitionSweep:
     # ------------------------------------------------------------------------------------------
     def snapshot(self) -> go.Figure:
         """The chart as it is now, as a static figure (sweep, simulated rates, selected split)."""
-        from bidirl.viz_plan import selected_shape, sweep_figure
+        from bidirl.viz.plan import selected_shape, sweep_figure
         fig = sweep_figure(self.plan, self.simulated)
         fig.layout.shapes = list(fig.layout.shapes) + selected_shape(self.plan.index_of(self.selected()))
         return fig
@@ -341,7 +341,7 @@ class PartitionSweep:
     def export_figure(self, path: Any = None) -> dict:
         """Write :meth:`snapshot` as HTML (and PNG where kaleido renders); default
         ``<export_dir>/sweep-<model>-<G>gpus-<placement>.html``."""
-        from bidirl.viz import export_figure
+        from bidirl.viz.gantt import export_figure
         cfg = self.plan.config
         path = Path(path) if path is not None else Path(self.export_dir) / (
             f"sweep-{cfg.model}-{cfg.cluster.gpus}gpus-{cfg.cluster.placement}.html")

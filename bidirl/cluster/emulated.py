@@ -3,7 +3,7 @@
 Each actor owns the state a real worker would (a rollout engine's running requests, a trainer gang's chunk),
 but where a real worker would compute it sleeps for the stage-time model's duration divided by ``time_scale``
 (virtual seconds per wall second). Rollout replicas run the continuous-batching replica model
-(:class:`~bidirl.perf.engine.BatchingEngine`) against the wall clock, so completions, interruptions and
+(:class:`~bidirl.perf.replica.BatchingEngine`) against the wall clock, so completions, interruptions and
 prefixes behave exactly as in simulation while the driver, Ray scheduling and ``ray.wait`` loop are real.
 This lets 16-512 virtual GPUs run on one machine and measures what the control path itself costs.
 """
@@ -20,9 +20,9 @@ import numpy as np
 
 from bidirl.cluster.pool import ClusterError, PoolDriver
 from bidirl.core import protocol as P
-from bidirl.execution import switch_lane
-from bidirl.loop import EventLoop
-from bidirl.perf.engine import BatchingEngine, EngineGroup
+from bidirl.runtime.driver import switch_lane
+from bidirl.runtime.loop import EventLoop
+from bidirl.perf.replica import BatchingEngine, EngineGroup
 from bidirl.perf.workload import GroupLengths
 
 #: rollout hosts (processes) per pool by default: replicas are spread over at most this many
@@ -89,7 +89,7 @@ class RolloutHost:
         return {"replicas": replicas, "holds": holds, "t": self.loop.now, **extra}
 
     async def start(self, name: str, groups: list) -> int:
-        """Add :class:`~bidirl.perf.engine.EngineGroup` s to replica ``name`` now."""
+        """Add :class:`~bidirl.perf.replica.EngineGroup` s to replica ``name`` now."""
         self._catch_up()
         self.engines[name].add(*groups)
         self._wake_advance()

@@ -7,7 +7,7 @@ primary workers and the auxiliary workers of the other role are started once, ea
 bundle it sits on, and are kept: a hot switch changes which one works, never restarts a process (§3.2).
 
 Every timed command becomes one or more actor calls; their completion becomes the matching event, fed to the
-coordinator through :meth:`bidirl.execution.Driver.feed`. Workers record their own spans and return them with
+coordinator through :meth:`bidirl.runtime.driver.Driver.feed`. Workers record their own spans and return them with
 their results.
 
 **Failures** (:mod:`bidirl.cluster.recovery`). A worker whose actor dies — or a trainer rank whose collective
@@ -18,7 +18,7 @@ is restarted at most ``max_restarts`` times in a row (no whole step completed be
 whose call raised (an engine or reward error, not a lost process) ends the run with a :class:`ClusterError`:
 restarting would only fail again.
 
-**Checkpoints** (:mod:`bidirl.checkpoints`). With ``checkpoint_dir`` the driver writes a checkpoint at step
+**Checkpoints** (:mod:`bidirl.runtime.checkpoints`). With ``checkpoint_dir`` the driver writes a checkpoint at step
 boundaries (every ``checkpoint_every`` steps and after the last, keeping ``keep``): just before a step's
 ``SyncFinished`` is fed, when the run is quiescent. With ``resume`` it continues from a checkpoint: the control
 plane is restored, the workers start fresh and the trainer loads its state, and the boundary event is fed
@@ -40,17 +40,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from bidirl import checkpoints
+from bidirl.errors import BidirlError
+from bidirl.runtime import checkpoints
 from bidirl.cluster.recovery import MAX_RESTARTS, Restarts
 from bidirl.core import protocol as P
-from bidirl.execution import Driver, RunResult, progress_bar
+from bidirl.runtime.driver import Driver, RunResult, progress_bar
 
 
 #: logical CPUs each GPU slot's bundle reserves (for its workers' Ray processes)
 BUNDLE_CPU = 0.1
 
 
-class ClusterError(RuntimeError):
+class ClusterError(BidirlError, RuntimeError):
     """The cluster cannot run the job as configured (resources, worker start-up, a failed primary)."""
 
 
@@ -409,7 +410,7 @@ class PoolDriver(Driver):
             self.step_marks.append((len(self.log.spans), len(self.log.decisions)))
 
     # ------------------------------------------------------------------------------------------
-    # checkpoints and resume (bidirl.checkpoints)
+    # checkpoints and resume (bidirl.runtime.checkpoints)
     # ------------------------------------------------------------------------------------------
     def layout(self) -> dict:
         """The world size of every pool and gang (GPU slots, replicas, ranks)."""
@@ -450,7 +451,7 @@ class PoolDriver(Driver):
 
     def _save_trainer_state(self, folder: Path) -> bool:
         """Write the trainer's state into ``folder`` (a checkpoint's ``trainer/``); False if there is none.
-        Raises :class:`~bidirl.checkpoints.CheckpointSkipped` when it cannot now (the trainer is being restarted).
+        Raises :class:`~bidirl.runtime.checkpoints.CheckpointSkipped` when it cannot now (the trainer is being restarted).
         Other workers hold nothing a checkpoint needs: one being restarted is announced again on resume."""
         return False
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 from bidirl.cluster.recovery import MAX_RESTARTS
-from bidirl.execution import RunResult
+from bidirl.results.run_result import RunResult
 
 
 def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, seed: Optional[int] = None,
@@ -20,11 +20,11 @@ def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, se
     Engine workers (vLLM rollouters, torch trainers: :class:`~bidirl.cluster.engines.driver.EngineDriver`)
     by default; ``emulate=True`` runs model-timed workers (:class:`~bidirl.cluster.emulated.EmulatedDriver`)
     at ``time_scale`` virtual seconds per wall second. ``on_event`` sees every event (live views).
-    ``out_dir``: the run's output folder (``bidirl.tracking``: per-step metrics as JSONL and TensorBoard, trace,
+    ``out_dir``: the run's output folder (``bidirl.results.tracking``: per-step metrics as JSONL and TensorBoard, trace,
     event log, summary); engine runs write their metrics while they run, emulated runs when they end.
 
     ``checkpoint_dir``: write a checkpoint every ``checkpoint_every`` steps and after the last, keeping the last
-    ``keep`` (``bidirl.checkpoints``); ``resume``: continue from the newest good checkpoint in that folder (or
+    ``keep`` (``bidirl.runtime.checkpoints``); ``resume``: continue from the newest good checkpoint in that folder (or
     from that ``step-*`` checkpoint) — it keeps checkpointing there unless ``checkpoint_dir`` names another
     folder. ``max_restarts``: restarts allowed per worker in a row (no whole step completed between its failures)
     before its next failure ends the run.
@@ -41,10 +41,10 @@ def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, se
     steps = cfg.workload.steps if steps is None else int(steps)
     seed = cfg.seed if seed is None else int(seed)
     if out_dir is not None:
-        from bidirl.tracking import check_out_dir
+        from bidirl.results.tracking import check_out_dir
         check_out_dir(out_dir)
     if resume is not None and checkpoint_dir is None:
-        from bidirl.checkpoints import MANIFEST
+        from bidirl.runtime.checkpoints import MANIFEST
         checkpoint_dir = str(Path(resume).parent if (Path(resume) / MANIFEST).exists() else Path(resume))
     durable = dict(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep, resume=resume,
                    max_restarts=max_restarts)
@@ -56,7 +56,7 @@ def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, se
     result = EmulatedDriver(cfg, policy, steps, seed, on_event=on_event, address=address,
                             time_scale=time_scale, **durable).run(progress)
     if out_dir is not None:
-        from bidirl.tracking import write_run
+        from bidirl.results.tracking import write_run
         result.summary_dict["out_dir"] = str(out_dir)
         write_run(result, out_dir)
     return result

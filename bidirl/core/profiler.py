@@ -8,7 +8,7 @@ models and the switch costs:
 
 * **refit** — when the predictor can (``predictor.refit(records)``: the stage-time predictor refits the appendix
   models' parameters, τ, α, β and the overlap exponents, with the same least-squares code as ``bidirl
-  calibrate``, :mod:`bidirl.perf.calibrate`) and the recent records disagree with it by more than
+  calibrate``, :mod:`bidirl.perf.fit`) and the recent records disagree with it by more than
   ``tolerance`` (median relative error), the models are refitted on the last ``window`` records. The core
   itself never imports the fitting code: the predictor is handed in.
 * otherwise a (stage, role) correction factor is set to the median observed / predicted ratio of the records

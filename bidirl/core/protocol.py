@@ -54,7 +54,7 @@ STAGES: tuple = ("old_logprob", "ref_logprob", "actor_update")
 FORWARD_STAGES: tuple = ("old_logprob", "ref_logprob")
 UPDATE_STAGES: tuple = ("actor_update",)
 
-#: what a span of the event log can be (``bidirl.trace``)
+#: what a span of the event log can be (``bidirl.results.trace``)
 SPAN_KINDS: tuple = ("generate", "chunk", "switch_in", "switch_out", "sync", "grad_merge", "optimizer")
 
 #: scheduling policies of the control plane (§7.3 ablations) and the modelled external systems (§7.1)

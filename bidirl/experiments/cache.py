@@ -10,7 +10,7 @@ renamed into place), so two worker processes never see half an entry. The root i
 ``~/.cache/bidirl`` (as for the tiny model), or the folder a caller passes (``bidirl reproduce --cache-dir``).
 Only the real simulator's runs are cached; an injected ``simulate_fn`` is not covered by the code version.
 ``bidirl reproduce`` also keeps its figures' PNGs under ``<root>/png``, keyed by the figure's content
-(:func:`bidirl.viz.write_pngs`), since rendering them is most of a re-run's time.
+(:func:`bidirl.viz.gantt.write_pngs`), since rendering them is most of a re-run's time.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def cache_root(cache_dir: Optional[Union[str, Path]] = None) -> Path:
 def code_version() -> str:
     """A hash of every source file of the package and every shipped data file (models, presets, configs):
     what a simulated run's result depends on."""
-    from bidirl import presets
+    from bidirl.job import presets
     digest = hashlib.sha256(bidirl.__version__.encode())
     for root, pattern in ((Path(bidirl.__file__).parent, "*.py"), (presets.data_dir(), "*.yaml")):
         for path in sorted(root.rglob(pattern)):

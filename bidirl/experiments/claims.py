@@ -68,7 +68,7 @@ _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def default_path() -> Path:
-    from bidirl.presets import data_dir
+    from bidirl.job.presets import data_dir
     return data_dir() / "paper" / "claims.yaml"
 
 
@@ -125,7 +125,7 @@ def load_limits(path: Optional[Path] = None, claims: Optional[list] = None) -> l
     """The model limits of ``path`` (default ``data/paper/limits.yaml``), validated against ``claims`` (default
     :func:`load_claims`): every limit names known claims. ValueError naming the limit and the field."""
     if path is None:
-        from bidirl.presets import data_dir
+        from bidirl.job.presets import data_dir
         path = data_dir() / "paper" / "limits.yaml"
     path = Path(path)
     raw = yaml.load(path.read_text(), Loader=_LOADER)

@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 from bidirl.core import protocol as P
 
 
@@ -33,7 +33,7 @@ def planner_vs_simulator(config, *, steps: int = 8, seed: Optional[int] = None) 
     """One row per step: ``rollout_simulated``, ``rollout_predicted``, ``trainer_simulated``,
     ``trainer_predicted`` (seconds) and their relative errors, plus the envelope's own predictions for its
     representative batch (``rollout_planned``, ``trainer_planned``) in ``DataFrame.attrs``."""
-    from bidirl.planner import predict_stage_times
+    from bidirl.job.planner import predict_stage_times
     from bidirl.sim.driver import SimDriver
 
     cfg = cfgmod.load(config).with_overrides({"rl.staleness": 0})

@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 from scipy.optimize import least_squares, minimize
 
-from bidirl import config as cfgmod, presets
+from bidirl.job import config as cfgmod, presets
 from bidirl.core import protocol as P
 
 #: the claims that calibrate (everything else in claims.yaml is held out)
@@ -74,7 +74,7 @@ def tex_hardware(hardware):
 
 def static_sweep(hardware, model: str, gpus: int, partitions) -> tuple:
     """``(choice, spread)``: the planner's best displayed partition (rollout GPUs) and its λ_pipe max / min."""
-    from bidirl.planner import plan
+    from bidirl.job.planner import plan
     sweep = plan(_knob_config(model, gpus), hardware=hardware).sweep.set_index("rollout_gpus")
     lam = np.array([sweep.loc[g].pipeline_rate for g in partitions])
     return int(partitions[int(np.argmax(lam))]), float(lam.max() / lam.min())

@@ -5,10 +5,10 @@ One row per claim: the paper's value or range, the reproduced value or range, th
 Evidence comes from four places:
 
 * simulation panels (§7.2, §7.3): :func:`bidirl.experiments.run.speedups` of the results table;
-* static planning (§7.4, Fig. eval-static a/b): :func:`bidirl.planner.plan` on the displayed partitions,
+* static planning (§7.4, Fig. eval-static a/b): :func:`bidirl.job.planner.plan` on the displayed partitions,
   compared with the simulated (no-borrow) throughput of the same partitions;
 * stage-time models (§7.4, Fig. eval-static c/d): :mod:`bidirl.experiments.stage_models` (calibration with
-  :mod:`bidirl.perf.calibrate`);
+  :mod:`bidirl.perf.fit`);
 * hot-switch costs (§7.3, Table hot-switch-cost): :func:`bidirl.perf.costs.derive_switch_costs`, a physical
   model independent of the measured values the simulator charges.
 
@@ -60,7 +60,7 @@ def static_evidence(spec, results: Optional[pd.DataFrame] = None, plan_fn: Optio
     partitions, the predicted spread (max/min λ_pipe over compatible ones), its choice among them, its
     unrestricted envelope, and — when ``results`` hold the panel — the simulated best partition."""
     if plan_fn is None:
-        from bidirl.planner import plan as plan_fn
+        from bidirl.job.planner import plan as plan_fn
     from bidirl.experiments.specs import SPECS
     full = SPECS.get(spec.id, spec)      # planning is cheap: judge the planner on every displayed partition
     cfg = full.config(full.points[0]).with_overrides({"cluster.partition": None})
@@ -95,7 +95,7 @@ def static_evidence(spec, results: Optional[pd.DataFrame] = None, plan_fn: Optio
 def switch_cost_evidence(derive_fn: Optional[Callable] = None, hardware: str = "a6000",
                          models=("qwen3-vl-2b", "qwen3-vl-4b")) -> dict:
     """Derived hot-switch costs for Table hot-switch-cost, shaped like the claim's value."""
-    from bidirl import presets
+    from bidirl.job import presets
     if derive_fn is None:
         try:
             from bidirl.perf.costs import derive_switch_costs as derive_fn

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 import pandas as pd
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 from bidirl.experiments.specs import PanelSpec
 
 STATUS_OK, STATUS_UNSUPPORTED, STATUS_FAILED = "ok", "unsupported", "failed"
@@ -89,7 +89,7 @@ def total_run_throughput(steps_df: pd.DataFrame) -> float:
 
 
 def _summary_values(result) -> dict:
-    from bidirl.metrics import summary_row
+    from bidirl.results.metrics import summary_row
     row = summary_row(result.summary())
     row["summary_throughput"] = row.pop("throughput")
     row.pop("step_time_s")
@@ -248,7 +248,7 @@ def rebalance_bound(spec, point) -> float:
     planner's stage times T_r, T_t on the point's split (g_r, g_t GPUs) give the slower pool's step time
     ``max(T_r, T_t)``, while perfectly shared work with free switches would take ``(g_r·T_r + g_t·T_t) / G``.
     NaN where the point has no fixed split or does not plan."""
-    from bidirl.planner import plan
+    from bidirl.job.planner import plan
     try:
         cfg = spec.config(point)
         if cfg.cluster.partition is None:

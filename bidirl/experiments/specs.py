@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Union
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 
 KINDS = ("end-to-end", "ablation", "static", "stage-model")
 METRICS = ("throughput", "total_run_throughput")
@@ -395,7 +395,7 @@ def _static() -> list:
                          shown,
                          "'measured' throughput = simulated total-run throughput with borrowing disabled "
                          "(no-borrow), so the partition alone sets it; the paper does not say which policy ran",
-                         "predicted throughput = the planner's pipeline rate λ_pipe (bidirl.planner.plan) on "
+                         "predicted throughput = the planner's pipeline rate λ_pipe (bidirl.job.planner.plan) on "
                          "the same partitions", _STEPS)))
     out.append(PanelSpec(
         id="stage-rollout", title="Stage-time model: rollout (M_r)", figure="Fig. eval-static (c)",
@@ -410,7 +410,7 @@ def _static() -> list:
                      "x = 2, 4, 8, 16 prompts per GPU (groups of 8 responses) at max response 2K and 4K",
                      "records: seeded draws from the workload preset; 'observed' time = the closed-form model "
                      "under perturbed ground-truth parameters times the simulator's log-normal jitter (σ = 0.03); "
-                     "calibration starts from the preset-derived parameters (bidirl.perf.calibrate)")))
+                     "calibration starts from the preset-derived parameters (bidirl.perf.fit)")))
     out.append(PanelSpec(
         id="stage-trainer", title="Stage-time model: trainer (M_t)", figure="Fig. eval-static (d)",
         kind="stage-model", base="a6000-default", hardware="a6000", variable="chunks per GPU",

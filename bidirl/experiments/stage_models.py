@@ -4,8 +4,8 @@ The paper profiles real rollout and trainer work, fits the appendix's stage-time
 and reports median / p90 relative errors of 3.12 % / 5.77 % (rollout) and 2.92 % / 4.68 % (trainer). This
 panel does the same with **real measurements shipped with the package**: ``data/profiles/cpu-tiny``, the
 built-in tiny model on a two-core CPU (vLLM rollout, torch trainer, one replica each), written by
-``bidirl profile tiny-cpu --grid full`` (:mod:`bidirl.profiling`). :func:`run_stage_panel` calibrates with
-:func:`bidirl.calibration.calibrate_profile` — hardware knobs and the tiny model's own parameters fitted on a
+``bidirl profile tiny-cpu --grid full`` (:mod:`bidirl.calibrate.profile`). :func:`run_stage_panel` calibrates with
+:func:`bidirl.calibrate.from_records.calibrate_profile` — hardware knobs and the tiny model's own parameters fitted on a
 seeded 75 % of the grid points — and reports the errors on the held-out 25 %: one rollout batch per point,
 one trainer chunk per (point, stage). The report and figures label these "measured on CPU, tiny model": the
 setting is not the paper's (Qwen3-VL on A6000), so the comparison with the paper's numbers is one of model
@@ -34,9 +34,9 @@ HOLDOUT = 0.25        # share of the grid points held out of the fit
 
 
 def shipped_profile(name: str = PROFILE):
-    """The profile ``data/profiles/<name>`` shipped with the package (:func:`bidirl.perf.records.load_profile`)."""
-    from bidirl.perf.records import load_profile
-    from bidirl.presets import data_dir
+    """The profile ``data/profiles/<name>`` shipped with the package (:func:`bidirl.calibrate.records.load_profile`)."""
+    from bidirl.calibrate.records import load_profile
+    from bidirl.job.presets import data_dir
     return load_profile(data_dir() / "profiles" / name)
 
 
@@ -72,7 +72,7 @@ def run_stage_panel(spec: PanelSpec, *, quick: bool = False, seed: int = 0, fit_
     replaces the calibration and ``models`` (``(rollout_model, trainer_model)``) the base models it starts
     from (tests); ``profile`` replaces the shipped profile.
     """
-    from bidirl.calibration import calibrate_profile, records_label
+    from bidirl.calibrate.from_records import calibrate_profile, records_label
     from bidirl.perf.rollout import RolloutModel
     from bidirl.perf.trainer import TrainerModel
     if spec.kind != "stage-model":

@@ -4,13 +4,14 @@
 * :mod:`~bidirl.perf.overlap` — the p-norm overlap of compute and communication;
 * :mod:`~bidirl.perf.trainer` — :class:`TrainerModel` (t_s(b), T_t,rep, M_t, chunk times);
 * :mod:`~bidirl.perf.rollout` — :class:`RolloutModel` (b_kv, N_max, P_pre, P_dec, T_r,rep, M_r, per-iteration cost);
-* :mod:`~bidirl.perf.params` — preset-derived default parameters;
-* :mod:`~bidirl.perf.calibrate` — least-squares fit to profiling records with an error report;
+* :mod:`~bidirl.perf.params` — the parameter dataclasses (``TrainerParams``, ``RolloutParams``) and their
+  preset-derived defaults;
+* :mod:`~bidirl.perf.fit` — least-squares fit to profiling records with an error report;
 * :mod:`~bidirl.perf.costs` — hot-switch costs and weight-sync time from state sizes and bandwidths;
 * :mod:`~bidirl.perf.memory` — per-GPU memory of a replica (the planner's feasible layouts);
 * :mod:`~bidirl.perf.workload` — seeded prompt/response length draws from a dataset's statistics;
 * :mod:`~bidirl.perf.balance` — balanced assignment of work to replicas (replica-max semantics);
-* :mod:`~bidirl.perf.engine` — the continuous-batching replica model (simulator and emulated workers);
+* :mod:`~bidirl.perf.replica` — the continuous-batching replica model (simulator and emulated workers);
 * :mod:`~bidirl.perf.predictor` — the stage-time predictor every driver and the coordinator use.
 
 Names are resolved lazily (PEP 562), so importing one submodule (the planner needs ``memory`` and the
@@ -26,14 +27,14 @@ import importlib
 from bidirl.perf.overlap import overlap  # noqa: F401
 
 _LAZY = {
-    "CalibrationResult": "calibrate", "calibrate_rollout": "calibrate", "calibrate_trainer": "calibrate",
-    "validate_records": "calibrate",
+    "CalibrationResult": "fit", "calibrate_rollout": "fit", "calibrate_trainer": "fit",
+    "validate_records": "fit",
     "derive_switch_costs": "costs", "derive_weight_sync": "costs",
     "STAGES": "flops", "STAGE_MULTIPLIER": "flops", "forward_flops": "flops", "prefill_flops": "flops",
     "sample_forward_flops": "flops", "stage_multiplier": "flops",
     "default_rollout_params": "params", "default_trainer_params": "params",
-    "RolloutFeatures": "rollout", "RolloutModel": "rollout", "RolloutParams": "rollout",
-    "TrainerModel": "trainer", "TrainerParams": "trainer",
+    "RolloutFeatures": "rollout", "RolloutModel": "rollout", "RolloutParams": "params",
+    "TrainerModel": "trainer", "TrainerParams": "params",
     "sample_groups": "workload", "sample_lengths": "workload",
 }
 

@@ -1,6 +1,6 @@
 """Hot-switch costs and the weight-sync time derived from state sizes and link bandwidths (paper §3.2, §6.3).
 
-Used when no measured value exists (``bidirl.presets.HardwareSpec.switch_costs`` / ``weight_sync_time``; the
+Used when no measured value exists (``bidirl.job.presets.HardwareSpec.switch_costs`` / ``weight_sync_time``; the
 A6000 preset carries the paper's measured Table 3). All transfers of a switch run in parallel on every GPU of
 the pool, so a cost is the per-GPU bytes over the per-GPU bandwidth.
 
@@ -111,7 +111,7 @@ def derive_switch_costs(hw, model, *, trainer_layout: Optional[int] = None, roll
                         constants: Optional[dict] = None) -> dict:
     """``{"trainer_on_rollout_pool": SwitchCosts, "rollout_on_trainer_pool": SwitchCosts}`` (module doc);
     ``constants`` overrides the switch model's fixed latencies and pageable fraction (default: the preset's)."""
-    from bidirl.config import SwitchCosts
+    from bidirl.core.protocol import SwitchCosts
     rho, tp = _layouts(hw, model, trainer_layout, rollout_tp)
     c = {**switch_constants(hw), **(constants or {})}
     n = float(model.params_total)

@@ -1,6 +1,6 @@
 """Default stage-time model parameters derived from a hardware preset's specifications.
 
-These are priors: :mod:`bidirl.perf.calibrate` refits them from profiling records (paper §5.1, online
+These are priors: :mod:`bidirl.perf.fit` refits them from profiling records (paper §5.1, online
 profiler; appendix, "Stage-Time Models": "τ_s, α_s and r_s are calibrated from profiling runs"). Every number
 below is either a datasheet value times an achieved-efficiency factor from the hardware preset
 (``train_mfu``, ``prefill_mfu``, ``decode_mbu``, whose sources the preset lists) or one of the engine-overhead
@@ -52,7 +52,77 @@ else. :func:`check_stage_params` validates the block.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+import numpy as np
+
 from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES
+
+
+
+
+
+@dataclass(frozen=True)
+class TrainerParams:
+    """Per-stage parameters of t_s(b): ``tau`` (s), ``alpha`` (s/FLOP), ``r`` (≥ 1), ``alpha_comm`` (s),
+    ``beta_comm`` (s/byte). Each is a mapping ``stage -> value`` holding every stage of
+    :data:`bidirl.perf.flops.STAGES`."""
+    tau: Mapping[str, float]
+    alpha: Mapping[str, float]
+    r: Mapping[str, float]
+    alpha_comm: Mapping[str, float]
+    beta_comm: Mapping[str, float]
+
+    def __post_init__(self):
+        for f in fields(self):
+            raw = getattr(self, f.name)
+            if not isinstance(raw, Mapping):
+                raise ValueError(f"TrainerParams.{f.name} must map each stage to a number, got {raw!r}")
+            missing = [s for s in STAGES if s not in raw]
+            unknown = [s for s in raw if s not in STAGE_MULTIPLIER]
+            if missing or unknown:
+                raise ValueError(f"TrainerParams.{f.name}: missing stages {missing}, unknown stages {unknown}; "
+                                 f"give one value for each of {', '.join(STAGES)}")
+            values = {s: float(raw[s]) for s in STAGES}
+            low = 1.0 if f.name == "r" else 0.0
+            bad = {s: v for s, v in values.items() if not np.isfinite(v) or v < low}
+            if bad:
+                raise ValueError(f"TrainerParams.{f.name} must be finite and ≥ {low:g}, got {bad}")
+            object.__setattr__(self, f.name, values)
+
+    @classmethod
+    def uniform(cls, tau: float, alpha: float, r: float, alpha_comm: float, beta_comm: float) -> "TrainerParams":
+        """The same values for every stage."""
+        return cls(*({s: v for s in STAGES} for v in (tau, alpha, r, alpha_comm, beta_comm)))
+
+    def vector(self, name: str) -> np.ndarray:
+        """``name``'s values in :data:`STAGES` order."""
+        values = getattr(self, name)
+        return np.array([values[s] for s in STAGES], dtype=float)
+
+
+@dataclass(frozen=True)
+class RolloutParams:
+    """Rollout model parameters (seconds, seconds per FLOP / token / context token; r ≥ 1)."""
+    tau_pre: float
+    alpha_pre: float
+    tau_dec: float
+    beta_tok: float
+    beta_hist: float
+    r: float = 2.0
+    c_pre: float = 0.0
+    c_dec: float = 0.0
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            low = 1.0 if f.name == "r" else 0.0
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) \
+                    or not np.isfinite(v) or v < low:
+                raise ValueError(f"RolloutParams.{f.name} must be a finite number ≥ {low:g}, got {v!r}")
+            object.__setattr__(self, f.name, float(v))
+
 
 #: seconds of kernel-launch overhead per layer per forward pass (≈20 kernels × ≈10 µs, eager PyTorch)
 KERNEL_OVERHEAD_PER_LAYER = 2.0e-4
@@ -116,7 +186,6 @@ def _override(hw, model, kind: str, layout: int):
 def default_trainer_params(model, hw, layout: int = 1):
     """:class:`~bidirl.perf.trainer.TrainerParams` for ``model`` on ``hw`` with ρ = ``layout`` GPUs per replica:
     the knob-derived priors, with the preset's ``stage_params`` override for this model and layout applied."""
-    from bidirl.perf.trainer import TrainerParams
     rho = _check_layout(layout, "layout")
     base = knob_trainer_params(model, hw, rho)
     over = _override(hw, model, "trainer", rho)
@@ -130,7 +199,6 @@ def default_trainer_params(model, hw, layout: int = 1):
 
 def knob_trainer_params(model, hw, layout: int = 1):
     """The trainer priors from the hardware's datasheet numbers and knobs alone (no per-model override)."""
-    from bidirl.perf.trainer import TrainerParams
     rho = _check_layout(layout, "layout")
     alpha = 1.0 / (rho * hw.peak_flops * hw.train_mfu)
     lat = collective_latency(hw, rho) if rho > 1 else 0.0
@@ -155,7 +223,6 @@ def default_rollout_params(model, hw, tp: int = 1):
 
 def knob_rollout_params(model, hw, tp: int = 1):
     """The rollout priors from the hardware's datasheet numbers and knobs alone (no per-model override)."""
-    from bidirl.perf.rollout import RolloutParams
     tp = _check_layout(tp, "tp")
     compute = tp * hw.peak_flops * hw.prefill_mfu
     decoder_params = model.params_total - model.vision_params

@@ -3,7 +3,7 @@
 As Vidur keeps its execution-time predictor apart from schedulers and the event loop, one object answers the
 questions the control plane asks — how long a trainer chunk takes on a gang of ``d`` replicas, how long ``d``
 rollout replicas need for a set of requests (M_r), how long the optimizer step and a weight sync take — and
-gives the continuous-batching replica model (:mod:`bidirl.perf.engine`) its per-iteration cost terms, so
+gives the continuous-batching replica model (:mod:`bidirl.perf.replica`) its per-iteration cost terms, so
 prediction, simulation and emulation share one model.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bidirl.perf.engine import EngineCosts
+from bidirl.perf.replica import EngineCosts
 from bidirl.perf.flops import prefill_flops
 from bidirl.perf.rollout import RolloutModel
 from bidirl.perf.trainer import TrainerModel
@@ -42,7 +42,7 @@ class StagePredictor:
 
     @classmethod
     def from_config(cls, cfg, rollout_layout: int, trainer_layout: int, hardware=None) -> "StagePredictor":
-        """The presets' models for ``cfg`` (``hardware``: another :class:`~bidirl.presets.HardwareSpec` to use)."""
+        """The presets' models for ``cfg`` (``hardware``: another :class:`~bidirl.job.presets.HardwareSpec` to use)."""
         m, hw = cfg.model_spec, hardware or cfg.hardware_spec
         stats, w = cfg.workload_stats, cfg.workload
         context = stats.prompt_mean + 0.5 * stats.response_mean_fraction * w.max_response_len
@@ -52,9 +52,9 @@ class StagePredictor:
     def refit(self, records) -> dict:
         """Refit the rollout and trainer models' parameters to profiling records (the online profiler's, §5.1:
         ``bidirl.core.profiler.ProfileRecord`` with the unit's lengths), starting from the current parameters,
-        with :mod:`bidirl.perf.calibrate`'s least squares. A stage needs a few records to be refitted; returns
+        with :mod:`bidirl.perf.fit`'s least squares. A stage needs a few records to be refitted; returns
         the calibration reports of what was refitted."""
-        from bidirl.perf import calibrate
+        from bidirl.perf import fit as calibrate
         rollout = [{"prompt_lens": r.workload["prompt_lens"], "response_lens": r.workload["response_lens"],
                     "d": r.d, "observed": r.observed} for r in records if r.k == "r" and r.observed > 0]
         trainer = [{"stage": r.workload["stage"], "prompt_lens": r.workload["prompt_lens"],

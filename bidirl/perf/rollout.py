@@ -48,31 +48,10 @@ import numpy as np
 from bidirl.perf.flops import lengths
 from bidirl.perf.overlap import combine, overlap
 from bidirl.perf.balance import check_replicas, grouped_order, runs_of, small_keys, stable_order
+from bidirl.perf.params import RolloutParams, default_rollout_params
 
 _BIG = float(2 ** 62)
 _BATCH = 1 << 13      # replicas of the planner's deals evaluated together: vectorised, and still in cache
-
-
-@dataclass(frozen=True)
-class RolloutParams:
-    """Rollout model parameters (seconds, seconds per FLOP / token / context token; r ≥ 1)."""
-    tau_pre: float
-    alpha_pre: float
-    tau_dec: float
-    beta_tok: float
-    beta_hist: float
-    r: float = 2.0
-    c_pre: float = 0.0
-    c_dec: float = 0.0
-
-    def __post_init__(self):
-        for f in fields(self):
-            v = getattr(self, f.name)
-            low = 1.0 if f.name == "r" else 0.0
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) \
-                    or not np.isfinite(v) or v < low:
-                raise ValueError(f"RolloutParams.{f.name} must be a finite number ≥ {low:g}, got {v!r}")
-            object.__setattr__(self, f.name, float(v))
 
 
 @dataclass(frozen=True)
@@ -172,7 +151,6 @@ class RolloutModel:
     def __init__(self, model, hardware, tp: int = 1, params: Optional[RolloutParams] = None,
                  kv_budget_bytes: Optional[float] = None, max_seqs: Optional[int] = None):
         from bidirl.perf.memory import kv_budget_bytes as default_budget
-        from bidirl.perf.params import default_rollout_params
         self.model, self.hardware = model, hardware
         self.tp = check_replicas(tp, "tp (GPUs per rollout replica)")
         self.params = params if params is not None else default_rollout_params(model, hardware, self.tp)

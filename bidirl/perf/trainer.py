@@ -49,45 +49,7 @@ import numpy as np
 from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_stage, lengths, sample_forward_flops
 from bidirl.perf.overlap import combine, overlap
 from bidirl.perf.balance import check_replicas, grouped_order, runs_of, stable_order
-
-
-@dataclass(frozen=True)
-class TrainerParams:
-    """Per-stage parameters of t_s(b): ``tau`` (s), ``alpha`` (s/FLOP), ``r`` (≥ 1), ``alpha_comm`` (s),
-    ``beta_comm`` (s/byte). Each is a mapping ``stage -> value`` holding every stage of
-    :data:`bidirl.perf.flops.STAGES`."""
-    tau: Mapping[str, float]
-    alpha: Mapping[str, float]
-    r: Mapping[str, float]
-    alpha_comm: Mapping[str, float]
-    beta_comm: Mapping[str, float]
-
-    def __post_init__(self):
-        for f in fields(self):
-            raw = getattr(self, f.name)
-            if not isinstance(raw, Mapping):
-                raise ValueError(f"TrainerParams.{f.name} must map each stage to a number, got {raw!r}")
-            missing = [s for s in STAGES if s not in raw]
-            unknown = [s for s in raw if s not in STAGE_MULTIPLIER]
-            if missing or unknown:
-                raise ValueError(f"TrainerParams.{f.name}: missing stages {missing}, unknown stages {unknown}; "
-                                 f"give one value for each of {', '.join(STAGES)}")
-            values = {s: float(raw[s]) for s in STAGES}
-            low = 1.0 if f.name == "r" else 0.0
-            bad = {s: v for s, v in values.items() if not np.isfinite(v) or v < low}
-            if bad:
-                raise ValueError(f"TrainerParams.{f.name} must be finite and ≥ {low:g}, got {bad}")
-            object.__setattr__(self, f.name, values)
-
-    @classmethod
-    def uniform(cls, tau: float, alpha: float, r: float, alpha_comm: float, beta_comm: float) -> "TrainerParams":
-        """The same values for every stage."""
-        return cls(*({s: v for s in STAGES} for v in (tau, alpha, r, alpha_comm, beta_comm)))
-
-    def vector(self, name: str) -> np.ndarray:
-        """``name``'s values in :data:`STAGES` order."""
-        values = getattr(self, name)
-        return np.array([values[s] for s in STAGES], dtype=float)
+from bidirl.perf.params import TrainerParams, default_trainer_params
 
 
 _STAGE_INDEX = {s: i for i, s in enumerate(STAGES)}
@@ -253,7 +215,6 @@ class TrainerModel:
     defaults of :func:`bidirl.perf.params.default_trainer_params` when omitted)."""
 
     def __init__(self, model, hardware, layout: int = 1, params: Optional[TrainerParams] = None):
-        from bidirl.perf.params import default_trainer_params
         self.model, self.hardware = model, hardware
         self.layout = check_replicas(layout, "layout (GPUs per trainer replica)")
         self.params = params if params is not None else default_trainer_params(model, hardware, self.layout)

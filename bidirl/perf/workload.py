@@ -1,8 +1,8 @@
-"""Seeded prompt / response length draws from a dataset's statistics (``bidirl.presets.WorkloadStats``).
+"""Seeded prompt / response length draws from a dataset's statistics (``bidirl.job.presets.WorkloadStats``).
 
 The static planner's representative batch (paper §4.2: B_p prompt groups and the trainer workload U_B they
 induce) and the simulator's workload both come from here, so the planner predicts the work the simulator
-runs. The distribution is the one documented on :class:`bidirl.presets.WorkloadStats`:
+runs. The distribution is the one documented on :class:`bidirl.job.presets.WorkloadStats`:
 
 * response length ``min(max_response_len, max(1, round(X)))`` with ``X ~ LogNormal`` of mean
   ``m_k = response_mean_fraction · max_response_len · (1 + response_drift_per_step)^k · j_k`` and coefficient

@@ -8,7 +8,10 @@
 * ``bidirl.rl.data``       prompt files (veRL's parquet layout, plain JSONL), prompt token ids, group → prompt
 * ``bidirl.rl.rewards``    rule rewards (exact, last number, boxed) and veRL ``compute_score`` functions
 * ``bidirl.rl.word_problems``  the sample prompt file's generator (arithmetic word problems, veRL layout)
-* ``bidirl.rl.loop``       a synchronous on-policy GRPO loop over the two engines (the reference run)
+* ``bidirl.rl.model_folder``  a local Hugging Face causal-LM folder: checks, config, weight names
+
+The synchronous on-policy GRPO loop over the two engines (the reference run) is
+``bidirl.cluster.engines.sync_grpo.run_grpo``: it needs the engines, a layer above this one.
 
 Submodules are imported on use (torch and transformers are heavy); ``ArithmeticTask`` and
 ``ensure_tiny_model`` are re-exported lazily.
@@ -25,7 +28,6 @@ _LAZY = {
     "GroupPayload": "bidirl.rl.samples",
     "Sample": "bidirl.rl.samples",
     "samples_from_groups": "bidirl.rl.samples",
-    "run_grpo": "bidirl.rl.loop",
 }
 
 __all__ = sorted(_LAZY)

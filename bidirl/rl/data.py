@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from bidirl.config import ConfigError
+from bidirl.errors import ConfigError
 from bidirl.rl.rewards import RewardInput
 
 #: file suffixes ``workload.data_file`` may have

@@ -40,13 +40,15 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from bidirl.errors import BidirlError
+
 #: the name veRL gives a reward file's function; a spec without ``:function`` uses it
 DEFAULT_FUNCTION: str = "compute_score"
 #: characters of a response quoted in a reward error
 SNIPPET_CHARS: int = 80
 
 
-class RewardError(RuntimeError):
+class RewardError(BidirlError, RuntimeError):
     """A reward function failed on one response (raised, or returned something that is not a number).
 
     The message names the function, the group id, the response index and a snippet of the response. It is

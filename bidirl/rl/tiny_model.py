@@ -183,6 +183,6 @@ def load_tokenizer(model_dir: Union[str, Path]):
     (``AutoTokenizer`` would pick the architecture's tokenizer class from ``config.json``; ids are the same for
     the task alphabet, but loading the fast tokenizer directly keeps decoding exactly as built here.)
     """
-    from bidirl.cluster.engines.checkpoint import load_tokenizer as load_any
+    from bidirl.rl.model_folder import load_tokenizer as load_any
 
     return load_any(model_dir)

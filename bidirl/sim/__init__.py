@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from bidirl import config as cfgmod
-from bidirl.execution import RunResult
+from bidirl.errors import BidirlError
+from bidirl.job import config as cfgmod
+from bidirl.results.run_result import RunResult
 from bidirl.sim.driver import SimDriver
 
 
-class UnsupportedSetting(ValueError):
+class UnsupportedSetting(BidirlError, ValueError):
     """A modelled baseline system does not support this configuration (the paper marks such points ×)."""
 
 

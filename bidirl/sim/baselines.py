@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from bidirl.config import JobConfig
+from bidirl.job.config import JobConfig
 from bidirl.core.policies import Policy
 from bidirl.core.protocol import BASELINE_POLICIES
 
@@ -67,7 +67,7 @@ def _is_integer(x: float) -> bool:
 
 
 def _envelope(config: JobConfig):
-    from bidirl.planner import plan
+    from bidirl.job.planner import plan
     return plan(config).envelope
 
 

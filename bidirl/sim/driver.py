@@ -1,6 +1,6 @@
 """The simulation driver: executes the control plane's commands on a virtual clock.
 
-Rollout replicas are :class:`~bidirl.perf.engine.BatchingEngine` instances (continuous batching, KV-limited);
+Rollout replicas are :class:`~bidirl.perf.replica.BatchingEngine` instances (continuous batching, KV-limited);
 trainer chunks take the predictor's time; switches, syncs and gradient merges take the configured costs;
 every duration carries seeded log-normal jitter. Workload lengths come from
 :class:`~bidirl.perf.workload.GroupLengths`, drawn per group id, so every policy sees the same prompts and
@@ -20,9 +20,9 @@ from typing import Optional
 import numpy as np
 
 from bidirl.core import protocol as P
-from bidirl.execution import Driver, RunResult, progress_bar
-from bidirl.loop import EventLoop
-from bidirl.perf.engine import BatchingEngine, EngineGroup
+from bidirl.runtime.driver import Driver, RunResult, progress_bar
+from bidirl.runtime.loop import EventLoop
+from bidirl.perf.replica import BatchingEngine, EngineGroup
 from bidirl.perf.workload import GroupLengths
 
 #: seconds to move a chunk's inputs to a worker (Table 2's "queued" phase, when a chunk can still be cancelled)

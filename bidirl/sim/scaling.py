@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import pandas as pd
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 
 #: the frame's columns, in order
 COLUMNS: tuple = ("gpus", "steps", "prompts_per_step", "policy", "wall_s", "cpu_s", "events", "events_per_s",

@@ -3,11 +3,11 @@
 The planner (§4, Algorithm 1) predicts each split's pipeline rate λ_pipe = min(λ_r, λ_t) from the stage-time
 models; :func:`simulate_partitions` runs the job on each split under a policy (``no-borrow`` by default, so
 the split alone sets the rate, as in the paper's static sweep) and reports the simulated rate in the same unit,
-prompt groups per second (:data:`bidirl.metrics.RATE_UNIT`), beside the prediction. The partition explorer
+prompt groups per second (:data:`bidirl.results.metrics.RATE_UNIT`), beside the prediction. The partition explorer
 widget draws the two side by side.
 
 The simulated rate of a split is the groups its measured steps consumed over their time — the §7.1 window
-(:func:`bidirl.metrics.measured_window`): ``measured_steps × prompts_per_step / (t1 − t0)``. Its throughput
+(:func:`bidirl.results.metrics.measured_window`): ``measured_steps × prompts_per_step / (t1 − t0)``. Its throughput
 (tokens/s over the same window) is in the frame too. Every number is a simulation (model prediction plus
 seeded noise), never a measurement; the frame's ``provenance`` column says so.
 """
@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import numpy as np
 import pandas as pd
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 
 #: the columns of :func:`simulate_partitions`' frame, in order
 COLUMNS: tuple = ("label", "rollout_gpus", "trainer_gpus", "compatible", "predicted_rate", "policy", "steps", "seed",
@@ -111,7 +111,7 @@ def simulate_partitions(config: Any, partitions: Optional[Iterable] = None, *, p
                         workers: int = 1) -> pd.DataFrame:
     """Simulate ``config`` on each split and return one row per split (columns :data:`COLUMNS`).
 
-    ``config`` is a config name, path or :class:`~bidirl.config.JobConfig`; its own ``cluster.partition`` is
+    ``config`` is a config name, path or :class:`~bidirl.job.config.JobConfig`; its own ``cluster.partition`` is
     ignored. ``partitions`` are ``(rollout_gpus, trainer_gpus)`` pairs among the planner's candidates (default:
     every hot-switch compatible candidate, in sweep order); an incompatible one gets a row with status
     ``incompatible`` and is not simulated (a pool that cannot host both roles cannot run the scheduler).
@@ -121,9 +121,9 @@ def simulate_partitions(config: Any, partitions: Optional[Iterable] = None, *, p
     runs them one after the other in this process, which is as fast on a busy two-core machine.
 
     ``predicted_rate`` is the planner's λ_pipe, ``rate`` the simulated groups per second over the §7.1 window
-    (both :data:`bidirl.metrics.RATE_UNIT`), ``throughput`` tokens/s over the same window. One seed, one frame.
+    (both :data:`bidirl.results.metrics.RATE_UNIT`), ``throughput`` tokens/s over the same window. One seed, one frame.
     """
-    from bidirl.planner import plan as make_plan
+    from bidirl.job.planner import plan as make_plan
     cfg = cfgmod.load(config).with_overrides({"cluster.partition": None})
     steps = int(steps)
     if steps < 1:

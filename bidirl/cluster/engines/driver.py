@@ -43,7 +43,7 @@ How each command runs:
 A busy period of a rollouter that ran only fresh groups becomes a ``RolloutRecord`` (§5.1); chunk times
 come with ``ChunkFinished``: the profiler calibrates the stage-time models online from both.
 
-With ``out_dir`` the run writes its output folder (``bidirl.tracking``): per-step metrics under veRL's names
+With ``out_dir`` the run writes its output folder (``bidirl.results.tracking``): per-step metrics under veRL's names
 to ``metrics.jsonl`` and TensorBoard while it runs, the trace, event log and summary when it ends.
 """
 
@@ -55,11 +55,11 @@ from typing import Optional
 
 import numpy as np
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 from bidirl.cluster.pool import ClusterError, PoolDriver, root_cause
 from bidirl.core import protocol as P
-from bidirl.execution import RunResult
-from bidirl.trace import EventLog
+from bidirl.results.run_result import RunResult
+from bidirl.results.trace import EventLog
 
 PRIMARY_TRAINER, AUX_TRAINER = P.PRIMARY_TRAINER, P.AUX_TRAINER
 
@@ -119,10 +119,10 @@ class EngineDriver(PoolDriver):
             self.model_dir = str(ensure_tiny_model())
         if not self.step_seconds > 0:
             raise ValueError(f"EngineDriver.step_seconds must be > 0, got {self.step_seconds!r}")
-        from bidirl.cluster.engines.checkpoint import causal_lm_config
+        from bidirl.rl.model_folder import causal_lm_config
         causal_lm_config(self.model_dir, "EngineDriver.model_dir")     # a loadable causal LM (vLLM: in the actors)
         if self.out_dir is not None:
-            from bidirl.tracking import check_out_dir
+            from bidirl.results.tracking import check_out_dir
             check_out_dir(self.out_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.prompts, self.reward = self._prompts_and_reward()
@@ -140,7 +140,7 @@ class EngineDriver(PoolDriver):
         self.trainer_state: Optional[TrainerSnapshot] = None    # None: version 0, the model folder's weights
         self.final_weights = None
         self._resource_name: Optional[str] = None
-        self.tracker = None               # bidirl.tracking.LiveStepMetrics when out_dir is set (opened by run)
+        self.tracker = None               # bidirl.results.tracking.LiveStepMetrics when out_dir is set (opened by run)
 
     def _prompts_and_reward(self):
         """Which prompt each group gets (``workload.data_file`` or the arithmetic task) and the reward function
@@ -370,7 +370,7 @@ class EngineDriver(PoolDriver):
     def _begin(self):
         self.t0 = time.time() - self.clock_start
         if self.out_dir is not None:
-            from bidirl import tracking
+            from bidirl.results import tracking
             pools = [p for p, n in self.assembly.pool_gpus.items() if n > 0]
             self.tracker = tracking.LiveStepMetrics(tracking.RunOutput(self.out_dir, self.config), self.config, pools)
             log = self.log
@@ -396,15 +396,15 @@ class EngineDriver(PoolDriver):
                       dict(sp["detail"], **detail), step=step)
 
     # ------------------------------------------------------------------------------------------
-    # checkpoints (bidirl.checkpoints): identity, the driver's state, the trainer's files
+    # checkpoints (bidirl.runtime.checkpoints): identity, the driver's state, the trainer's files
     # ------------------------------------------------------------------------------------------
     def _model_identity(self) -> dict:
-        from bidirl.cluster.engines.checkpoint import model_identity
+        from bidirl.rl.model_folder import model_identity
         return dict(model_identity(self.model_dir), name=self.config.model)
 
     def _data_identity(self) -> dict:
         """The prompt file's SHA-256 and rows (group ``g`` is row ``g mod rows``), or the built-in task's seed."""
-        from bidirl.checkpoints import file_sha256
+        from bidirl.runtime.checkpoints import file_sha256
         source = self.prompts.source
         path = getattr(source, "path", None)
         if path is None:
@@ -423,7 +423,7 @@ class EngineDriver(PoolDriver):
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-        from bidirl.checkpoints import CheckpointSkipped
+        from bidirl.runtime.checkpoints import CheckpointSkipped
         if PRIMARY_TRAINER in self.failed:
             raise CheckpointSkipped("the primary trainer is being restarted")
         ranks = self.gangs[PRIMARY_TRAINER]

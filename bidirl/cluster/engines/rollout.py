@@ -3,7 +3,7 @@
 One ``RolloutEngine`` is one rollout replica (paper §2.1): a vLLM engine run **in-process** (no engine
 subprocess: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``) in eager mode, fp32
 on CPU and bf16 on GPU (the trainer's compute precision there), over any local checkpoint folder of an
-architecture both vLLM and transformers implement (checked up front: ``bidirl.cluster.engines.checkpoint``). Generation is driven step by step through ``LLMEngine.add_request`` / ``step`` so it can be stopped
+architecture both vLLM and transformers implement (checked up front: ``bidirl.rl.model_folder``). Generation is driven step by step through ``LLMEngine.add_request`` / ``step`` so it can be stopped
 between any two decode steps:
 
 * :meth:`start` adds the requests of prompt-level groups (``group_size`` responses each). Response ``i``
@@ -188,7 +188,7 @@ class RolloutEngine:
                  kv_cache_gib: float = 0.0625, *, temperature: float = 1.0, top_p: float = 1.0,
                  reward_fn: Optional[Callable[[Any, str], float]] = None, max_num_seqs: int = 256,
                  device: Optional[str] = None, dtype: Optional[str] = None, quiet: bool = True):
-        from bidirl.cluster.engines import checkpoint
+        from bidirl.rl import model_folder as checkpoint
 
         path = checkpoint.model_folder(model_dir, "RolloutEngine.model_dir")
         config = checkpoint.causal_lm_config(path, "RolloutEngine.model_dir")
@@ -475,7 +475,7 @@ class RolloutEngine:
         before anything is loaded. ``version`` becomes the engine's actor version (the staleness tag of tokens
         generated from now on).
         """
-        from bidirl.cluster.engines import checkpoint
+        from bidirl.rl import model_folder as checkpoint
 
         self._require_idle("load_weights")
         if self._offloaded:
@@ -549,7 +549,7 @@ class RolloutEngine:
 
     def _checkpoint_items(self) -> list:
         """The checkpoint's weights as sent by a trainer (the tied head, stored once, added as ``lm_head``)."""
-        from bidirl.cluster.engines import checkpoint
+        from bidirl.rl import model_folder as checkpoint
 
         return checkpoint.checkpoint_weights(self.model_dir, self.tied)
 

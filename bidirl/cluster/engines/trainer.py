@@ -12,7 +12,7 @@ GRPO step (protocol ``STAGES``):
   one AdamW step.
 
 **Models.** Any causal LM that transformers builds with ``AutoModelForCausalLM`` from a local checkpoint
-folder (checked by :mod:`bidirl.cluster.engines.checkpoint`). **Precision**: ``"fp32"`` (the CPU default)
+folder (checked by :mod:`bidirl.rl.model_folder`). **Precision**: ``"fp32"`` (the CPU default)
 or ``"bf16-mixed"`` (the GPU default): fp32 master weights, fp32 AdamW state and fp32 gradient reduction,
 bf16 parameters for compute through FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16,
 reduce_dtype=float32)``; a bf16-mixed engine that joins no gang shards over a one-rank group of its own.
@@ -52,7 +52,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from bidirl.cluster.engines import checkpoint
+from bidirl.rl import model_folder as checkpoint
 from bidirl.core.protocol import PRIMARY, ROLES
 from bidirl.rl import grpo
 

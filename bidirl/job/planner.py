@@ -54,8 +54,8 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
-from bidirl import config as cfgmod
-from bidirl.config import ConfigError
+from bidirl.job import config as cfgmod
+from bidirl.job.config import ConfigError, label
 from bidirl.perf import memory
 from bidirl.perf.flops import STAGES
 from bidirl.perf.predictor import StagePredictor
@@ -69,13 +69,6 @@ ENVELOPE_KEYS = ("rollout_gpus", "trainer_gpus", "rollout_layout", "trainer_layo
 CANDIDATE_KEYS = ("rollout_gpus", "trainer_gpus", "compatible", "rollout_time", "trainer_time", "rollout_rate",
                   "trainer_rate", "pipeline_rate")
 GiB = float(1 << 30)
-
-
-def label(rollout_gpus: int, trainer_gpus: int) -> str:
-    """The one spelling of a rollout/trainer split everywhere (sweep keys, CLI, widgets, figures, notebooks):
-    ``8-24`` is 8 rollout GPUs and 24 trainer GPUs, as the paper writes its splits (§7: "the default 8-8
-    partition", "a 4-12 rollout/trainer partition"). ``config.Partition.label`` returns the same."""
-    return f"{int(rollout_gpus)}-{int(trainer_gpus)}"
 
 
 @dataclass(frozen=True)
@@ -273,10 +266,10 @@ def consumption_order(prompt_lens, response_lens, group_size: int) -> np.ndarray
 
 def plan(config, *, progress: bool = False, hardware=None) -> Plan:
     """Algorithm 1 on ``config`` (a JobConfig, a YAML path, an example name or a mapping); see module doc.
-    ``hardware`` replaces the config's hardware preset (a :class:`~bidirl.presets.HardwareSpec`, e.g. while a
+    ``hardware`` replaces the config's hardware preset (a :class:`~bidirl.job.presets.HardwareSpec`, e.g. while a
     calibration tries knob values).
 
-    Raises :class:`~bidirl.config.ConfigError` when no replica fits the budget (``cluster.gpus``), no
+    Raises :class:`~bidirl.job.config.ConfigError` when no replica fits the budget (``cluster.gpus``), no
     candidate is compatible, or a fixed ``cluster.partition`` is not a compatible candidate.
     """
     cfg = cfgmod.load(config)

@@ -2,7 +2,7 @@
 
 ``sweep_figure(plan, simulated=None)`` draws, for every candidate split in sweep order, the predicted pipeline
 rate λ_pipe = min(λ_r, λ_t) as bars and the rollout rate λ_r and trainer rate λ_t as lines, all in
-:data:`bidirl.metrics.RATE_UNIT`. Bars are blue for hot-switch compatible splits, grey for the others
+:data:`bidirl.results.metrics.RATE_UNIT`. Bars are blue for hot-switch compatible splits, grey for the others
 (they cannot lend a pool without resharding, §4.1) and orange for the planner's choice, whose column is
 shaded; a split whose pool cannot hold one replica of a stage ("does not fit") gets a red × at zero instead of
 a rate. With ``simulated`` (a :func:`bidirl.sim.sweep.simulate_partitions` frame) the simulated rate of each
@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from bidirl.metrics import RATE_UNIT
+from bidirl.results.metrics import RATE_UNIT
 
 COMPATIBLE = "#4C78A8"
 INCOMPATIBLE = "#C8C8C8"
@@ -98,7 +98,7 @@ def simulated_note(simulated: Optional[pd.DataFrame]) -> str:
 
 
 def sweep_figure(plan, simulated: Optional[pd.DataFrame] = None) -> go.Figure:
-    """The sweep of ``plan`` (a :class:`bidirl.planner.Plan`) as a figure (module doc); ``simulated`` adds the
+    """The sweep of ``plan`` (a :class:`bidirl.job.planner.Plan`) as a figure (module doc); ``simulated`` adds the
     simulated rate per split."""
     sweep = plan.sweep.reset_index(drop=True)
     env = plan.envelope

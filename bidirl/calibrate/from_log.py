@@ -34,7 +34,7 @@ seed), rescaled so that its mean and its longest response are the log's (and its
 **The fit.** Steps are split at random (seeded) into fit and held-out steps; the first ``skip`` steps (warm-up:
 compilation, cache allocation) are left out. The knobs are fitted with ``scipy.optimize.least_squares`` on the
 relative errors of every (step, stage) time of the fit steps, efficiency factors as their inverses (≥ 1: at most
-the datasheet peak), overheads in seconds (≥ 0), as :func:`bidirl.perf.calibrate.calibrate_knobs` does for
+the datasheet peak), overheads in seconds (≥ 0), as :func:`bidirl.perf.fit.calibrate_knobs` does for
 profiling records. The job model's ``stage_params`` in the base preset are dropped (the fitted knobs describe
 this job); other models' entries are kept.
 """
@@ -53,7 +53,8 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import least_squares
 
-from bidirl import config as cfgmod
+from bidirl.errors import BidirlError
+from bidirl.job import config as cfgmod
 from bidirl.perf.params import EFFICIENCY_KNOBS, KNOBS
 
 #: trainer stage -> the veRL timing key of its per-step time
@@ -72,7 +73,7 @@ OVERHEAD_SCALE = 1e-5        # seconds: the optimisation's unit for an overhead 
 _CONSOLE = re.compile(r"step:\s*(\d+)\s*-\s*(.*)")
 
 
-class LogError(ValueError):
+class LogError(BidirlError, ValueError):
     """A step log that cannot be used: names the file, the row or key, and the fix."""
 
 
@@ -270,7 +271,7 @@ class JobShape:
 
     @classmethod
     def of(cls, cfg, hardware, colocated: bool) -> "JobShape":
-        from bidirl.planner import min_feasible_layouts
+        from bidirl.job.planner import min_feasible_layouts
         rho_r, rho_t, _ = min_feasible_layouts(cfg, hardware)
         if colocated:
             g_r = g_t = cfg.cluster.gpus
@@ -288,7 +289,7 @@ def predict(obs: Sequence[Observation], cfg, hardware, shape: JobShape) -> np.nd
     """Each observation's time under ``hardware``'s models: M_r of the batch on the job's rollout replicas, or
     one trainer stage's chunk times summed over the batch in consumption order."""
     from bidirl.perf.predictor import StagePredictor
-    from bidirl.planner import consumption_order
+    from bidirl.job.planner import consumption_order
     pred = StagePredictor.from_config(cfg, shape.rollout_layout, shape.trainer_layout, hardware)
     g, mb = cfg.workload.group_size, cfg.rl.micro_batch_per_device
     out = np.empty(len(obs))
@@ -304,7 +305,7 @@ def predict(obs: Sequence[Observation], cfg, hardware, shape: JobShape) -> np.nd
 
 def split_steps(steps: Sequence[int], holdout: float, seed: int) -> tuple:
     """``(fit, held)`` step sets: a seeded random ``holdout`` share held out (at least one step on each side)."""
-    from bidirl.calibration import split_points
+    from bidirl.calibrate.from_records import split_points
     return tuple(set(map(int, s)) for s in split_points(np.asarray(sorted(set(steps))), holdout, seed))
 
 
@@ -329,11 +330,11 @@ class LogCalibration:
 
     def errors(self) -> pd.DataFrame:
         """Median and p90 relative error (percent) per kind, split and predictor (prior / fitted)."""
-        from bidirl.calibration import error_table
+        from bidirl.calibrate.from_records import error_table
         return error_table(self.table, ("prior", "fitted"), count="times")
 
     def error(self, kind: str, split: str = "held-out", predictor: str = "fitted") -> dict:
-        from bidirl.calibration import error_of
+        from bidirl.calibrate.from_records import error_of
         return error_of(self.errors(), kind, split, predictor)
 
     def summary(self) -> dict:
@@ -366,8 +367,8 @@ def calibrate_from_log(log, config, *, knobs: Sequence[str] = DEFAULT_KNOBS, har
     """Fit ``knobs`` of the job's hardware preset (or ``hardware``, a preset name or HardwareSpec) to a step log
     (a path or a :func:`read_step_log` frame) of the job ``config``, then (``model_params``) the job model's
     appendix parameters from there (module doc)."""
-    from bidirl import presets
-    from bidirl.perf.calibrate import knob_hardware
+    from bidirl.job import presets
+    from bidirl.perf.fit import knob_hardware
     from bidirl.perf.params import check_knob, knob
 
     cfg = cfgmod.load(config)
@@ -453,10 +454,10 @@ def _fit_stage_params(obs: Sequence[Observation], cfg, hardware, shape: JobShape
     """The job model's ``stage_params`` entry fitted to the observations, starting from ``hardware``'s knobs:
     one rollout record per step (the batch on the job's rollout replicas) and, per trainer stage, one record per
     chunk, the stage's time shared among its chunks as the knob-fitted model predicts."""
-    from bidirl.calibration import stage_params_entry
-    from bidirl.perf.calibrate import calibrate_rollout, calibrate_trainer
+    from bidirl.calibrate.from_records import stage_params_entry
+    from bidirl.perf.fit import calibrate_rollout, calibrate_trainer
     from bidirl.perf.predictor import StagePredictor
-    from bidirl.planner import consumption_order
+    from bidirl.job.planner import consumption_order
     pred = StagePredictor.from_config(cfg, shape.rollout_layout, shape.trainer_layout, hardware)
     g, d_t = cfg.workload.group_size, shape.trainer_replicas
     size = pred.trainer.chunk_size(cfg.rl.micro_batch_per_device, d_t)
@@ -485,7 +486,7 @@ def _fit_stage_params(obs: Sequence[Observation], cfg, hardware, shape: JobShape
 
 def preset_document(cal: LogCalibration) -> dict:
     """The fitted preset as a YAML-ready mapping: the base preset with the fitted knobs and a ``sources`` line."""
-    from bidirl.calibration import base_document
+    from bidirl.calibrate.from_records import base_document
     doc = base_document(cal.base)
     doc.update(cal.knobs)
     if cal.hardware.stage_params:
@@ -499,7 +500,7 @@ def write_preset(cal: LogCalibration, path: Union[str, Path]) -> Path:
     Use it in a config as ``hardware: path/to/<name>.yaml`` (or copy it into ``data/presets/hardware/``)."""
     import yaml
 
-    from bidirl import presets
+    from bidirl.job import presets
     path = Path(path)
     if path.suffix != ".yaml":
         raise ValueError(f"{str(path)!r}: a hardware preset is a .yaml file named after the preset")
@@ -520,7 +521,7 @@ def what_if(config, preset: Union[str, Path], *, steps: Optional[int] = None, se
     of split, and simulated throughput (tokens/s) of the job as it ran — its split without borrowing, or veRL's
     colocated trainer for a ``colocated`` job — and of BiDiRL at the job's split and at the planner's choice;
     with the ``log``, its measured throughput beside them (``measured``)."""
-    from bidirl.planner import plan
+    from bidirl.job.planner import plan
     from bidirl.sim import simulate
     cfg = cfgmod.load(config).with_overrides({"hardware": str(Path(preset).resolve())})
     free = plan(cfg.with_overrides({"cluster.partition": None}))

@@ -11,7 +11,7 @@ from typing import Optional
 
 import numpy as np
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 from bidirl.core import protocol as P
 from bidirl.core.coordinator import Coordinator, Settings, Topology
 from bidirl.core.policies import Policy, get_policy
@@ -51,7 +51,7 @@ def assemble(cfg: cfgmod.JobConfig, policy, *, steps: int, seed: int,
     """``policy``: a policy name (``bidirl.core.policies.POLICIES``) or a :class:`~bidirl.core.policies.Policy`;
     ``predictor``: the coordinator's starting stage-time models (default: the config's presets), which the online
     profiler refits as the run goes."""
-    from bidirl.planner import plan as make_plan
+    from bidirl.job.planner import plan as make_plan
 
     plan = make_plan(cfg)
     env = plan.envelope

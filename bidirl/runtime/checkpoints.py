@@ -54,7 +54,8 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from bidirl.trace import EventLog
+from bidirl.errors import BidirlError
+from bidirl.results.trace import EventLog
 
 FORMAT = "bidirl-run-checkpoint"
 FORMAT_VERSION = 1
@@ -67,7 +68,7 @@ PARTIAL_PREFIX = ".partial-"
 _CHUNK = 1 << 20
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BidirlError, ValueError):
     """A checkpoint that cannot be written or resumed from; the message names the checkpoint, what is wrong
     (the file, or each field that differs from this run) and the fix."""
 
@@ -175,7 +176,7 @@ class ControlPlane:
 
 
 def capture(driver, boundary, driver_state: dict) -> ControlPlane:
-    """The control plane of ``driver`` (a :class:`bidirl.execution.Driver`) just before it feeds ``boundary``.
+    """The control plane of ``driver`` (a :class:`bidirl.runtime.driver.Driver`) just before it feeds ``boundary``.
 
     The coordinator is taken whole: the checkpoint needs all of it and none of its internals.
     """

@@ -22,30 +22,24 @@ from typing import Any, Literal, Mapping, Optional
 
 import yaml
 
-from bidirl import presets
+from bidirl.errors import ConfigError
+from bidirl.job import presets
 from bidirl.core.protocol import POLICY_NAMES as POLICIES
 from bidirl.core.protocol import DIRECTIONS, SwitchCosts, trainer_stages
 
 Placement = Literal["node-aligned", "any"]
 
 
-class ConfigError(ValueError):
-    """A configuration value is missing, malformed or inconsistent.
-
-    ``field`` is the dotted path of the offending key, ``fix`` a sentence telling the user what to do.
-    """
-
-    def __init__(self, field: str, problem: str, fix: str = ""):
-        self.field, self.problem, self.fix = field, problem, fix
-        msg = f"{field}: {problem}" if field else problem
-        if fix:
-            msg += f" — {fix}"
-        super().__init__(msg)
-
-
 # --------------------------------------------------------------------------------------------------
 # Parts of a job
 # --------------------------------------------------------------------------------------------------
+
+def label(rollout_gpus: int, trainer_gpus: int) -> str:
+    """The one spelling of a rollout/trainer split everywhere (sweep keys, CLI, widgets, figures, notebooks):
+    ``8-24`` is 8 rollout GPUs and 24 trainer GPUs, as the paper writes its splits (§7: "the default 8-8
+    partition", "a 4-12 rollout/trainer partition"). ``Partition.label`` returns the same."""
+    return f"{int(rollout_gpus)}-{int(trainer_gpus)}"
+
 
 @dataclass(frozen=True)
 class Partition:
@@ -54,8 +48,7 @@ class Partition:
     trainer: int
 
     def label(self) -> str:
-        """``8-24``: the one spelling of a split, :func:`bidirl.planner.label`."""
-        from bidirl.planner import label
+        """``8-24``: the one spelling of a split, :func:`label`."""
         return label(self.rollout, self.trainer)
 
 

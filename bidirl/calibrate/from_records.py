@@ -2,29 +2,29 @@
 
 The appendix ("Stage-Time Models") calibrates the models' τ, α and r from profiling runs and §7.4 reports
 their median / p90 relative errors. :func:`calibrate_profile` does this for a profile written by
-``bidirl profile`` (:mod:`bidirl.profiling`, format in :mod:`bidirl.perf.records`):
+``bidirl profile`` (:mod:`bidirl.calibrate.profile`, format in :mod:`bidirl.calibrate.records`):
 
 1. **Grid points, not records.** A grid point's observed time is the fastest of its repetitions
    (``statistic="min"``, the default) or their median (``"median"``). The repetitions are spread over the
-   whole profile (:mod:`bidirl.profiling`), so on a machine shared with other work the slower ones measure
+   whole profile (:mod:`bidirl.calibrate.profile`), so on a machine shared with other work the slower ones measure
    the interference, not the engines — the rule :mod:`timeit` documents ("the min ... is a lower bound for
    how fast your machine can run the given code snippet; higher values ... are typically caused by other
    processes interfering"); the stage-time models describe the engines on the hardware, and the online
    profiler (§5.1) corrects for run-time conditions. The points are split at random (seeded) into a fit set
    and a held-out set of ``holdout`` of them; rollout and trainer share the split, and all three trainer
    stages of a point fall on the same side.
-2. **Knobs.** :func:`bidirl.perf.calibrate.calibrate_knobs` fits the hardware preset's knobs (efficiency
+2. **Knobs.** :func:`bidirl.perf.fit.calibrate_knobs` fits the hardware preset's knobs (efficiency
    factors and engine overheads, :data:`bidirl.perf.params.KNOBS`) to the fit points of both stages. These
    carry over to other models on the same hardware.
-3. **Per-model parameters.** Starting from the knob-derived priors, :func:`~bidirl.perf.calibrate.calibrate_rollout`
-   and :func:`~bidirl.perf.calibrate.calibrate_trainer` fit the appendix parameters of the profiled model
+3. **Per-model parameters.** Starting from the knob-derived priors, :func:`~bidirl.perf.fit.calibrate_rollout`
+   and :func:`~bidirl.perf.fit.calibrate_trainer` fit the appendix parameters of the profiled model
    itself (per-stage τ_s and α_s; the rollout's τ_pre, α_pre, τ_dec, β_tok, β_hist). They go to the preset's
    ``stage_params`` block for that model and layout (skipped with ``overrides=False``).
 4. **Errors.** Every point is predicted through the preset as it will be loaded — the prior preset, the
    knobs alone, the calibrated preset — and the relative errors are reported on the fit and held-out points.
 
 :func:`preset_document` / :func:`write_preset` turn the result into a hardware preset YAML that
-:mod:`bidirl.presets` loads, whose ``sources`` say what was measured, where, when and with what held-out
+:mod:`bidirl.job.presets` loads, whose ``sources`` say what was measured, where, when and with what held-out
 error.
 """
 
@@ -38,7 +38,7 @@ from typing import Optional, Union
 import numpy as np
 import pandas as pd
 
-from bidirl.perf.records import Profile, ProfileError, load_profile
+from bidirl.calibrate.records import Profile, ProfileError, load_profile
 
 PREDICTORS = ("prior", "knobs", "calibrated")
 STATISTICS = ("min", "median")
@@ -117,7 +117,7 @@ def _round(value: float) -> float:
 class ProfileCalibration:
     """What :func:`calibrate_profile` found. ``table`` has one row per (kind, point[, stage]) with its
     ``split`` (fit / held-out), ``observed`` and each predictor's prediction (``prior``, ``knobs``,
-    ``calibrated``); ``hardware`` is the calibrated :class:`~bidirl.presets.HardwareSpec` (unnamed until
+    ``calibrated``); ``hardware`` is the calibrated :class:`~bidirl.job.presets.HardwareSpec` (unnamed until
     written), ``base`` the preset it started from."""
     profile: Profile
     model: object
@@ -183,7 +183,7 @@ def predict_points(table: pd.DataFrame, hw, model, meta: dict) -> np.ndarray:
 
 def stage_params_entry(rollout_fit=None, trainer_fit=None, *, tp: int = 1, layout: int = 1) -> dict:
     """A preset's ``stage_params`` entry for one model (:mod:`bidirl.perf.params`) from the fitted appendix
-    parameters of :func:`~bidirl.perf.calibrate.calibrate_rollout` / ``calibrate_trainer`` (either may be None)."""
+    parameters of :func:`~bidirl.perf.fit.calibrate_rollout` / ``calibrate_trainer`` (either may be None)."""
     entry: dict = {}
     if rollout_fit is not None:
         entry["rollout"] = {"tp": int(tp), **{f: _round(getattr(rollout_fit.params, f)) for f in rollout_fit.fitted}}
@@ -202,8 +202,8 @@ def calibrate_profile(profile: Union[Profile, str, Path], *, hardware: Optional[
     """Fit knobs (and, with ``overrides``, the profiled model's parameters) on a seeded split of the grid
     points and predict every point (module doc). ``hardware`` names the base preset (default: the one the
     profile names)."""
-    from bidirl import presets
-    from bidirl.perf.calibrate import calibrate_knobs, calibrate_rollout, calibrate_trainer, knob_hardware
+    from bidirl.job import presets
+    from bidirl.perf.fit import calibrate_knobs, calibrate_rollout, calibrate_trainer, knob_hardware
 
     if not isinstance(profile, Profile):
         profile = load_profile(profile)
@@ -211,7 +211,7 @@ def calibrate_profile(profile: Union[Profile, str, Path], *, hardware: Optional[
     base = presets.hardware(hardware or profile.hardware)
     if profile.rollout["d"].max() > 1 or profile.trainer["d"].max() > 1:
         raise ProfileError("calibrate_profile fits one-replica records (d = 1, as `bidirl profile` writes); "
-                           "fit records of several replicas with bidirl.perf.calibrate directly")
+                           "fit records of several replicas with bidirl.perf.fit directly")
     fit_ids, held_ids = split_points(profile.points(), holdout, seed)
     obs = {k: point_observations(profile, k, statistic) for k in KINDS}
     fit = {k: obs[k][obs[k]["point"].isin(fit_ids)].reset_index(drop=True) for k in KINDS}
@@ -243,7 +243,7 @@ def calibrate_profile(profile: Union[Profile, str, Path], *, hardware: Optional[
 def records_label(profile: Profile) -> str:
     """Where the records live, without machine-specific paths: ``data/...`` inside the data folder, else
     the folder's name."""
-    from bidirl import presets
+    from bidirl.job import presets
     if profile.path is None:
         return "(records in memory)"
     path = Path(profile.path).resolve()
@@ -288,7 +288,7 @@ def write_preset(cal: ProfileCalibration, path: Union[str, Path]) -> Path:
     check that it loads back with the calibrated values."""
     import yaml
 
-    from bidirl import presets
+    from bidirl.job import presets
     path = Path(path)
     if path.suffix != ".yaml":
         raise ValueError(f"--out {str(path)!r}: a hardware preset is a .yaml file named after the preset "

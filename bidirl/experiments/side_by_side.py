@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from bidirl.core.protocol import DIRECTIONS
-from bidirl.metrics import dropped_steps, ordered_steps
+from bidirl.results.metrics import dropped_steps, ordered_steps
 
 #: the columns of :func:`windows_table`
 WINDOW_COLUMNS = ("step", "t", "direction", "predicted_gain", "cost", "admitted")
@@ -45,7 +45,7 @@ def run_policies(config, policies: Iterable[str], steps: int, seed: Optional[int
                  simulate: bool = False, progress: bool = False) -> dict:
     """``{policy: RunResult}``: the job under each policy, one after the other, on real engines on an embedded
     local Ray (``simulate=True``: the discrete-event simulator instead). Same config, seed and steps for all."""
-    from bidirl import config as cfgmod
+    from bidirl.job import config as cfgmod
     cfg = cfgmod.load(config)
     seed = cfg.seed if seed is None else int(seed)
     out = {}

@@ -1,7 +1,7 @@
 """Experiment tracking: one row of metrics per training step, under veRL's names, in JSONL and TensorBoard.
 
 :func:`step_metrics` turns a run's event log (and, for engine runs, the trainer's per-step statistics) into
-one dict per step; it reads only :class:`~bidirl.trace.EventLog` tables and the ``train`` list of a run
+one dict per step; it reads only :class:`~bidirl.results.trace.EventLog` tables and the ``train`` list of a run
 summary, so a simulated, an emulated and a real run are tracked by the same code. Names follow veRL
 (``verl/trainer/ppo/metric_utils.py`` and the fully-async recipe) where the meaning is the same:
 
@@ -31,7 +31,7 @@ summary, so a simulated, an emulated and a real run are tracked by the same code
 
 and bidirl's own: ``bidirl/throughput`` (tokens/s of the whole job, §7.1's quantity for one step),
 ``bidirl/idle/<pool>`` (share of the step in which no worker of the pool was busy, union based, as
-``bidirl.metrics.idle``), ``bidirl/borrows/<direction>/admitted|rejected`` (the scheduler's decisions during
+``bidirl.results.metrics.idle``), ``bidirl/borrows/<direction>/admitted|rejected`` (the scheduler's decisions during
 the step), ``bidirl/switch_s/<direction>/c_in|c_out`` (mean measured switch time of the switches that ended
 during the step) and ``…/trainer_on_rollout_pool/c_grad`` (the step's gradient merge),
 ``bidirl/rollout_logprob_diff_max`` (vLLM vs trainer log-prob gap), ``bidirl/samples`` and ``bidirl/version``.
@@ -56,9 +56,10 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
+from bidirl.errors import BidirlError
 from bidirl.core import protocol as P
-from bidirl.metrics import ordered_steps, union_intervals
-from bidirl.trace import EventLog
+from bidirl.results.metrics import ordered_steps, union_intervals
+from bidirl.results.trace import EventLog
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -87,7 +88,7 @@ TRAIN_METRICS = {
 # --------------------------------------------------------------------------------------------------
 
 def step_metrics(result) -> list:
-    """One dict per step of a :class:`~bidirl.execution.RunResult` (simulated, emulated or measured); keys in
+    """One dict per step of a :class:`~bidirl.results.run_result.RunResult` (simulated, emulated or measured); keys in
     the module docstring."""
     summary = result.summary()
     pools = [p for p, v in (summary.get("idle") or {}).items() if v is not None]
@@ -292,7 +293,7 @@ def default_out_dir(root: Union[str, Path] = "results") -> Path:
     return out
 
 
-class OutputError(OSError):
+class OutputError(BidirlError, OSError):
     """A run's output folder cannot be written."""
 
 
@@ -352,7 +353,7 @@ def _jsonable(value: Any):
 
 
 def write_run(result, out_dir: Union[str, Path]) -> Path:
-    """Write a finished :class:`~bidirl.execution.RunResult`'s output folder at once (simulated or emulated
+    """Write a finished :class:`~bidirl.results.run_result.RunResult`'s output folder at once (simulated or emulated
     runs; engine runs write theirs while they run)."""
     output = RunOutput(out_dir, result.config)
     output.add_rows(step_metrics(result))

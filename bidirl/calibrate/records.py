@@ -1,7 +1,7 @@
-"""Stage-time profiles on disk: the measured records :mod:`bidirl.perf.calibrate` fits (paper appendix,
+"""Stage-time profiles on disk: the measured records :mod:`bidirl.perf.fit` fits (paper appendix,
 "Stage-Time Models": τ, α and r are calibrated from profiling runs).
 
-A profile is a folder written by ``bidirl profile`` (:mod:`bidirl.profiling`):
+A profile is a folder written by ``bidirl profile`` (:mod:`bidirl.calibrate.profile`):
 
 ``meta.json``
     what was measured, where and when: ``format`` (``"bidirl-profile"``), ``version`` (1), ``model`` and
@@ -33,6 +33,7 @@ from typing import Union
 import numpy as np
 import pandas as pd
 
+from bidirl.errors import BidirlError
 from bidirl.perf.flops import STAGES
 
 FORMAT = "bidirl-profile"
@@ -45,7 +46,7 @@ _WHOLE = {"point": 0, "rep": 0, "batch": 1, "group_size": 1, "requests": 1, "pro
           "d": 1}
 
 
-class ProfileError(ValueError):
+class ProfileError(BidirlError, ValueError):
     """A profile folder, file or field is missing or malformed; the message names the file, field and fix."""
 
 

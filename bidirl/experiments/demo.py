@@ -1,7 +1,7 @@
 """``make demo``: the main job on the embedded default, end to end.
 
 1. **plan** — the shipped ``a6000-default`` config (Qwen3-VL-4B on Geo3K, 16 A6000 GPUs, §7.1) without its
-   fixed partition through :func:`bidirl.planner.plan` (§4, Algorithm 1): envelope and sweep table, and the
+   fixed partition through :func:`bidirl.job.planner.plan` (§4, Algorithm 1): envelope and sweep table, and the
    sweep as an interactive page (``results/plan.html``);
 2. **simulate** — the same job under ``no-borrow`` and ``bidirl`` (§5), both timelines on one time axis in
    ``results/gantt.html`` and the throughput ratio (a simulated result, labelled as such);
@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 
 #: the job of the real run: the tiny model with long-tailed forced response lengths, where borrowing pays on a CPU
 REAL_RUN_CONFIG = "tiny-cpu-longtail"
@@ -56,7 +56,7 @@ def sweep_text(sweep: pd.DataFrame) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bidirl.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bidirl.experiments.demo", description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default="a6000-default",
                         help="example config name or YAML path (default: a6000-default)")
     parser.add_argument("--out", type=Path, default=Path("results") / "plan.html",
@@ -65,8 +65,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-run", action="store_true", help="skip the real run on local Ray")
     args = parser.parse_args(argv)
 
-    from bidirl.planner import plan          # imported here so `--help` stays instant
-    from bidirl.viz_plan import sweep_figure
+    from bidirl.job.planner import plan          # imported here so `--help` stays instant
+    from bidirl.viz.plan import sweep_figure
 
     cfg = cfgmod.load(args.config).with_overrides({"cluster.partition": None})
     print(f"bidirl demo: planning {cfg.model} on {cfg.cluster.gpus} x {cfg.hardware} "
@@ -92,7 +92,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def simulate_both(cfg, steps: int, out: Path) -> dict:
     """Simulate ``cfg`` under no-borrow and bidirl; print both summaries and write the side-by-side Gantt."""
     from bidirl.sim import simulate
-    from bidirl.viz import compare_gantt
+    from bidirl.viz.gantt import compare_gantt
 
     print(f"\nsimulating {steps} steps of {cfg.cluster.partition.label() if cfg.cluster.partition else 'the plan'} "
           "under no-borrow and bidirl (simulation: stage-time models, not a measurement)")
@@ -115,8 +115,8 @@ def real_run(out_dir: Path, steps: int = 8, config: str = REAL_RUN_CONFIG) -> di
     bidirl (§5.2: predicted gain against switch cost, admitted or not), the measured switch costs and the measured
     speedup next to the simulator's; writes bidirl's event log as a Chrome/Perfetto trace and both timelines on
     one time axis. Returns ``{policy: summary}``."""
-    from bidirl import side_by_side as sbs
-    from bidirl.viz import compare_gantt
+    from bidirl.experiments import side_by_side as sbs
+    from bidirl.viz.gantt import compare_gantt
 
     cfg = cfgmod.load(config)
     w = cfg.workload

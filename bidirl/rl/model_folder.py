@@ -29,6 +29,8 @@ import json
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Union
 
+from bidirl.errors import BidirlError
+
 #: fragments module wrappers insert into parameter names (removed wherever they appear)
 WRAPPER_FRAGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 #: a prefix that data-parallel wrappers put in front of every name
@@ -39,7 +41,7 @@ NON_WEIGHT_SUFFIXES = (".rotary_emb.inv_freq",)
 TINY_MARKER = "bidirl_tiny.json"
 
 
-class ModelFolderError(ValueError):
+class ModelFolderError(BidirlError, ValueError):
     """A model folder that the engines cannot load; the message names the folder, the problem and the fix."""
 
 
@@ -86,7 +88,7 @@ def causal_lm_config(model_dir: Union[str, Path], who: str = "model_dir"):
 
 
 def model_identity(model_dir: Union[str, Path]) -> dict:
-    """What identifies the model a run trains (a run checkpoint records it; ``bidirl.checkpoints``): its
+    """What identifies the model a run trains (a run checkpoint records it; ``bidirl.runtime.checkpoints``): its
     architectures, the SHA-256 of its ``config.json`` and its weight files' names and sizes (not their contents:
     hashing a large model at every checkpoint would cost minutes). The folder's path is not part of it."""
     import hashlib

@@ -21,38 +21,11 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from bidirl import config as cfgmod
+from bidirl.job import config as cfgmod
 from bidirl.core import protocol as P
 from bidirl.perf.predictor import StagePredictor
-from bidirl.trace import EventLog, Span
-
-#: where a result comes from: the models alone, model-timed workers on Ray, or real engines
-PROVENANCE = {"simulated": "simulated (model prediction)", "emulated": "emulated (model-timed workers on Ray)",
-              "measured": "measured (real engines)"}
-
-
-@dataclass
-class RunResult:
-    """What a run produced: its event log, summary and provenance (``simulated`` | ``emulated`` | ``measured``).
-
-    ``view`` is the coordinator's final read-only snapshot; ``weights`` the final actor weights of an engine run.
-    """
-    policy: str
-    config: cfgmod.JobConfig
-    log: EventLog
-    summary_dict: dict
-    provenance: str
-    view: Any = None
-    events_processed: int = 0
-    weights: Any = None
-
-    def summary(self) -> dict:
-        return dict(self.summary_dict)
-
-    @property
-    def events(self):
-        return self.log.spans_df()
-
+from bidirl.results.run_result import RunResult
+from bidirl.results.trace import EventLog, Span
 
 def switch_lane(pool: str, to_role: str) -> str:
     """The lane a switch is drawn on: the role taking the pool (its trainer gang or first rollout replica),
@@ -93,7 +66,7 @@ class Driver:
     provenance = "simulated"
 
     def __post_init__(self):
-        from bidirl.assemble import assemble
+        from bidirl.runtime.assemble import assemble
         missing = [cls.__name__ for cls in P.COMMANDS if not callable(getattr(self, "do_" + cls.__name__, None))]
         if missing:
             raise TypeError(f"{type(self).__name__} has no handler for {', '.join(missing)}; a driver defines "
@@ -180,7 +153,7 @@ class Driver:
     # ---- results ------------------------------------------------------------------------------
     def summary(self) -> dict:
         """The ``simulate`` / ``run`` JSON summary of what the log holds (DESIGN.md's keys, then extensions)."""
-        from bidirl import metrics
+        from bidirl.results import metrics
         view = self.coordinator.view()
         out = metrics.summary(self.log, policy=self.policy_name, staleness=self.config.rl.staleness,
                               pool_gpus=self.assembly.pool_gpus, gpus_per_worker=self.assembly.gpus_per_worker(),

@@ -1,6 +1,6 @@
 """Run metrics from the event log: throughput (paper §7.1), idle time, utilisation, borrow counts.
 
-All functions read the tables of :class:`bidirl.trace.EventLog` (``spans_df()``, ``steps_df()``,
+All functions read the tables of :class:`bidirl.results.trace.EventLog` (``spans_df()``, ``steps_df()``,
 ``decisions_df()``), so the simulator and the Ray runtime are measured by the same code.
 
 Throughput (paper §7.1, Experimental Setup, "Metrics"; DESIGN.md "Throughput", which calls it §6.1): prompt
@@ -26,7 +26,8 @@ import pandas as pd
 
 from bidirl.core.protocol import (DIRECTIONS, POOLS, PRIMARY, ROLLOUT_ON_TRAINER_POOL, ROLLOUT_POOL,
                                   TRAINER_ON_ROLLOUT_POOL, TRAINER_POOL)
-from bidirl.trace import EventLog
+from bidirl.results.provenance import provenance_text
+from bidirl.results.trace import EventLog
 
 SAMPLE_KEYS: tuple = ("generated", "consumed", "lost", "duplicated")
 
@@ -464,17 +465,6 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def provenance_text(provenance: Optional[str]) -> str:
-    """``simulated (model prediction)`` etc. for a summary's ``provenance`` (:data:`bidirl.execution.PROVENANCE`,
-    the one source of these words); '' for ``None``."""
-    from bidirl.execution import PROVENANCE
-    if provenance is None:
-        return ""
-    if provenance not in PROVENANCE:
-        raise ValueError(f"provenance must be one of {', '.join(PROVENANCE)}, got {provenance!r}")
-    return PROVENANCE[provenance]
-
-
 def length_label(tokens: int) -> str:
     """A response length as the paper writes it: ``2K`` for 2048 tokens, else the token count."""
     tokens = int(tokens)
@@ -485,7 +475,7 @@ def config_label(config: Any) -> str:
     """What sets a run apart, in a few words: split, model, GPUs, prompts per step, max response length and
     staleness, e.g. ``8-8 · qwen3-vl-4b · 16×a6000 · 64 prompts/step · 2K · s=1``. The split is the fixed
     ``cluster.partition`` (``planner's split`` when the planner chooses)."""
-    from bidirl import config as cfgmod
+    from bidirl.job import config as cfgmod
     cfg = cfgmod.load(config)
     split = cfg.cluster.partition.label() if cfg.cluster.partition is not None else "planner's split"
     w = cfg.workload
@@ -496,7 +486,7 @@ def config_label(config: Any) -> str:
 def run_label(config: Any, policy: Optional[str] = None) -> str:
     """A run's label carrying its config: the policy (default: the config's), then :func:`config_label`, e.g.
     ``bidirl · 8-8 · qwen3-vl-4b · 16×a6000 · 64 prompts/step · 2K · s=1``."""
-    from bidirl import config as cfgmod
+    from bidirl.job import config as cfgmod
     cfg = cfgmod.load(config)
     return f"{policy or cfg.scheduler.policy} · {config_label(cfg)}"
 

@@ -10,8 +10,8 @@ stage, from its ``switch_in`` to its ``switch_out``) are shaded, step ends are d
 have legend entries beside the plain-named span kinds.
 
 **What a figure shows** — simulated (model prediction), emulated (model-timed workers on Ray) or measured
-(real engines) — comes from the run itself: pass a :class:`bidirl.execution.RunResult` and its ``provenance``
-names the time axis and the title (:func:`time_axis_title`, :data:`bidirl.execution.PROVENANCE`).
+(real engines) — comes from the run itself: pass a :class:`bidirl.results.run_result.RunResult` and its ``provenance``
+names the time axis and the title (:func:`time_axis_title`, :data:`bidirl.results.provenance.PROVENANCE`).
 
 The array building is pure (:func:`spans_to_bars`, :func:`gantt_shapes`) and tested without a browser;
 :class:`GanttState` grows the arrays incrementally for live figures (the widgets assign them inside
@@ -34,8 +34,9 @@ from plotly.subplots import make_subplots
 
 from bidirl.core.protocol import (AUXILIARY, DIRECTIONS, PRIMARY, ROLLOUT_ON_TRAINER_POOL,
                                   TRAINER_ON_ROLLOUT_POOL)
-from bidirl.metrics import THROUGHPUT_UNIT, borrow_windows
-from bidirl.trace import KINDS, ROLES, EventLog, lane_order
+from bidirl.results.metrics import THROUGHPUT_UNIT, borrow_windows
+from bidirl.results.provenance import provenance_text
+from bidirl.results.trace import KINDS, ROLES, EventLog, lane_order
 
 #: every possible Gantt trace, in drawing order
 TRACE_KEYS: tuple = tuple((kind, role) for kind in KINDS for role in ROLES)
@@ -69,7 +70,7 @@ BAR_WIDTH = 0.8
 CUSTOMDATA_COLUMNS: tuple = ("worker", "start", "end", "duration", "step", "version", "info")
 HOVER = ("%{customdata[0]}<br>%{customdata[1]:.3f} – %{customdata[2]:.3f} s, lasting %{customdata[3]:.3f} s"
          "<br>step %{customdata[4]}, actor version %{customdata[5]}<br>%{customdata[6]}")
-#: the time axis of a run, by provenance (bidirl.execution.PROVENANCE's keys)
+#: the time axis of a run, by provenance (bidirl.results.provenance.PROVENANCE's keys)
 TIME_AXIS_TITLES: dict = {
     "simulated": "time (s, simulated: stage-time models on a virtual clock)",
     "emulated": "time (s, emulated: wall clock × time_scale, worker start-up included)",
@@ -89,16 +90,6 @@ def trace_name(kind: str, role: str) -> str:
 # provenance: what a figure shows
 # --------------------------------------------------------------------------------------------------
 
-def provenance_text(provenance: Optional[str]) -> str:
-    """``simulated (model prediction)`` etc. (:data:`bidirl.execution.PROVENANCE`); '' when unknown."""
-    from bidirl.execution import PROVENANCE
-    if provenance is None:
-        return ""
-    if provenance not in PROVENANCE:
-        raise ValueError(f"provenance must be one of {', '.join(PROVENANCE)}, got {provenance!r}")
-    return PROVENANCE[provenance]
-
-
 def time_axis_title(provenance: Optional[str]) -> str:
     """The Gantt time axis of a run of this provenance (:data:`TIME_AXIS_TITLES`)."""
     provenance_text(provenance)                 # validates
@@ -113,7 +104,7 @@ def titled(title: Optional[str], provenance: Optional[str]) -> str:
 
 def _log_and_provenance(source: Any, provenance: Optional[str]) -> tuple:
     """``(EventLog or spans DataFrame, provenance)`` of a RunResult, an EventLog or a spans table."""
-    from bidirl.execution import RunResult
+    from bidirl.results.run_result import RunResult
     if isinstance(source, RunResult):
         if provenance is not None and provenance != source.provenance:
             raise ValueError(f"provenance={provenance!r} contradicts the run's own {source.provenance!r}")
@@ -359,7 +350,7 @@ def gantt_figure(source: Any, title: Optional[str] = None, lanes: Optional[Seque
     """A per-worker Gantt chart of one run: one ``go.Bar`` trace per ``(kind, role)`` present, then legend
     entries for the borrowing windows present and the step lines.
 
-    ``source`` is a :class:`~bidirl.execution.RunResult` (its provenance labels the figure), an ``EventLog`` or
+    ``source`` is a :class:`~bidirl.results.run_result.RunResult` (its provenance labels the figure), an ``EventLog`` or
     its spans table (then pass ``provenance``). Step ends (from a log) are dotted lines; borrowing windows are
     shaded on the lent pool.
     """
@@ -558,7 +549,7 @@ class GanttState:
     Build the figure once with every trace (:meth:`figure`, one per :data:`TRACE_KEYS` entry, empty), then for
     each batch of new spans call :meth:`add` and assign the returned *whole* float64 arrays inside
     ``fig.batch_update()`` (or call :meth:`apply`). ``lanes`` fixes the lane order; lanes first seen later are
-    inserted in :func:`bidirl.trace.lane_order` position when ``lanes`` was not given, appended otherwise, and
+    inserted in :func:`bidirl.results.trace.lane_order` position when ``lanes`` was not given, appended otherwise, and
     every stored bar is re-laned. :meth:`arrays` and :meth:`layout` with ``until`` give the state at a time,
     for replay.
     """

