@@ -10,10 +10,10 @@ from bidirl.core.protocol import GroupState
 STAGES = ("old_logprob", "ref_logprob", "actor_update")
 
 
-def make_step(groups=4, size=4, max_chunk=2, stages=STAGES, lengths=None):
+def make_step(groups=4, size=4, micro_batch_per_device=2, stages=STAGES, lengths=None):
     ids = itertools.count()
     gs = [GroupState(g, 10 + g, tuple(lengths or [20] * size), (True,) * size, 0) for g in range(groups)]
-    return TrainerStep(step=0, version=0, groups=gs, stages=stages, max_chunk=max_chunk,
+    return TrainerStep(step=0, version=0, groups=gs, stages=stages, micro_batch_per_device=micro_batch_per_device,
                        next_chunk_id=lambda: next(ids))
 
 
@@ -31,7 +31,7 @@ def test_segments_and_units_are_stage_ordered():
 
 
 def test_lazy_pull_takes_s_max_per_device_and_never_crosses_a_stage():
-    step = make_step(groups=3, size=2, max_chunk=2)  # 6 samples per stage
+    step = make_step(groups=3, size=2, micro_batch_per_device=2)  # 6 samples per stage
     c1 = step.pull("primary", 2, "w")               # 4 units
     c2 = step.pull("primary", 2, "w")               # only 2 left in old_logprob
     c3 = step.pull("primary", 2, "w")
@@ -55,7 +55,7 @@ def test_cancel_returns_units_and_only_queued_chunks_are_recoverable():
 @settings(max_examples=60)
 @given(order=st.permutations(range(6)))
 def test_merge_follows_original_order_whatever_the_finish_order(order):
-    step = make_step(groups=3, size=4, max_chunk=1)  # 12 units / 2 per chunk = 6 chunks per stage... first 6
+    step = make_step(groups=3, size=4, micro_batch_per_device=1)  # 12 units / 2 per chunk = 6 chunks per stage... first 6
     chunks = [step.pull("primary" if i % 2 else "auxiliary", 2, "w") for i in range(6)]
     merged = []
     for i in order:
@@ -64,7 +64,7 @@ def test_merge_follows_original_order_whatever_the_finish_order(order):
 
 
 def test_tail_split_minimises_the_joint_finish_and_respects_minimum_chunk():
-    step = make_step(groups=2, size=4, max_chunk=2)  # 8 units per stage, 16 in the forward segment
+    step = make_step(groups=2, size=4, micro_batch_per_device=2)  # 8 units per stage, 16 in the forward segment
     assert step.in_tail_window(2, 2, tail_window=2)
     n_a, finish = step.plan_tail(2, 2, ready_p=0.0, ready_a=0.0, chunk_time=linear_time)
     # brute force over every legal split gives the same optimum
@@ -84,13 +84,13 @@ def test_tail_split_minimises_the_joint_finish_and_respects_minimum_chunk():
 
 
 def test_tail_split_prefers_the_side_that_is_ready():
-    step = make_step(groups=2, size=4, max_chunk=2)
+    step = make_step(groups=2, size=4, micro_batch_per_device=2)
     n_late, _ = step.plan_tail(2, 2, ready_p=0.0, ready_a=10.0, chunk_time=linear_time)
     assert n_late == 0                                 # an auxiliary busy for 10 s gets nothing
 
 
 def test_release_plan_returns_everything_to_lazy_pull():
-    step = make_step(groups=2, size=4, max_chunk=2)
+    step = make_step(groups=2, size=4, micro_batch_per_device=2)
     step.plan_tail(2, 2, 0.0, 0.0, linear_time)
     first = step.pull("primary", 2, "w")
     step.release_plan()
@@ -102,13 +102,13 @@ def test_release_plan_returns_everything_to_lazy_pull():
 
 
 def test_proportional_split_gives_the_auxiliary_its_dp_share():
-    step = make_step(groups=4, size=4, max_chunk=2)   # 32 forward units
+    step = make_step(groups=4, size=4, micro_batch_per_device=2)   # 32 forward units
     n_a = step.plan_proportional(3, 1)
     assert n_a == 8
 
 
 def test_step_completes_after_both_segments():
-    step = make_step(groups=1, size=2, max_chunk=4, stages=("old_logprob", "actor_update"))
+    step = make_step(groups=1, size=2, micro_batch_per_device=4, stages=("old_logprob", "actor_update"))
     c = step.pull("primary", 1, "w")
     while c is not None:
         step.started(c.chunk.chunk_id, 0)

@@ -38,7 +38,7 @@ class LinearPredictor:
 def coordinator(policy="bidirl", staleness=0.0, cost=0.1, batch=4, steps=2):
     costs = {d: P.SwitchCosts(cost, cost, cost / 2) for d in P.DIRECTIONS}
     settings = Settings(batch=batch, group_size=2, staleness=staleness, partial_rollout=True,
-                        stages=("old_logprob", "actor_update"), max_chunk=1, tail_window=2, steps=steps)
+                        stages=("old_logprob", "actor_update"), micro_batch_per_device=1, tail_window=2, steps=steps)
     topology = Topology(rollout_replicas=2, trainer_replicas=2, aux_rollout_replicas=2, aux_trainer_replicas=2)
     prior = (np.full(64, 10), np.full(64, 100))
     return Coordinator(settings, topology, get_policy(policy), LinearPredictor(), Profiler(costs=costs), prior)

@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from bidirl.cluster.engines.rollout import GroupRequest, RolloutEngine, request_seed
+from bidirl.cluster.engines.sync_grpo import requests_for, run_grpo
 from bidirl.cluster.engines.trainer import TrainerEngine
 from bidirl.rl import grpo
 from bidirl.rl.bootstrap import ensure_tiny_model
-from bidirl.cluster.engines.sync_grpo import requests_for, run_grpo
+from bidirl.rl.model_folder import TINY_MARKER
 from bidirl.rl.samples import Sample, samples_from_groups
 from bidirl.rl.tasks import ArithmeticTask
 from bidirl.rl.tiny_model import TINY_LLAMA
@@ -102,7 +103,7 @@ def _max_diff(samples, logprobs):
 
 def test_warm_started_model_is_partly_right(model_dir):
     import json
-    info = json.loads((model_dir / "bidirl_tiny.json").read_text())
+    info = json.loads((model_dir / TINY_MARKER).read_text())
     stats = info["warm_start_stats"]
     assert 0.2 <= stats["sample_reward"] <= 0.7, stats        # room for GRPO to improve, and signal to do it
     assert stats["last_loss"] < stats["first_loss"]

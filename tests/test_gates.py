@@ -93,19 +93,19 @@ def run_time(first, end, d):
 
 def test_workload_time_and_drain_prefix():
     stages = ["old_logprob"] * 8 + ["actor_update"] * 8
-    total, drained = gates.workload_time(stages, run_time, d=2, max_chunk=2)
+    total, drained = gates.workload_time(stages, run_time, d=2, micro_batch_per_device=2)
     assert total == pytest.approx(0.8) and drained == 0
     # DrainPrefix: chunks of 4 units take 0.2 s on 2 replicas, so one finishes within 0.25 s, two within 0.41 s
-    total, drained = gates.workload_time(stages, run_time, d=2, max_chunk=2, drain=0.25)
+    total, drained = gates.workload_time(stages, run_time, d=2, micro_batch_per_device=2, drain=0.25)
     assert drained == 4
-    _, drained = gates.workload_time(stages, run_time, d=2, max_chunk=2, drain=0.41)
+    _, drained = gates.workload_time(stages, run_time, d=2, micro_batch_per_device=2, drain=0.41)
     assert drained == 8
 
 
 def test_trainer_gate_is_algorithm_2():
     stages = ["old_logprob"] * 8 + ["actor_update"] * 8
     costs = SwitchCosts(c_in=0.2, c_out=0.1, c_grad=0.05)
-    g = gates.trainer_gate(stages, run_time, d_p=2, d_a=2, max_chunk=2, costs=costs)
+    g = gates.trainer_gate(stages, run_time, d_p=2, d_a=2, micro_batch_per_device=2, costs=costs)
     # T_no = 0.8; DrainPrefix(C_in = 0.2) removes one chunk of 4 units; T_joint = 12 units on 4 replicas = 0.3
     assert g.t_no == pytest.approx(0.8) and g.drained == 4 and g.t_joint == pytest.approx(0.3)
     assert g.t_borrow == pytest.approx(0.2 + 0.3 + 0.1 + 0.05) and g.admitted

@@ -498,21 +498,10 @@ def preset_document(cal: LogCalibration) -> dict:
 def write_preset(cal: LogCalibration, path: Union[str, Path]) -> Path:
     """Write :func:`preset_document` to ``path`` (``<name>.yaml``) and check it loads back with the fitted knobs.
     Use it in a config as ``hardware: path/to/<name>.yaml`` (or copy it into ``data/presets/hardware/``)."""
-    import yaml
-
-    from bidirl.job import presets
-    path = Path(path)
-    if path.suffix != ".yaml":
-        raise ValueError(f"{str(path)!r}: a hardware preset is a .yaml file named after the preset")
-    header = (f"# {path.stem}: hardware preset '{cal.base.name}' with knobs fitted to the step log of a "
+    from bidirl.calibrate.preset_file import write_hardware_preset
+    header = (f"# {Path(path).stem}: hardware preset '{cal.base.name}' with knobs fitted to the step log of a "
               f"{cal.config.model} job (bidirl calibrate --log).\n")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + yaml.safe_dump(preset_document(cal), sort_keys=False, allow_unicode=True, width=110))
-    loaded = presets.load_hardware_file(path)
-    for k, v in cal.knobs.items():
-        if getattr(loaded, k) != v:
-            raise RuntimeError(f"{path}: knob {k} reads back as {getattr(loaded, k)!r}, not {v!r}")
-    return path
+    return write_hardware_preset(preset_document(cal), cal.knobs, path, header)
 
 
 def what_if(config, preset: Union[str, Path], *, steps: Optional[int] = None, seed: Optional[int] = None,

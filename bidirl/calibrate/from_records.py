@@ -286,25 +286,12 @@ def preset_document(cal: ProfileCalibration) -> dict:
 def write_preset(cal: ProfileCalibration, path: Union[str, Path]) -> Path:
     """Write :func:`preset_document` to ``path`` (a ``<name>.yaml``; the preset is named by its file) and
     check that it loads back with the calibrated values."""
-    import yaml
-
-    from bidirl.job import presets
-    path = Path(path)
-    if path.suffix != ".yaml":
-        raise ValueError(f"--out {str(path)!r}: a hardware preset is a .yaml file named after the preset "
-                         "(e.g. cpu-calibrated.yaml)")
-    header = (f"# {path.stem}: hardware preset '{cal.base.name}' calibrated on measured stage times "
+    from bidirl.calibrate.preset_file import write_hardware_preset
+    header = (f"# {Path(path).stem}: hardware preset '{cal.base.name}' calibrated on measured stage times "
               "(bidirl calibrate).\n"
               f"# The knobs carry over to other models on this hardware; stage_params hold the appendix parameters\n"
               f"# fitted for model '{cal.model.name}'. Regenerate rather than edit; sources say from what.\n")
-    body = yaml.safe_dump(preset_document(cal), sort_keys=False, allow_unicode=True, width=110)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + body)
-    loaded = presets.load_hardware_file(path)
-    for k, v in cal.knobs.items():
-        if getattr(loaded, k) != v:
-            raise RuntimeError(f"{path}: knob {k} reads back as {getattr(loaded, k)!r}, not {v!r}")
-    return path
+    return write_hardware_preset(preset_document(cal), cal.knobs, path, header, what="--out")
 
 
 def format_calibration(cal: ProfileCalibration) -> str:

@@ -4,7 +4,7 @@ The step's samples (``B`` groups × ``group_size`` responses, in batch order) ar
 ``old_logprob`` and ``ref_logprob`` (forward passes, one *segment*), then ``actor_update`` (a second
 segment: it needs the first segment's log-probs of every sample, so the segments are separated by a barrier).
 A segment is an ordered list of *units* ``(stage, sample)``. A chunk is a contiguous run of units of one
-stage executed by one trainer gang of ``d`` replicas of ``rho`` devices: one micro-batch of at most ``max_chunk``
+stage executed by one trainer gang of ``d`` replicas of ``rho`` devices: one micro-batch of at most ``micro_batch_per_device``
 (s_max) units on every device, ``per_device`` units each; the smallest chunk is one unit per device (§5.2).
 
 Chunk states follow Table 2: ``queued`` (sent, not started: recoverable), ``running`` (finishes),
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from bidirl.core.gates import joint_tail_split
-from bidirl.core.protocol import AUXILIARY, FORWARD_STAGES, PRIMARY, UPDATE_STAGES, Chunk
+from bidirl.core.protocol import AUXILIARY, FORWARD_STAGES, PRIMARY, UPDATE_STAGES, Chunk, chunk_size
 
 
 #: a tail side whose chunks hold at most this many samples in all is timed in one vectorised pass
@@ -67,7 +67,7 @@ class TrainerStep:
     version: int
     groups: list                 # GroupState, batch order
     stages: tuple
-    max_chunk: int               # s_max, units per device (the per-device micro-batch)
+    micro_batch_per_device: int               # s_max, units per device (the per-device micro-batch)
     next_chunk_id: Callable[[], int]
     rho: int = 1                 # devices per trainer replica
     segment_index: int = 0
@@ -197,7 +197,7 @@ class TrainerStep:
 
     def chunk_units(self, d: int) -> int:
         """Units in a full chunk on a gang of ``d`` replicas: s_max on each of its ``d · rho`` devices."""
-        return self.max_chunk * self.rho * d
+        return chunk_size(self.micro_batch_per_device, self.rho, d)
 
     def _make_chunk(self, units: tuple, side: str, d: int, worker: str) -> ChunkRecord:
         """A chunk of ``units``: consecutive units of one stage (as :meth:`_take_run` and :meth:`split_runs` cut

@@ -99,7 +99,7 @@ class Settings:
     staleness: float
     partial_rollout: bool
     stages: tuple
-    max_chunk: int                 # s_max, samples per device per chunk: the trainer's micro-batch
+    micro_batch_per_device: int                 # s_max, samples per device per chunk: the trainer's micro-batch
     tail_window: int
     steps: int
     chunks_in_flight: int = 1      # chunks kept sent to each gang (the asynchronous chunk pipeline, §6)
@@ -669,7 +669,7 @@ class Coordinator:
         callable, so the coordinator pickles into a checkpoint)."""
         s = self.settings
         return TrainerStep(step=index, version=self.trainer_version, groups=groups, stages=s.stages,
-                           max_chunk=s.max_chunk, next_chunk_id=functools.partial(next, self._chunk_ids),
+                           micro_batch_per_device=s.micro_batch_per_device, next_chunk_id=functools.partial(next, self._chunk_ids),
                            rho=self.topology.trainer_layout)
 
     def _schedule_chunks(self):
@@ -750,7 +750,7 @@ class Coordinator:
                                     [step.response_lens[k] for k in idx], d, P.PRIMARY)
 
         gate = gates.trainer_gate(stages, run_time, self._gang(P.PRIMARY), self._gang(P.AUXILIARY),
-                                  self.settings.max_chunk, self.profiler.costs[TOR], self.policy.gated,
+                                  self.settings.micro_batch_per_device, self.profiler.costs[TOR], self.policy.gated,
                                   rho=self.topology.trainer_layout, optimizer=self.settings.optimizer_seconds)
         self._decide(TOR, gate.admitted, gate.gain, gate.cost,
                      {"t_no": gate.t_no, "t_borrow": gate.t_borrow, "units": len(stages),

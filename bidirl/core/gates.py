@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from bidirl.core.protocol import UPDATE_STAGES, SwitchCosts
+from bidirl.core.protocol import UPDATE_STAGES, SwitchCosts, chunk_size
 
 
 # --------------------------------------------------------------------------------------------------
@@ -195,17 +195,17 @@ def chunk_runs(stages: Sequence[str], size: int) -> list:
     return runs
 
 
-def workload_time(stages: Sequence[str], run_time: Callable[[int, int, int], float], d: int, max_chunk: int,
-                  drain: Optional[float] = None, rho: int = 1) -> tuple:
-    """M_t(U, d) of units with these ``stages``: chunks of ``max_chunk · rho · d`` units (s_max on each device of
-    ``d`` replicas of ``rho`` devices), summed.
+def workload_time(stages: Sequence[str], run_time: Callable[[int, int, int], float], d: int,
+                  micro_batch_per_device: int, drain: Optional[float] = None, rho: int = 1) -> tuple:
+    """M_t(U, d) of units with these ``stages``: chunks of :func:`~bidirl.core.protocol.chunk_size` units (one
+    micro-batch on each device of ``d`` replicas of ``rho`` devices), summed.
 
     ``run_time(first, end, d)`` predicts the chunk of units ``[first, end)`` on ``d`` replicas. Returns
     ``(seconds, drained)``; with ``drain``, ``drained`` counts the leading units the ``d`` replicas finish
     within ``drain`` seconds (DrainPrefix: the work primaries do while auxiliaries are prepared).
     """
     total, drained = 0.0, 0
-    for first, end in chunk_runs(stages, max_chunk * rho * d):
+    for first, end in chunk_runs(stages, chunk_size(micro_batch_per_device, rho, d)):
         total += run_time(first, end, d)
         if drain is not None and total <= drain:
             drained = end
@@ -228,7 +228,7 @@ class TrainerGate:
 
 
 def trainer_gate(stages: Sequence[str], run_time: Callable[[int, int, int], float], d_p: int, d_a: int,
-                 max_chunk: int, costs: SwitchCosts, gated: bool = True, rho: int = 1,
+                 micro_batch_per_device: int, costs: SwitchCosts, gated: bool = True, rho: int = 1,
                  optimizer: float = 0.0) -> TrainerGate:
     """Algorithm 2, lines 1-6: ``U' = DrainPrefix(U, C_in)``, ``T_no = M_t(U, d_p)``,
     ``T_borrow = C_in + M_t(U', d_p + d_a) + C_out + C_grad``; admitted when ``T_borrow < T_no`` (always when
@@ -241,9 +241,9 @@ def trainer_gate(stages: Sequence[str], run_time: Callable[[int, int, int], floa
     ``optimizer`` is 0 and one of them is). ``stages`` is the stage of each remaining unit in order;
     ``run_time(first, end, d)`` as in :func:`workload_time`.
     """
-    t_no, drained = workload_time(stages, run_time, d_p, max_chunk, drain=costs.c_in, rho=rho)
+    t_no, drained = workload_time(stages, run_time, d_p, micro_batch_per_device, drain=costs.c_in, rho=rho)
     rest = stages[drained:]
-    t_joint, _ = workload_time(rest, lambda a, b, d: run_time(a + drained, b + drained, d), d_p + d_a, max_chunk,
+    t_joint, _ = workload_time(rest, lambda a, b, d: run_time(a + drained, b + drained, d), d_p + d_a, micro_batch_per_device,
                                rho=rho)
     c_grad = costs.c_grad if any(s in UPDATE_STAGES for s in rest) else 0.0
     tail = max(costs.c_out, c_grad + optimizer) - optimizer if optimizer > 0 else costs.c_out + c_grad

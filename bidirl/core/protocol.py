@@ -66,6 +66,13 @@ PRIMARY_TRAINER = f"{TRAINER_POOL}/trainer"
 AUX_TRAINER = f"{ROLLOUT_POOL}/trainer"
 
 
+def chunk_size(micro_batch_per_device: int, rho: int, d: int) -> int:
+    """Samples (units) in one full trainer chunk: one micro-batch of ``micro_batch_per_device`` samples on each of
+    the ``rho · d`` devices of a gang of ``d`` replicas of ``rho`` devices (§5.2; ``rl.micro_batch_per_device``).
+    The planner's M_t, the coordinator's gates and chunk queue and the drivers all cut chunks with this."""
+    return int(micro_batch_per_device) * int(rho) * int(d)
+
+
 def trainer_stages(reference_model: bool, recompute_old_logprob: bool = True) -> tuple:
     """The stages a trainer step runs: ``ref_logprob`` only with a reference model, ``old_logprob`` unless the
     rollout's own log-probs stand in for it (veRL's ``bypass_mode``)."""

@@ -46,6 +46,7 @@ from typing import Iterable, Mapping, Optional
 
 import numpy as np
 
+from bidirl.core.protocol import chunk_size
 from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_stage, lengths, sample_forward_flops
 from bidirl.perf.overlap import combine, overlap
 from bidirl.perf.balance import check_replicas, grouped_order, runs_of, stable_order
@@ -244,7 +245,7 @@ class TrainerModel:
         if isinstance(micro_batch_per_device, bool) or int(micro_batch_per_device) != micro_batch_per_device \
                 or micro_batch_per_device < 1:
             raise ValueError(f"micro_batch_per_device must be a whole number ≥ 1, got {micro_batch_per_device!r}")
-        return int(micro_batch_per_device) * self.layout * check_replicas(d)
+        return chunk_size(int(micro_batch_per_device), self.layout, check_replicas(d))
 
     def microbatch_time(self, stage: str, prompt_lens, response_lens) -> float:
         """t_s(b) of one micro-batch (0 for an empty one)."""

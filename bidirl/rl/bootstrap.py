@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from bidirl.rl import tiny_model
+from bidirl.rl.model_folder import TINY_MARKER
 from bidirl.rl.tasks import ArithmeticTask
 
 #: bump when the procedure changes in a way that changes the weights (invalidates caches)
@@ -167,7 +168,7 @@ def _sample_reward(model_dir, task, n, temperature, seed, max_new_tokens) -> flo
 def build(out: Union[str, Path], seed: int = 0, spec: WarmStart = WarmStart(),
           cfg: tiny_model.TinyConfig = tiny_model.TinyConfig(), progress: bool = False,
           evaluate: bool = True) -> dict:
-    """Create the tiny model in ``out`` and warm-start it; records the summary in ``out/bidirl_tiny.json``."""
+    """Create the tiny model in ``out`` and warm-start it; records the summary in ``out/`` + :data:`~bidirl.rl.model_folder.TINY_MARKER`."""
     out = Path(out)
     tiny_model.create(out, seed=seed, cfg=cfg)
     stats = warm_start(out, spec, progress=progress)
@@ -175,7 +176,7 @@ def build(out: Union[str, Path], seed: int = 0, spec: WarmStart = WarmStart(),
         eval_task = ArithmeticTask(seed=0, max_operand=spec.max_operand, ops=spec.ops)
         stats["sample_reward"] = sample_reward(out, eval_task, temperature=1.0)
         stats["greedy_reward"] = sample_reward(out, eval_task, temperature=0.0)
-    info_path = out / "bidirl_tiny.json"
+    info_path = out / TINY_MARKER
     info = json.loads(info_path.read_text())
     info.update({"warm_start": asdict(spec), "warm_start_stats": stats, "script_version": SCRIPT_VERSION})
     info_path.write_text(json.dumps(info, indent=1, sort_keys=True))
@@ -218,12 +219,12 @@ def ensure_tiny_model(cache_dir: Optional[Union[str, Path]] = None, seed: int = 
     key = cache_key(seed, spec, cfg)
     name = f"tiny-{key}" if cfg.architecture == "qwen2" else f"tiny-{cfg.architecture}-{key}"
     final = root / name
-    if (final / "bidirl_tiny.json").exists():
+    if (final / TINY_MARKER).exists():
         return final
     with open(root / f".tiny-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if (final / "bidirl_tiny.json").exists():
+            if (final / TINY_MARKER).exists():
                 return final
             tmp = root / f".tiny-{key}.tmp{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Union
 
+from bidirl.rl.model_folder import TINY_MARKER
 from bidirl.rl.tasks import ALPHABET
 
 PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
@@ -166,7 +167,7 @@ def create(model_dir: Union[str, Path], seed: int = 0, cfg: TinyConfig = TinyCon
     GenerationConfig(eos_token_id=vocab[EOS], pad_token_id=vocab[PAD], do_sample=True, temperature=1.0,
                      top_p=1.0, top_k=0).save_pretrained(out)
     build_tokenizer(cfg.vocab_size).save_pretrained(out)
-    (out / "bidirl_tiny.json").write_text(json.dumps({"seed": seed, "config": cfg.to_dict()}, indent=1,
+    (out / TINY_MARKER).write_text(json.dumps({"seed": seed, "config": cfg.to_dict()}, indent=1,
                                                      sort_keys=True))
     return out
 

@@ -64,7 +64,7 @@ def assemble(cfg: cfgmod.JobConfig, policy, *, steps: int, seed: int,
     prior = sample_lengths(cfg.workload_stats, w.max_response_len, 64 * w.group_size, np.random.default_rng([seed, 2]))
     settings = Settings(batch=w.prompts_per_step, group_size=w.group_size, staleness=cfg.rl.staleness,
                         partial_rollout=cfg.rl.partial_rollout, stages=cfg.rl.stages,
-                        max_chunk=cfg.rl.micro_batch_per_device, tail_window=cfg.scheduler.tail_window,
+                        micro_batch_per_device=cfg.rl.micro_batch_per_device, tail_window=cfg.scheduler.tail_window,
                         steps=steps, chunks_in_flight=cfg.scheduler.chunks_in_flight,
                         optimizer_seconds=predictor.optimizer_time(env.trainer_gpus))
     costs = {d: cfg.switch_costs(d) for d in P.DIRECTIONS}

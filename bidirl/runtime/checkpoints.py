@@ -58,7 +58,7 @@ from bidirl.errors import BidirlError
 from bidirl.results.trace import EventLog
 
 FORMAT = "bidirl-run-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                 # 2: the package layout by role (pickled classes moved)
 MANIFEST = "manifest.json"
 CONTROL_FILE = "control.pkl"
 CONFIG_FILE = "config.yaml"
