@@ -149,6 +149,8 @@ def _args_bench(p: argparse.ArgumentParser) -> None:
                    help="calls per benchmark whose median is reported (default 5, 3 with --quick)")
     p.add_argument("--only", metavar="TEXT", default=None,
                    help="run only the benchmarks whose name contains TEXT")
+    p.add_argument("--size", metavar="SIZE", default=None,
+                   help="model size for benchmarks that take one (trainer_scale: tiny, small, 4b, 8b)")
 
 
 def load_benchmarks() -> dict:
@@ -176,14 +178,17 @@ def load_benchmarks() -> dict:
     return registry
 
 
-def run_benchmarks(registry: dict, *, repeats: int, quick: bool, progress: bool = False) -> dict:
-    """``{"<bench>.<figure>": {"value": median, "unit", "values": [...]}}`` over ``repeats`` calls each."""
+def run_benchmarks(registry: dict, *, repeats: int, quick: bool, progress: bool = False,
+                   size: Optional[str] = None) -> dict:
+    """``{"<bench>.<figure>": {"value": median, "unit", "values": [...]}}`` over ``repeats`` calls each
+    (``size`` goes to the benchmarks whose function takes a ``size`` argument)."""
+    import inspect
     from tqdm.auto import tqdm
     samples: dict = {}
     units: dict = {}
     jobs = [(name, fn) for name, fn in registry.items() for _ in range(repeats)]
     for name, fn in tqdm(jobs, desc="bench", disable=not progress, file=sys.stderr):
-        out = fn(quick)
+        out = fn(quick, size=size) if size is not None and "size" in inspect.signature(fn).parameters else fn(quick)
         for figure, (value, unit) in out.items():
             key = f"{name}.{figure}"
             samples.setdefault(key, []).append(float(value))
@@ -201,7 +206,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         if not registry:
             raise CommandError(f"no benchmark name contains {args.only!r}")
     with stdout_to_stderr(args.json):
-        figures = run_benchmarks(registry, repeats=repeats, quick=args.quick, progress=not args.json)
+        figures = run_benchmarks(registry, repeats=repeats, quick=args.quick, progress=not args.json,
+                                 size=args.size)
     if args.json:
         print(json.dumps({"figures": figures, "repeats": repeats, "quick": bool(args.quick)}))
     else:

@@ -420,6 +420,9 @@ def test_ray_actor_wrappers_run_a_step_and_record_spans(model_dir):
         grad_ref, _ = trainer.chunk_gradient.remote(0, samples, adv, old.value, keep=True)
         grad = ray.get(grad_ref)
         assert grad.value["samples"] == len(samples)
+        again, _ = trainer.chunk_gradient.remote(0, samples, adv, old.value, keep=True)
+        with pytest.raises(ray.exceptions.RayTaskError, match="already accumulated"):
+            ray.get(again)                  # a chunk accumulated twice would count twice: refused, nothing added
         upd = ray.get(trainer.apply_kept.remote([0]))
         assert upd.value["version"] == 1
         sync = ray.get(rollout.load_weights.remote(trainer.weights.remote(), 1))

@@ -2,9 +2,12 @@
 
 Integration tests (``-m integration``): each spawns a gang of two processes (one, on a GPU, for the NCCL test).
 Every test trains on the same eight samples for three GRPO steps; a step's update chunks are cut unevenly (4, 3
-and 1 samples, so a rank gets an empty share) and dealt to the ranks with ``rank_shares``, the middle chunk goes
-the auxiliary way (gathered unsharded with ``full_gradient``, applied as a full vector) and the engine is
-offloaded and onloaded between steps.
+and 1 samples, so a rank gets an empty share) and dealt to the ranks with ``rank_shares``; the primary's chunks
+accumulate into the ranks' sharded ``p.grad`` (``accumulate=True``: FSDP2's reduce-scatter adds each chunk, the
+primary gang's path), the middle chunk goes the auxiliary way (gathered unsharded with ``full_gradient``, added at
+``apply`` as a full vector: so the gang sums the chunks in another order than the reference — 0, 2, then 1 — which
+the gradient-norm bound covers: k = 3 chunks add ≤ (k − 1)·u relative, far below the reductions' λ·√n·u), and the
+engine is offloaded and onloaded between steps, an accumulated gradient with it.
 
 Every reference runs in a process of its own (``_in_own_process``), never in the pytest process: in-process vLLM
 (``tests/test_engines.py``) binds torch's threads there, after which ``torch.set_num_threads(1)`` is refused and
@@ -152,7 +155,9 @@ def _fp32_bounds(model_dir, samples, max_logit: float) -> tuple:
     rho = ROUNDING_LAMBDA * FP32_UNIT_ROUNDOFF * path
     logprob_tol = 2 * (2 * rho * max_logit)
     n_params = sum(p.numel() for p in TrainerEngine(model_dir).params)
-    grad_rho = ROUNDING_LAMBDA * FP32_UNIT_ROUNDOFF * (2 * path + math.sqrt(tokens) + math.sqrt(n_params))
+    # + (chunks − 1): the gang adds the step's chunks in another order than the reference (module docstring)
+    grad_rho = ROUNDING_LAMBDA * FP32_UNIT_ROUNDOFF * (2 * path + math.sqrt(tokens) + math.sqrt(n_params)) \
+        + (len(CHUNKS) - 1) * FP32_UNIT_ROUNDOFF
     return logprob_tol, 2 * grad_rho
 
 
@@ -178,7 +183,16 @@ def _gang_worker(rank, world, addr, model_dir, out_dir, replicas, precision, dev
                     step_lps.update(dict(zip(mine, old)))
                 else:
                     old = []
-                g = trainer.chunk_gradients([samples[k] for k in mine], adv[mine] if mine else [], old, normalizer=norm)
+                share = ([samples[k] for k in mine], adv[mine] if mine else [], old)
+                if c != AUX_CHUNK:
+                    g = trainer.chunk_gradients(*share, normalizer=norm, accumulate=True, chunk_id=c)
+                    assert g.flat is None
+                    grads.append(g)
+                    if step == 0 and c == 0:           # a hot switch while the step's gradient is accumulating
+                        trainer.offload()
+                        trainer.onload()
+                    continue
+                g = trainer.chunk_gradients(*share, normalizer=norm)
                 if c == AUX_CHUNK:
                     full = trainer.full_gradient(g.flat)
                     assert full.numel() == trainer.numel

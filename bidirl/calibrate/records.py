@@ -106,6 +106,21 @@ def save_profile(folder: Union[str, Path], meta: dict, rollout: pd.DataFrame, tr
     return folder
 
 
+def save_trainer_records(folder: Union[str, Path], meta: dict, trainer: pd.DataFrame) -> Path:
+    """Write ``meta.json`` and ``trainer.csv`` only (a trainer-only measurement such as ``bidirl bench --only
+    trainer_scale``), checked with the same rules as :func:`save_profile`. ``bidirl calibrate`` reads a folder that
+    also holds a ``rollout.csv``: copy these records into a profile's folder to fit a preset's trainer knobs."""
+    folder = Path(folder)
+    meta = {"format": FORMAT, "version": VERSION, **meta}
+    _check_meta(meta, folder / META_FILE)
+    frame = trainer[list(TRAINER_FIELDS)].reset_index(drop=True)
+    _check_records(frame, folder / TRAINER_FILE, "trainer")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    frame.to_csv(folder / TRAINER_FILE, index=False, float_format="%.6g", lineterminator="\n")
+    return folder
+
+
 def load_profile(folder: Union[str, Path]) -> Profile:
     """Read and check a profile folder; :class:`ProfileError` names the file, the field and the fix."""
     folder = Path(folder)

@@ -138,22 +138,28 @@ class TrainerActor(_Timed):
         return self._reply("logprob", self.engine.logprobs, list(samples), model,
                            detail={"model": model, "samples": len(samples)})
 
-    # The engine driver's gradient path: a primary gang keeps each chunk gradient where it was computed, each
-    # rank its own shard (it never leaves the gang); an auxiliary gang gathers it unsharded and returns it as
-    # one object, which the merge moves to the primary ranks once (C_grad; each keeps its shard of it) and
-    # which outlives the auxiliary actor if that dies.
+    # The engine driver's gradient path: a primary gang accumulates each chunk's gradient into its ranks' sharded
+    # p.grad on their devices (nothing leaves the gang, nothing goes to the host); an auxiliary gang gathers its
+    # chunk gradient unsharded and returns it as one object, which the merge moves to the primary ranks once
+    # (C_grad; each adds its shard into p.grad) and which outlives the auxiliary actor if that dies.
     @ray.method(num_returns=2)
     def chunk_gradient(self, chunk_id: int, samples: Sequence, advantages, old_logprobs, ref_logprobs=None,
                        normalizer: Optional[float] = None, keep: bool = True, give: bool = False):
         """``chunk_gradients`` for this rank's share of a chunk: returns (Reply with the loss statistics,
-        the gradient if ``give`` else None). ``keep`` stores this rank's shard here under ``chunk_id``;
-        without ``keep`` (an auxiliary gang: every rank calls it so) the gang gathers the full gradient, which
-        ``give`` returns."""
+        the gradient if ``give`` else None). ``keep`` accumulates this rank's shard into its ``p.grad`` under
+        ``chunk_id`` (a chunk id accumulated twice is refused: it would count twice); without ``keep`` (an
+        auxiliary gang: every rank calls it so) the gang gathers the full gradient, which ``give`` returns."""
         def run():
-            g = self.engine.chunk_gradients(list(samples), advantages, old_logprobs, ref_logprobs, normalizer)
             if keep:
-                self._kept[int(chunk_id)] = g.flat
-            out = g.flat if keep else self.engine.full_gradient(g.flat)
+                if int(chunk_id) in self.engine.accumulated:
+                    raise RuntimeError(f"{self.name}: chunk {chunk_id} was already accumulated into this step's "
+                                       "gradient; a chunk counts once")
+                g = self.engine.chunk_gradients(list(samples), advantages, old_logprobs, ref_logprobs, normalizer,
+                                                accumulate=True, chunk_id=int(chunk_id))
+                out = None
+            else:
+                g = self.engine.chunk_gradients(list(samples), advantages, old_logprobs, ref_logprobs, normalizer)
+                out = self.engine.full_gradient(g.flat)
             return dict(g.stats, samples=g.samples, tokens=g.tokens), out
         reply = self._reply("chunk", run, detail={"chunk_id": chunk_id, "samples": len(samples)})
         stats, flat = reply.value
@@ -161,22 +167,34 @@ class TrainerActor(_Timed):
 
     def receive_gradient(self, chunk_id: int, flat) -> Reply:
         """Keep this rank's shard of another gang's full chunk gradient under its chunk id (the receiving end
-        of C_grad)."""
+        of C_grad); it is added to the accumulated gradient at the optimizer step."""
         def run():
             self._kept[int(chunk_id)] = self.engine.local_gradient(flat)
             return int(flat.numel())
         return self._reply("grad_merge", run, detail={"chunk_id": chunk_id})
 
     def apply_kept(self, chunk_ids_in_order: Sequence[int]) -> Reply:
-        """``apply`` the kept gradients of ``chunk_ids_in_order`` (all of the step's update chunks) and forget
-        every kept gradient."""
-        missing = [c for c in chunk_ids_in_order if int(c) not in self._kept]
-        if missing:
-            raise RuntimeError(f"{self.name}: no gradient kept for chunks {missing}; every update chunk must be "
-                               "computed here or received before the optimizer step")
-        grads = [self._kept[int(c)] for c in chunk_ids_in_order]
+        """``apply``: the step's gradient is the chunks accumulated here plus the received ones, and it must hold
+        exactly the step's update chunks ``chunk_ids_in_order`` (one missing or one extra would change the
+        update); every kept gradient is forgotten afterwards."""
+        want = [int(c) for c in chunk_ids_in_order]
+        have = list(self.engine.accumulated) + list(self._kept)
+        missing = sorted(set(want) - set(have))
+        extra = sorted(set(have) - set(want))
+        if missing or extra or len(have) != len(set(have)):
+            self._kept.clear()
+            self.engine.discard_gradients()
+            raise RuntimeError(f"{self.name}: the step's gradient does not hold exactly its update chunks "
+                               f"(missing {missing}, not in the step {extra}); every update chunk must be computed "
+                               "here or received once before the optimizer step")
+        grads = [self._kept[c] for c in want if c in self._kept]
         self._kept.clear()
         return self._reply("optimizer", self.engine.apply, grads)
+
+    def discard_gradients(self) -> Reply:
+        """Forget the gradients kept for the next optimizer step (a step that starts over)."""
+        self._kept.clear()
+        return self._reply("discard", self.engine.discard_gradients)
 
     def weights(self) -> Optional[dict]:
         """The full ``state_dict`` as a plain value, so its object ref can be handed to other actors. On a

@@ -241,7 +241,7 @@ class EngineDriver(PoolDriver):
         if worker in self.gangs:
             gpu = self._resource() == "GPU"
             kwargs = dict(lr=cfg.rl.lr, seed=cfg.seed, kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
-                          device="cuda" if gpu else "cpu", threads=None if gpu else 1, role=P.worker_role(worker))
+                          device="cuda" if gpu else "cpu", threads="auto", role=P.worker_role(worker))
             self.gangs[worker] = [TrainerActor.options(**self._at(b)).remote(f"{worker}/{j}", self.model_dir, **kwargs)
                                   for j, b in enumerate(bundles)]
         else:

@@ -52,6 +52,9 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
+from bidirl.cluster.engines import bridge
+from bidirl.cluster.engines.host_buffer import HostStash
+from bidirl.cluster.engines.logprob import DEFAULT_CHUNK, response_logprobs
 from bidirl.rl import model_folder as checkpoint
 from bidirl.core.protocol import PRIMARY, ROLES
 from bidirl.rl import grpo
@@ -63,18 +66,14 @@ PRECISIONS = ("fp32", "bf16-mixed")
 @dataclass
 class ChunkGradient:
     """One chunk's gradient on one rank: the rank's shard of every parameter's gradient, summed over the gang,
-    flattened in parameter order (fp32, CPU). An unsharded engine's shard is the whole gradient."""
-    flat: torch.Tensor
+    flattened in parameter order (fp32, CPU). An unsharded engine's shard is the whole gradient. ``flat`` is
+    ``None`` when the gradient was accumulated into the engine's (sharded) ``p.grad`` on its device instead
+    (``chunk_gradients(accumulate=True)``, the primary gang's path)."""
+    flat: Optional[torch.Tensor]
     stats: dict
     samples: int
     tokens: int
     seconds: float
-
-
-@dataclass
-class _HostCopy:
-    tensors: list = field(default_factory=list)     # (device tensor, host tensor) pairs, one per storage
-    nbytes: int = 0
 
 
 def _as_1d(x) -> torch.Tensor:
@@ -179,7 +178,8 @@ class TrainerEngine:
                  role: str = PRIMARY, device: str = "cpu", *, clip_eps: float = 0.2,
                  clip_eps_high: Optional[float] = None, loss_agg: str = "token-mean",
                  max_grad_norm: Optional[float] = 1.0, weight_decay: float = 0.0,
-                 betas: tuple = (0.9, 0.999), precision: str = "auto", threads: Optional[int] = None):
+                 betas: tuple = (0.9, 0.999), precision: str = "auto", threads: Optional[int] = None,
+                 activation_checkpointing: Optional[bool] = None, logprob_chunk: int = DEFAULT_CHUNK):
         if role not in ROLES:
             raise ValueError(f"TrainerEngine.role must be one of {ROLES}, got {role!r}")
         if not lr > 0:
@@ -192,9 +192,20 @@ class TrainerEngine:
             raise ValueError(f"TrainerEngine.max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
         self.device = self._check_device(device)
         self.precision = resolve_precision(precision, self.device)
+        if activation_checkpointing is None:
+            activation_checkpointing = self.device.type == "cuda"
+        if not isinstance(activation_checkpointing, bool):
+            raise ValueError("TrainerEngine.activation_checkpointing must be True, False or None (on for CUDA), "
+                             f"got {activation_checkpointing!r}")
+        if isinstance(logprob_chunk, bool) or not isinstance(logprob_chunk, int) or logprob_chunk < 1:
+            raise ValueError(f"TrainerEngine.logprob_chunk must be a positive integer (response tokens per LM-head "
+                             f"chunk), got {logprob_chunk!r}")
+        self.activation_checkpointing, self.logprob_chunk = activation_checkpointing, logprob_chunk
+        if threads == "auto":
+            threads = self.host_threads(self.device)
         if threads is not None:
             if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-                raise ValueError(f"TrainerEngine.threads must be a positive integer or None, got {threads!r}")
+                raise ValueError(f"TrainerEngine.threads must be a positive integer, 'auto' or None, got {threads!r}")
             torch.set_num_threads(threads)   # the engine owns its process (a Ray actor) when this is set
         self.model_dir = checkpoint.model_folder(model_dir, "TrainerEngine.model_dir")
         self.config = checkpoint.causal_lm_config(self.model_dir, "TrainerEngine.model_dir")
@@ -207,10 +218,25 @@ class TrainerEngine:
         self._group = None
         self.rank, self.world, self.replicas = 0, 1, 1
         self._reference = None
-        self._host: Optional[_HostCopy] = None
+        self.bridge = None                # the group to the other trainer gang (join_bridge)
+        self._host = HostStash()         # offload's host buffer: allocated once, reused by every switch
+        self.accumulated: list = []       # chunk gradients accumulated into p.grad since the last step (their ids)
         self.version = 0
         self.model = self._load_model()
+        if self.kl_coef > 0:              # the reference is loaded at start (bf16 when computing in bf16)
+            self._reference = self._load_model(frozen=True)
         self._track_parameters()
+
+    @staticmethod
+    def host_threads(device) -> int:
+        """``threads="auto"``: this machine's CPUs shared evenly by its GPUs on a CUDA device (a Ray actor with a
+        fractional ``num_cpus`` is otherwise left one thread for all host work: optimizer bookkeeping, copies,
+        batching), one thread on CPU (the engine's compute then owns a core, as the CPU gangs are laid out)."""
+        import os
+        if torch.device(device).type != "cuda":
+            return 1
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cpus // max(1, torch.cuda.device_count()))
 
     @staticmethod
     def _check_device(device) -> torch.device:
@@ -227,14 +253,22 @@ class TrainerEngine:
         return dev
 
     def _load_model(self, frozen: bool = False):
-        """The checkpoint's model in fp32 on the engine's device, with its own (resizable) storage, sharded
-        when the engine is; ``frozen``: without gradients (the reference)."""
+        """The checkpoint's model on the engine's device, with its own (resizable) storage, sharded when the
+        engine is: fp32 master weights, or — ``frozen``, the reference, which is never updated — held in bf16
+        when the engine computes in bf16 (FSDP2 would cast it to bf16 for every forward anyway: same values,
+        half the memory and no cast). The trained model gets activation checkpointing when configured."""
+        dtype = torch.bfloat16 if frozen and self.precision == "bf16-mixed" else torch.float32
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            model = checkpoint.load_causal_lm(self.model_dir, torch.float32, "TrainerEngine.model_dir")
+            model = checkpoint.load_causal_lm(self.model_dir, dtype, "TrainerEngine.model_dir")
         model = model.to(self.device)
         model.eval()             # no dropout: the same samples give the same gradient on every rank and run
         model.requires_grad_(not frozen)
+        if not frozen and self.activation_checkpointing:
+            if not getattr(model, "supports_gradient_checkpointing", False):
+                raise ValueError(f"TrainerEngine.activation_checkpointing: {type(model).__name__} does not support "
+                                 "gradient checkpointing; set activation_checkpointing=False")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for p in model.parameters():     # own, resizable storage (from_pretrained may map the checkpoint file)
             p.data = p.data.clone()
         if self.mesh is not None:
@@ -276,23 +310,20 @@ class TrainerEngine:
             ids[i, :len(x)] = torch.tensor(x, dtype=torch.long)
             attn[i, :len(x)] = 1
         t = torch.arange(tmax)[None, :]
-        P = torch.tensor(plen)[:, None]
-        R = torch.tensor(rlen)[:, None]
-        mask = t < R
-        pos = torch.where(mask, P - 1 + t, torch.zeros_like(t))        # logits at pos predict token pos + 1
-        tgt = torch.gather(ids, 1, torch.where(mask, P + t, torch.zeros_like(t)))
-        return ids.to(self.device), attn.to(self.device), pos.to(self.device), tgt.to(self.device), \
-            mask.to(self.device), rlen
+        mask = t < torch.tensor(rlen)[:, None]
+        rows, steps = mask.nonzero(as_tuple=True)                        # response tokens, row-major
+        cols = torch.tensor(plen)[rows] - 1 + steps                      # logits at col predict token col + 1
+        tgt = ids[rows, cols + 1]
+        dev = self.device
+        return ids.to(dev), attn.to(dev), (rows.to(dev), steps.to(dev), cols.to(dev)), tgt.to(dev), mask.to(dev), rlen
 
     def _token_logprobs(self, model, samples, grad: bool):
-        ids, attn, pos, tgt, mask, rlen = self._batch(samples)
-        ctx = torch.enable_grad() if grad else torch.no_grad()
-        with ctx:
-            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()
-            rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
-            picked = logits[rows, pos]                                   # [B, T, V]
-            lp = torch.log_softmax(picked, dim=-1).gather(-1, tgt[..., None]).squeeze(-1)
-            lp = lp * mask
+        """``[B, T_resp]`` log-probs of the response tokens (zeros past each response), their mask and lengths:
+        the head on response positions only, in chunks (:mod:`bidirl.cluster.engines.logprob`)."""
+        ids, attn, (rows, steps, cols), tgt, mask, rlen = self._batch(samples)
+        with torch.enable_grad() if grad else torch.no_grad():
+            flat = response_logprobs(model, ids, attn, rows, cols, tgt, grad=grad, chunk=self.logprob_chunk)
+            lp = torch.zeros(mask.shape, dtype=torch.float32, device=flat.device).index_put((rows, steps), flat)
         return lp, mask, rlen
 
     def _join_with_empty_share(self, model, grad: bool) -> None:
@@ -314,7 +345,7 @@ class TrainerEngine:
                 m.reshard()
 
     def _check_onloaded(self, what: str):
-        if self._host is not None:
+        if self._host.holding:
             raise RuntimeError(f"TrainerEngine.{what}: the engine is offloaded; call onload() first")
 
     def _ready(self, what: str) -> None:
@@ -370,8 +401,9 @@ class TrainerEngine:
         return out.to(self.device)
 
     def chunk_gradients(self, samples: Sequence, advantages, old_logprobs: Sequence,
-                        ref_logprobs: Optional[Sequence] = None, normalizer: Optional[float] = None) -> ChunkGradient:
-        """This rank's shard of the gang's gradient of a chunk's share of the GRPO loss (fp32, CPU).
+                        ref_logprobs: Optional[Sequence] = None, normalizer: Optional[float] = None,
+                        accumulate: bool = False, chunk_id=None) -> ChunkGradient:
+        """This rank's shard of the gang's gradient of a chunk's share of the GRPO loss (fp32).
 
         ``samples`` is this rank's share of the chunk; ``advantages``: one per sample
         (``grpo.group_advantages``); ``old_logprobs`` / ``ref_logprobs``: per-sample per-token sequences as
@@ -379,49 +411,67 @@ class TrainerEngine:
         split into several chunks (``grpo.loss_normalizer``); ``None`` uses the chunk's own count, summed over
         the gang. On a gang every rank must call it (a rank without samples passes an empty share and the
         step's normalizer); each gets its shard of the sum of all ranks' gradients.
+
+        ``accumulate=True`` (the primary gang's path, §6.3): the gradient is added into the engine's
+        (sharded) ``p.grad`` on its device — FSDP2's reduce-scatter adds each chunk to the shard — and nothing
+        is copied to the host (``flat`` is ``None``); :meth:`apply` then steps on the sum. ``chunk_id`` is
+        recorded in :attr:`accumulated`. Otherwise the shard is returned as a CPU vector (``flat``: an
+        auxiliary gang's or a test's) and gradients already accumulated are left as they were.
         """
         self._ready("chunk_gradients")
         samples = list(samples)
+        if not accumulate:
+            kept = [p.grad for p in self.params]          # set aside what earlier chunks accumulated
+            for p in self.params:
+                p.grad = None
+            try:
+                out = self._chunk_backward(samples, advantages, old_logprobs, ref_logprobs, normalizer)
+                out.flat = self._local_grad_vector().cpu()
+            finally:
+                for p, g in zip(self.params, kept):
+                    p.grad = g
+            return out
+        out = self._chunk_backward(samples, advantages, old_logprobs, ref_logprobs, normalizer)
+        self.accumulated.append(chunk_id)
+        return out
+
+    def _chunk_backward(self, samples, advantages, old_logprobs, ref_logprobs, normalizer) -> ChunkGradient:
+        """The chunk's loss backward into ``p.grad`` (added to what is there); statistics without ``flat``."""
         if len(samples) == 0:
             if normalizer is None:
                 raise ValueError("chunk_gradients: an empty share needs the step's normalizer")
-            self._clear_grads()
             if self.sharded:
                 self._join_with_empty_share(self.model, grad=True)
-            flat = self._local_grad_vector()
-            self._clear_grads()
-            return ChunkGradient(flat.cpu(), grpo.empty_stats(), 0, 0, 0.0)
+            return ChunkGradient(None, grpo.empty_stats(), 0, 0, 0.0)
         if self.kl_coef > 0 and ref_logprobs is None:
             raise ValueError("chunk_gradients: kl_coef > 0 needs ref_logprobs (run logprobs(samples, 'reference'))")
         t0 = time.perf_counter()
         adv = _as_1d(advantages).to(self.device)
         if adv.numel() != len(samples):
             raise ValueError(f"chunk_gradients: got {adv.numel()} advantages for {len(samples)} samples")
-        self._clear_grads()
         self.model.train()
         try:
             lp, mask, rlen = self._token_logprobs(self.model, samples, grad=True)
+            old = self._pad(old_logprobs, rlen, "old_logprobs")
+            ref = self._pad(ref_logprobs, rlen, "ref_logprobs") if ref_logprobs is not None else None
+            if normalizer is None:
+                normalizer = grpo.loss_normalizer(rlen, self.loss_agg)
+                if self._group is not None and self.world > 1:
+                    n = torch.tensor([normalizer], dtype=torch.float64, device=self._comm_device())
+                    torch.distributed.all_reduce(n, group=self._group)
+                    normalizer = float(n)
+            loss, stats = grpo.policy_loss(lp, old, adv, mask, clip_eps=self.clip_eps,
+                                           clip_eps_high=self.clip_eps_high, ref_logprobs=ref, kl_coef=self.kl_coef,
+                                           loss_agg=self.loss_agg, normalizer=normalizer if normalizer > 0 else None)
+            loss.backward()
         finally:
             self.model.eval()
-        old = self._pad(old_logprobs, rlen, "old_logprobs")
-        ref = self._pad(ref_logprobs, rlen, "ref_logprobs") if ref_logprobs is not None else None
-        if normalizer is None:
-            normalizer = grpo.loss_normalizer(rlen, self.loss_agg)
-            if self._group is not None and self.world > 1:
-                n = torch.tensor([normalizer], dtype=torch.float64, device=self._comm_device())
-                torch.distributed.all_reduce(n, group=self._group)
-                normalizer = float(n)
-        loss, stats = grpo.policy_loss(lp, old, adv, mask, clip_eps=self.clip_eps, clip_eps_high=self.clip_eps_high,
-                                       ref_logprobs=ref, kl_coef=self.kl_coef, loss_agg=self.loss_agg,
-                                       normalizer=normalizer if normalizer > 0 else None)
-        loss.backward()
-        flat = self._local_grad_vector()
-        self._clear_grads()
-        return ChunkGradient(flat.cpu(), stats.to_dict(), len(samples), int(sum(rlen)), time.perf_counter() - t0)
+        return ChunkGradient(None, stats.to_dict(), len(samples), int(sum(rlen)), time.perf_counter() - t0)
 
     def _clear_grads(self) -> None:
         for p in self.params:
             p.grad = None
+        self.accumulated = []
 
     def _local_grad_vector(self) -> torch.Tensor:
         """This rank's gradient shards, flattened in parameter order (zeros where a parameter got none)."""
@@ -464,11 +514,17 @@ class TrainerEngine:
             offset += n
         return torch.cat(parts)
 
-    def apply(self, grads_in_chunk_order: Iterable) -> dict:
-        """Sum chunk gradients left to right in the given order, clip, take one AdamW step (primary only).
+    def apply(self, grads_in_chunk_order: Iterable = ()) -> dict:
+        """Clip the step's summed gradient and take one AdamW step on the device (primary only).
 
-        Each gradient is a :class:`ChunkGradient` or a vector, full or this rank's shard
-        (:meth:`local_gradient`). On a sharded gang every rank applies its shards (the norm is global).
+        The sum is what the chunks accumulated into ``p.grad`` (:meth:`chunk_gradients` with ``accumulate``,
+        recorded in :attr:`accumulated`) plus the given gradients, each a :class:`ChunkGradient` or a vector,
+        full or this rank's shard (:meth:`local_gradient`), added left to right in the given order;
+        :class:`ChunkGradient` s whose ``flat`` is ``None`` are the accumulated ones and add nothing again.
+        Chunks accumulate in the order they finish, not the original chunk order: the sum equals the in-order
+        sum up to fp32 summation order (each element a sum of k terms: |error| ≤ (k − 1)·2⁻²⁴·Σ|gᵢ|) — so a
+        borrowed chunk never changes what the update computes beyond rounding (§6.3, Table 2). On a sharded gang
+        every rank applies its shards (the norm is global).
         """
         if self.role != PRIMARY:
             raise RuntimeError(f"TrainerEngine.apply: an {self.role} trainer computes chunk gradients only; "
@@ -476,28 +532,95 @@ class TrainerEngine:
         self._ready("apply")
         t0 = time.perf_counter()
         total = None
-        count = 0
+        count = len(self.accumulated)
         for g in grads_in_chunk_order:
+            if isinstance(g, ChunkGradient) and g.flat is None:
+                continue                                   # accumulated into p.grad already (counted above)
             try:
-                flat = self.local_gradient(g)
+                flat = self.local_gradient(g).to(self.device)
             except ValueError as exc:
                 raise ValueError(f"apply: chunk gradient {count}: {exc}") from None
             total = flat.clone() if total is None else total.add_(flat)
             count += 1
-        if total is None:
-            raise ValueError("apply: no chunk gradients given")
-        total = total.to(self.device)
-        offset = 0
-        for p, shape in zip(self.params, self.local_shapes):
-            n = math.prod(shape)
-            p.grad = _like(total[offset:offset + n].view(shape).clone(), p)
-            offset += n
+        if count == 0:
+            raise ValueError("apply: no chunk gradients given or accumulated")
+        if total is not None:
+            offset = 0
+            for p, shape in zip(self.params, self.local_shapes):
+                n = math.prod(shape)
+                part = total[offset:offset + n].view(shape)
+                if p.grad is None:
+                    p.grad = _like(part.clone(), p)
+                else:
+                    _local(p.grad).add_(part)
+                offset += n
+        for p in self.params:                              # a parameter no chunk reached: a zero gradient
+            if p.grad is None:
+                p.grad = _like(torch.zeros_like(_local(p)), p)
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self._clear_grads()
         self.version += 1
         return {"version": self.version, "grad_norm": grad_norm, "chunks": count,
                 "seconds": time.perf_counter() - t0}
+
+    def discard_gradients(self) -> int:
+        """Forget the chunk gradients accumulated since the last step (a step started over); returns how many."""
+        n = len(self.accumulated)
+        self._clear_grads()
+        return n
+
+    # ------------------------------------------------------------------------------------------
+    # auxiliary gradients shard to shard (bidirl.cluster.engines.bridge)
+    # ------------------------------------------------------------------------------------------
+    def shard_signature(self) -> tuple:
+        """Which elements of every parameter this rank holds (:func:`bridge.shard_signature`)."""
+        return bridge.shard_signature(self.params)
+
+    def join_bridge(self, rank: int, world: int, addr: str) -> None:
+        """Join the group between the primary and an auxiliary gang (every rank of both calls it together)."""
+        self.bridge = bridge.GradientBridge(rank, world, addr, self._comm_device())
+
+    def send_window(self, dst_ranks: Sequence[int], chunk_ids: Optional[Sequence[int]] = None) -> dict:
+        """Send this rank's shard of the window's accumulated gradient (the chunks :attr:`accumulated`, which
+        must be ``chunk_ids`` when given) to each primary rank in ``dst_ranks`` — one transfer per rank pair —
+        and forget it. The shard is flattened once on the device; nothing goes through the host or Ray."""
+        if self.bridge is None:
+            raise bridge.BridgeError("send_window: join_bridge first")
+        self._check_onloaded("send_window")
+        ids = bridge.check_window(self.accumulated, chunk_ids, "send_window")
+        t0 = time.perf_counter()
+        flat = self._local_grad_vector()
+        for dst in dst_ranks:
+            self.bridge.send(flat, int(dst))
+        self._clear_grads()
+        return {"chunks": ids, "transfers": len(dst_ranks), "bytes": flat.numel() * 4 * len(dst_ranks),
+                "seconds": time.perf_counter() - t0}
+
+    def receive_window(self, src_rank: int, chunk_ids: Sequence[int]) -> dict:
+        """Receive an auxiliary rank's shard of its window's gradient (chunks ``chunk_ids``) and add it into this
+        rank's ``p.grad`` on the device; the chunks count as accumulated here (:meth:`apply` steps on them)."""
+        if self.bridge is None:
+            raise bridge.BridgeError("receive_window: join_bridge first")
+        self._ready("receive_window")
+        ids = [int(c) for c in chunk_ids]
+        if set(ids) & set(self.accumulated):
+            raise bridge.BridgeError(f"receive_window: chunks {sorted(set(ids) & set(self.accumulated))} are "
+                                     "accumulated here already; a chunk counts once")
+        t0 = time.perf_counter()
+        flat = self.bridge.recv(self.local_numel, int(src_rank))
+        offset = 0
+        with torch.no_grad():
+            for p, shape in zip(self.params, self.local_shapes):
+                n = math.prod(shape)
+                part = flat[offset:offset + n].view(shape)
+                if p.grad is None:
+                    p.grad = _like(part.clone(), p)
+                else:
+                    _local(p.grad).add_(part)
+                offset += n
+        self.accumulated += ids
+        return {"chunks": ids, "bytes": flat.numel() * 4, "seconds": time.perf_counter() - t0}
 
     def _clip_gradients(self) -> float:
         """The global L2 norm of the summed gradient (before clipping); clips to ``max_grad_norm`` if set."""
@@ -629,8 +752,10 @@ class TrainerEngine:
     # hot switching: offload / onload
     # ------------------------------------------------------------------------------------------
     def _state_tensors(self, freed: bool = False) -> list:
-        """This rank's weight and optimizer-state tensors, one per storage (``freed``: offloaded ones too)."""
+        """This rank's weight, optimizer-state and accumulated-gradient tensors, one per storage (``freed``:
+        offloaded ones too)."""
         tensors = [_local(p) for p in self.params]
+        tensors += [_local(p.grad) for p in self.params if p.grad is not None]
         if self._reference is not None:
             tensors += [_local(p) for p in self._reference.parameters()]
         if self.optimizer is not None:
@@ -646,51 +771,40 @@ class TrainerEngine:
 
     @property
     def offloaded(self) -> bool:
-        return self._host is not None
+        return self._host.holding
+
+    @property
+    def host_buffer_allocations(self) -> int:
+        """How many times the offload host buffer was allocated (once per state size, not once per switch)."""
+        return self._host.allocations
 
     def offload(self) -> float:
-        """Copy this rank's weights, optimizer state (and the reference model, if loaded) — its shards when
-        sharded — to a host buffer and free the engine's copy; returns seconds."""
-        if self._host is not None:
+        """Copy this rank's weights, optimizer state, accumulated gradients (and the reference model, if
+        loaded) — its shards when sharded — into the engine's host buffer (:mod:`bidirl.cluster.engines.host_buffer`:
+        allocated once, pinned where CUDA is present, reused by every switch) and free the device copy;
+        returns seconds."""
+        if self._host.holding:
             return 0.0
         t0 = time.perf_counter()
         self._reshard(self.model)
         if self._reference is not None:
             self._reshard(self._reference)
-        pin = torch.cuda.is_available()
-        host = _HostCopy()
-        for t in self._state_tensors():
-            storage = t.untyped_storage()
-            buf = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pin)
-            buf.untyped_storage().copy_(storage, non_blocking=pin)
-            host.tensors.append((t, buf))
-            host.nbytes += storage.nbytes()
-        if pin:
-            torch.cuda.synchronize()
-        for t, _ in host.tensors:
-            t.untyped_storage().resize_(0)
+        self._host.offload(self._state_tensors())
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self._host = host
         return time.perf_counter() - t0
 
     def onload(self) -> float:
-        """Re-allocate and restore what :meth:`offload` moved out; returns seconds."""
-        if self._host is None:
+        """Re-allocate and restore what :meth:`offload` moved out (the host buffer is kept); returns seconds."""
+        if not self._host.holding:
             return 0.0
         t0 = time.perf_counter()
-        for t, buf in self._host.tensors:
-            storage = t.untyped_storage()
-            storage.resize_(buf.numel())
-            storage.copy_(buf.untyped_storage(), non_blocking=buf.is_pinned())
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        self._host = None
+        self._host.restore()
         return time.perf_counter() - t0
 
     def state_bytes(self) -> int:
-        """Bytes of weights + optimizer state this rank holds (what offload moves)."""
-        if self._host is not None:
+        """Bytes of weights + optimizer state (+ accumulated gradients) this rank holds (what offload moves)."""
+        if self._host.holding:
             return self._host.nbytes
         return sum(t.untyped_storage().nbytes() for t in self._state_tensors())
 
