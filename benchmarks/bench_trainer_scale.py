@@ -10,11 +10,15 @@ CUDA, fp32 on CPU). Per micro-batch of ``MB`` samples of ``P`` prompt + ``R`` re
 * ``actor_update`` — :meth:`TrainerEngine.chunk_gradients` as the primary gang's chunk path runs it (the gradient
   kept for the optimizer step), and ``fwd_bwd`` — the same loss's forward + backward alone (the model's own
   forward with the LM head on response positions only; no gradient bookkeeping), and their ratio;
-* ``host_rss_per_chunk`` — host resident memory growth per kept chunk gradient (two chunks kept);
-* ``apply`` — the optimizer step over those two chunks;
+* ``host_rss_per_chunk`` — host resident memory growth per kept chunk gradient (chunks two and three of a step:
+  the first allocates the gradient buffer itself);
+* ``apply`` — the optimizer step over those three chunks;
 * ``offload`` / ``onload`` — the engine's weights + AdamW state moved out and back (second switch: what a
   steady-state hot switch pays), with the bytes moved and GB/s;
-* ``peak_device_gb`` — peak device memory of an update micro-batch (CUDA only).
+* ``peak_device_gb`` — peak device memory of an update micro-batch (CUDA only);
+* ``object_store_*`` — bytes the engine driver puts into Ray's object store per optimizer step (the recovery
+  snapshot) and per auxiliary chunk on the Ray gradient path: the sizes of the objects those engine calls return
+  (an engine-level count, not a driver run).
 
 ``--size``: ``tiny`` (seconds on CPU), ``small`` (about a minute on CPU; the figures in
 ``benchmarks/trainer_scale.md``), ``4b`` / ``8b`` (Qwen3-4B / -8B shapes; a GPU). With ``BIDIRL_TRAINER_SCALE_OUT``
@@ -151,8 +155,9 @@ def measure(size: str = "small", reps: int = 3, out: str = None) -> dict:
         fig["actor_update_over_fwd_bwd"] = fig["actor_update"] / fig["fwd_bwd"]
 
         drop()
+        grads = [update()]              # the first chunk allocates the gradient itself (once per step, both paths)
         rss0 = _rss()
-        grads = [update() for _ in range(2)]
+        grads += [update() for _ in range(2)]
         fig["host_rss_per_chunk_mb"] = max(0, _rss() - rss0) / 2 / 2**20
         sync()
         t = time.perf_counter()
@@ -161,6 +166,13 @@ def measure(size: str = "small", reps: int = 3, out: str = None) -> dict:
         fig["apply"] = time.perf_counter() - t
         del grads
 
+        # what the engine driver puts into Ray's object store per optimizer step (the recovery snapshot: rank 0's
+        # full weights + this rank's weights and AdamW shard) and per auxiliary chunk on the Ray path (the
+        # gathered fp32 gradient); engine-level counts of the objects those calls return
+        snap = eng.train_state_shard()
+        fig["object_store_snapshot_gb_per_step"] = (_nbytes(snap) + _nbytes(eng.state_dict())) / 2**30
+        fig["object_store_grad_gb_per_aux_chunk"] = eng.numel * 4 / 2**30
+        del snap
         nbytes = eng.state_bytes()
         fig["state_gb"] = nbytes / 2**30
         for k in range(2):           # the second switch is the steady state (buffers exist by then, if kept)
@@ -175,6 +187,17 @@ def measure(size: str = "small", reps: int = 3, out: str = None) -> dict:
     return fig
 
 
+def _nbytes(obj) -> int:
+    import torch
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
 def _write_records(folder, size, device, shape, times, eng) -> None:
     """The stage times as ``bidirl profile`` trainer records (one row per measured micro-batch)."""
     import platform
@@ -186,7 +209,7 @@ def _write_records(folder, size, device, shape, times, eng) -> None:
     mb, P, R = shape
     rows = [{"point": 0, "rep": k, "stage": stage, "batch": max(1, mb // 4), "requests": mb, "prompt_len": P,
              "response_len": R, "d": 1, "observed": t}
-            for stage in ("old_logprob", "actor_update") for k, t in enumerate(times[stage][1])]
+            for stage in ("old_logprob", "actor_update") for k, t in enumerate(times[stage])]
     meta = {"model": f"qwen3-{size}", "hardware": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
             "grid": {"name": "trainer_scale", "micro_batch": [mb, P, R]}, "seed": 0,
             "engines": {"torch": torch.__version__}, "machine": {"system": platform.system(),
@@ -197,7 +220,7 @@ def _write_records(folder, size, device, shape, times, eng) -> None:
     records.save_trainer_records(folder, meta, records.records_frame(rows, "trainer"))
 
 
-UNITS = {"state_gb": "GB", "offload_gbps": "GB/s", "onload_gbps": "GB/s", "host_rss_per_chunk_mb": "MB",
+UNITS = {"state_gb": "GB", "object_store_snapshot_gb_per_step": "GB", "object_store_grad_gb_per_aux_chunk": "GB", "offload_gbps": "GB/s", "onload_gbps": "GB/s", "host_rss_per_chunk_mb": "MB",
          "peak_device_gb": "GB", "peak_device_beyond_state_gb": "GB", "actor_update_over_fwd_bwd": "x",
          "params_m": "M"}
 

@@ -118,3 +118,31 @@ def test_bench_json(capsys):
     assert fig["unit"] == "s" and fig["value"] > 0
     code, _, err = run(capsys, "bench", "--only", "nothing-matches")
     assert code == 2 and err.startswith("error: ")
+
+
+def test_bench_size_reaches_the_benchmarks_that_take_one():
+    seen = []
+
+    def sized(quick, size=None):
+        seen.append(size)
+        return {"t": (1.0, "s")}
+    figures = cli.run_benchmarks({"sized": sized, "plain": lambda quick: {"t": (2.0, "s")}}, repeats=1, quick=True,
+                                 size="4b")
+    assert seen == ["4b"] and figures["plain.t"]["value"] == 2.0
+    assert "trainer_scale" in cli.load_benchmarks()
+
+
+def test_trainer_records_are_written_in_the_profile_format(tmp_path):
+    import pandas as pd
+
+    from bidirl.calibrate import records
+    row = {"point": 0, "rep": 0, "stage": "actor_update", "batch": 1, "requests": 4, "prompt_len": 64,
+           "response_len": 256, "d": 1, "observed": 0.5}
+    meta = {"model": "qwen3-small", "hardware": "cpu", "grid": {"name": "trainer_scale"}, "seed": 0,
+            "engines": {"torch": "x"}, "machine": {}, "settings": {}, "date": "2026-11-26T00:00:00+00:00"}
+    folder = records.save_trainer_records(tmp_path / "p", meta, records.records_frame([row], "trainer"))
+    df = pd.read_csv(folder / records.TRAINER_FILE)
+    assert list(df.columns) == list(records.TRAINER_FIELDS) and df["observed"].tolist() == [0.5]
+    assert json.loads((folder / records.META_FILE).read_text())["format"] == records.FORMAT
+    with pytest.raises(records.ProfileError, match="observed"):
+        records.save_trainer_records(tmp_path / "q", meta, records.records_frame([dict(row, observed=0.0)], "trainer"))
