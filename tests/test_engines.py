@@ -361,12 +361,10 @@ def _dp_worker(rank, world, addr, model_dir, out_dir):
         trainer.destroy_process_group()
 
 
-def test_dp2_over_gloo_matches_dp1(model_dir, tmp_path):
-    import torch.multiprocessing as mp
-    addr = f"127.0.0.1:{_free_port()}"
-    mp.spawn(_dp_worker, args=(2, addr, str(model_dir), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-
+def _dp1_reference(_rank, model_dir, path):
+    """DP=1 accumulating the same two micro-batches, in a process of its own: in-process vLLM (earlier tests)
+    binds torch's threads in the pytest process, after which the reference's reductions would split over other
+    threads than the gang's (see tests/test_trainer_fsdp.py)."""
     samples = _dp_samples(model_dir)
     adv = grpo.group_advantages([s.reward for s in samples], group_size=4).float()
     ref = TrainerEngine(model_dir, lr=1e-3, seed=0, threads=1)
@@ -374,11 +372,21 @@ def test_dp2_over_gloo_matches_dp1(model_dir, tmp_path):
     full = ref.chunk_gradients(samples, adv, old)
     norm = grpo.loss_normalizer([s.response_len for s in samples])
     parts = [ref.chunk_gradients(samples[a:a + 4], adv[a:a + 4], old[a:a + 4], normalizer=norm) for a in (0, 4)]
-    ref.apply(parts)                               # DP=1 accumulating the same two micro-batches
+    ref.apply(parts)
+    torch.save({"grad": full.flat, "state": ref.state_dict()}, path)
+
+
+def test_dp2_over_gloo_matches_dp1(model_dir, tmp_path):
+    import torch.multiprocessing as mp
+    addr = f"127.0.0.1:{_free_port()}"
+    mp.spawn(_dp_worker, args=(2, addr, str(model_dir), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    mp.spawn(_dp1_reference, args=(str(model_dir), str(tmp_path / "ref.pt")), nprocs=1, join=True)
+    ref = torch.load(tmp_path / "ref.pt")
     for r in ranks:
-        torch.testing.assert_close(r["grad"], full.flat, atol=1e-6, rtol=0)
+        torch.testing.assert_close(r["grad"], ref["grad"], atol=1e-6, rtol=0)
     assert ranks[1]["state"] == {}                 # the gathered weights go to rank 0 only
-    for k, v in ref.state_dict().items():
+    for k, v in ref["state"].items():
         torch.testing.assert_close(ranks[0]["state"][k], v, atol=1e-5, rtol=0)
     assert any(not torch.equal(ranks[0]["state"][k], v) for k, v in TrainerEngine(model_dir).state_dict().items())
 
