@@ -570,3 +570,9 @@ def test_response_lengths_built_directly_are_checked_too():
     with pytest.raises(ConfigError) as info:
         JobConfig(workload=C.WorkloadConfig(max_response_len=64, response_lengths=C.ResponseLengths(mean=65, cv=1)))
     assert info.value.field == "workload.response_lengths.mean"
+
+
+def test_activation_checkpointing_is_a_trainer_setting():
+    assert C.load(base()).rl.activation_checkpointing is None          # on for CUDA trainers, off on CPU
+    assert C.load(base(rl={"activation_checkpointing": True})).rl.activation_checkpointing is True
+    raises(base(rl={"activation_checkpointing": "often"}), "rl.activation_checkpointing")

@@ -114,6 +114,8 @@ class RLConfig:
     trainer's settings; only runs with engine workers use them (the simulator models time, not learning).
     ``reward`` scores each response in engine runs (``bidirl.rl.rewards``): ``exact``, ``last_number``,
     ``boxed``, or a veRL-style ``compute_score`` function as ``module:function`` or ``path/to/file.py[:function]``.
+    ``activation_checkpointing``: recompute the trainer's transformer blocks in the backward pass instead of
+    keeping their activations (``null``: on for trainers on CUDA, off on CPU).
     """
     staleness: float = 1.0
     partial_rollout: bool = True
@@ -124,6 +126,7 @@ class RLConfig:
     clip_eps: float = 0.2
     reward: str = "exact"
     recompute_old_logprob: bool = True
+    activation_checkpointing: Optional[bool] = None
 
     @property
     def stages(self) -> tuple:

@@ -219,7 +219,8 @@ class EngineDriver(PoolDriver):
         cfg = self.config
         return dict(super().worker_shape(), model_dir=str(self.model_dir), max_model_len=self.max_model_len,
                     kv_cache_gib=self.kv_cache_gib, reward=self.reward.name, seed=cfg.seed, lr=cfg.rl.lr,
-                    kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps)
+                    kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
+                    activation_checkpointing=cfg.rl.activation_checkpointing)
 
     def _bundles(self, worker: str) -> list:
         """The placement-group bundles a worker's actors sit on: a rollouter's first slot, one per gang rank."""
@@ -241,7 +242,8 @@ class EngineDriver(PoolDriver):
         if worker in self.gangs:
             gpu = self._resource() == "GPU"
             kwargs = dict(lr=cfg.rl.lr, seed=cfg.seed, kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
-                          device="cuda" if gpu else "cpu", threads="auto", role=P.worker_role(worker))
+                          device="cuda" if gpu else "cpu", threads="auto", role=P.worker_role(worker),
+                          activation_checkpointing=cfg.rl.activation_checkpointing)
             self.gangs[worker] = [TrainerActor.options(**self._at(b)).remote(f"{worker}/{j}", self.model_dir, **kwargs)
                                   for j, b in enumerate(bundles)]
         else:
