@@ -6,10 +6,14 @@ GRPO step (protocol ``STAGES``):
 * ``old_logprob`` / ``ref_logprob`` — :meth:`TrainerEngine.logprobs` recomputes the per-token log-probs
   of response tokens under the actor (or the frozen reference = the initial weights);
 * ``actor_update`` — :meth:`TrainerEngine.chunk_gradients` computes one chunk's gradient of the GRPO loss
-  (``bidirl.rl.grpo.policy_loss``); primary and auxiliary trainers alike (§5.2, Trainer-on-RollPool).
-  :meth:`TrainerEngine.apply` (primary only) sums the chunk gradients **in the order given** — the
-  original chunk order, so borrowing never changes what the update computes (§6.3, Table 2) — and takes
-  one AdamW step.
+  (``bidirl.rl.grpo.policy_loss``); primary and auxiliary trainers alike (§5.2, Trainer-on-RollPool). A
+  primary gang accumulates it into its sharded ``p.grad`` on the device (``accumulate=True``: no host copy);
+  :meth:`TrainerEngine.apply` (primary only) adds any received gradients, clips and takes one AdamW step
+  there. The sum equals the in-order sum of the chunks up to fp32 summation order, so borrowing never changes
+  what the update computes beyond rounding (§6.3, Table 2; the bound is in :meth:`TrainerEngine.apply`).
+
+Log-probs run the LM head on response positions only, in chunks (:mod:`bidirl.cluster.engines.logprob`); the
+blocks are recomputed in the backward pass when ``activation_checkpointing`` is on (default on CUDA).
 
 **Models.** Any causal LM that transformers builds with ``AutoModelForCausalLM`` from a local checkpoint
 folder (checked by :mod:`bidirl.rl.model_folder`). **Precision**: ``"fp32"`` (the CPU default)
@@ -30,16 +34,18 @@ gang's gradient leaves it once) and :meth:`local_gradient` cuts a rank's shard o
 primary rank keeps a received gradient); :meth:`apply` accepts either. Every call that runs the model is a
 collective of the gang's replica — a rank with no samples still joins with an empty share
 (:func:`forward_ranks`) — and a chunk gradient one of the whole gang (:func:`rank_shares` deals a chunk's
-samples to the ranks).
+samples to the ranks). :meth:`send_window` / :meth:`receive_window` move an auxiliary gang's accumulated window
+shard to shard to the primary gang (:mod:`bidirl.cluster.engines.bridge`).
 
 **Weights.** :meth:`state_dict` gathers the full weights under the HF checkpoint's names (every rank must
 call it; rank 0 gets them, on CPU) — the weight sync to rollouters (§6.2); :meth:`load_state_dict` copies
 full weights into this rank's shards (no communication). :meth:`offload` / :meth:`onload` move this rank's
-(sharded) weights and optimizer state to a host buffer and back and free the device copy (the trainer half
-of a hot switch's C_in / C_out, §3.2): each storage is copied to host memory (pinned when CUDA is present)
+(sharded) weights, optimizer state and accumulated gradients to a host buffer and back and free the device
+copy (the trainer half of a hot switch's C_in / C_out, §3.2): each storage is copied into one flat host buffer
+allocated once per engine and reused (pinned when CUDA is present; :mod:`bidirl.cluster.engines.host_buffer`)
 and then resized to zero bytes, and restored by re-allocating and copying back — on CPU a real free and
-re-allocation of the engine's memory, so the measured seconds are an honest CPU C_in/C_out figure. Chunk
-gradients kept for the next optimizer step live in host memory already and are not moved.
+re-allocation of the engine's memory, so the measured seconds are an honest CPU C_in/C_out figure. The
+reference model (``kl_coef > 0``) is loaded at start, in bf16 on a bf16-mixed engine.
 """
 
 from __future__ import annotations
