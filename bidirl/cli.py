@@ -297,8 +297,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 def _run_run(args: argparse.Namespace) -> int:
-    from bidirl.job import config as cfgmod
     from bidirl.cluster.run import run
+    from bidirl.job import config as cfgmod
     from bidirl.results.tracking import default_out_dir
     overrides = {key: value for key, value in (("workload.data_file", args.data_file), ("rl.reward", args.reward))
                  if value is not None}

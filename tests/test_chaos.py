@@ -8,8 +8,8 @@ kill and switches to kill them in.
 
 * **Chaos.** A 10-step run at s = 0 and at s = 1 for one seed in ``make test`` and each of three seeds in
   ``make test-chaos`` (``BIDIRL_CHAOS_SEEDS=0,1,2``; run it before landing any change to recovery): every run
-  kills each kind of worker, so one seed per staleness covers every kill kind and moment. :class:`Chaos` kills one worker of
-  each kind — a primary rollouter, an auxiliary rollouter, a rank of the primary gang, a rank of the auxiliary
+  kills each kind of worker, so one seed per staleness covers every kill kind and moment. :class:`Chaos` kills
+  one worker of each kind — a primary rollouter, an auxiliary rollouter, a rank of the primary gang, a rank of the auxiliary
   gang — each from a seeded step on: the primary rollouter while it receives a weight sync, the others while
   they work (a rollouter generating, a gang running a chunk); and one more worker, of whichever kind, while a
   switch it takes part in is in flight. The rollouter or rank is a seeded choice too (``ray.kill``: the process
@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from bidirl.runtime import checkpoints
-from bidirl.job import config as cfgmod
-from bidirl.results import metrics
 from bidirl.cluster.recovery import MAX_RESTARTS
 from bidirl.core import protocol as P
+from bidirl.job import config as cfgmod
+from bidirl.results import metrics
+from bidirl.runtime import checkpoints
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -73,7 +73,8 @@ class Chaos:
     (an auxiliary rollouter's, the switch's) are armed from a step in ``[0, early]``, the others from one in
     ``[1, last]``. At s = 1 ``early`` is 0: on a slower machine the trainer pool may be lent only while the first
     batch is generated. The switch kill leaves the auxiliary rollouters alone until their own kill is done:
-    killing one as it switches in could leave that kill no window. The worker, and the rank of a gang, are seeded choices; ``ray.kill`` ends the process."""
+    killing one as it switches in could leave that kill no window. The worker, and the rank of a gang, are seeded
+    choices; ``ray.kill`` ends the process."""
     seed: int
     early: int = 1
     last: int = 4

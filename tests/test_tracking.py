@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
+from bidirl.core import protocol as P
 from bidirl.job import config as cfgmod
 from bidirl.results import metrics, tracking
-from bidirl.core import protocol as P
 from bidirl.sim import simulate
 
 VERL_TIMING = ("timing_s/step", "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/update_actor",

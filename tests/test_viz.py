@@ -8,9 +8,9 @@ import plotly.graph_objects as go
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from bidirl.results.trace import KINDS, EventLog, Span, StepRecord
 from bidirl.viz import export, live
 from bidirl.viz import gantt as viz
-from bidirl.results.trace import KINDS, EventLog, Span, StepRecord
 
 R0, R1 = "rollout_pool/rollouter/0", "rollout_pool/rollouter/1"
 TR, AUX_R, AUX_T = "trainer_pool/trainer", "trainer_pool/rollouter/0", "rollout_pool/trainer"

@@ -158,7 +158,8 @@ class MetricsPanel:
         return self._show()
 
     def add_runs(self, runs: Iterable[Any]) -> pd.DataFrame:
-        """Show ``RunResult`` objects, each labelled with its policy and config (:func:`bidirl.results.metrics.run_label`)."""
+        """Show ``RunResult`` objects, each labelled with its policy and config
+        (:func:`bidirl.results.metrics.run_label`)."""
         from bidirl.results.metrics import run_label
         batch: dict = {}
         for r in runs:

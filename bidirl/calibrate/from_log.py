@@ -174,8 +174,8 @@ class JobShape:
 def predict(obs: Sequence[Observation], cfg, hardware, shape: JobShape) -> np.ndarray:
     """Each observation's time under ``hardware``'s models: M_r of the batch on the job's rollout replicas, or
     one trainer stage's chunk times summed over the batch in consumption order."""
-    from bidirl.perf.predictor import StagePredictor
     from bidirl.job.planner import consumption_order
+    from bidirl.perf.predictor import StagePredictor
     pred = StagePredictor.from_config(cfg, shape.rollout_layout, shape.trainer_layout, hardware)
     g, mb = cfg.workload.group_size, cfg.rl.micro_batch_per_device
     out = np.empty(len(obs))
@@ -341,9 +341,9 @@ def _fit_stage_params(obs: Sequence[Observation], cfg, hardware, shape: JobShape
     one rollout record per step (the batch on the job's rollout replicas) and, per trainer stage, one record per
     chunk, the stage's time shared among its chunks as the knob-fitted model predicts."""
     from bidirl.calibrate.from_records import stage_params_entry
+    from bidirl.job.planner import consumption_order
     from bidirl.perf.fit import calibrate_rollout, calibrate_trainer
     from bidirl.perf.predictor import StagePredictor
-    from bidirl.job.planner import consumption_order
     pred = StagePredictor.from_config(cfg, shape.rollout_layout, shape.trainer_layout, hardware)
     g, d_t = cfg.workload.group_size, shape.trainer_replicas
     size = pred.trainer.chunk_size(cfg.rl.micro_batch_per_device, d_t)

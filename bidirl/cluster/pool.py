@@ -40,10 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from bidirl.errors import BidirlError
-from bidirl.runtime import checkpoints
 from bidirl.cluster.recovery import MAX_RESTARTS, Restarts
 from bidirl.core import protocol as P
+from bidirl.errors import BidirlError
+from bidirl.runtime import checkpoints
 from bidirl.runtime.driver import Driver, RunListener, RunResult, progress_bar
 
 
@@ -492,8 +492,8 @@ class PoolDriver(Driver):
 
     def save_trainer_state(self, folder: Path) -> bool:
         """Write the trainer's state into ``folder`` (a checkpoint's ``trainer/``); False if there is none.
-        Raises :class:`~bidirl.runtime.checkpoints.CheckpointSkipped` when it cannot now (the trainer is being restarted).
-        Other workers hold nothing a checkpoint needs: one being restarted is announced again on resume."""
+        Raises :class:`~bidirl.runtime.checkpoints.CheckpointSkipped` when it cannot now (the trainer is being
+        restarted). Other workers hold nothing a checkpoint needs: one being restarted is announced again on resume."""
         return False
 
     def _load_resume(self) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from bidirl.job import config as cfgmod
 from bidirl.cluster.recovery import MAX_RESTARTS
+from bidirl.job import config as cfgmod
 from bidirl.results.run_result import RunResult
 
 

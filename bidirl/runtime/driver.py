@@ -24,8 +24,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from bidirl.job import config as cfgmod
 from bidirl.core import protocol as P
+from bidirl.job import config as cfgmod
 from bidirl.perf.predictor import StagePredictor
 from bidirl.results.run_result import RunResult
 from bidirl.results.trace import EventLog, Span

@@ -55,9 +55,9 @@ from typing import Optional
 
 import numpy as np
 
-from bidirl.job import config as cfgmod
 from bidirl.cluster.pool import ClusterError, PoolDriver, root_cause
 from bidirl.core import protocol as P
+from bidirl.job import config as cfgmod
 from bidirl.results.run_result import RunResult
 from bidirl.results.trace import EventLog
 

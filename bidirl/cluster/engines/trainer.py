@@ -52,9 +52,9 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from bidirl.rl import model_folder as checkpoint
 from bidirl.core.protocol import PRIMARY, ROLES
 from bidirl.rl import grpo
+from bidirl.rl import model_folder as checkpoint
 
 #: ``precision=`` values: fp32 throughout, or bf16 compute over fp32 master weights (FSDP2 mixed precision)
 PRECISIONS = ("fp32", "bf16-mixed")
