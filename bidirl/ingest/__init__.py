@@ -2,7 +2,7 @@
 log, so the same Gantt, union-based idle per pool, per-step bubble breakdown and what-if apply to it.
 
 :func:`load_foreign` is the entry point (``bidirl trace import`` calls it); maps are in :mod:`.maps`, the readers
-in :mod:`.chrome` / :mod:`.timeline` (Ray timelines), :mod:`.steplog` (veRL step logs) and :mod:`.own`
+in :mod:`.chrome` / :mod:`.timeline` (Ray timelines), :mod:`.step_timeline` (veRL step logs) and :mod:`.own`
 (bidirl), the views' numbers in :mod:`.bubbles`, the what-if in :mod:`.whatif`.
 """
 
@@ -39,7 +39,7 @@ def load_foreign(path, format: str = "ray-timeline", map=None, *, origin_s: Opti
     if map is not None:
         raise MapError("--map", f"a map applies to Ray timelines, not to --format {format}", "drop --map")
     if format == "verl-log":
-        from bidirl.ingest.steplog import import_step_log
+        from bidirl.ingest.step_timeline import import_step_log
         return import_step_log(path)
     from bidirl.ingest.own import import_own
     return import_own(path, pool_gpus=pool_gpus)

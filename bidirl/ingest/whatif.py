@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from bidirl.calibrate import from_log
+from bidirl.calibrate import from_log, step_log
 from bidirl.core.protocol import ROLLOUT_POOL
 from bidirl.ingest.run import ImportedRun
 from bidirl.job import config as cfgmod
@@ -43,13 +43,13 @@ def step_log_of(run: ImportedRun, config) -> pd.DataFrame:
     for r in steps.itertuples(index=False):
         a, b = float(r.start), float(r.end)
         inside = spans[(spans["start"] < b) & (spans["end"] > a)]
-        row = {"training/global_step": int(r.step) + 1, from_log.STEP_TIME_KEY: b - a}
+        row = {"training/global_step": int(r.step) + 1, step_log.STEP_TIME_KEY: b - a}
         gen = inside[inside["kind"] == "generate"]
         if run.colocated:
-            row[from_log.GEN_KEY] = union_length(gen["start"], gen["end"], a, b)
+            row[step_log.GEN_KEY] = union_length(gen["start"], gen["end"], a, b)
         else:
-            row[from_log.ROLLOUT_IDLE_KEY] = metrics.idle(inside, ROLLOUT_POOL, a, b) / (b - a) if b > a else 0.0
-        for name, key in from_log.STAGE_KEYS.items():
+            row[step_log.ROLLOUT_IDLE_KEY] = metrics.idle(inside, ROLLOUT_POOL, a, b) / (b - a) if b > a else 0.0
+        for name, key in step_log.STAGE_KEYS.items():
             part = inside[stage.loc[inside.index] == name]
             if len(part):
                 row[key] = union_length(part["start"], part["end"], a, b)
@@ -57,7 +57,7 @@ def step_log_of(run: ImportedRun, config) -> pd.DataFrame:
         prompts = [lengths(int(r.step) * w.prompts_per_step + g)[0] for g in range(w.prompts_per_step)]
         row["response_length/mean"] = float(np.mean(responses))
         row["response_length/max"] = float(np.max(responses))
-        row[from_log.PROMPT_MEAN_KEY] = float(np.mean(prompts))
+        row[step_log.PROMPT_MEAN_KEY] = float(np.mean(prompts))
         rows.append(row)
     frame = pd.DataFrame(rows)
     frame.attrs["path"] = run.source
@@ -71,7 +71,7 @@ def imported_what_if(run: ImportedRun, config, *, steps: Optional[int] = None, s
     gains) and ``measured`` (the run's median step time, seconds), with ``notes``."""
     cfg = cfgmod.load(config)
     if run.format == "verl-log":
-        frame, notes = from_log.read_step_log(run.source), []
+        frame, notes = step_log.read_step_log(run.source), []
     else:
         frame, notes = step_log_of(run, cfg), [LENGTHS_NOTE]
     cal = from_log.calibrate_from_log(frame, cfg, colocated=run.colocated, skip=min(skip, max(0, len(frame) - 2)))
@@ -95,8 +95,8 @@ def _measured_throughput(run: ImportedRun, frame: pd.DataFrame, cfg, skip: int) 
     if not len(times) or times.sum() <= 0:
         return None
     tokens = run.log.steps_df().sort_values("step")["tokens"].to_numpy(dtype=float)[skip:]
-    if not tokens.sum() and from_log.PROMPT_MEAN_KEY in frame.columns:
+    if not tokens.sum() and step_log.PROMPT_MEAN_KEY in frame.columns:
         w = cfg.workload
-        per = w.prompts_per_step * w.group_size * (frame[from_log.PROMPT_MEAN_KEY] + frame["response_length/mean"])
+        per = w.prompts_per_step * w.group_size * (frame[step_log.PROMPT_MEAN_KEY] + frame["response_length/mean"])
         tokens = per.to_numpy(dtype=float)[skip:]
     return float(tokens.sum() / times.sum()) if tokens.sum() else None

@@ -19,7 +19,8 @@ from bidirl.ingest.bubbles import BUBBLES, bubble_breakdown, pool_idle
 from bidirl.ingest.run import ImportedRun
 from bidirl.results.trace import EventLog, Span
 from bidirl.viz.aggregate import thin
-from bidirl.viz.gantt import TEMPLATE, WIDTH, export_figure, gantt_figure
+from bidirl.viz.export import export_figure
+from bidirl.viz.gantt import TEMPLATE, WIDTH, gantt_figure
 
 #: the time axis of an imported run: the trace's own clock, not bidirl's
 TIME_AXIS = "time (s, measured on the trace's clock; 0 at its origin)"

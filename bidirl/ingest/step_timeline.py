@@ -1,6 +1,6 @@
 """A veRL step log as a coarse timeline: per step, each pool's stage times laid end to end.
 
-The log (the formats ``bidirl calibrate --log`` reads: :func:`bidirl.calibrate.from_log.read_step_log`) has one
+The log (the formats ``bidirl calibrate --log`` reads: :func:`bidirl.calibrate.step_log.read_step_log`) has one
 row of metrics per step, so the timeline it gives has no per-GPU detail — one lane per pool and role, and the
 stages where the trainer's loop runs them (every figure says so):
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from bidirl.calibrate.from_log import GEN_KEY, ROLLOUT_IDLE_KEY, STAGE_KEYS, STEP_TIME_KEY, read_step_log
+from bidirl.calibrate.step_log import GEN_KEY, ROLLOUT_IDLE_KEY, STAGE_KEYS, STEP_TIME_KEY, read_step_log
 from bidirl.core.protocol import AUXILIARY, PRIMARY, ROLLOUT_POOL, TRAINER_POOL, StepRecord
 from bidirl.ingest.errors import TraceFormatError
 from bidirl.ingest.run import ImportedRun
