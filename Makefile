@@ -15,7 +15,7 @@ PYTEST := $(PY) -m pytest
 # Rewritten whenever pyproject.toml changes, so a second `make test` does not reinstall.
 STAMP  := $(VENV)/.bidirl-installed
 
-.PHONY: venv test test-unit test-integration test-notebooks demo bench browser chromium clean distclean
+.PHONY: venv test test-unit test-integration test-notebooks test-chaos demo bench browser chromium clean distclean
 
 venv: $(STAMP)
 
@@ -30,11 +30,15 @@ $(STAMP): pyproject.toml
 
 # Unit tests run on $(JOBS) xdist workers; integration tests (Ray, vLLM, notebooks, browser) run serially
 # afterwards, so no two of them start Ray at once. Every part runs; the target fails if any part failed.
+# Each part's wall time is printed at the end, with whether it passed.
 test: venv
-	@status=0; \
-	$(MAKE) --no-print-directory test-unit || status=1; \
-	$(MAKE) --no-print-directory test-integration || status=1; \
-	$(MAKE) --no-print-directory test-notebooks || status=1; \
+	@status=0; times=""; \
+	for part in unit integration notebooks; do \
+	  start=$$(date +%s); \
+	  if $(MAKE) --no-print-directory test-$$part; then result=passed; else result=FAILED; status=1; fi; \
+	  times="$$times  test-$$part: $$(( $$(date +%s) - start )) s, $$result\n"; \
+	done; \
+	printf "make test, wall time per part:\n$$times"; \
 	exit $$status
 
 test-unit: venv
@@ -43,6 +47,11 @@ test-unit: venv
 # pytest exits with 5 when no test is selected; that is not a failure here.
 test-integration: venv chromium
 	$(PYTEST) -q -p no:xdist -m integration --durations=15 || test $$? -eq 5
+
+# The chaos matrix in full: three kill schedules at each staleness (make test runs one). Run it before landing
+# any change to recovery (bidirl/cluster/recovery.py, the drivers' restart paths, checkpoints).
+test-chaos: venv
+	BIDIRL_CHAOS_SEEDS=0,1,2 $(PYTEST) -q -p no:xdist -m integration --durations=10 tests/test_chaos.py
 
 # The browser test drives Debian's chromium; install it when it is missing and we may (root with apt-get).
 chromium:

@@ -16,10 +16,10 @@ import time
 import numpy as np
 
 from bidirl.job import config, presets
+from bidirl.job.planner import plan
 from bidirl.perf.rollout import RolloutModel
 from bidirl.perf.trainer import TrainerModel
 from bidirl.perf.workload import sample_groups
-from bidirl.job.planner import plan
 
 
 def bench_plan_4096(quick: bool = False) -> dict:

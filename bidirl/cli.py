@@ -9,6 +9,8 @@
 ``bidirl profile CONFIG --out DIR [--grid small|full] [--seed S]``   measure the real engines' stage times
 ``bidirl calibrate RECORDS_DIR --out PRESET.yaml [--hardware NAME] [--holdout F] [--seed S]``   fit a preset
 ``bidirl calibrate --log FILE --config JOB --out PRESET.yaml [--what-if]``   fit a preset to a job's step log
+``bidirl trace import FILE --format ray-timeline|verl-log|bidirl [--map MAP.yaml] --out DIR [--config JOB --what-if]``
+    a run bidirl did not make, in bidirl's Gantt, idle per pool, per-step bubbles (and what-if)
 
 Human-readable tables by default; ``--json`` prints one JSON object on stdout (keys fixed by DESIGN.md).
 Configuration problems print ``error: <message>`` on stderr and exit with status 2, never a traceback.
@@ -276,7 +278,7 @@ def _write_outputs(result, args) -> None:
         if args.trace:
             result.log.save(args.trace)
         if args.html:
-            from bidirl.viz import gantt_figure
+            from bidirl.viz.gantt import gantt_figure
             gantt_figure(result, title=f"{result.policy}").write_html(args.html, include_plotlyjs=True)
     except OSError as exc:
         raise CommandError(f"cannot write output: {exc.strerror or exc}") from None
@@ -303,8 +305,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 def _run_run(args: argparse.Namespace) -> int:
-    from bidirl.job import config as cfgmod
     from bidirl.cluster.run import run
+    from bidirl.job import config as cfgmod
     from bidirl.results.tracking import default_out_dir
     overrides = {key: value for key, value in (("workload.data_file", args.data_file), ("rl.reward", args.reward))
                  if value is not None}
@@ -476,6 +478,70 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _args_trace(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=("import",), help="import: read a foreign trace into bidirl's views")
+    p.add_argument("file", metavar="FILE", help="a Ray timeline (JSON), a veRL step log, or a bidirl run / event log")
+    p.add_argument("--format", required=True, choices=("ray-timeline", "verl-log", "bidirl"),
+                   help="what FILE is")
+    p.add_argument("--map", default=None, metavar="MAP.yaml",
+                   help="ray-timeline: which method is which span, on which pool — a YAML file or a shipped map "
+                        "(verl-colocated, verl-fully-async, openrlhf, bidirl)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="folder for the event log, trace.json, idle.csv, bubbles.csv, unmapped.csv and the figures")
+    p.add_argument("--config", default=None, metavar="JOB",
+                   help="with --what-if: the job as a bidirl config (model, hardware, GPUs, split, batch)")
+    p.add_argument("--what-if", action="store_true",
+                   help="fit a preset to the imported run and simulate the job under no-borrow and BiDiRL")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def _run_trace(args: argparse.Namespace) -> int:
+    from bidirl.ingest import load_foreign
+    from bidirl.ingest.bubbles import BUBBLES, bubble_breakdown, pool_idle
+    from bidirl.viz.imported import write_import
+    if args.what_if and args.config is None:
+        raise CommandError("--what-if needs --config: the imported job as a bidirl config")
+    run = load_foreign(args.file, args.format, args.map, progress=not args.json)
+    try:
+        paths = write_import(run, args.out)
+    except OSError as exc:
+        raise CommandError(f"cannot write {args.out}: {exc.strerror or exc}") from None
+    outcome = None
+    if args.what_if:
+        from bidirl.ingest.whatif import imported_what_if
+        outcome = imported_what_if(run, args.config)
+        (Path(args.out) / "what_if.json").write_text(json.dumps(outcome, indent=1, default=float) + "\n")
+    idle, bubbles = pool_idle(run), bubble_breakdown(run)
+    if args.json:
+        print(json.dumps({**run.summary(), "idle": idle.to_dict(orient="records"),
+                          "bubbles": bubbles.to_dict(orient="records"), "what_if": outcome, "files": paths},
+                         default=float))
+        return 0
+    print(f"imported {run.source} ({run.format}, map {run.map_name}): {len(run.log.spans)} spans on "
+          f"{len(run.workers)} lanes, {len(run.log.steps)} steps")
+    for note in run.notes:
+        print(f"note: {note}")
+    if len(run.unmapped):
+        print("unmapped (not drawn, not counted as busy):")
+        for name, count in zip(run.unmapped["name"], run.unmapped["count"]):
+            print(f"  {count:>7} × {name}")
+    print("\nidle per pool (union of busy intervals over the steps):")
+    for r in idle.itertuples(index=False):
+        print(f"  {r.pool:<13} {100 * r.idle_fraction:5.1f} %  ({r.idle_s:.3f} s of {r.window_s:.3f} s)")
+    if len(bubbles):
+        total = float(bubbles["step_s"].sum())
+        print(f"\nwhere the {len(bubbles)} steps' {total:.3f} s went:")
+        for part in BUBBLES:
+            print(f"  {part:<22} {bubbles[part].sum():9.3f} s  {100 * bubbles[part].sum() / total:5.1f} %")
+    if outcome:
+        w = outcome["what_if"]
+        print(f"\nwhat if (simulated with a preset fitted to this run): the planner picks {w['planner_choice']}")
+        for name, tp in w["throughput"].items():
+            print(f"  {name:<44} {tp:10.1f} tokens/s   ×{w['gain'][name]:.2f}")
+    print(f"\nwritten to {args.out}")
+    return 0
+
+
 # --------------------------------------------------------------------------------------------------
 
 COMMANDS: dict = {
@@ -488,6 +554,8 @@ COMMANDS: dict = {
                        _args_profile, _run_profile),
     "calibrate": Command("fit a hardware preset to profiled stage times and report held-out errors",
                          _args_calibrate, _run_calibrate),
+    "trace": Command("import a Ray timeline, veRL step log or bidirl trace into bidirl's views", _args_trace,
+                     _run_trace),
 }
 
 

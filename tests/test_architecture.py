@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bidirl.job import config as cfgmod
 from bidirl.core import protocol as P
+from bidirl.job import config as cfgmod
 
 ROOT = Path(__file__).resolve().parents[1]
 #: coordinator attributes anyone outside the core may use: the protocol entry point and the read-only view

@@ -92,7 +92,7 @@ def _expected_trace_counts() -> dict:
     import bidirl.job.config
     from bidirl.job.planner import plan
     from bidirl.sim import simulate
-    from bidirl.viz import gantt_figure
+    from bidirl.viz.gantt import gantt_figure
     from bidirl.viz.plan import sweep_figure
 
     free = bidirl.job.config.load("a6000-default").with_overrides({"cluster.partition": None,

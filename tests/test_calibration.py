@@ -20,14 +20,14 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bidirl.job import presets
 from bidirl.calibrate.from_records import (calibrate_profile, point_observations, predict_points, preset_document,
-                                split_points, write_preset)
+                                           split_points, write_preset)
+from bidirl.calibrate.records import (META_FILE, ROLLOUT_FILE, TRAINER_FILE, Profile, ProfileError, load_profile,
+                                      save_profile)
+from bidirl.job import presets
 from bidirl.perf import RolloutModel, TrainerModel
 from bidirl.perf.fit import calibrate_knobs, knob_hardware
 from bidirl.perf.params import KNOBS, default_rollout_params, knob_rollout_params
-from bidirl.calibrate.records import (META_FILE, ROLLOUT_FILE, TRAINER_FILE, Profile, ProfileError, load_profile,
-                                 save_profile)
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = presets.data_dir() / "profiles" / "cpu-tiny"

@@ -13,8 +13,8 @@ import shutil
 import pytest
 import torch
 
-from bidirl.rl import model_folder as checkpoint
 from bidirl.cluster.engines.trainer import TrainerEngine, forward_ranks, rank_shares, resolve_precision
+from bidirl.rl import model_folder as checkpoint
 from bidirl.rl import tiny_model
 
 

@@ -55,7 +55,7 @@ def test_cancel_returns_units_and_only_queued_chunks_are_recoverable():
 @settings(max_examples=60)
 @given(order=st.permutations(range(6)))
 def test_merge_follows_original_order_whatever_the_finish_order(order):
-    step = make_step(groups=3, size=4, micro_batch_per_device=1)  # 12 units / 2 per chunk = 6 chunks per stage... first 6
+    step = make_step(groups=3, size=4, micro_batch_per_device=1)  # 12 units, 2 per chunk: 6 chunks a stage
     chunks = [step.pull("primary" if i % 2 else "auxiliary", 2, "w") for i in range(6)]
     merged = []
     for i in order:

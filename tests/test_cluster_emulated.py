@@ -67,8 +67,8 @@ def test_killing_an_auxiliary_trainer_mid_window_loses_nothing(ray_session):
 
 
 def test_killing_primary_workers_is_recovered_and_the_run_completes(ray_session):
-    from bidirl.core import protocol as P
     from bidirl.cluster.emulated import EmulatedDriver
+    from bidirl.core import protocol as P
     cfg = cfgmod.from_dict(SMALL)
     killed = []
 
@@ -91,9 +91,9 @@ def test_killing_primary_workers_is_recovered_and_the_run_completes(ray_session)
 
 
 def test_a_worker_that_keeps_failing_ends_the_run_naming_it(ray_session):
-    from bidirl.core import protocol as P
     from bidirl.cluster.emulated import EmulatedDriver
     from bidirl.cluster.pool import ClusterError
+    from bidirl.core import protocol as P
     cfg = cfgmod.from_dict(SMALL)
     rollouter = P.rollouter(P.ROLLOUT_POOL, 0)
 
@@ -108,8 +108,8 @@ def test_a_worker_that_keeps_failing_ends_the_run_naming_it(ray_session):
 
 
 def test_an_emulated_run_resumed_from_a_checkpoint_continues_its_steps_and_log(ray_session, tmp_path):
-    from bidirl.runtime import checkpoints
     from bidirl.cluster.emulated import EmulatedDriver
+    from bidirl.runtime import checkpoints
     cfg = cfgmod.from_dict(SMALL).with_overrides({"workload.steps": 4})
     straight = EmulatedDriver(cfg, "bidirl", steps=4, seed=0, time_scale=100, checkpoint_dir=str(tmp_path / "a"),
                               keep=4).run()
@@ -171,8 +171,8 @@ def test_the_simulator_and_emulated_workers_record_the_same_things(ray_session):
 
 def test_replicas_sharing_a_host_fail_and_come_back_together(ray_session):
     """Two rollout replicas per process: a kill takes both, both are restarted, nothing is lost."""
-    from bidirl.core import protocol as P
     from bidirl.cluster.emulated import EmulatedDriver
+    from bidirl.core import protocol as P
     cfg = cfgmod.from_dict(SMALL).with_overrides({"cluster.partition": [4, 4]})
     killed = []
 

@@ -13,12 +13,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bidirl.job import config as cfgmod
 from bidirl.experiments import cli_reproduce, reproduce
 from bidirl.experiments import report as rep
 from bidirl.experiments import run as runmod
 from bidirl.experiments import specs as S
 from bidirl.experiments.claims import allowed_deviation, judge, load_claims
+from bidirl.job import config as cfgmod
 from bidirl.sim import baselines as B
 
 # --------------------------------------------------------------------------------------------------

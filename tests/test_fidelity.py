@@ -4,8 +4,8 @@ rollout and trainer stage times of the batch the simulator ran are within 3 % of
 
 import pytest
 
-from bidirl.job import config as cfgmod
 from bidirl.experiments.fidelity import planner_vs_simulator
+from bidirl.job import config as cfgmod
 
 CASES = {
     "4b-a6000-8-8-2k": ("a6000-default", {}),

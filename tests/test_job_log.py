@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from bidirl.job import config as cfgmod, presets
 from bidirl.calibrate import from_log as J
 from bidirl.cli import main
+from bidirl.job import config as cfgmod, presets
 from bidirl.job.planner import plan
 from bidirl.sim import simulate
 

@@ -1,5 +1,6 @@
 """The long-tail CPU job (``tiny-cpu-longtail``): its length distribution, the simulator running exactly the lengths a
-real run forces, the gate's windows in both directions, and the side-by-side report (``bidirl.experiments.side_by_side``).
+real run forces, the gate's windows in both directions, and the side-by-side report
+(``bidirl.experiments.side_by_side``).
 
 The unit tests use the simulator; the integration test (``-m integration``) runs the job for real on an embedded
 local Ray (vLLM rollouters, torch trainers) for three steps, about two minutes on 2 cores, and asserts what does not
@@ -12,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bidirl.job import config as cfgmod
-from bidirl.experiments import side_by_side as sbs
 from bidirl.cluster.engines.rollout import GroupRequest
 from bidirl.core.protocol import DIRECTIONS, ROLLOUT_ON_TRAINER_POOL, TRAINER_ON_ROLLOUT_POOL
+from bidirl.experiments import side_by_side as sbs
+from bidirl.job import config as cfgmod
 from bidirl.perf.workload import GroupLengths
 
 CONFIG = "tiny-cpu-longtail"

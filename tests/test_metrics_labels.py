@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import bidirl.job.config as cfgmod
-from bidirl.results import metrics
 from bidirl.job.planner import label, plan
+from bidirl.results import metrics
 from bidirl.sim import simulate
 
 

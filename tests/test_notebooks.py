@@ -18,7 +18,7 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 EXPECTED = ("01-quickstart", "02-partition-explorer", "03-live-bubbles", "04-run-on-ray", "05-reproduce-paper",
-            "06-calibrate-stage-models", "07-scaling")
+            "06-calibrate-stage-models", "07-scaling", "08-your-run")
 SMOKE_LINE = 'SMOKE = os.environ.get("BIDIRL_SMOKE", "0") == "1"'
 CHECK = "# NBVAL_CHECK_OUTPUT"
 TEXT_OUTPUTS = {"stream", "execute_result"}

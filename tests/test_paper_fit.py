@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from bidirl.job import presets
 from bidirl.experiments import paper_fit
 from bidirl.experiments.claims import load_claims
+from bidirl.job import presets
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bidirl.job import presets
+from bidirl.job.presets import HardwareSpec, ModelSpec
 from bidirl.perf import (RolloutModel, RolloutParams, TrainerModel, TrainerParams, default_rollout_params,
                          default_trainer_params, derive_switch_costs, derive_weight_sync, forward_flops,
                          overlap, prefill_flops, sample_groups, sample_lengths, stage_multiplier)
 from bidirl.perf import memory
 from bidirl.perf.balance import serpentine
 from bidirl.perf.workload import mean_response, step_jitter
-from bidirl.job.presets import HardwareSpec, ModelSpec
 
 
 def toy_model(**kw) -> ModelSpec:

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from bidirl.job import config as C
 from bidirl.job import presets
 from bidirl.job.config import ConfigError
-from bidirl.perf import memory
 from bidirl.job.planner import (CANDIDATE_KEYS, ENVELOPE_KEYS, candidate_partitions, compatible, min_feasible_layouts,
-                            plan, replica_count, representative_batch)
+                                plan, replica_count, representative_batch)
+from bidirl.perf import memory
 from bidirl.viz.plan import INCOMPATIBLE, TRACE_NAMES, sweep_figure
 
 GiB = 1 << 30

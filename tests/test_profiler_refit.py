@@ -6,12 +6,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from bidirl.job import config as cfgmod
 from bidirl.core import protocol as P
 from bidirl.core.profiler import ProfileRecord, Profiler
+from bidirl.job import config as cfgmod
+from bidirl.job.planner import plan
 from bidirl.perf.predictor import StagePredictor
 from bidirl.perf.trainer import TrainerModel
-from bidirl.job.planner import plan
 from bidirl.sim.driver import SimDriver
 
 #: the ablation partition at s = 0.5, where both directions borrow

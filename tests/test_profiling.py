@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bidirl.calibrate.profile import GRIDS
+from bidirl.calibrate.records import load_profile
 from bidirl.job import presets
 from bidirl.perf import RolloutModel, TrainerModel
-from bidirl.calibrate.records import load_profile
-from bidirl.calibrate.profile import GRIDS
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent

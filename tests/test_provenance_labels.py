@@ -13,13 +13,13 @@ import dataclasses
 
 import pytest
 
-from bidirl.results import metrics
-from bidirl.viz import gantt as viz
 from bidirl.cluster.emulated import EmulatedDriver
 from bidirl.cluster.engines.driver import EngineDriver
+from bidirl.results import metrics
 from bidirl.results.provenance import PROVENANCE
 from bidirl.sim import simulate
 from bidirl.sim.driver import SimDriver
+from bidirl.viz import gantt as viz
 from bidirl.widgets import LiveGantt, MetricsPanel
 
 DRIVERS = {SimDriver: "simulated", EmulatedDriver: "emulated", EngineDriver: "measured"}

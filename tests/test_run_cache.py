@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from tqdm.auto import tqdm
 
-from bidirl.job import config as cfgmod
 from bidirl.experiments import run as runmod
 from bidirl.experiments.cache import RunCache, cache_root, code_version, run_key
+from bidirl.job import config as cfgmod
 
 CONFIG = {"model": "qwen3-vl-4b", "gpus": 16}
 

@@ -10,10 +10,10 @@ import pickle
 
 import pytest
 
-from bidirl.runtime import checkpoints
-from bidirl.job import config as cfgmod
-from bidirl.runtime.checkpoints import CheckpointError, CheckpointWriter, RunIdentity
 from bidirl.core import protocol as P
+from bidirl.job import config as cfgmod
+from bidirl.runtime import checkpoints
+from bidirl.runtime.checkpoints import CheckpointError, CheckpointWriter, RunIdentity
 
 SMALL = {
     "model": "qwen3-vl-2b", "hardware": "a6000",

@@ -2,9 +2,9 @@
 
 import pytest
 
-from bidirl.job import config as cfgmod
 from bidirl.cluster.engines.driver import EngineDriver
 from bidirl.core import protocol as P
+from bidirl.job import config as cfgmod
 
 
 def test_engine_runs_need_the_built_in_task():

@@ -9,11 +9,11 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import bidirl.job.config as cfgmod
 from bidirl.core import gates
 from bidirl.core.buffer import RolloutBuffer
 from bidirl.core.protocol import GroupState
 from bidirl.core.staleness import StalenessRule
+import bidirl.job.config as cfgmod
 from bidirl.sim import scaling
 from bidirl.sim.sweep import simulate_partitions
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from bidirl.results.trace import (DECISION_COLUMNS, SPAN_COLUMNS, STEP_COLUMNS, Decision, EventLog, Span, StepRecord,
-                          lane_order)
+                                  lane_order)
 
 R0, R1 = "rollout_pool/rollouter/0", "rollout_pool/rollouter/1"
 TR, AUX_R, AUX_T = "trainer_pool/trainer", "trainer_pool/rollouter/0", "rollout_pool/trainer"

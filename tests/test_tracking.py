@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
+from bidirl.core import protocol as P
 from bidirl.job import config as cfgmod
 from bidirl.results import metrics, tracking
-from bidirl.core import protocol as P
 from bidirl.sim import simulate
 
 VERL_TIMING = ("timing_s/step", "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/update_actor",
@@ -94,20 +94,23 @@ def test_train_statistics_become_verls_actor_and_data_metrics(borrowing_run):
 
 def test_rows_written_while_a_run_goes_on_equal_the_rows_of_the_finished_log(tmp_path):
     """LiveStepMetrics cuts the log two steps back; what it writes is what step_metrics computes at the end."""
+    from bidirl.runtime.driver import RunListener
     from bidirl.sim.driver import SimDriver
 
-    class Tracked(SimDriver):
-        def execute(self, msg):
-            super().execute(msg)
-            if isinstance(msg, P.StepDone):
-                self.tracker.step_done(self.log, [])
+    class Rows(RunListener):                              # what the Ray drivers hang on a run for --out
+        def __init__(self, metrics):
+            self.metrics = metrics
+
+        def on_report(self, driver, report):
+            if isinstance(report, P.StepDone):
+                self.metrics.step_done(driver.log, [])
 
     cfg = cfgmod.load("a6000-default")
-    driver = Tracked(cfg, "bidirl", 8, 0)
-    driver.tracker = tracking.LiveStepMetrics(tracking.RunOutput(tmp_path, cfg), cfg, list(P.POOLS))
+    driver = SimDriver(cfg, "bidirl", 8, 0)
+    rows = driver.add_listener(Rows(tracking.LiveStepMetrics(tracking.RunOutput(tmp_path, cfg), cfg, list(P.POOLS))))
     result = driver.run()
-    assert driver.tracker.written == 7                    # the last step waits for the end of the run
-    driver.tracker.close(result.log, [], result.summary())
+    assert rows.metrics.written == 7                      # the last step waits for the end of the run
+    rows.metrics.close(result.log, [], result.summary())
     live = tracking.load_metrics(tmp_path)
     offline = tracking.step_metrics(result)
     assert len(live) == 8

@@ -134,8 +134,8 @@ def _rounding_reference(model_dir, weights_per_step):
         out["logprobs"].append(old)
         out["norms"].append(trainer.apply(grads)["grad_norm"])
         with torch.no_grad():
-            out["max_logit"].append(max(float(trainer.model(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits
-                                              .abs().max()) for s in samples))
+            logits = [trainer.model(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits for s in samples]
+            out["max_logit"].append(max(float(z.abs().max()) for z in logits))
     return out
 
 

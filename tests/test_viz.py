@@ -8,8 +8,9 @@ import plotly.graph_objects as go
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bidirl.viz import gantt as viz
 from bidirl.results.trace import KINDS, EventLog, Span, StepRecord
+from bidirl.viz import export, live
+from bidirl.viz import gantt as viz
 
 R0, R1 = "rollout_pool/rollouter/0", "rollout_pool/rollouter/1"
 TR, AUX_R, AUX_T = "trainer_pool/trainer", "trainer_pool/rollouter/0", "rollout_pool/trainer"
@@ -146,7 +147,7 @@ def test_throughput_bars_single_and_grouped():
 def test_gantt_state_accumulates_like_a_one_shot_build():
     log = demo_log()
     spans = log.spans_df()
-    state = viz.GanttState()
+    state = live.GanttState()
     fig = state.figure()
     assert len(fig.data) == len(viz.TRACE_KEYS)
     for chunk in (spans.iloc[:2], spans.iloc[2:5], spans.iloc[5:0], spans.iloc[5:]):
@@ -169,19 +170,19 @@ def test_gantt_state_accumulates_like_a_one_shot_build():
 
 
 def test_gantt_state_relanes_when_a_new_worker_appears():
-    state = viz.GanttState()
+    state = live.GanttState()
     state.add(EventLog(spans=[span(TR, "chunk", 0, 1), span(R0, "generate", 0, 2)]).spans_df())
     assert state.lanes == [R0, TR]
     out = state.add(EventLog(spans=[span(AUX_T, "chunk", 2, 3)]).spans_df())
     assert state.lanes == [R0, AUX_T, TR]
     assert out[("chunk", "primary")]["y"].tolist() == [2.0]
     assert out[("chunk", "auxiliary")]["y"].tolist() == [1.0]
-    fixed = viz.GanttState(lanes=[TR, R0])
+    fixed = live.GanttState(lanes=[TR, R0])
     fixed.add(EventLog(spans=[span(AUX_T, "chunk", 2, 3)]).spans_df())
     assert fixed.lanes == [TR, R0, AUX_T]
     with pytest.raises(ValueError, match="GanttState"):
-        viz.GanttState().apply(go.Figure())
-    limited = viz.GanttState(keys=(("generate", "primary"),))
+        live.GanttState().apply(go.Figure())
+    limited = live.GanttState(keys=(("generate", "primary"),))
     with pytest.raises(ValueError, match="no trace"):
         limited.add(EventLog(spans=[span(TR, "chunk", 0, 1)]).spans_df())
 
@@ -202,7 +203,7 @@ def test_replay_clipping_shows_the_run_as_it_stood():
     assert at["customdata"][1][2] == 5                                          # its tooltip keeps the real end
     cut = viz.clip_spans(spans, 10.0)
     assert (cut["end"] <= 10.0).all() and len(cut) == (spans["start"] <= 10.0).sum()
-    state = viz.GanttState()
+    state = live.GanttState()
     state.add(log)
     assert state.end == 14.0
     layout = state.layout(log.steps_df(), until=10.0)
@@ -223,7 +224,7 @@ def test_many_auxiliary_rollouters_share_one_lane_unless_asked():
 
 
 def test_export_writes_html_and_png_where_kaleido_renders(tmp_path):
-    written = viz.export_figure(viz.gantt_figure(demo_log(), provenance="simulated"), tmp_path / "g")
+    written = export.export_figure(viz.gantt_figure(demo_log(), provenance="simulated"), tmp_path / "g")
     assert written["html"] == tmp_path / "g.html" and "training chunk" in written["html"].read_text()
     try:
         import kaleido  # noqa: F401
@@ -232,7 +233,7 @@ def test_export_writes_html_and_png_where_kaleido_renders(tmp_path):
     else:
         # installed: either a PNG, or a note saying why this machine could not render one
         assert (written["png"] is not None and written["png"].stat().st_size > 1000) or "could not" in written["note"]
-    only_html = viz.export_figure(viz.gantt_figure(demo_log()), tmp_path / "h.html", png=False)
+    only_html = export.export_figure(viz.gantt_figure(demo_log()), tmp_path / "h.html", png=False)
     assert only_html["png"] is None and only_html["note"] == "HTML only"
 
 
@@ -250,9 +251,9 @@ def test_png_export_keeps_each_figures_own_size(tmp_path, monkeypatch):
     monkeypatch.setattr(pio, "write_images", write_images)
     sized = viz.gantt_figure(demo_log(), provenance="simulated")
     bare = go.Figure()
-    assert viz.write_pngs({tmp_path / "a.png": sized, tmp_path / "b.png": bare}) is None
-    assert seen["width"] == [sized.layout.width, viz.PNG_SIZE[0]]
-    assert seen["height"] == [sized.layout.height, viz.PNG_SIZE[1]]
+    assert export.write_pngs({tmp_path / "a.png": sized, tmp_path / "b.png": bare}) is None
+    assert seen["width"] == [sized.layout.width, export.PNG_SIZE[0]]
+    assert seen["height"] == [sized.layout.height, export.PNG_SIZE[1]]
 
 
 def test_png_cache_renders_only_figures_it_has_not_seen(tmp_path, monkeypatch):
@@ -271,13 +272,13 @@ def test_png_cache_renders_only_figures_it_has_not_seen(tmp_path, monkeypatch):
     a, b = go.Figure(go.Bar(y=[1, 2])), go.Figure(go.Bar(y=[3]))
     first = {tmp_path / "1" / "a.png": a, tmp_path / "1" / "b.png": b}
     (tmp_path / "1").mkdir()
-    assert viz.write_pngs(first, cache_dir=cache) is None
+    assert export.write_pngs(first, cache_dir=cache) is None
     (tmp_path / "2").mkdir()
     again = {tmp_path / "2" / "a.png": a, tmp_path / "2" / "b.png": go.Figure(go.Bar(y=[4]))}
-    assert viz.write_pngs(again, cache_dir=cache) is None
+    assert export.write_pngs(again, cache_dir=cache) is None
     assert rendered == [2, 1]                      # the unchanged figure came from the cache
     assert (tmp_path / "2" / "a.png").read_bytes() == (tmp_path / "1" / "a.png").read_bytes()
     assert (tmp_path / "2" / "b.png").read_bytes() != (tmp_path / "1" / "b.png").read_bytes()
     a.update_layout(width=640)                     # a new size is a new picture
-    assert viz.write_pngs({tmp_path / "2" / "a.png": a}, cache_dir=cache) is None
+    assert export.write_pngs({tmp_path / "2" / "a.png": a}, cache_dir=cache) is None
     assert rendered == [2, 1, 1]

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import bidirl.job.config as cfgmod
-from bidirl.viz import gantt as viz
 from bidirl.results.trace import EventLog, Span
+from bidirl.viz import gantt as viz
 from bidirl.viz.gantt import TRACE_KEYS, spans_to_bars
 from bidirl.widgets import LiveGantt, MetricsPanel, PartitionSweep, RayRun, summary_table
 from bidirl.widgets.gantt import LEGEND_EXTRAS, TICK_S

@@ -10,8 +10,8 @@
   (:func:`ray_output`).
 
 Every figure says what it shows (simulated, emulated or measured) from the run's own ``provenance``. The widgets
-call the library's public API (``bidirl.job.planner``, ``bidirl.sim``, ``bidirl.viz.gantt``, ``bidirl.results.metrics``); they
-hold no scheduling or modelling logic of their own.
+call the library's public API (``bidirl.job.planner``, ``bidirl.sim``, ``bidirl.viz``, ``bidirl.results``); they hold
+no scheduling or modelling logic of their own.
 """
 
 from .gantt import LiveGantt

@@ -3,7 +3,7 @@
 One row per run (e.g. two policies) on a shared time axis; in each row one horizontal ``go.Bar`` trace per
 ``(kind, role)`` of :data:`bidirl.viz.gantt.TRACE_KEYS` — colours by role and kind, borrowing windows (paper §5,
 a pool lent to the other stage) shaded, step ends dotted, all with plain legend names. Every trace exists
-before the widget is displayed; updates assign whole float64 arrays from :class:`bidirl.viz.gantt.GanttState`
+before the widget is displayed; updates assign whole float64 arrays from :class:`bidirl.viz.live.GanttState`
 inside one ``fig.batch_update()``, at most ``refresh_hz`` times per wall second, driven by a poll loop in the
 calling cell (DESIGN.md, "Lessons from the anchors: Live widgets": output from background threads is
 unreliable under ipykernel 7).
@@ -35,8 +35,9 @@ from plotly.subplots import make_subplots
 
 from bidirl.results.provenance import provenance_text
 from bidirl.results.trace import EventLog
-from bidirl.viz.gantt import (DIRECTIONS, TEMPLATE, TRACE_KEYS, GanttState, gantt_shapes, legend_layout,
-                              legend_traces, time_axis_title, titled)
+from bidirl.viz.gantt import (DIRECTIONS, TEMPLATE, TRACE_KEYS, gantt_shapes, legend_layout, legend_traces,
+                              time_axis_title, titled)
+from bidirl.viz.live import GanttState
 
 ROW_GAP = 0.08
 WIDTH = 1000          # px; a FigureWidget inside an ipywidgets box does not resize with it (plotly.py#4027)

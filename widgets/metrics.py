@@ -158,7 +158,8 @@ class MetricsPanel:
         return self._show()
 
     def add_runs(self, runs: Iterable[Any]) -> pd.DataFrame:
-        """Show ``RunResult`` objects, each labelled with its policy and config (:func:`bidirl.results.metrics.run_label`)."""
+        """Show ``RunResult`` objects, each labelled with its policy and config
+        (:func:`bidirl.results.metrics.run_label`)."""
         from bidirl.results.metrics import run_label
         batch: dict = {}
         for r in runs:
@@ -205,8 +206,8 @@ class MetricsPanel:
 
     def export_figure(self, path: Any = None) -> dict:
         """Write the chart as HTML (and PNG where kaleido renders), default ``<export_dir>/runs.html``
-        (:func:`bidirl.viz.gantt.export_figure`)."""
-        from bidirl.viz.gantt import export_figure
+        (:func:`bidirl.viz.export.export_figure`)."""
+        from bidirl.viz.export import export_figure
         return export_figure(go.Figure(self.figure), Path(path) if path is not None
                              else Path(self.export_dir) / "runs.html")
 

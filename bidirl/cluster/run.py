@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from bidirl.job import config as cfgmod
 from bidirl.cluster.recovery import MAX_RESTARTS
+from bidirl.job import config as cfgmod
 from bidirl.results.run_result import RunResult
 
 
@@ -21,7 +21,7 @@ def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, se
     by default; ``emulate=True`` runs model-timed workers (:class:`~bidirl.cluster.emulated.EmulatedDriver`)
     at ``time_scale`` virtual seconds per wall second. ``on_event`` sees every event (live views).
     ``out_dir``: the run's output folder (``bidirl.results.tracking``: per-step metrics as JSONL and TensorBoard, trace,
-    event log, summary); engine runs write their metrics while they run, emulated runs when they end.
+    event log, summary), written while the run goes on.
 
     ``checkpoint_dir``: write a checkpoint every ``checkpoint_every`` steps and after the last, keeping the last
     ``keep`` (``bidirl.runtime.checkpoints``); ``resume``: continue from the newest good checkpoint in that folder (or
@@ -40,23 +40,15 @@ def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, se
         raise cfgmod.ConfigError("time_scale", f"must be > 0, got {time_scale}", "use e.g. 20 (virtual s per wall s)")
     steps = cfg.workload.steps if steps is None else int(steps)
     seed = cfg.seed if seed is None else int(seed)
-    if out_dir is not None:
-        from bidirl.results.tracking import check_out_dir
-        check_out_dir(out_dir)
     if resume is not None and checkpoint_dir is None:
         from bidirl.runtime.checkpoints import MANIFEST
         checkpoint_dir = str(Path(resume).parent if (Path(resume) / MANIFEST).exists() else Path(resume))
     durable = dict(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep, resume=resume,
-                   max_restarts=max_restarts)
+                   max_restarts=max_restarts, out_dir=out_dir)
     if not emulate:
         from bidirl.cluster.engines.driver import EngineDriver
         return EngineDriver(cfg, policy, steps, seed, on_event=on_event, address=address,
-                            model_dir=model_dir, out_dir=out_dir, **durable).run(progress)
+                            model_dir=model_dir, **durable).run(progress)
     from bidirl.cluster.emulated import EmulatedDriver
-    result = EmulatedDriver(cfg, policy, steps, seed, on_event=on_event, address=address,
-                            time_scale=time_scale, **durable).run(progress)
-    if out_dir is not None:
-        from bidirl.results.tracking import write_run
-        result.summary_dict["out_dir"] = str(out_dir)
-        write_run(result, out_dir)
-    return result
+    return EmulatedDriver(cfg, policy, steps, seed, on_event=on_event, address=address,
+                          time_scale=time_scale, **durable).run(progress)

@@ -4,8 +4,9 @@ The step's samples (``B`` groups × ``group_size`` responses, in batch order) ar
 ``old_logprob`` and ``ref_logprob`` (forward passes, one *segment*), then ``actor_update`` (a second
 segment: it needs the first segment's log-probs of every sample, so the segments are separated by a barrier).
 A segment is an ordered list of *units* ``(stage, sample)``. A chunk is a contiguous run of units of one
-stage executed by one trainer gang of ``d`` replicas of ``rho`` devices: one micro-batch of at most ``micro_batch_per_device``
-(s_max) units on every device, ``per_device`` units each; the smallest chunk is one unit per device (§5.2).
+stage executed by one trainer gang of ``d`` replicas of ``rho`` devices: one micro-batch of at most
+``micro_batch_per_device`` (s_max) units on every device, ``per_device`` units each; the smallest chunk is one unit
+per device (§5.2).
 
 Chunk states follow Table 2: ``queued`` (sent, not started: recoverable), ``running`` (finishes),
 ``finished`` (merged in original order), ``cancelled`` (terminal; its units go back to the queue).

@@ -669,8 +669,8 @@ class Coordinator:
         callable, so the coordinator pickles into a checkpoint)."""
         s = self.settings
         return TrainerStep(step=index, version=self.trainer_version, groups=groups, stages=s.stages,
-                           micro_batch_per_device=s.micro_batch_per_device, next_chunk_id=functools.partial(next, self._chunk_ids),
-                           rho=self.topology.trainer_layout)
+                           micro_batch_per_device=s.micro_batch_per_device,
+                           next_chunk_id=functools.partial(next, self._chunk_ids), rho=self.topology.trainer_layout)
 
     def _schedule_chunks(self):
         step = self.step

@@ -243,8 +243,8 @@ def trainer_gate(stages: Sequence[str], run_time: Callable[[int, int, int], floa
     """
     t_no, drained = workload_time(stages, run_time, d_p, micro_batch_per_device, drain=costs.c_in, rho=rho)
     rest = stages[drained:]
-    t_joint, _ = workload_time(rest, lambda a, b, d: run_time(a + drained, b + drained, d), d_p + d_a, micro_batch_per_device,
-                               rho=rho)
+    t_joint, _ = workload_time(rest, lambda a, b, d: run_time(a + drained, b + drained, d), d_p + d_a,
+                               micro_batch_per_device, rho=rho)
     c_grad = costs.c_grad if any(s in UPDATE_STAGES for s in rest) else 0.0
     tail = max(costs.c_out, c_grad + optimizer) - optimizer if optimizer > 0 else costs.c_out + c_grad
     t_borrow = costs.c_in + t_joint + tail

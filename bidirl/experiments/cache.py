@@ -10,7 +10,7 @@ renamed into place), so two worker processes never see half an entry. The root i
 ``~/.cache/bidirl`` (as for the tiny model), or the folder a caller passes (``bidirl reproduce --cache-dir``).
 Only the real simulator's runs are cached; an injected ``simulate_fn`` is not covered by the code version.
 ``bidirl reproduce`` also keeps its figures' PNGs under ``<root>/png``, keyed by the figure's content
-(:func:`bidirl.viz.gantt.write_pngs`), since rendering them is most of a re-run's time.
+(:func:`bidirl.viz.export.write_pngs`), since rendering them is most of a re-run's time.
 """
 
 from __future__ import annotations

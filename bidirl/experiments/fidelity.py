@@ -19,8 +19,8 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from bidirl.job import config as cfgmod
 from bidirl.core import protocol as P
+from bidirl.job import config as cfgmod
 
 
 def _batch_lengths(groups) -> tuple:

@@ -288,7 +288,7 @@ def stage_figure(spec: PanelSpec, records: pd.DataFrame, claims: Optional[Sequen
 
 def write_figures(figures: dict, out_dir: Path, png_cache: Optional[Path] = None) -> tuple:
     """Write each figure as HTML (plotly.js once, beside them) and as PNG when kaleido and a browser work;
-    ``png_cache`` keeps rendered PNGs by figure content (:func:`bidirl.viz.gantt.write_pngs`).
+    ``png_cache`` keeps rendered PNGs by figure content (:func:`bidirl.viz.export.write_pngs`).
 
     Returns ``(paths, png_note)``: the files written and a sentence saying whether PNGs were made.
     """
@@ -306,7 +306,7 @@ def write_figures(figures: dict, out_dir: Path, png_cache: Optional[Path] = None
 
 
 def _try_png(figures: dict, out_dir: Path, paths: list, png_cache: Optional[Path]) -> str:
-    from bidirl.viz.gantt import write_pngs
+    from bidirl.viz.export import write_pngs
     targets = {out_dir / f"{name}.png": fig for name, fig in figures.items()}
     why = write_pngs(targets, cache_dir=png_cache)
     if why is not None:

@@ -28,8 +28,8 @@ from typing import Optional
 import numpy as np
 from scipy.optimize import least_squares, minimize
 
-from bidirl.job import config as cfgmod, presets
 from bidirl.core import protocol as P
+from bidirl.job import config as cfgmod, presets
 
 #: the claims that calibrate (everything else in claims.yaml is held out)
 FIT_CLAIMS = ("table-hot-switch-2b", "static-choice-4b", "static-spread-4b")

@@ -27,8 +27,8 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 import pandas as pd
 
-from bidirl.job import config as cfgmod
 from bidirl.experiments.specs import PanelSpec
+from bidirl.job import config as cfgmod
 
 STATUS_OK, STATUS_UNSUPPORTED, STATUS_FAILED = "ok", "unsupported", "failed"
 

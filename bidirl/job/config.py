@@ -22,10 +22,10 @@ from typing import Any, Literal, Mapping, Optional
 
 import yaml
 
+from bidirl.core.protocol import DIRECTIONS, SwitchCosts, trainer_stages
+from bidirl.core.protocol import POLICY_NAMES as POLICIES
 from bidirl.errors import ConfigError
 from bidirl.job import presets
-from bidirl.core.protocol import POLICY_NAMES as POLICIES
-from bidirl.core.protocol import DIRECTIONS, SwitchCosts, trainer_stages
 
 Placement = Literal["node-aligned", "any"]
 

@@ -45,8 +45,8 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import least_squares
 
-from bidirl.perf.flops import STAGES, lengths, sample_forward_flops
 from bidirl.perf.balance import serpentine
+from bidirl.perf.flops import STAGES, lengths, sample_forward_flops
 from bidirl.perf.rollout import RolloutModel, RolloutParams, replica_times_from_features
 from bidirl.perf.trainer import TrainerModel, TrainerParams, microbatch_times
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bidirl.perf.replica import EngineCosts
 from bidirl.perf.flops import prefill_flops
+from bidirl.perf.replica import EngineCosts
 from bidirl.perf.rollout import RolloutModel
 from bidirl.perf.trainer import TrainerModel
 

@@ -45,9 +45,9 @@ from typing import Optional
 
 import numpy as np
 
+from bidirl.perf.balance import check_replicas, grouped_order, runs_of, small_keys, stable_order
 from bidirl.perf.flops import lengths
 from bidirl.perf.overlap import combine, overlap
-from bidirl.perf.balance import check_replicas, grouped_order, runs_of, small_keys, stable_order
 from bidirl.perf.params import RolloutParams, default_rollout_params
 
 _BIG = float(2 ** 62)

@@ -47,9 +47,9 @@ from typing import Iterable, Mapping, Optional
 import numpy as np
 
 from bidirl.core.protocol import chunk_size
+from bidirl.perf.balance import check_replicas, grouped_order, runs_of, stable_order
 from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_stage, lengths, sample_forward_flops
 from bidirl.perf.overlap import combine, overlap
-from bidirl.perf.balance import check_replicas, grouped_order, runs_of, stable_order
 from bidirl.perf.params import TrainerParams, default_trainer_params
 
 

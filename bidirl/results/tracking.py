@@ -56,8 +56,8 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-from bidirl.errors import BidirlError
 from bidirl.core import protocol as P
+from bidirl.errors import BidirlError
 from bidirl.results.metrics import ordered_steps, union_intervals
 from bidirl.results.trace import EventLog
 

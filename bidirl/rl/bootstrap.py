@@ -168,7 +168,8 @@ def _sample_reward(model_dir, task, n, temperature, seed, max_new_tokens) -> flo
 def build(out: Union[str, Path], seed: int = 0, spec: WarmStart = WarmStart(),
           cfg: tiny_model.TinyConfig = tiny_model.TinyConfig(), progress: bool = False,
           evaluate: bool = True) -> dict:
-    """Create the tiny model in ``out`` and warm-start it; records the summary in ``out/`` + :data:`~bidirl.rl.model_folder.TINY_MARKER`."""
+    """Create the tiny model in ``out`` and warm-start it; records the summary in ``out`` under
+    :data:`~bidirl.rl.model_folder.TINY_MARKER`."""
     out = Path(out)
     tiny_model.create(out, seed=seed, cfg=cfg)
     stats = warm_start(out, spec, progress=progress)

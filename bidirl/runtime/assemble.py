@@ -11,11 +11,11 @@ from typing import Optional
 
 import numpy as np
 
-from bidirl.job import config as cfgmod
 from bidirl.core import protocol as P
 from bidirl.core.coordinator import Coordinator, Settings, Topology
 from bidirl.core.policies import Policy, get_policy
 from bidirl.core.profiler import Profiler
+from bidirl.job import config as cfgmod
 from bidirl.perf.predictor import StagePredictor
 from bidirl.perf.workload import sample_lengths
 

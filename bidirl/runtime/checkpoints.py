@@ -56,6 +56,7 @@ import numpy as np
 
 from bidirl.errors import BidirlError
 from bidirl.results.trace import EventLog
+from bidirl.runtime.driver import RunListener
 
 FORMAT = "bidirl-run-checkpoint"
 FORMAT_VERSION = 2                 # 2: the package layout by role (pickled classes moved)
@@ -181,21 +182,6 @@ def capture(driver, boundary, driver_state: dict) -> ControlPlane:
     The coordinator is taken whole: the checkpoint needs all of it and none of its internals.
     """
     return ControlPlane(driver.coordinator, boundary, driver.log, dict(driver_state), rng_states())
-
-
-def install(driver, control: ControlPlane) -> None:
-    """Make ``driver`` continue from ``control``: its coordinator (and the models the coordinator refits) with
-    ``driver.steps`` as its goal (a resumed run may go on to more steps), the event log (filled in place, so a
-    live Gantt that follows ``driver.log`` keeps following it) and the RNG states."""
-    from dataclasses import replace
-
-    driver.coordinator = control.coordinator
-    driver.coordinator.settings = replace(control.coordinator.settings, steps=int(driver.steps))
-    driver.predictor = control.coordinator.predictor
-    driver.log.spans[:] = control.log.spans
-    driver.log.steps[:] = control.log.steps
-    driver.log.decisions[:] = control.log.decisions
-    set_rng_states(control.rng)
 
 
 def rng_states() -> dict:
@@ -470,3 +456,43 @@ class CheckpointWriter:
         for stale in step_folders(self.root)[: -self.keep]:
             shutil.rmtree(stale, ignore_errors=True)
         return Checkpoint(final, manifest)
+
+
+class Checkpointing(RunListener):
+    """Writes a checkpoint at each due step boundary of a run (module doc): just before the step's
+    ``SyncFinished`` reaches the coordinator, when the run is quiescent.
+
+    The driver supplies what a checkpoint holds through four methods: ``identity()`` (:class:`RunIdentity`),
+    ``checkpoint_state()`` (its own per-run state), ``save_trainer_state(folder)`` (the trainer's files, False
+    when it has none; raises :class:`CheckpointSkipped` when it cannot now) and ``boundary`` (the boundary a
+    resumed run started from, which is already a checkpoint)."""
+
+    def __init__(self, writer: CheckpointWriter):
+        self.writer = writer
+
+    def on_event(self, driver, event) -> None:
+        from bidirl.core.protocol import SyncFinished
+        if isinstance(event, SyncFinished):
+            self.write(driver, event)
+
+    def write(self, driver, boundary) -> Optional[Path]:
+        """The checkpoint at the boundary ``boundary`` closes, if one is due; its folder or None."""
+        step = driver.steps_done + 1
+        if boundary is driver.boundary or not self.writer.due(step, last=step >= driver.steps):
+            return None
+        tmp = self.writer.begin(step)
+        try:
+            try:
+                trainer = driver.save_trainer_state(tmp / TRAINER_DIR)
+            except CheckpointSkipped as exc:
+                self.writer.abandon(tmp)
+                warnings.warn(f"no checkpoint after step {step}: {exc}; the next boundary writes one", RuntimeWarning,
+                              stacklevel=2)
+                return None
+            control = capture(driver, boundary, driver.checkpoint_state())
+            return self.writer.commit(tmp, step=step, trainer_version=boundary.version, t=boundary.t,
+                                      identity=driver.identity(), control=control,
+                                      config_yaml=driver.config.to_yaml(), trainer=trainer)
+        except BaseException:
+            self.writer.abandon(tmp)
+            raise

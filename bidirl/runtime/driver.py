@@ -12,7 +12,10 @@ a driver that lacks one fails when it is built, naming what is missing. Everythi
   lands on the same lane under every driver and utilisation means the same thing everywhere;
 * spans carry the step and actor version the driver has seen through the protocol (``StepDone`` reports and
   ``OptimizerStepped`` events), never read from coordinator state;
-* :class:`RunResult`, the run summary and the progress bar.
+* side effects of a run — checkpoints, the output folder, live views — hang on the driver as
+  :class:`RunListener` objects (``add_listener``) that see its protocol traffic, never as overrides of ``feed`` or
+  ``execute``;
+* the run summary, :class:`~bidirl.results.run_result.RunResult` and the progress bar.
 """
 
 from __future__ import annotations
@@ -21,11 +24,25 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from bidirl.job import config as cfgmod
 from bidirl.core import protocol as P
+from bidirl.job import config as cfgmod
 from bidirl.perf.predictor import StagePredictor
 from bidirl.results.run_result import RunResult
 from bidirl.results.trace import EventLog, Span
+
+class RunListener:
+    """Something a run does on the side (checkpoints, the output folder, a live view), told of the driver's
+    protocol traffic. Every hook is optional; a listener reads the driver and never feeds it events."""
+
+    def on_event(self, driver: "Driver", event) -> None:
+        """``event`` is about to reach the coordinator."""
+
+    def on_command(self, driver: "Driver", command) -> None:
+        """The coordinator sent ``command``; the driver's handler runs it next."""
+
+    def on_report(self, driver: "Driver", report) -> None:
+        """The coordinator's ``report`` (``StepDone``, ``Decided``, ``RunDone``) is now in the event log."""
+
 
 def switch_lane(pool: str, to_role: str) -> str:
     """The lane a switch is drawn on: the role taking the pool (its trainer gang or first rollout replica),
@@ -87,6 +104,28 @@ class Driver:
         self.messages: list = []      # every command and report executed, in order (cross-driver checks)
         self.version = 0              # the primary trainer's actor version, as the events fed have told
         self.finished = False         # the coordinator reported RunDone
+        self.listeners: list = []     # RunListener objects (add_listener)
+
+    def add_listener(self, listener: RunListener) -> RunListener:
+        """Tell ``listener`` of every event, command and report from now on (after the listeners added before)."""
+        self.listeners.append(listener)
+        return listener
+
+    def remove_listener(self, listener: RunListener) -> None:
+        self.listeners.remove(listener)
+
+    def continue_from(self, control) -> None:
+        """Continue a run from ``control`` (a checkpoint's :class:`~bidirl.runtime.checkpoints.ControlPlane`): its
+        coordinator, with this driver's ``steps`` as the goal (a resumed run may go on to more steps), the models
+        that coordinator refits as the driver's predictor, and its event log, filled into the driver's in place
+        (a live Gantt that follows ``self.log`` keeps following it)."""
+        from dataclasses import replace
+        self.coordinator = control.coordinator
+        self.coordinator.settings = replace(self.coordinator.settings, steps=int(self.steps))
+        self.predictor = self.coordinator.predictor
+        self.log.spans[:] = control.log.spans
+        self.log.steps[:] = control.log.steps
+        self.log.decisions[:] = control.log.decisions
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -94,9 +133,12 @@ class Driver:
         return len(self.log.steps)
 
     def feed(self, event) -> None:
-        """Hand ``event`` to the coordinator and execute its messages in order."""
+        """Hand ``event`` to the coordinator and execute its messages in order. ``on_event`` (a plain function
+        of the event, settable at any time: live views) and the listeners see it first."""
         if self.on_event is not None:
             self.on_event(event)
+        for listener in self.listeners:
+            listener.on_event(self, event)
         messages = self.coordinator.handle(event)
         if isinstance(event, P.OptimizerStepped):
             self.version = event.version
@@ -104,15 +146,20 @@ class Driver:
             self.execute(msg)
 
     def execute(self, msg) -> None:
-        """Record a report, or run a command through the driver's handler."""
+        """Record a report, or run a command through the driver's handler; the listeners hear of either."""
         self.messages.append(msg)
-        if isinstance(msg, P.StepDone):
-            self.log.add_step(msg.record)
-        elif isinstance(msg, P.Decided):
-            self.log.add_decision(msg.decision)
-        elif isinstance(msg, P.RunDone):
-            self.finished = True
+        if isinstance(msg, P.REPORTS):
+            if isinstance(msg, P.StepDone):
+                self.log.add_step(msg.record)
+            elif isinstance(msg, P.Decided):
+                self.log.add_decision(msg.decision)
+            else:
+                self.finished = True
+            for listener in self.listeners:
+                listener.on_report(self, msg)
         else:
+            for listener in self.listeners:
+                listener.on_command(self, msg)
             self._handlers[type(msg)](msg)
 
     # ---- the lane rule ------------------------------------------------------------------------

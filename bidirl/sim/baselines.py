@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from bidirl.job.config import JobConfig
 from bidirl.core.policies import Policy
 from bidirl.core.protocol import BASELINE_POLICIES
+from bidirl.job.config import JobConfig
 
 
 @dataclass(frozen=True)

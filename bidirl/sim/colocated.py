@@ -14,17 +14,17 @@ import math
 import numpy as np
 
 from bidirl.core import protocol as P
-from bidirl.results.run_result import RunResult
-from bidirl.runtime.loop import EventLoop
-from bidirl.perf.replica import BatchingEngine, EngineGroup
 from bidirl.perf.predictor import StagePredictor
+from bidirl.perf.replica import BatchingEngine, EngineGroup
 from bidirl.perf.workload import GroupLengths
+from bidirl.results.run_result import RunResult
 from bidirl.results.trace import EventLog, Span, StepRecord
+from bidirl.runtime.loop import EventLoop
 
 
 def simulate_colocated(config, *, steps: int, seed: int, policy: str = "verl-colocated") -> RunResult:
-    from bidirl.results import metrics
     from bidirl.job.planner import plan as make_plan
+    from bidirl.results import metrics
 
     cfg = config
     env = make_plan(cfg).envelope

@@ -20,10 +20,10 @@ from typing import Optional
 import numpy as np
 
 from bidirl.core import protocol as P
-from bidirl.runtime.driver import Driver, RunResult, progress_bar
-from bidirl.runtime.loop import EventLoop
 from bidirl.perf.replica import BatchingEngine, EngineGroup
 from bidirl.perf.workload import GroupLengths
+from bidirl.runtime.driver import Driver, RunResult, progress_bar
+from bidirl.runtime.loop import EventLoop
 
 #: seconds to move a chunk's inputs to a worker (Table 2's "queued" phase, when a chunk can still be cancelled)
 CHUNK_TRANSFER = 0.005

@@ -1,4 +1,4 @@
-"""Plotly figures of an event log: per-worker Gantt charts, policy comparisons, throughput bars, export.
+"""Plotly figures of an event log: per-worker Gantt charts, policy comparisons, throughput bars.
 
 Gantt bars are horizontal ``go.Bar`` traces on a linear time axis (``base=t0``, ``x=t1 − t0``, in seconds),
 one trace per ``(kind, role)`` holding every span of that kind as arrays — never one trace per span, and never
@@ -14,17 +14,12 @@ have legend entries beside the plain-named span kinds.
 names the time axis and the title (:func:`time_axis_title`, :data:`bidirl.results.provenance.PROVENANCE`).
 
 The array building is pure (:func:`spans_to_bars`, :func:`gantt_shapes`) and tested without a browser;
-:class:`GanttState` grows the arrays incrementally for live figures (the widgets assign them inside
-``fig.batch_update()``) and clips them at a time ``t`` for replay.
+:class:`bidirl.viz.live.GanttState` grows the arrays incrementally for live figures, and
+:mod:`bidirl.viz.export` writes figures to HTML and PNG.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -116,7 +111,7 @@ def _log_and_provenance(source: Any, provenance: Optional[str]) -> tuple:
 # pure array building
 # --------------------------------------------------------------------------------------------------
 
-def _spans(log_or_spans: Union[EventLog, pd.DataFrame]) -> pd.DataFrame:
+def spans_table(log_or_spans: Union[EventLog, pd.DataFrame]) -> pd.DataFrame:
     if isinstance(log_or_spans, EventLog):
         return log_or_spans.spans_df()
     if isinstance(log_or_spans, pd.DataFrame):
@@ -175,7 +170,7 @@ def spans_to_bars(spans_df: Union[EventLog, pd.DataFrame], lanes: Optional[Seque
     array with columns :data:`CUSTOMDATA_COLUMNS`. Only the ``(kind, role)`` pairs present appear, in
     :data:`TRACE_KEYS` order. Raises ``ValueError`` when a span's lane is not among ``lanes``.
     """
-    df = _spans(spans_df)
+    df = spans_table(spans_df)
     lanes = default_lanes(df, group_auxiliary) if lanes is None else list(lanes)
     index = {w: float(i) for i, w in enumerate(lanes)}
     if len(index) != len(lanes):
@@ -211,7 +206,7 @@ def spans_to_bars(spans_df: Union[EventLog, pd.DataFrame], lanes: Optional[Seque
     return out
 
 
-def _empty_bars() -> dict:
+def empty_bars() -> dict:
     return {"y": np.empty(0), "base": np.empty(0), "x": np.empty(0),
             "customdata": np.empty((0, len(CUSTOMDATA_COLUMNS)), dtype=object)}
 
@@ -247,7 +242,7 @@ def gantt_shapes(spans_df: Union[EventLog, pd.DataFrame], steps_df: Optional[pd.
                  group_auxiliary: bool = True) -> list:
     """Layout shapes for a Gantt: shaded borrowing windows on the lent pool's lanes, dotted lines at step
     ends, and thin separators between pools. Pure: returns plotly shape dicts."""
-    df = _spans(spans_df)
+    df = spans_table(spans_df)
     lanes = default_lanes(df, group_auxiliary) if lanes is None else list(lanes)
     bands = pool_bands(lanes)
     shapes = []
@@ -317,7 +312,7 @@ def legend_layout(names: Sequence[str], width: float) -> tuple:
 # figures
 # --------------------------------------------------------------------------------------------------
 
-def _bar(key: tuple, arrays: Mapping, showlegend: bool = True) -> go.Bar:
+def bar_trace(key: tuple, arrays: Mapping, showlegend: bool = True) -> go.Bar:
     kind, role = key
     name = trace_name(kind, role)
     return go.Bar(orientation="h", name=name, legendgroup=name, showlegend=showlegend,
@@ -327,7 +322,7 @@ def _bar(key: tuple, arrays: Mapping, showlegend: bool = True) -> go.Bar:
                           "pattern": {"shape": "/" if role == "auxiliary" else ""}})
 
 
-def _yaxis(lanes: Sequence[str], workers: Sequence[str] = ()) -> dict:
+def lane_axis(lanes: Sequence[str], workers: Sequence[str] = ()) -> dict:
     return {"tickmode": "array", "tickvals": list(range(len(lanes))), "ticktext": lane_labels(lanes, workers),
             "range": [len(lanes) - 0.5, -0.5] if lanes else [0.5, -0.5], "zeroline": False}
 
@@ -355,11 +350,11 @@ def gantt_figure(source: Any, title: Optional[str] = None, lanes: Optional[Seque
     shaded on the lent pool.
     """
     log, provenance = _log_and_provenance(source, provenance)
-    df = _spans(log)
+    df = spans_table(log)
     lanes = default_lanes(df, group_auxiliary) if lanes is None else list(lanes)
     steps = _steps_of(log)
     bars = spans_to_bars(df, lanes, group_auxiliary)
-    traces = [_bar(key, arrays) for key, arrays in bars.items()]
+    traces = [bar_trace(key, arrays) for key, arrays in bars.items()]
     traces += legend_traces(_directions(df), steps is not None and len(steps) > 0)
     fig = go.Figure(traces)
     legend, bottom = legend_layout([t.name for t in traces], WIDTH)
@@ -367,7 +362,7 @@ def gantt_figure(source: Any, title: Optional[str] = None, lanes: Optional[Seque
     fig.update_layout(title=full or None, barmode="overlay", bargap=0.0, width=WIDTH, template=TEMPLATE,
                       height=110 + bottom + 26 * max(1, len(lanes)),
                       xaxis={"type": "linear", "title": {"text": time_axis_title(provenance)}},
-                      yaxis=_yaxis(lanes, df["worker"].astype(str)), legend=legend,
+                      yaxis=lane_axis(lanes, df["worker"].astype(str)), legend=legend,
                       shapes=gantt_shapes(df, steps, lanes, group_auxiliary=group_auxiliary),
                       margin={"l": 230, "r": 20, "t": 60 if full else 30, "b": bottom})
     return fig
@@ -388,7 +383,7 @@ def compare_gantt(logs: Mapping[str, Any], title: Optional[str] = None, *, prove
     if len(kinds) > 1:
         raise ValueError(f"compare_gantt draws runs of one provenance on one time axis; got {sorted(map(str, kinds))}")
     provenance = kinds.pop()
-    frames = {label: _spans(log) for label, log in sources.items()}
+    frames = {label: spans_table(log) for label, log in sources.items()}
     lanes = {label: default_lanes(df, group_auxiliary) for label, df in frames.items()}
     heights = [max(1, len(v)) for v in lanes.values()]
     fig = make_subplots(rows=len(frames), cols=1, shared_xaxes=True, vertical_spacing=0.06 if len(frames) > 1 else 0,
@@ -399,7 +394,7 @@ def compare_gantt(logs: Mapping[str, Any], title: Optional[str] = None, *, prove
     any_steps = False
     for row, (label, df) in enumerate(frames.items(), start=1):
         for key, arrays in spans_to_bars(df, lanes[label], group_auxiliary).items():
-            fig.add_trace(_bar(key, arrays, showlegend=key not in shown), row=row, col=1)
+            fig.add_trace(bar_trace(key, arrays, showlegend=key not in shown), row=row, col=1)
             shown.add(key)
         sub = fig.get_subplot(row, 1)
         xref, yref = sub.xaxis.plotly_name.replace("axis", ""), sub.yaxis.plotly_name.replace("axis", "")
@@ -407,7 +402,7 @@ def compare_gantt(logs: Mapping[str, Any], title: Optional[str] = None, *, prove
         any_steps = any_steps or (steps is not None and len(steps) > 0)
         directions |= set(_directions(df))
         shapes += gantt_shapes(df, steps, lanes[label], xref=xref, yref=yref, group_auxiliary=group_auxiliary)
-        fig.update_yaxes(_yaxis(lanes[label], df["worker"].astype(str)), row=row, col=1)
+        fig.update_yaxes(lane_axis(lanes[label], df["worker"].astype(str)), row=row, col=1)
     for trace in legend_traces([d for d in DIRECTIONS if d in directions], any_steps):
         fig.add_trace(trace, row=1, col=1)
     fig.update_xaxes(type="linear")
@@ -462,190 +457,3 @@ def throughput_bars(results: pd.DataFrame, title: Optional[str] = None) -> go.Fi
         fig.update_layout(xaxis_title="policy")
     fig.update_layout(title=title, yaxis_title=f"throughput ({THROUGHPUT_UNIT})")
     return fig
-
-
-# --------------------------------------------------------------------------------------------------
-# export
-# --------------------------------------------------------------------------------------------------
-
-#: (width, height) px of a PNG whose figure sets no size of its own
-PNG_SIZE: tuple = (1000, 600)
-
-
-def write_pngs(figures: Mapping[Union[str, Path], go.Figure], cache_dir: Optional[Union[str, Path]] = None,
-               ) -> Optional[str]:
-    """Write each figure as PNG at its path with kaleido, in one batch (one browser start for all); returns
-    ``None`` when written, else why not (kaleido missing, or no browser it can drive) — nothing is left half
-    written. PNG export is optional; HTML always works.
-
-    With ``cache_dir``, a PNG is kept there under a hash of the figure's JSON, its size and kaleido's version, and
-    a figure seen before is copied from it instead of rendered again (a browser start and ≈ 1 s a figure), so a
-    re-run whose figures did not change writes its PNGs at once.
-    """
-    try:
-        import kaleido
-    except ImportError:
-        return "kaleido is not installed (pip install kaleido; it also needs a Chrome or Chromium)"
-    import plotly.io as pio
-    # kaleido renders at its default size unless told; use each figure's own, so the PNG looks like the HTML
-    jobs = [(Path(p), f, int(f.layout.width or PNG_SIZE[0]), int(f.layout.height or PNG_SIZE[1]))
-            for p, f in figures.items()]
-    cached = {}
-    if cache_dir is not None:
-        cache = Path(cache_dir)
-        version = getattr(kaleido, "__version__", "")
-        for path, fig, w, h in jobs:
-            key = hashlib.sha256(f"{fig.to_json()}|{w}x{h}|{version}".encode()).hexdigest()
-            cached[path] = cache / key[:2] / f"{key}.png"
-    render = [j for j in jobs if j[0] not in cached or not cached[j[0]].is_file()]
-    try:
-        if render:
-            pio.write_images([j[1] for j in render], [str(j[0]) for j in render],
-                             width=[j[2] for j in render], height=[j[3] for j in render])
-    except Exception as exc:  # noqa: BLE001 — no browser, a kaleido/Chrome mismatch, ...
-        for path, *_ in jobs:
-            path.unlink(missing_ok=True)
-        return f"kaleido could not render ({type(exc).__name__}: {str(exc)[:160]})"
-    rendered = {j[0] for j in render}
-    for path, entry in cached.items():
-        if path in rendered:
-            entry.parent.mkdir(parents=True, exist_ok=True)
-            tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")   # atomic: no half entry is ever read
-            shutil.copyfile(path, tmp)
-            os.replace(tmp, entry)
-        else:
-            shutil.copyfile(entry, path)
-    return None
-
-
-def write_png(fig: go.Figure, path: Union[str, Path]) -> Optional[str]:
-    """:func:`write_pngs` for one figure."""
-    return write_pngs({path: fig})
-
-
-def export_figure(fig: go.Figure, path: Union[str, Path], png: bool = True) -> dict:
-    """Save ``fig`` as a self-contained HTML file at ``path`` (``.html`` added when missing) and, with ``png``,
-    beside it as PNG where kaleido can render. Returns ``{"html": Path, "png": Path or None, "note": str}``."""
-    path = Path(path)
-    html = path if path.suffix == ".html" else path.with_name(path.name + ".html")
-    html.parent.mkdir(parents=True, exist_ok=True)
-    fig.write_html(str(html), include_plotlyjs=True)
-    out = {"html": html, "png": None, "note": "HTML only"}
-    if png:
-        target = html.with_suffix(".png")
-        why = write_png(go.Figure(fig), target)
-        out.update(png=None if why else target, note=f"PNG skipped: {why}" if why else "HTML and PNG")
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# incremental state for live figures
-# --------------------------------------------------------------------------------------------------
-
-@dataclass
-class GanttState:
-    """Accumulates Gantt bar arrays as spans arrive, for live figures (DESIGN.md, "Live widgets").
-
-    Build the figure once with every trace (:meth:`figure`, one per :data:`TRACE_KEYS` entry, empty), then for
-    each batch of new spans call :meth:`add` and assign the returned *whole* float64 arrays inside
-    ``fig.batch_update()`` (or call :meth:`apply`). ``lanes`` fixes the lane order; lanes first seen later are
-    inserted in :func:`bidirl.results.trace.lane_order` position when ``lanes`` was not given, appended otherwise, and
-    every stored bar is re-laned. :meth:`arrays` and :meth:`layout` with ``until`` give the state at a time,
-    for replay.
-    """
-    lanes: list = field(default_factory=list)
-    keys: tuple = TRACE_KEYS
-    group_auxiliary: bool = True
-    _fixed: bool = field(default=False, init=False, repr=False)
-    _bars: dict = field(default_factory=dict, init=False, repr=False)
-    _spans: list = field(default_factory=list, init=False, repr=False)
-    _workers: set = field(default_factory=set, init=False, repr=False)
-
-    def __post_init__(self):
-        self.lanes = list(self.lanes)
-        self._fixed = bool(self.lanes)
-        unknown = [k for k in self.keys if k not in COLORS]
-        if unknown:
-            raise ValueError(f"GanttState.keys holds unknown (kind, role) pair(s) {unknown}; use TRACE_KEYS entries")
-        self._bars = {k: _empty_bars() for k in self.keys}
-
-    @property
-    def n_spans(self) -> int:
-        return int(sum(len(b["x"]) for b in self._bars.values()))
-
-    @property
-    def end(self) -> float:
-        """The latest span end seen (0 when empty)."""
-        ends = [float(np.max(b["base"] + b["x"])) for b in self._bars.values() if len(b["x"])]
-        return max(ends, default=0.0)
-
-    def spans_df(self) -> pd.DataFrame:
-        """Every span added so far (the columns the Gantt needs)."""
-        if not self._spans:
-            return EventLog().spans_df()
-        return pd.concat(self._spans, ignore_index=True)
-
-    def _relane(self, workers: Sequence[str]) -> None:
-        self._workers.update(workers)
-        new = [w for w in dict.fromkeys(lane_of(x, self.group_auxiliary) for x in workers) if w not in self.lanes]
-        if not new:
-            return
-        self.lanes = self.lanes + lane_order(new) if self._fixed else lane_order(self.lanes + new)
-        index = {w: float(i) for i, w in enumerate(self.lanes)}
-        for bars in self._bars.values():
-            if len(bars["y"]):
-                bars["y"] = np.array([index[lane_of(w, self.group_auxiliary)] for w in bars["customdata"][:, 0]],
-                                     dtype=np.float64)
-
-    def add(self, spans_df_new: Union[EventLog, pd.DataFrame]) -> dict:
-        """Add new spans; return ``{(kind, role): {"y", "base", "x", "customdata"}}`` — the full arrays of every
-        trace in :attr:`keys` order (empty arrays for kinds not seen yet)."""
-        df = _spans(spans_df_new)
-        unknown = sorted({(k, r) for k, r in zip(df["kind"], df["role"])} - set(self.keys))
-        if unknown:
-            raise ValueError(f"spans of (kind, role) {unknown} have no trace in this GanttState; include them in keys")
-        if len(df):
-            self._relane(df["worker"].astype(str).tolist())
-            self._spans.append(df[[c for c in df.columns if c in ("worker", "pool", "role", "kind", "start", "end",
-                                                                  "step", "version", "detail")]])
-            for key, arrays in spans_to_bars(df, self.lanes, self.group_auxiliary).items():
-                old = self._bars[key]
-                self._bars[key] = {name: np.concatenate([old[name], arrays[name]]) for name in old}
-        return self.arrays()
-
-    def arrays(self, until: Optional[float] = None) -> dict:
-        """The full arrays of every trace (not copies; do not mutate them), or as they stood at ``until``."""
-        if until is None:
-            return {k: self._bars[k] for k in self.keys}
-        return {k: clip_bars(self._bars[k], until) for k in self.keys}
-
-    def layout(self, steps_df: Optional[pd.DataFrame] = None, until: Optional[float] = None) -> dict:
-        """Layout properties to assign with the arrays: y-axis lanes and the shapes (windows, step ends), at
-        ``until`` when given."""
-        spans = self.spans_df()
-        if until is not None:
-            spans = clip_spans(spans, until)
-            if steps_df is not None and len(steps_df):
-                steps_df = steps_df[steps_df["end"] <= until]
-        return {"yaxis": _yaxis(self.lanes, sorted(self._workers)),
-                "shapes": gantt_shapes(spans, steps_df, self.lanes, group_auxiliary=self.group_auxiliary),
-                "height": 160 + 26 * max(1, len(self.lanes))}
-
-    def figure(self, title: Optional[str] = None) -> go.Figure:
-        """A figure with one (possibly empty) trace per key, in :attr:`keys` order, showing the current state."""
-        fig = go.Figure([_bar(k, a) for k, a in self.arrays().items()])
-        fig.update_layout(title=title, barmode="overlay", bargap=0.0, template=TEMPLATE,
-                          xaxis={"type": "linear", "title": {"text": "t (s)"}}, margin={"l": 230, "r": 20, "b": 40},
-                          **self.layout())
-        return fig
-
-    def apply(self, fig: go.Figure, steps_df: Optional[pd.DataFrame] = None) -> None:
-        """Assign the current arrays and layout to a figure made by :meth:`figure` in one ``batch_update``."""
-        if len(fig.data) != len(self.keys):
-            raise ValueError(f"the figure has {len(fig.data)} traces but this GanttState has {len(self.keys)}; "
-                             "build it with GanttState.figure()")
-        with fig.batch_update():
-            for trace, arrays in zip(fig.data, self.arrays().values()):
-                trace.y, trace.base, trace.x, trace.customdata = (arrays["y"], arrays["base"], arrays["x"],
-                                                                  arrays["customdata"])
-            fig.update_layout(**self.layout(steps_df))

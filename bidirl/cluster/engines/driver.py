@@ -55,9 +55,9 @@ from typing import Optional
 
 import numpy as np
 
-from bidirl.job import config as cfgmod
 from bidirl.cluster.pool import ClusterError, PoolDriver, root_cause
 from bidirl.core import protocol as P
+from bidirl.job import config as cfgmod
 from bidirl.results.run_result import RunResult
 from bidirl.results.trace import EventLog
 
@@ -90,13 +90,13 @@ class TrainerSnapshot:
 class EngineDriver(PoolDriver):
     """Run ``config`` with real engine workers. ``model_dir``: a causal-LM checkpoint folder (default: the
     built-in tiny model, created once into the cache); ``step_seconds``: wall seconds per generation slice;
-    ``out_dir``: the run's output folder (metrics, TensorBoard, trace; none when empty)."""
+    ``out_dir`` (:class:`~bidirl.cluster.pool.PoolDriver`): the run's output folder, with the training statistics
+    of each step in its rows."""
     model_dir: Optional[str] = None
     step_seconds: float = 0.05
     kv_cache_gib: float = 0.0625
     start_timeout: float = 600.0
     stall_timeout: float = 300.0
-    out_dir: Optional[str] = None
 
     label = "engines"
     provenance = "measured"
@@ -121,9 +121,6 @@ class EngineDriver(PoolDriver):
             raise ValueError(f"EngineDriver.step_seconds must be > 0, got {self.step_seconds!r}")
         from bidirl.rl.model_folder import causal_lm_config
         causal_lm_config(self.model_dir, "EngineDriver.model_dir")     # a loadable causal LM (vLLM: in the actors)
-        if self.out_dir is not None:
-            from bidirl.results.tracking import check_out_dir
-            check_out_dir(self.out_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.prompts, self.reward = self._prompts_and_reward()
         # workload.forced_lengths: every response gets the length the workload model draws for it (as simulated)
@@ -140,7 +137,6 @@ class EngineDriver(PoolDriver):
         self.trainer_state: Optional[TrainerSnapshot] = None    # None: version 0, the model folder's weights
         self.final_weights = None
         self._resource_name: Optional[str] = None
-        self.tracker = None               # bidirl.results.tracking.LiveStepMetrics when out_dir is set (opened by run)
 
     def _prompts_and_reward(self):
         """Which prompt each group gets (``workload.data_file`` or the arithmetic task) and the reward function
@@ -371,19 +367,9 @@ class EngineDriver(PoolDriver):
 
     def _begin(self):
         self.t0 = time.time() - self.clock_start
-        if self.out_dir is not None:
-            from bidirl.results import tracking
-            pools = [p for p, n in self.assembly.pool_gpus.items() if n > 0]
-            self.tracker = tracking.LiveStepMetrics(tracking.RunOutput(self.out_dir, self.config), self.config, pools)
-            log = self.log
-            for k, (spans, decisions) in enumerate(self.step_marks):     # a resumed run writes every step's row
-                self.tracker.step_done(EventLog(spans=log.spans[:spans], steps=log.steps[:k + 1],
-                                                decisions=log.decisions[:decisions]), self.step_stats)
 
-    def execute(self, msg) -> None:
-        super().execute(msg)
-        if self.tracker is not None and isinstance(msg, P.StepDone):
-            self.tracker.step_done(self.log, self.step_stats)
+    def train_stats(self) -> list:
+        return self.step_stats
 
     # ------------------------------------------------------------------------------------------
     # bookkeeping
@@ -420,7 +406,7 @@ class EngineDriver(PoolDriver):
         super().restore_state(state)
         self.step_stats = list(state["step_stats"])
 
-    def _save_trainer_state(self, folder) -> bool:
+    def save_trainer_state(self, folder) -> bool:
         """Every primary rank writes its shards of weights and AdamW state (``torch.distributed.checkpoint``)."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -730,20 +716,6 @@ class EngineDriver(PoolDriver):
             except Exception:
                 self.final_weights = None
         super().shutdown()
-        if self.tracker is not None:
-            self._close_outputs()
-
-    def _close_outputs(self):
-        """Write the rest of the output folder. A run that failed keeps its error: a problem writing the
-        outputs then only warns."""
-        tracker, self.tracker = self.tracker, None
-        try:
-            tracker.close(self.log, self.step_stats, self.summary() if self.finished else None)
-        except Exception as exc:
-            if self.finished:
-                raise
-            import warnings
-            warnings.warn(f"could not write the run's outputs to {self.out_dir}: {exc}", RuntimeWarning, stacklevel=2)
 
     def summary(self) -> dict:
         out = super().summary()
@@ -758,8 +730,6 @@ class EngineDriver(PoolDriver):
         out["model_dir"] = self.model_dir
         out["reward_function"] = self.reward.name
         out["data_file"] = self.config.workload.data_file
-        if self.out_dir is not None:
-            out["out_dir"] = str(self.out_dir)
         return out
 
     def result(self, **extra) -> RunResult:

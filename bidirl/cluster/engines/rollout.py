@@ -3,8 +3,9 @@
 One ``RolloutEngine`` is one rollout replica (paper §2.1): a vLLM engine run **in-process** (no engine
 subprocess: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``) in eager mode, fp32
 on CPU and bf16 on GPU (the trainer's compute precision there), over any local checkpoint folder of an
-architecture both vLLM and transformers implement (checked up front: ``bidirl.rl.model_folder``). Generation is driven step by step through ``LLMEngine.add_request`` / ``step`` so it can be stopped
-between any two decode steps:
+architecture both vLLM and transformers implement (checked up front: ``bidirl.rl.model_folder``). Generation
+is driven step by step through ``LLMEngine.add_request`` / ``step`` so it can be stopped between any two decode
+steps:
 
 * :meth:`start` adds the requests of prompt-level groups (``group_size`` responses each). Response ``i``
   of group ``g`` samples with its own seed ``request_seed(seed, g, i)``, and the token at each position is

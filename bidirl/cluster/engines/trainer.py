@@ -61,9 +61,9 @@ import torch
 from bidirl.cluster.engines import bridge
 from bidirl.cluster.engines.host_buffer import HostStash
 from bidirl.cluster.engines.logprob import DEFAULT_CHUNK, response_logprobs
-from bidirl.rl import model_folder as checkpoint
 from bidirl.core.protocol import PRIMARY, ROLES
 from bidirl.rl import grpo
+from bidirl.rl import model_folder as checkpoint
 
 #: ``precision=`` values: fp32 throughout, or bf16 compute over fp32 master weights (FSDP2 mixed precision)
 PRECISIONS = ("fp32", "bf16-mixed")

@@ -1,0 +1,126 @@
+"""Where a run's time went: idle per pool from interval unions, and a bubble breakdown of every training step.
+
+**Idle per pool** is :func:`bidirl.results.metrics.idle` (the union of every busy interval on the pool, never one
+start/stop pair per version — the reason veRL's ``idle_ratio`` reads near 0 on a training-bound run, verl issue
+#6693) and :func:`~bidirl.results.metrics.idle_gpu_seconds` (GPU-weighted), over the run's steps.
+
+**Bubble breakdown** (the trainer's view of one step, ``[start, end]`` of its StepRecord): every instant of the
+step is given to the first of these that holds, so the parts partition the step and sum to its time exactly:
+
+==========================  ===============================================================================
+``training``                a training span runs (chunk, optimizer step, gradient merge), on any pool
+``weight sync``             a weight sync runs and no training
+``hot switch``              a switch (offload / onload, sleep / wake-up) runs, nothing above
+``waiting for the batch``   generation runs on every lane that generates in this step, nothing above
+``long-tail generation``    generation runs on some of those lanes only: the batch waits for its longest
+                            responses while the other generation lanes idle
+``trainer waiting``         nothing the trace records runs: the driver, rewards, data movement, RPCs
+==========================  ===============================================================================
+
+The sweep cuts the step at every span start and end; within each elementary interval the state is constant, so
+its midpoint classifies it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from bidirl.core.protocol import POOLS
+from bidirl.ingest.run import ImportedRun
+from bidirl.results import metrics
+from bidirl.results.metrics import union_intervals
+
+#: the breakdown's parts, in priority order (module doc)
+BUBBLES: tuple = ("training", "weight sync", "hot switch", "waiting for the batch", "long-tail generation",
+                  "trainer waiting")
+TRAINING_KINDS = ("chunk", "optimizer", "grad_merge")
+SWITCH_KINDS = ("switch_in", "switch_out")
+
+
+def run_window(run: ImportedRun) -> tuple:
+    """``(t0, t1)``: from the first step's start to the last step's end, or the spans' extent without steps."""
+    steps = run.log.steps_df()
+    if len(steps):
+        return float(steps["start"].min()), float(steps["end"].max())
+    spans = run.log.spans_df()
+    if not len(spans):
+        return 0.0, 0.0
+    return float(spans["start"].min()), float(spans["end"].max())
+
+
+def pool_idle(run: ImportedRun, t0: float = None, t1: float = None) -> pd.DataFrame:
+    """Idle per pool over ``[t0, t1]`` (default :func:`run_window`): ``pool, gpus, window_s, idle_s,
+    idle_fraction, idle_gpu_s`` — union-based (module doc). Pools with no GPUs and no spans are left out."""
+    a, b = run_window(run) if t0 is None or t1 is None else (float(t0), float(t1))
+    spans = run.log.spans_df()
+    rows = []
+    for pool in POOLS:
+        gpus = float(run.pool_gpus.get(pool, 0.0))
+        if gpus <= 0 and not (spans["pool"] == pool).any():
+            continue
+        idle = metrics.idle(spans, pool, a, b)
+        gpu_idle = metrics.idle_gpu_seconds(spans, pool, run.gpus_per_worker, gpus, a, b) if gpus > 0 else float("nan")
+        rows.append({"pool": pool, "gpus": gpus, "window_s": b - a, "idle_s": idle,
+                     "idle_fraction": idle / (b - a) if b > a else float("nan"), "idle_gpu_s": gpu_idle})
+    return pd.DataFrame(rows, columns=["pool", "gpus", "window_s", "idle_s", "idle_fraction", "idle_gpu_s"])
+
+
+def _covered(starts: np.ndarray, ends: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Whether each time in ``t`` lies inside the union of ``[starts, ends]``."""
+    us, ue = union_intervals(starts, ends)
+    if not us.size:
+        return np.zeros(t.size, dtype=bool)
+    i = np.searchsorted(us, t, side="right") - 1
+    return (i >= 0) & (t < ue[np.maximum(i, 0)])
+
+
+def step_bubbles(spans: pd.DataFrame, a: float, b: float) -> dict:
+    """Seconds of each of :data:`BUBBLES` in the window ``[a, b]`` (module doc); they sum to ``b − a``."""
+    out = dict.fromkeys(BUBBLES, 0.0)
+    if b <= a:
+        return out
+    s = spans[(spans["start"] < b) & (spans["end"] > a)]
+    start = np.clip(s["start"].to_numpy(dtype=np.float64), a, b)
+    end = np.clip(s["end"].to_numpy(dtype=np.float64), a, b)
+    cuts = np.unique(np.concatenate([[a, b], start, end]))
+    mid = (cuts[:-1] + cuts[1:]) / 2
+    length = np.diff(cuts)
+    kind = s["kind"].to_numpy(dtype=object)
+    train = _covered(start[np.isin(kind, TRAINING_KINDS)], end[np.isin(kind, TRAINING_KINDS)], mid)
+    sync = _covered(start[kind == "sync"], end[kind == "sync"], mid)
+    switch = _covered(start[np.isin(kind, SWITCH_KINDS)], end[np.isin(kind, SWITCH_KINDS)], mid)
+    gen = kind == "generate"
+    lanes = s["worker"].to_numpy(dtype=object)[gen]
+    busy = np.zeros(mid.size, dtype=np.int64)
+    for lane in np.unique(lanes):
+        us, ue = union_intervals(start[gen][lanes == lane], end[gen][lanes == lane])
+        busy += np.searchsorted(us, mid, side="right") - np.searchsorted(ue, mid, side="right")
+    width = len(np.unique(lanes))
+    label = np.full(mid.size, BUBBLES.index("trainer waiting"))
+    label[(busy > 0) & (busy < width)] = BUBBLES.index("long-tail generation")
+    label[(busy >= width) & (width > 0)] = BUBBLES.index("waiting for the batch")
+    label[switch] = BUBBLES.index("hot switch")
+    label[sync] = BUBBLES.index("weight sync")
+    label[train] = BUBBLES.index("training")
+    sums = np.bincount(label, weights=length, minlength=len(BUBBLES))
+    return {name: float(v) for name, v in zip(BUBBLES, sums)}
+
+
+def bubble_breakdown(run: ImportedRun) -> pd.DataFrame:
+    """One row per training step: ``step, start, end, step_s`` and the seconds of each of :data:`BUBBLES`
+    (they sum to ``step_s``). Empty when the run has no complete step."""
+    spans = run.log.spans_df()
+    steps = run.log.steps_df().sort_values("step", kind="stable")
+    rows = []
+    for r in steps.itertuples(index=False):
+        parts = step_bubbles(spans, float(r.start), float(r.end))
+        rows.append({"step": int(r.step), "start": float(r.start), "end": float(r.end),
+                     "step_s": float(r.end - r.start), **parts})
+    return pd.DataFrame(rows, columns=["step", "start", "end", "step_s", *BUBBLES])
+
+
+def bubble_shares(breakdown: pd.DataFrame) -> pd.Series:
+    """Each part's share of the total step time over all steps (sums to 1)."""
+    total = float(breakdown["step_s"].sum())
+    return breakdown[list(BUBBLES)].sum() / total if total > 0 else breakdown[list(BUBBLES)].sum() * np.nan

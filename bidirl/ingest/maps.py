@@ -1,0 +1,228 @@
+r"""Mapping files: which span of a foreign trace is which bidirl span, on which pool, on how many GPUs.
+
+A map is YAML (shipped maps: ``data/trace_maps/*.yaml``, by name; or any path)::
+
+    name: verl-colocated
+    colocated: true                # one pool holds both roles (bidirl's colocated convention: training is
+                                   # auxiliary work on the rollout pool, as bidirl.sim.colocated draws it)
+    sources: [...]                 # the framework files the rules were written from
+    spans:                         # first match wins; `name` is a regular expression searched in the event name,
+      - name: 'generate_sequences$'  # `cat` (optional) one searched in its category
+        kind: generate             # a bidirl span kind (bidirl.core.protocol.SPAN_KINDS)
+        pool: rollout_pool         # the pool the worker running it lives on
+        role: primary              # primary (its home pool) | auxiliary (borrowed GPUs); default primary
+        stage: actor_update        # chunk spans: the trainer stage (old_logprob | ref_logprob | actor_update)
+      - name: 'init_model$'
+        ignore: set-up, not part of a step   # known and deliberately left out (counted as ignored, by name)
+    workers:                       # optional; first match wins over the worker's span names
+      - ran: 'RolloutActor\.'      # the worker ran a span whose name matches ...
+        first: 'RolloutActor\.offload$'   # ... and (optional) its first mapped span matches this
+        pool: trainer_pool         # then it lives on this pool, all its spans with this role
+        role: auxiliary
+        label: rollouter           # its lane's name (default: from what it ran)
+        gpus: 1                    # GPUs it holds (default: `gpus_per_worker`)
+    gpus_per_worker: 1
+    steps:
+      end: {kind: optimizer}       # a training step ends where a union of these spans (over all workers) ends
+
+A span that matches no rule is *unmapped*: reported by name with a count, never dropped silently. A worker
+whose spans the rules send to two pools, with no worker rule to settle it, raises
+:class:`~bidirl.ingest.errors.WorkerPoolConflict`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+import yaml
+
+from bidirl.core.protocol import POOLS, PRIMARY, ROLES, SPAN_KINDS, STAGES
+from bidirl.ingest.errors import MapError
+
+#: where shipped maps live, relative to the data folder
+MAPS_FOLDER = "trace_maps"
+#: keys a span rule may have
+SPAN_KEYS = frozenset({"name", "cat", "kind", "pool", "role", "stage", "ignore"})
+WORKER_KEYS = frozenset({"ran", "first", "pool", "role", "label", "gpus"})
+#: what a lane is called after its pool: rollout replica, trainer rank, or a process doing both (colocated)
+LABELS = ("rollouter", "trainer", "worker")
+TOP_KEYS = frozenset({"name", "description", "colocated", "sources", "spans", "workers", "gpus_per_worker", "steps"})
+
+
+@dataclass(frozen=True)
+class SpanRule:
+    """One ``spans`` entry (module doc)."""
+    index: int
+    name: re.Pattern
+    cat: Optional[re.Pattern]
+    kind: str = ""
+    pool: str = ""
+    role: str = PRIMARY
+    stage: str = ""
+    ignore: str = ""
+
+    def matches(self, name: str, cat: str) -> bool:
+        return self.name.search(name) is not None and (self.cat is None or self.cat.search(cat) is not None)
+
+
+@dataclass(frozen=True)
+class WorkerRule:
+    """One ``workers`` entry (module doc)."""
+    index: int
+    ran: re.Pattern
+    first: Optional[re.Pattern]
+    pool: str = ""
+    role: str = ""
+    gpus: Optional[float] = None
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class TraceMap:
+    """A parsed mapping file (module doc); ``path`` is where it came from, for error messages."""
+    name: str
+    path: str
+    spans: tuple
+    workers: tuple = ()
+    gpus_per_worker: float = 1.0
+    colocated: bool = False
+    step_end: dict = field(default_factory=lambda: {"kind": "optimizer"})
+    sources: tuple = ()
+    description: str = ""
+
+    def rule_for(self, name: str, cat: str = "") -> Optional[SpanRule]:
+        """The first span rule matching an event, or None (unmapped)."""
+        for rule in self.spans:
+            if rule.matches(name, cat):
+                return rule
+        return None
+
+
+def _where(path: str, what: str) -> str:
+    return f"{Path(path).name}, {what}"
+
+
+def _regex(value, where: str, key: str) -> re.Pattern:
+    if not isinstance(value, str) or not value:
+        raise MapError(where, f"{key!r} must be a non-empty regular expression string, got {value!r}",
+                       "quote it in YAML, e.g. name: 'generate_sequences$'")
+    try:
+        return re.compile(value)
+    except re.error as exc:
+        raise MapError(where, f"{key!r} regular expression {value!r} does not compile ({exc.msg} at position "
+                              f"{exc.pos})", "fix the expression (Python `re` syntax)") from None
+
+
+def _choice(value, allowed, where: str, key: str) -> str:
+    if value not in allowed:
+        raise MapError(where, f"{key!r} must be one of {', '.join(allowed)}, got {value!r}",
+                       f"set {key} to one of them")
+    return value
+
+
+def _gpus(value, where: str, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise MapError(where, f"{key!r} must be a GPU count >= 0, got {value!r}", "give the GPUs the worker holds")
+    return float(value)
+
+
+def _span_rule(i: int, raw, path: str) -> SpanRule:
+    where = _where(path, f"spans[{i}]")
+    if not isinstance(raw, dict):
+        raise MapError(where, f"expected a mapping, got {type(raw).__name__}", "write each rule as name/kind/pool")
+    unknown = sorted(set(raw) - SPAN_KEYS)
+    if unknown:
+        raise MapError(where, f"unknown key(s) {unknown}", f"use {', '.join(sorted(SPAN_KEYS))}")
+    name = _regex(raw.get("name"), where, "name")
+    cat = _regex(raw["cat"], where, "cat") if "cat" in raw else None
+    if raw.get("ignore"):
+        return SpanRule(i, name, cat, ignore=str(raw["ignore"]))
+    for key in ("kind", "pool"):
+        if key not in raw:
+            raise MapError(where, f"missing {key!r}", f"give the bidirl span {key} (or ignore: <reason>)")
+    kind = _choice(raw["kind"], SPAN_KINDS, where, "kind")
+    pool = _choice(raw["pool"], POOLS, where, "pool")
+    role = _choice(raw.get("role", PRIMARY), ROLES, where, "role")
+    stage = raw.get("stage", "")
+    if kind == "chunk":
+        stage = _choice(stage, STAGES, where, "stage")
+    elif stage:
+        raise MapError(where, f"'stage' is for chunk spans, this rule's kind is {kind!r}", "drop the stage")
+    return SpanRule(i, name, cat, kind, pool, role, stage)
+
+
+def _worker_rule(i: int, raw, path: str) -> WorkerRule:
+    where = _where(path, f"workers[{i}]")
+    if not isinstance(raw, dict):
+        raise MapError(where, f"expected a mapping, got {type(raw).__name__}", "write each rule as ran/pool/gpus")
+    unknown = sorted(set(raw) - WORKER_KEYS)
+    if unknown:
+        raise MapError(where, f"unknown key(s) {unknown}", f"use {', '.join(sorted(WORKER_KEYS))}")
+    ran = _regex(raw.get("ran"), where, "ran")
+    first = _regex(raw["first"], where, "first") if "first" in raw else None
+    pool = _choice(raw["pool"], POOLS, where, "pool") if "pool" in raw else ""
+    role = _choice(raw["role"], ROLES, where, "role") if "role" in raw else ""
+    gpus = _gpus(raw["gpus"], where, "gpus") if "gpus" in raw else None
+    label = _choice(raw["label"], LABELS, where, "label") if "label" in raw else ""
+    return WorkerRule(i, ran, first, pool, role, gpus, label)
+
+
+def parse_map(doc, path: str = "(map)") -> TraceMap:
+    """A :class:`TraceMap` from a parsed YAML document; raises :class:`MapError` naming the rule and field."""
+    if not isinstance(doc, dict):
+        raise MapError(Path(path).name, "a map is a YAML mapping with a 'spans' list", "see bidirl.ingest.maps")
+    unknown = sorted(set(doc) - TOP_KEYS)
+    if unknown:
+        raise MapError(Path(path).name, f"unknown key(s) {unknown}", f"use {', '.join(sorted(TOP_KEYS))}")
+    spans = doc.get("spans")
+    if not isinstance(spans, list) or not spans:
+        raise MapError(Path(path).name, "'spans' must be a non-empty list of rules", "add at least one rule")
+    workers = doc.get("workers") or []
+    if not isinstance(workers, list):
+        raise MapError(Path(path).name, "'workers' must be a list of rules", "write workers: [ {ran: ..., pool: ...} ]")
+    steps = doc.get("steps") or {"end": {"kind": "optimizer"}}
+    end = steps.get("end") if isinstance(steps, dict) else None
+    if not isinstance(end, dict) or "kind" not in end:
+        raise MapError(_where(path, "steps"), "expected steps: {end: {kind: <span kind>[, stage: <stage>]}}",
+                       "say which spans end a training step, e.g. the optimizer step")
+    _choice(end["kind"], SPAN_KINDS, _where(path, "steps.end"), "kind")
+    if "stage" in end:
+        _choice(end["stage"], STAGES, _where(path, "steps.end"), "stage")
+    return TraceMap(name=str(doc.get("name") or Path(path).stem), path=str(path),
+                    spans=tuple(_span_rule(i, r, path) for i, r in enumerate(spans)),
+                    workers=tuple(_worker_rule(i, r, path) for i, r in enumerate(workers)),
+                    gpus_per_worker=_gpus(doc.get("gpus_per_worker", 1), Path(path).name, "gpus_per_worker"),
+                    colocated=bool(doc.get("colocated", False)), step_end=dict(end),
+                    sources=tuple(map(str, doc.get("sources") or ())), description=str(doc.get("description", "")))
+
+
+def shipped_maps() -> dict:
+    """``{name: path}`` of the maps shipped in ``data/trace_maps``."""
+    from bidirl.job.presets import data_dir
+    folder = data_dir() / MAPS_FOLDER
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def load_map(source: Union[str, Path, dict, TraceMap]) -> TraceMap:
+    """A map from a shipped name (:func:`shipped_maps`), a YAML path, a parsed document or a TraceMap."""
+    if isinstance(source, TraceMap):
+        return source
+    if isinstance(source, dict):
+        return parse_map(source)
+    path = Path(source)
+    if not path.is_file():
+        shipped = shipped_maps()
+        if str(source) not in shipped:
+            raise MapError(str(source), "no such map file or shipped map",
+                           f"pass a YAML path or one of: {', '.join(shipped)}")
+        path = shipped[str(source)]
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path.name}, line {mark.line + 1}" if mark is not None else path.name
+        raise MapError(where, f"not valid YAML ({getattr(exc, 'problem', exc)})", "fix the YAML syntax") from None
+    return parse_map(doc, str(path))
