@@ -10,6 +10,7 @@ import pytest
 from bidirl.experiments import figures as F
 from bidirl.experiments.run import RESULT_COLUMNS, speedups
 from bidirl.experiments.specs import SPECS, get
+from bidirl.results.provenance import mark_records
 from bidirl.sim.baselines import BASELINES, unsupported_reason
 
 
@@ -116,6 +117,6 @@ def test_static_and_stage_panels_show_the_papers_numbers():
     stage = get("stage-rollout")
     records = pd.DataFrame({"x": [1, 2, 1, 2], "max_response_len": [8, 8, 16, 16],
                             "observed": [1.0, 2.0, 2.0, 4.0], "predicted": [1.1, 2.0, 2.0, 4.0]})
-    fig = F.stage_figure(stage, records)
+    fig = F.stage_figure(stage, mark_records(records, "measured", "measured on CPU, tiny model"))
     assert "paper: median 3.12 %, p90 5.77 %" in fig.layout.title.text
     assert "median 0.00 %" in fig.layout.title.text and fig.layout.xaxis.title.text == "prompt groups per GPU"

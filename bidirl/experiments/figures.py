@@ -14,7 +14,8 @@ Every figure says what it shows and sets it beside what the paper reports (``dat
   paper's.
 
 Axis titles are words with units (:data:`VARIABLE_TITLES`), never config keys. Simulated numbers are labelled
-simulated (model prediction); the stage-model panels are measurements on this CPU with the tiny model.
+simulated (model prediction); the stage-model panels say where their records come from (measured on this CPU
+with the tiny model in ``reproduce``; synthetic in the calibration notebook), read from the records' tag.
 """
 
 from __future__ import annotations
@@ -255,19 +256,27 @@ def static_figure(spec: PanelSpec, results: pd.DataFrame, sweep: Optional[pd.Dat
     return fig
 
 
-def stage_figure(spec: PanelSpec, records: pd.DataFrame, claims: Optional[Sequence] = None) -> go.Figure:
+def stage_figure(spec: PanelSpec, records: Optional[pd.DataFrame], claims: Optional[Sequence] = None) -> go.Figure:
     """Observed and predicted stage time per x value, one pair of curves per max response length, with the
-    held-out errors beside the paper's."""
-    from bidirl.experiments.stage_models import LABEL
+    held-out errors; titled with where the records come from (their tag,
+    :func:`bidirl.results.provenance.records_label`; untagged records are refused). Measured records are set
+    beside the paper's errors; synthetic ones beside the generator's noise floor, which is what their error
+    measures."""
+    from bidirl.experiments.stage_models import NOISE, noise_floor_pct
+    from bidirl.results.provenance import records_label
     fig = go.Figure()
     paper = paper_values(spec, claims)
     errors = ""
+    label = "no records (the panel failed: see the report)"
+    source = None
+    if records is not None:
+        label, source = records_label(records), records.attrs["source"]
     if records is not None and len(records):
         palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
         for i, (length, sub) in enumerate(records.groupby("max_response_len")):
             agg = sub.groupby("x")[["observed", "predicted"]].mean().sort_index()
             color = palette[i % len(palette)]
-            fig.add_trace(go.Scatter(name=f"observed, responses of {length} tokens", x=agg.index,
+            fig.add_trace(go.Scatter(name=f"{source}, responses of {length} tokens", x=agg.index,
                                      y=agg["observed"], mode="markers", marker={"color": color, "size": 8},
                                      legendgroup=str(length)))
             fig.add_trace(go.Scatter(name=f"predicted (fitted model), responses of {length} tokens", x=agg.index,
@@ -276,11 +285,14 @@ def stage_figure(spec: PanelSpec, records: pd.DataFrame, claims: Optional[Sequen
         if {"observed", "predicted"} <= set(records.columns):
             rel = (records["predicted"] - records["observed"]).abs() / records["observed"]
             errors = f"held-out error: median {100 * rel.median():.2f} %, p90 {100 * rel.quantile(0.9):.2f} %"
-    if paper["median"] is not None:
+    if source == "synthetic":
+        errors += (f"{'; ' if errors else ''}floor set by the injected {100 * NOISE:g} % noise: median "
+                   f"{noise_floor_pct():.2f} % (not comparable with the paper's errors on real GPUs)")
+    elif paper["median"] is not None:
         errors += (f"{'; ' if errors else ''}paper: median {paper['median']:.2f} %"
                    + (f", p90 {paper['p90']:.2f} %" if paper["p90"] is not None else "")
                    + " (Qwen3-VL on A6000)")
-    fig.update_layout(title={"text": f"{spec.title} ({spec.figure}) — {LABEL}<br><sup>{errors}</sup>"},
+    fig.update_layout(title={"text": f"{spec.title} ({spec.figure}) — {label}<br><sup>{errors}</sup>"},
                       xaxis_title=variable_title(spec), yaxis_title="stage time (s)", template="plotly_white",
                       width=1000, height=480)
     return fig
