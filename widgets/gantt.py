@@ -12,7 +12,9 @@ unreliable under ipykernel 7).
   *pace* control; ``math.inf`` runs flat out), so a run can be watched.
 * **Pause and replay.** Once a run has finished (or between runs), the play button replays the event log from
   t = 0 at the chosen pace, the pause button stops it, and the time slider shows the state at any t —
-  spans not yet started hidden, running ones cut at t. Replay reads the recorded log; nothing is re-run.
+  spans not yet started hidden, running ones cut at t. Replay reads the recorded log; nothing is re-run. The
+  last frame of a replay is always the run's end (the Play widget would stop one step short of it, and its ▶
+  then does nothing), so every span shows and ▶ starts over.
 * **Bounded redraws.** At most ``refresh_hz`` redraws per wall second live and in replay (the play button
   ticks at that rate), and only what changed is sent.
 * **Provenance.** The time axis and title say what the run is (simulated, emulated or measured), taken from the
@@ -55,6 +57,12 @@ def _axis_ref(name: str) -> str:
 def _new_spans(log: EventLog, seen: int) -> EventLog:
     """The spans appended to ``log`` since the first ``seen`` (a view, no copy of the old records)."""
     return EventLog(spans=log.spans[seen:])
+
+
+def pace_title(provenance: Optional[str]) -> str:
+    """The pace control's label: simulated seconds for a simulation, run seconds for an emulated or measured run
+    (whose replay plays recorded time)."""
+    return "pace (simulated s per wall s)" if provenance in (None, "simulated") else "replay pace (run s per wall s)"
 
 
 def _pace_label(pace: float) -> str:
@@ -168,10 +176,11 @@ class LiveGantt:
                                continuous_update=True, layout=ipw.Layout(width="420px"))
         ipw.jslink((play, "value"), (slider, "value"))
         pace = ipw.Dropdown(options=[(_pace_label(p), p) for p in PACES], value=self._nearest_pace(self.pace),
-                            description="pace (simulated s per wall s)", style={"description_width": "initial"},
+                            description=pace_title(self.provenance), style={"description_width": "initial"},
                             layout=ipw.Layout(width="340px"))
-        readout = ipw.HTML(value="t = 0.0 s")
+        readout = ipw.HTML(value="t = 0.0 s", layout=ipw.Layout(min_width="190px", margin="0 16px 0 8px"))
         slider.observe(self._on_slider, names="value")
+        play.observe(self._on_playing, names="playing")
         pace.observe(self._on_pace, names="value")
         return {"play": play, "time": slider, "clock": readout, "pace": pace}
 
@@ -346,6 +355,7 @@ class LiveGantt:
         with self.figure.batch_update():
             self.figure.layout.title = titled(self.title, provenance) or None
             self.figure.update_xaxes(title_text=time_axis_title(provenance), row=len(self.labels), col=1)
+        self.controls["pace"].description = pace_title(provenance)
 
     # ------------------------------------------------------------------------------------------
     # live runs and replay
@@ -368,14 +378,18 @@ class LiveGantt:
         c = self.controls
         with self._holding():
             c["time"].max = int(math.ceil(end / TICK_S))
-            c["time"].value = int(round(t / TICK_S))
+            # at the end the slider sits on its last tick (ceil), which is where ▶ starts over from
+            c["time"].value = c["time"].max if t >= end else min(int(round(t / TICK_S)), c["time"].max)
             c["play"].max = c["time"].max
             c["play"].step = self._play_step(c["pace"].value)
             c["clock"].value = f"t = {t:,.1f} s of {end:,.1f} s"
 
-    def _show_head(self) -> None:
+    def _show_head(self, now: Optional[float] = None) -> None:
+        """Draw everything so far; the readout says ``now`` (the drivers' clock in a live run, which the status
+        line shows too) or else the latest span end."""
         self._redraw()
-        self._set_slider(self.end, self.end)
+        t = self.end if now is None else max(float(now), self.end)
+        self._set_slider(t, t)
 
     def _finish(self) -> None:
         """After a run: draw everything, fix the time axis on the whole run and arm the replay controls."""
@@ -391,7 +405,26 @@ class LiveGantt:
     def _on_slider(self, change) -> None:
         if self._live:
             return
-        self.show(change["new"] * TICK_S)
+        play = self.controls["play"]
+        new = change["new"]
+        # The Play widget pauses when its next step would pass the end, short of it, and its ▶ then does nothing
+        # (it starts over only from the end): shorten the last step so the last frame is the end.
+        if play.playing and new < play.max and new + play.step > play.max:
+            play.step = play.max - new
+        elif new >= play.max:
+            play.step = self._play_step(self.controls["pace"].value)
+        self.show(new * TICK_S)
+
+    def _on_playing(self, change) -> None:
+        """When a replay stops: the pace's step again, and, where ▶ was pressed within one step of the end (the
+        widget then pauses at once without moving), the end shown, so the next ▶ starts over from 0."""
+        play, slider = self.controls["play"], self.controls["time"]
+        if change["new"]:
+            return
+        play.step = self._play_step(self.controls["pace"].value)
+        if play.value < play.max and play.value + play.step > play.max:
+            play.value = play.max
+            slider.value = slider.max
 
     def _on_pace(self, change) -> None:
         self.pace = change["new"]
@@ -441,7 +474,7 @@ class LiveGantt:
                 now = self.clock()
                 if last is None or now - last >= interval:
                     self.status.value = self._status(drivers)
-                    self._show_head()
+                    self._show_head(max(d.now for d in drivers.values()))
                     last = now
                 tick(steps_done)
         results = {label: d.result() for label, d in drivers.items()}
