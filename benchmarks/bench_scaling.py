@@ -75,9 +75,9 @@ the machine inflates the wall times; the CPU seconds are this process's own). No
 
 {markdown_table(by_gpus)}
 
-{cpu['text']}.
+{cpu['text'][0].upper() + cpu['text'][1:]}.
 
-{wall['text']}.
+{wall['text'][0].upper() + wall['text'][1:]}.
 
 ## Against steps (32 GPUs)
 

@@ -270,7 +270,7 @@ def _write_outputs(result, args) -> None:
         if args.trace:
             result.log.save(args.trace)
         if args.html:
-            from bidirl.viz import gantt_figure
+            from bidirl.viz.gantt import gantt_figure
             gantt_figure(result, title=f"{result.policy}").write_html(args.html, include_plotlyjs=True)
     except OSError as exc:
         raise CommandError(f"cannot write output: {exc.strerror or exc}") from None

@@ -178,7 +178,7 @@ class LiveGantt:
         pace = ipw.Dropdown(options=[(_pace_label(p), p) for p in PACES], value=self._nearest_pace(self.pace),
                             description=pace_title(self.provenance), style={"description_width": "initial"},
                             layout=ipw.Layout(width="340px"))
-        readout = ipw.HTML(value="t = 0.0 s", layout=ipw.Layout(min_width="190px", margin="0 16px 0 8px"))
+        readout = ipw.HTML(value="t = 0.0 s", layout=ipw.Layout(min_width="210px", margin="0 28px 0 8px"))
         slider.observe(self._on_slider, names="value")
         play.observe(self._on_playing, names="playing")
         pace.observe(self._on_pace, names="value")
@@ -377,10 +377,12 @@ class LiveGantt:
     def _set_slider(self, t: float, end: float) -> None:
         c = self.controls
         with self._holding():
-            c["time"].max = int(math.ceil(end / TICK_S))
-            # at the end the slider sits on its last tick (ceil), which is where ▶ starts over from
-            c["time"].value = c["time"].max if t >= end else min(int(round(t / TICK_S)), c["time"].max)
-            c["play"].max = c["time"].max
+            top = int(math.ceil(end / TICK_S))
+            c["play"].max = c["time"].max = top          # both ends first, so no value is clamped to an old one
+            # at the end both sit on the last tick (ceil): that is where ▶ starts over from, so the Play widget's
+            # own value is set too, not left to the browser's link
+            value = top if t >= end else min(int(round(t / TICK_S)), top)
+            c["time"].value = c["play"].value = value
             c["play"].step = self._play_step(c["pace"].value)
             c["clock"].value = f"t = {t:,.1f} s of {end:,.1f} s"
 

@@ -440,6 +440,15 @@ COST_SOURCES: dict = {"measured": "measured on the real engines",
                       "simulated": "charged by the models"}
 
 
+def group_rate(summary: Mapping, prompts_per_step: int) -> Optional[float]:
+    """A run's rate in :data:`RATE_UNIT` (the planner's unit, λ_pipe): the prompt groups of its measured steps over
+    their §7.1 window — the same window as its throughput in tokens/s. ``None`` when the run has no window."""
+    if summary.get("throughput") is None or summary.get("window") is None:
+        return None
+    t0, t1 = summary["window"]
+    return int(summary["measured_steps"]) * int(prompts_per_step) / (t1 - t0)
+
+
 def calibration_line(cal: dict) -> str:
     """The online profiler (§5.1) in one line: how many times it refitted the stage-time models and their median
     relative error before and after (:meth:`bidirl.core.profiler.Profiler.error_summary`); the correction factors
