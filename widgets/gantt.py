@@ -174,7 +174,9 @@ class LiveGantt:
                         show_repeat=False)
         slider = ipw.IntSlider(value=0, min=0, max=0, readout=False, description="time",
                                continuous_update=True, layout=ipw.Layout(width="420px"))
-        ipw.jslink((play, "value"), (slider, "value"))
+        # linked here, not in the browser (jslink): after a replay the slider stays on the end while the Play widget
+        # is back at 0, ready to start over (its own restart-from-the-end rule needs both to agree in the browser)
+        play.observe(self._on_play_value, names="value")
         pace = ipw.Dropdown(options=[(_pace_label(p), p) for p in PACES], value=self._nearest_pace(self.pace),
                             description=pace_title(self.provenance), style={"description_width": "initial"},
                             layout=ipw.Layout(width="340px"))
@@ -192,7 +194,9 @@ class LiveGantt:
         """Slider ticks per replay frame: ``pace`` simulated seconds per wall second at ``refresh_hz`` frames."""
         if math.isinf(pace):
             return max(1, int(self.controls["time"].max) // 20) if hasattr(self, "controls") else 1
-        return max(1, int(round(pace / self.refresh_hz / TICK_S)))
+        top = int(self.controls["time"].max) if hasattr(self, "controls") else 0
+        # at most half the run per frame: a replay always shows a frame between its start and its end
+        return max(1, min(int(round(pace / self.refresh_hz / TICK_S)), max(1, top // 2)))
 
     @property
     def traces_per_row(self) -> int:
@@ -377,12 +381,13 @@ class LiveGantt:
     def _set_slider(self, t: float, end: float) -> None:
         c = self.controls
         with self._holding():
-            top = int(math.ceil(end / TICK_S))
+            top = int(math.ceil(end / TICK_S - 1e-9))     # 687.5 s is 6875 ticks, not ceil(6875.000000000001)
             c["play"].max = c["time"].max = top          # both ends first, so no value is clamped to an old one
             # at the end both sit on the last tick (ceil): that is where ▶ starts over from, so the Play widget's
             # own value is set too, not left to the browser's link
             value = top if t >= end else min(int(round(t / TICK_S)), top)
-            c["time"].value = c["play"].value = value
+            c["time"].value = value
+            c["play"].value = 0 if value >= top else value
             c["play"].step = self._play_step(c["pace"].value)
             c["clock"].value = f"t = {t:,.1f} s of {end:,.1f} s"
 
@@ -415,7 +420,15 @@ class LiveGantt:
             play.step = play.max - new
         elif new >= play.max:
             play.step = self._play_step(self.controls["pace"].value)
+        if not play.playing:                   # dragged: ▶ goes on from here (from 0 at the end)
+            with self._holding():
+                play.value = 0 if new >= play.max else new
         self.show(new * TICK_S)
+
+    def _on_play_value(self, change) -> None:
+        if self._live:
+            return
+        self.controls["time"].value = change["new"]
 
     def _on_playing(self, change) -> None:
         """When a replay stops: the pace's step again, and, where ▶ was pressed within one step of the end (the
@@ -425,8 +438,10 @@ class LiveGantt:
             return
         play.step = self._play_step(self.controls["pace"].value)
         if play.value < play.max and play.value + play.step > play.max:
-            play.value = play.max
             slider.value = slider.max
+        if slider.value >= slider.max:
+            with self._holding():
+                play.value = 0                 # the end is shown; the next ▶ starts over from 0
 
     def _on_pace(self, change) -> None:
         self.pace = change["new"]
