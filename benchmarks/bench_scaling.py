@@ -5,8 +5,9 @@ groups per GPU per step, an even split, policy ``bidirl``).
   ``--quick``. Wall and CPU seconds, events per second, µs per simulated GPU-step.
 * ``sim_scaling``: wall time and µs per simulated GPU-step at 16 … 1,024 GPUs (3 steps each; 16 … 256 and 2 steps
   with ``--quick``), wall time at 32 GPUs for 10, 20 and 40 steps (5, 10 with ``--quick``), and the ratio of the
-  cost per GPU-step at the largest size to the smallest, in wall and in CPU time (flat or falling: ≤ 1; the CPU
-  figure is the one to read while other work shares the machine).
+  cost per GPU-step at the largest size to the smallest and the log-log slope of the cost against GPUs, in wall
+  and in CPU time (flat: slope ≈ 0; the CPU figure is the one to read while other work shares the machine).
+  Every point is the median of three runs after one warm-up run (:func:`bidirl.sim.scaling.measure_scaling`).
 
 The simulated throughputs of these runs are model results and are not reported here; ``benchmarks/scaling.md``
 holds one measured table.
@@ -14,7 +15,7 @@ holds one measured table.
 
 from __future__ import annotations
 
-from bidirl.sim.scaling import measure_point, measure_scaling
+from bidirl.sim.scaling import cost_summary, measure_point, measure_scaling
 
 
 def bench_512(quick: bool) -> dict:
@@ -36,9 +37,11 @@ def bench_scaling(quick: bool) -> dict:
         out[f"g{r.gpus}.cpu_us_per_gpu_step"] = (r.cpu_us_per_gpu_step, "us")
     for r in by_steps.itertuples(index=False):
         out[f"g32_{r.steps}steps.seconds"] = (r.wall_s, "s")
-    first, last = by_gpus.iloc[0], by_gpus.iloc[-1]
-    out["cost_ratio_largest_over_smallest"] = (last["us_per_gpu_step"] / first["us_per_gpu_step"], "x")
-    out["cpu_cost_ratio_largest_over_smallest"] = (last["cpu_us_per_gpu_step"] / first["cpu_us_per_gpu_step"], "x")
+    wall, cpu = cost_summary(by_gpus, "us_per_gpu_step"), cost_summary(by_gpus)
+    out["cost_ratio_largest_over_smallest"] = (wall["ratio"], "x")
+    out["cpu_cost_ratio_largest_over_smallest"] = (cpu["ratio"], "x")
+    out["cost_slope_log_log"] = (wall["slope"], "")
+    out["cpu_cost_slope_log_log"] = (cpu["slope"], "")
     return out
 
 
@@ -56,12 +59,12 @@ def write_table(path: str = "benchmarks/scaling.md") -> None:
 
     by_gpus = measure_scaling((16, 32, 64, 128, 256, 512, 1024), 3, progress=True)
     by_steps = measure_scaling((32,), (10, 20, 40, 80), progress=True)
-    ratio = by_gpus["us_per_gpu_step"].iloc[-1] / by_gpus["us_per_gpu_step"].iloc[0]
-    cpu_ratio = by_gpus["cpu_us_per_gpu_step"].iloc[-1] / by_gpus["cpu_us_per_gpu_step"].iloc[0]
+    wall, cpu = cost_summary(by_gpus, "us_per_gpu_step"), cost_summary(by_gpus)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     text = f"""# Simulator scaling (measured)
 
-Wall time of one simulation (`bidirl.sim.scaling.measure_scaling`, policy `bidirl`) of the paper's default job
+Wall time of a simulation (`bidirl.sim.scaling.measure_scaling`: median of three runs per point after one warm-up
+run, policy `bidirl`) of the paper's default job
 (§7.1: Qwen3-VL-4B, Geo3K, A6000) grown to G GPUs with 4 prompt groups × 8 responses per GPU per step on an even
 split. Written by `python -m benchmarks.bench_scaling` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC,
 {platform.machine()}, {os.cpu_count()} cores, one-minute load average {load:.1f} when it finished (other work on
@@ -72,8 +75,9 @@ the machine inflates the wall times; the CPU seconds are this process's own). No
 
 {markdown_table(by_gpus)}
 
-Cost per simulated GPU-step at {by_gpus['gpus'].iloc[-1]} GPUs over {by_gpus['gpus'].iloc[0]} GPUs: {cpu_ratio:.2f}× in CPU
-time, {ratio:.2f}× in wall time.
+{cpu['text'][0].upper() + cpu['text'][1:]}.
+
+{wall['text'][0].upper() + wall['text'][1:]}.
 
 ## Against steps (32 GPUs)
 

@@ -1,4 +1,4 @@
-"""A real browser runs notebooks 01–03 in JupyterLab, as a new user would, and the figures answer.
+"""A real browser runs every notebook (01–07) in JupyterLab, as a new user would, and the figures answer.
 
 JupyterLab is started once for the module on 127.0.0.1 with a random free port and a random token, in a
 temporary root holding copies of the three notebooks (the repository copies are never written). Debian's
@@ -12,11 +12,17 @@ not used), opens each notebook, runs all cells and waits for the kernel to finis
   split beside the predicted ones; no control label is cut off;
 * **03 live bubbles** — the cells that build the empty chart run first; once it is drawn, the live cell runs
   while a timer in the page samples the Gantt: it must be seen at two sizes while the status line still says
-  running (a screenshot is taken then), and at the end the legend names the windows and step lines.
+  running (a screenshot is taken then), and at the end the legend names the windows and step lines. Then the
+  replay: at two paces (100 and 2,000 run seconds per wall second) ▶ pressed after the end starts over from
+  t = 0 and reaches the run's end with every span drawn, the readout saying "t = end of end";
+* **04 – 07** — run all cells (04 at CI size, ``BIDIRL_SMOKE=1``, as every notebook here) with no traceback and
+  every figure rendered; 05's figure says it is the quick variant, 06's figures say their records are
+  synthetic (never measured), 07's says its points are medians.
 
 Screenshots go to the test's tmp folder and to ``results/browser/`` (``quickstart.png``,
 ``quickstart-sweep.png``, ``partition-explorer.png``, ``partition-explorer-controls.png``,
-``live-bubbles-mid-run.png``, ``live-bubbles.png``).
+``live-bubbles-mid-run.png``, ``live-bubbles.png``, ``live-bubbles-replayed.png``, and one ``<notebook>.png``
+for 04–07).
 Skipped, with the reason, only when chromium or Playwright is missing. Run with ``-m integration``.
 """
 
@@ -43,7 +49,8 @@ pytestmark = [pytest.mark.integration,
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = {name: ROOT / "notebooks" / f"{name}.ipynb"
-             for name in ("01-quickstart", "02-partition-explorer", "03-live-bubbles")}
+             for name in ("01-quickstart", "02-partition-explorer", "03-live-bubbles", "04-run-on-ray",
+                          "05-reproduce-paper", "06-calibrate-stage-models", "07-scaling")}
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -192,11 +199,12 @@ def _start(page, command: str) -> None:
     page.locator(".lm-Menu-itemLabel", has_text=command).first.click()
 
 
-def _run_all(page, log: Path, while_running=None, command: str = "Run All Cells", done=_finished) -> list:
+def _run_all(page, log: Path, while_running=None, command: str = "Run All Cells", done=_finished,
+             limit_s: float = RUN_ALL_S) -> list:
     """Run ▸ ``command`` (Run All Cells by default), as a person would; re-issued once if no cell started (a
     click lost while the lab was still settling). ``while_running(page, prompts)`` is called on every poll
     until ``done(prompts)``. Returns the final prompts."""
-    deadline = time.monotonic() + RUN_ALL_S
+    deadline = time.monotonic() + limit_s
     prompts: list = []
     for attempt in range(2):
         before = page.evaluate(CELL_STATE_JS)
@@ -214,7 +222,7 @@ def _run_all(page, log: Path, while_running=None, command: str = "Run All Cells"
             if attempt == 0 and prompts == before and "[*]:" not in prompts and time.monotonic() - started > 15:
                 break
             page.wait_for_timeout(250)
-    pytest.fail(f"the notebook did not finish within {RUN_ALL_S} s; cell prompts: {prompts}\n"
+    pytest.fail(f"the notebook did not finish within {limit_s} s; cell prompts: {prompts}\n"
                 f"{log.read_text()[-2000:]}")
 
 
@@ -366,6 +374,55 @@ def _wait_for_chart(page, attempts: int = 3) -> None:
             page.wait_for_function(IDLE_JS, timeout=60_000)
 
 
+#: the live Gantt's readout, "t = 12.3 s of 456.7 s", as [t, end] (null when absent)
+READOUT_JS = r"""() => {
+    const text = Array.from(document.querySelectorAll('.widget-html-content')).map(e => e.textContent.trim())
+        .find(t => /^t = [\d,.]+ s of [\d,.]+ s$/.test(t));
+    if (!text) return null;
+    const m = text.replace(/,/g, '').match(/^t = ([\d.]+) s of ([\d.]+) s$/);
+    return [parseFloat(m[1]), parseFloat(m[2])];
+}"""
+#: every 100 ms while a replay plays: [readout t, readout end, spans drawn]
+REPLAY_SAMPLER_JS = f"""() => {{
+    window.__replay = [];
+    const spans = {GANTT_SPANS_JS}, readout = {READOUT_JS};
+    window.__replayTimer = setInterval(() => {{
+        const r = readout();
+        if (r) window.__replay.push([r[0], r[1], spans()]);
+    }}, 100);
+}}"""
+
+
+def _readout(page) -> list:
+    value = page.evaluate(READOUT_JS)
+    assert value is not None, "the live Gantt's readout 't = … s of … s' is not on the page"
+    return value
+
+
+def _replay(page, pace: str, end: float, final: int) -> list:
+    """Choose ``pace`` in the pace control, press ▶ (the run is at its end: the replay starts over) and wait
+    until the readout is back at the end with ``final`` spans drawn; returns the samples of the replay."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    page.locator(".widget-dropdown", has_text="pace").locator("select").first.select_option(label=pace)
+    page.wait_for_timeout(300)
+    page.evaluate(REPLAY_SAMPLER_JS)
+    page.locator(".widget-play button").first.click()
+    try:
+        page.wait_for_function(f"""(() => {{
+            const s = window.__replay || [];
+            const started = s.some(x => x[0] < {end});
+            const last = s[s.length - 1];
+            return started && last && last[0] === {end} && last[2] === {final};
+        }})()""", timeout=120_000)
+    except PlaywrightTimeout:
+        seen = page.evaluate("() => window.__replay")
+        pytest.fail(f"the replay at {pace} did not end on t = {end} s with {final} spans; samples "
+                    f"[t, end, spans]: {seen[:5]} … {seen[-5:]} ({len(seen)} samples)")
+    page.wait_for_timeout(1200)                     # two more frames' time: the replay stays at the end
+    seen = page.evaluate("() => { clearInterval(window.__replayTimer); return window.__replay; }")
+    return [tuple(x) for x in seen]
+
+
 def test_live_gantt_grows_while_the_cell_runs(lab, tmp_path):
     mid = tmp_path / "live-bubbles-mid-run.png"
 
@@ -396,6 +453,10 @@ def test_live_gantt_grows_while_the_cell_runs(lab, tmp_path):
         page.wait_for_timeout(500)
         shot = tmp_path / "live-bubbles.png"
         page.screenshot(path=str(shot))
+        end = _readout(page)[1]
+        replays = {pace: _replay(page, pace, end, final) for pace in ("100 s per s", "2000 s per s")}
+        replayed = tmp_path / "live-bubbles-replayed.png"
+        page.screenshot(path=str(replayed))
     running = sorted({n for _, n, live in samples if live and n > 0})
     assert len(running) >= 2, f"the live Gantt was not seen growing while its run was running: {samples}"
     assert running[-1] <= final, (running, final)
@@ -409,3 +470,38 @@ def test_live_gantt_grows_while_the_cell_runs(lab, tmp_path):
     assert "simulated (model prediction)" in live["title"]
     assert {"window: trainer pool lent to rollout", "window: rollout pool lent to training",
             "end of a training step"} <= set(live["legend"]), live["legend"]
+    _save(replayed, "live-bubbles-replayed.png")
+    for pace, seen in replays.items():
+        times = [t for t, _, _ in seen]
+        # ▶ after the end started over (a frame before the end) and the replay's last frame is the run's end,
+        # with every span drawn
+        assert any(t < end for t in times), (pace, seen)
+        assert seen[-1] == (end, end, final), (pace, seen[-1], end, final)
+
+
+#: notebook -> (plotly figures it draws at CI size, words a figure title must hold, words no title may hold)
+OTHERS = {"04-run-on-ray": (2, ("emulated", "measured"), ()),
+          "05-reproduce-paper": (1, ("quick variant",), ()),
+          "06-calibrate-stage-models": (2, ("synthetic",), ("measured",)),
+          "07-scaling": (1, ("median of",), ())}
+
+
+@pytest.mark.parametrize("name", list(OTHERS))
+def test_the_other_notebooks_run_in_chromium(lab, tmp_path, name):
+    figures, needed, refused = OTHERS[name]
+    with notebook_page(lab, name, tmp_path / "profile") as page:
+        _run_all(page, lab["log"], limit_s=900 if name == "04-run-on-ray" else RUN_ALL_S)
+        errors = page.evaluate(ERRORS_JS)
+        page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot svg.main-svg').length >= {figures}",
+                               timeout=60_000)
+        plots = page.evaluate(PLOTS_JS)
+        page.locator(".js-plotly-plot").last.scroll_into_view_if_needed()
+        page.wait_for_timeout(500)
+        shot = tmp_path / f"{name}.png"
+        page.screenshot(path=str(shot))
+    _save(shot, f"{name}.png")
+    assert not errors, f"cells raised errors: {errors}"
+    assert len(plots) >= figures and all(p["svg"] >= 1 for p in plots), plots
+    titles = " | ".join(p["title"] for p in plots)
+    assert all(w in titles for w in needed), (needed, titles)
+    assert not any(w in titles for w in refused), (refused, titles)

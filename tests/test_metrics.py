@@ -291,3 +291,10 @@ def test_role_conflicts_finds_a_pool_running_both_roles():
     assert role_conflicts(log.spans_df()) == []
     log.add_span(Span("rollout_pool/trainer", "rollout_pool", "auxiliary", "chunk", 9.0, 9.5))
     assert role_conflicts(log.spans_df()) == [("rollout_pool", 9.0)]
+
+
+def test_group_rate_is_the_runs_groups_over_its_throughput_window():
+    from bidirl.results.metrics import group_rate
+    # 3 measured steps of 64 groups over the window [10, 106] s: 192 / 96 = 2 groups/s
+    assert group_rate({"throughput": 1.0, "window": (10.0, 106.0), "measured_steps": 3}, 64) == 2.0
+    assert group_rate({"throughput": None, "window": None, "measured_steps": 0}, 64) is None

@@ -12,6 +12,7 @@ from bidirl.job import config as cfgmod
 from bidirl.job.planner import plan
 from bidirl.perf.predictor import StagePredictor
 from bidirl.perf.trainer import TrainerModel
+from bidirl.results import metrics
 from bidirl.sim.driver import SimDriver
 
 #: the ablation partition at s = 0.5, where both directions borrow
@@ -52,6 +53,14 @@ def test_a_model_off_by_2x_is_refitted_and_then_decides_like_the_true_one():
     assert errors[0] > 0.3, errors                       # the first step runs on the wrong model ...
     assert all(e <= 0.10 for k, e in errors.items() if k >= 2), errors       # ... after that it predicts
     assert r_wrong.view.calibration["refits"] >= 1 and r_true.view.calibration["refits"] == 0
+    # the summary keeps how wrong the model was (the factors go back to 1.0 after a refit and cannot say it):
+    # before the refit every record is off by the 2x FLOP rate (> 30 %, as errors[0] above), after it within 10 %
+    cal = r_wrong.view.calibration
+    assert cal["median_error_pct_before"] > 30 and cal["median_error_pct_after"] <= 10, cal
+    assert cal["records_before"] > 0 and cal["records_after"] > 0
+    line = metrics.calibration_line(cal)
+    assert f"{cal['refits']} refit" in line and f"{cal['median_error_pct_before']:.1f} % before" in line
+    assert f"{cal['median_error_pct_after']:.1f} % after" in line and "1.00" not in line
     true, seen = _decisions(d_true), _decisions(d_wrong)
     # at first the wrong model misjudges the trainer-on-rollout-pool window by far ...
     first = {d: g for k, d, _, g in true if k == 0}, {d: g for k, d, _, g in seen if k == 0}
@@ -75,9 +84,19 @@ def test_without_a_refit_the_profiler_corrects_by_the_median_ratio():
         prof.record(ProfileRecord(0.0, "t", P.PRIMARY, P.TRAINER_POOL, {}, 1, observed, 1.0))
     prof.recalibrate(Fixed())
     assert prof.scales[("t", P.PRIMARY)] == pytest.approx(2.0) and prof.refits == 0
+    # the factor is a change of model: errors before it are |1 − 2|/2 = 50 % (median of 0.5, 0.545, 0.444);
+    # after it a record observed at 2.0 is predicted 2 × 1.0 exactly
+    prof.record(ProfileRecord(1.0, "t", P.PRIMARY, P.TRAINER_POOL, {}, 1, 2.0, 1.0))
+    err = prof.error_summary()
+    assert err["median_error_pct_before"] == pytest.approx(50.0) and err["records_before"] == 3
+    assert err["median_error_pct_after"] == pytest.approx(0.0) and err["records_after"] == 1
+    assert "trainer/primary 2.00" in metrics.calibration_line(prof.summary())
 
 
 def test_a_model_within_tolerance_is_left_alone():
     cfg = cfgmod.load("a6000-default").with_overrides(CFG)
     _, res = _run(cfg, None, steps=4)
     assert res.view.calibration["refits"] == 0           # 3 % jitter stays under the 5 % tolerance
+    cal = res.view.calibration
+    assert cal["median_error_pct_after"] is None and cal["median_error_pct_before"] <= 5
+    assert "no refit" not in metrics.calibration_line(cal) and "0 refits" in metrics.calibration_line(cal)

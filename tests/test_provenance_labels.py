@@ -91,3 +91,71 @@ def test_contradictions_are_refused(simulated):
         viz.gantt_figure(simulated.log, provenance="guessed")
     # a bare log says nothing it does not know
     assert viz.gantt_figure(simulated.log).layout.xaxis.title.text == viz.UNKNOWN_TIME_AXIS
+
+
+# --------------------------------------------------------------------------------------------------
+# stage-time records: a figure's label comes from where its records come from
+# --------------------------------------------------------------------------------------------------
+
+def _says(title: str, source: str) -> bool:
+    """The title names ``source`` and no other record source."""
+    from bidirl.results.provenance import RECORD_SOURCES
+    return source in title and not any(k in title for k in RECORD_SOURCES if k != source)
+
+
+def test_synthetic_records_are_drawn_as_synthetic_as_in_the_calibration_notebook():
+    """Notebook 06's path: the seeded generator's records, predicted, (trainer: summed per stage) and drawn."""
+    import numpy as np
+
+    from bidirl.experiments import get
+    from bidirl.experiments.figures import stage_figure
+    from bidirl.experiments.stage_models import (noise_floor_pct, perturb, rollout_records, stage_times,
+                                                 trainer_records, with_predictions)
+    from bidirl.perf import RolloutModel, TrainerModel
+    spec_r, spec_t = get("stage-rollout", quick=True), get("stage-trainer", quick=True)
+    cfg = spec_r.config(spec_r.points[0])
+    prior_r = RolloutModel(cfg.model_spec, cfg.hardware_spec, tp=1)
+    truth_r = RolloutModel(cfg.model_spec, cfg.hardware_spec, tp=1,
+                           params=perturb(prior_r.params, np.random.default_rng([0, 17]), 0.15))
+    rec_r = with_predictions(rollout_records(spec_r, truth_r, repeats=1, seed=0),
+                             lambda row: prior_r.replica_time(row["prompt_lens"], row["response_lens"]))
+    prior_t = TrainerModel(cfg.model_spec, cfg.hardware_spec, layout=1)
+    rec_t = stage_times(with_predictions(
+        trainer_records(spec_t, prior_t, repeats=1, seed=0),
+        lambda row: prior_t.chunk_time(row["stage"], row["prompt_lens"], row["response_lens"], 1)))
+    for spec, records in ((spec_r, rec_r), (spec_t, rec_t)):
+        assert records.attrs["source"] == "synthetic"
+        fig = stage_figure(spec, records)
+        title = fig.layout.title.text
+        assert _says(title, "synthetic"), title
+        assert "qwen3-vl-4b / a6000" in title and "paper: median" not in title
+        assert f"{noise_floor_pct():.2f} %" in title
+        observed = [t.name for t in fig.data if t.mode == "markers"]
+        assert observed and all(n.startswith("synthetic,") for n in observed)
+
+
+def test_measured_records_are_drawn_as_measured():
+    from bidirl.experiments import get
+    from bidirl.experiments.figures import stage_figure
+    from bidirl.experiments.stage_models import run_stage_panel
+    spec = get("stage-rollout", quick=True)
+    res = run_stage_panel(spec, quick=True)
+    fig = stage_figure(spec, res["records"])
+    assert _says(fig.layout.title.text, "measured") and "paper: median" in fig.layout.title.text
+
+
+def test_records_that_do_not_say_where_they_come_from_or_contradict_it_are_refused():
+    import pandas as pd
+
+    from bidirl.experiments import get
+    from bidirl.experiments.figures import stage_figure
+    from bidirl.results.provenance import mark_records
+    bare = pd.DataFrame({"x": [1], "max_response_len": [8], "observed": [1.0], "predicted": [1.0]})
+    with pytest.raises(ValueError, match="do not say where they come from"):
+        stage_figure(get("stage-rollout"), bare)
+    with pytest.raises(ValueError, match="must say 'synthetic' and not"):
+        mark_records(bare.copy(), "synthetic", "synthetic, measured on CPU")
+    with pytest.raises(ValueError, match="must say 'measured'"):
+        mark_records(bare.copy(), "measured", "tiny model on CPU")
+    with pytest.raises(ValueError, match="record source must be one of"):
+        mark_records(bare.copy(), "guessed", "guessed")

@@ -105,7 +105,14 @@ def test_scaled_config_grows_the_batch_with_the_cluster():
 
 
 def test_measure_scaling_rows_and_table():
-    frame = scaling.measure_scaling((16,), (1, 2), prompts_per_gpu=1)
+    calls = []
+    frame = scaling.measure_scaling((16,), (1, 2), prompts_per_gpu=1, repeats=2,
+                                    progress=lambda done, total: calls.append((done, total)))
+    # one untimed warm-up run, then two rounds over the two points
+    assert calls == [(k, 5) for k in range(1, 6)]
+    assert (frame["repeats"] == 2).all()
+    assert (frame["cpu_us_per_gpu_step_min"] <= frame["cpu_us_per_gpu_step"]).all()
+    assert (frame["cpu_us_per_gpu_step"] <= frame["cpu_us_per_gpu_step_max"]).all()
     assert list(frame.columns) == list(scaling.COLUMNS)
     assert list(frame["steps"]) == [1, 2] and (frame["gpus"] == 16).all()
     assert (frame["gpu_steps"] == frame["gpus"] * frame["steps"]).all()
@@ -118,6 +125,21 @@ def test_measure_scaling_rows_and_table():
     assert len(fig.data) == 4          # wall time, wall and CPU cost per GPU-step, wall time vs steps
     with pytest.raises(ValueError, match="at least one"):
         scaling.measure_scaling((), 1)
+    with pytest.raises(ValueError, match="repeats must be"):
+        scaling.measure_scaling((16,), 1, repeats=0)
+
+
+def test_cost_summary_reads_medians_by_slope_ratio_and_spread():
+    # cost = 1000·G^0.5 µs: slope 0.5 exactly, 64 over 16 = (64/16)^0.5 = 2, spread the same (monotone)
+    frame = pd.DataFrame({"gpus": [64, 16, 32], "cpu_us_per_gpu_step": [8000.0, 4000.0, 1000 * 32 ** 0.5],
+                          "repeats": [3, 3, 3]})
+    out = scaling.cost_summary(frame)
+    assert out["slope"] == pytest.approx(0.5) and out["ratio"] == pytest.approx(2.0)
+    assert out["spread"] == pytest.approx(2.0) and (out["smallest"], out["largest"]) == (16, 64)
+    assert "64 GPUs over 16: 2.00×" in out["text"] and "median of 3 runs" in out["text"]
+    assert "slope +0.50" in out["text"]
+    with pytest.raises(ValueError, match="two GPU counts"):
+        scaling.cost_summary(frame.iloc[:1])
 
 
 def test_partition_sweep_on_two_workers_is_the_same_frame():

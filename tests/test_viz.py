@@ -282,3 +282,19 @@ def test_png_cache_renders_only_figures_it_has_not_seen(tmp_path, monkeypatch):
     a.update_layout(width=640)                     # a new size is a new picture
     assert export.write_pngs({tmp_path / "2" / "a.png": a}, cache_dir=cache) is None
     assert rendered == [2, 1, 1]
+
+
+def test_the_sweep_legend_names_only_what_the_chart_shows():
+    import bidirl.job.config as cfgmod
+    from bidirl.job.planner import plan
+    from bidirl.viz.plan import TRACE_NAMES, sweep_figure
+    p = plan(cfgmod.load("a6000-default").with_overrides({"cluster.partition": None, "cluster.placement": "any"}))
+    shown = {t.name for t in sweep_figure(p).data if t.showlegend is not False}
+    # no simulation and no selection: those entries are absent; 13-3 … 15-1 cannot hold a 4-GPU trainer replica,
+    # so the × entry is there
+    assert not shown & {"simulated rate", "column: split selected to simulate"}
+    assert "a stage does not fit its pool (no rate)" in shown
+    assert {"bar: compatible split", "bar: not hot-switch compatible", "bar / column: planner's choice"} <= shown
+    fig = sweep_figure(p, selected=0)
+    assert next(t for t in fig.data if t.name == TRACE_NAMES[-1]).showlegend
+    assert any(s.name == "selected" for s in fig.layout.shapes)

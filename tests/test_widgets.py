@@ -275,7 +275,7 @@ def test_live_gantt_replays_the_event_log_at_any_time(monkeypatch):
     k = len(TRACE_KEYS)
     total = sum(len(t.x) for t in g.figure.data[:2 * k])
     assert total == sum(len(r.log.spans) for r in results.values())
-    assert g.controls["time"].max == math.ceil(end / TICK_S) and g.controls["play"].max == g.controls["time"].max
+    assert g.controls["time"].max == math.ceil(end / TICK_S - 1e-9) and g.controls["play"].max == g.controls["time"].max
     msgs = Messages(g.figure, monkeypatch)
     t = end / 3
     g.controls["time"].value = int(round(t / TICK_S))        # what the slider (or the play button) sends
@@ -299,7 +299,7 @@ def test_live_gantt_replays_the_event_log_at_any_time(monkeypatch):
     assert sum(len(tr.x) for tr in g.figure.data[:2 * k]) == total
     # the pace control sets how far the play button moves per frame (refresh_hz frames per second)
     g.controls["pace"].value = 20.0
-    assert g.controls["play"].step == round(20.0 / g.refresh_hz / TICK_S)
+    assert g.controls["play"].step == min(round(20.0 / g.refresh_hz / TICK_S), g.controls["time"].max // 2)
     assert g.controls["play"].interval == round(1000 / g.refresh_hz)
 
 
@@ -499,7 +499,7 @@ def test_simulate_button_runs_the_selected_partition(explorer):
     label = run_label(explorer.config_for_simulation(), "no-borrow")
     assert label in explorer.metrics.summaries and f"{pick[0]}-{pick[1]}" in label
     thr = explorer.metrics.figure.data[0]
-    assert list(thr.x) == ["1: no-borrow"] and list(thr.customdata) == [label]
+    assert list(thr.x) == [f"1: no-borrow · {pick[0]}-{pick[1]}"] and list(thr.customdata) == [label]
     expected = ref.summary()["throughput"]
     assert (np.isnan(thr.y[0]) if expected is None else thr.y[0] == pytest.approx(expected))
 
@@ -658,5 +658,81 @@ def test_ray_run_reports_progress_and_keeps_the_drivers_own_callback(tmp_path):
     assert run.steps.value == run.steps.max == 3 and run.first_event_s == 1.0
     assert "emulated" in run.phase.value and "done" in run.phase.value
     assert run.counts["routine"] == 1 and "ray.log" in run.note.value
-    # the elapsed counter is linked in the browser, so it counts while the kernel is busy
+    # the elapsed counter is linked in the browser, so it counts while the kernel is busy; at the end it shows the
+    # seconds the phase line says (the fake clock reads 1 s per call)
     assert run._play.interval == 1000 and not run._play.playing
+    assert f"done in {run._play.value} s" in run.phase.value
+
+
+def _play(g) -> list:
+    """What the browser's Play widget does (ipywidgets 8: ``loop``/``animate``): from the end it starts at min,
+    else it adds ``step`` while that stays ≤ max and then pauses; the slider follows it (``jslink``). Returns the
+    slider values it went through."""
+    play, slider = g.controls["play"], g.controls["time"]
+    seen = []
+    play.playing = True
+    if play.value == play.max:
+        play.value = play.min
+        slider.value = play.value
+        seen.append(slider.value)
+    while play.playing:
+        nxt = play.value + play.step
+        if nxt > play.max:
+            play.playing = False      # the widget may move both to the end
+            break
+        play.value = nxt              # the widget moves the slider with it
+        seen.append(slider.value)
+    if [slider.value] != seen[-1:]:
+        seen.append(slider.value)
+    return seen
+
+
+def _paper_run():
+    """The paper's default job for three steps: a run of several hundred simulated seconds, as notebook 03's."""
+    from bidirl.sim.driver import SimDriver
+    return {"bidirl": SimDriver(cfgmod.load("a6000-default"), "bidirl", steps=3, seed=0)}
+
+
+@pytest.mark.parametrize("pace", [100.0, 2000.0])
+def test_a_replay_reaches_the_runs_end_and_play_starts_over(pace):
+    g = LiveGantt(labels=("bidirl",))
+    result = g.run(_paper_run(), pace=math.inf)["bidirl"]
+    last = max(s.end for s in result.log.spans)
+    g.controls["pace"].value = pace
+    step, top = g.controls["play"].step, g.controls["play"].max
+    assert top % step, "the case that stopped short: the end is not a whole number of steps from 0"
+    assert step == min(round(pace / g.refresh_hz / TICK_S), top // 2)     # at most half the run per frame
+    for _ in range(2):                               # ▶ after the end starts over, and reaches the end again
+        seen = _play(g)
+        assert seen[0] < top and seen[-1] == top and g.controls["play"].value == 0     # ready to start over
+        assert g.shown_until == pytest.approx(g.end) and g.end == pytest.approx(last)
+        assert sum(len(t.x) for t in g.figure.data[:len(TRACE_KEYS)]) == len(result.log.spans)
+        assert g.controls["clock"].value == f"t = {g.end:,.1f} s of {g.end:,.1f} s"
+    # ▶ pressed within one step of the end: the widget pauses without moving; the end is shown
+    g.controls["time"].value = top - 1
+    assert g.controls["play"].value == top - 1
+    assert _play(g)[-1] == top and g.shown_until == pytest.approx(g.end)
+
+
+def test_the_live_readout_and_the_status_line_tell_the_same_time():
+    clock = FakeClock(1.0)
+    g = LiveGantt(labels=("bidirl",), clock=clock)
+    shown = []
+    real = g._set_slider
+
+    def spy(t, end):
+        real(t, end)
+        shown.append((g.status.value, g.controls["clock"].value))
+    g._set_slider = spy
+    g.run(_paper_run(), pace=math.inf, slice_seconds=50.0)
+    assert len(shown) > 2
+    for status, readout in shown[:-1]:
+        t = readout.split(" s of")[0].removeprefix("t = ")
+        assert f"t = {t} s" in status, (status, readout)
+
+
+def test_the_pace_control_says_run_seconds_on_a_measured_run():
+    g = LiveGantt(labels=("run",))
+    assert "simulated s per wall s" in g.controls["pace"].description
+    g = LiveGantt(labels=("run",), provenance="measured")
+    assert g.controls["pace"].description == "replay pace (run s per wall s)"

@@ -12,7 +12,9 @@ unreliable under ipykernel 7).
   *pace* control; ``math.inf`` runs flat out), so a run can be watched.
 * **Pause and replay.** Once a run has finished (or between runs), the play button replays the event log from
   t = 0 at the chosen pace, the pause button stops it, and the time slider shows the state at any t —
-  spans not yet started hidden, running ones cut at t. Replay reads the recorded log; nothing is re-run.
+  spans not yet started hidden, running ones cut at t. Replay reads the recorded log; nothing is re-run. The
+  last frame of a replay is always the run's end (the Play widget would stop one step short of it, and its ▶
+  then does nothing), so every span shows and ▶ starts over.
 * **Bounded redraws.** At most ``refresh_hz`` redraws per wall second live and in replay (the play button
   ticks at that rate), and only what changed is sent.
 * **Provenance.** The time axis and title say what the run is (simulated, emulated or measured), taken from the
@@ -56,6 +58,12 @@ def _axis_ref(name: str) -> str:
 def _new_spans(log: EventLog, seen: int) -> EventLog:
     """The spans appended to ``log`` since the first ``seen`` (a view, no copy of the old records)."""
     return EventLog(spans=log.spans[seen:])
+
+
+def pace_title(provenance: Optional[str]) -> str:
+    """The pace control's label: simulated seconds for a simulation, run seconds for an emulated or measured run
+    (whose replay plays recorded time)."""
+    return "pace (simulated s per wall s)" if provenance in (None, "simulated") else "replay pace (run s per wall s)"
 
 
 def _pace_label(pace: float) -> str:
@@ -167,12 +175,15 @@ class LiveGantt:
                         show_repeat=False)
         slider = ipw.IntSlider(value=0, min=0, max=0, readout=False, description="time",
                                continuous_update=True, layout=ipw.Layout(width="420px"))
-        ipw.jslink((play, "value"), (slider, "value"))
+        # linked here, not in the browser (jslink): after a replay the slider stays on the end while the Play widget
+        # is back at 0, ready to start over (its own restart-from-the-end rule needs both to agree in the browser)
+        play.observe(self._on_play_value, names="value")
         pace = ipw.Dropdown(options=[(_pace_label(p), p) for p in PACES], value=self._nearest_pace(self.pace),
-                            description="pace (simulated s per wall s)", style={"description_width": "initial"},
+                            description=pace_title(self.provenance), style={"description_width": "initial"},
                             layout=ipw.Layout(width="340px"))
-        readout = ipw.HTML(value="t = 0.0 s")
+        readout = ipw.HTML(value="t = 0.0 s", layout=ipw.Layout(min_width="210px", margin="0 28px 0 8px"))
         slider.observe(self._on_slider, names="value")
+        play.observe(self._on_playing, names="playing")
         pace.observe(self._on_pace, names="value")
         return {"play": play, "time": slider, "clock": readout, "pace": pace}
 
@@ -184,7 +195,9 @@ class LiveGantt:
         """Slider ticks per replay frame: ``pace`` simulated seconds per wall second at ``refresh_hz`` frames."""
         if math.isinf(pace):
             return max(1, int(self.controls["time"].max) // 20) if hasattr(self, "controls") else 1
-        return max(1, int(round(pace / self.refresh_hz / TICK_S)))
+        top = int(self.controls["time"].max) if hasattr(self, "controls") else 0
+        # at most half the run per frame: a replay always shows a frame between its start and its end
+        return max(1, min(int(round(pace / self.refresh_hz / TICK_S)), max(1, top // 2)))
 
     @property
     def traces_per_row(self) -> int:
@@ -347,6 +360,7 @@ class LiveGantt:
         with self.figure.batch_update():
             self.figure.layout.title = titled(self.title, provenance) or None
             self.figure.update_xaxes(title_text=time_axis_title(provenance), row=len(self.labels), col=1)
+        self.controls["pace"].description = pace_title(provenance)
 
     # ------------------------------------------------------------------------------------------
     # live runs and replay
@@ -368,15 +382,22 @@ class LiveGantt:
     def _set_slider(self, t: float, end: float) -> None:
         c = self.controls
         with self._holding():
-            c["time"].max = int(math.ceil(end / TICK_S))
-            c["time"].value = int(round(t / TICK_S))
-            c["play"].max = c["time"].max
+            top = int(math.ceil(end / TICK_S - 1e-9))     # 687.5 s is 6875 ticks, not ceil(6875.000000000001)
+            c["play"].max = c["time"].max = top          # both ends first, so no value is clamped to an old one
+            # at the end both sit on the last tick (ceil): that is where ▶ starts over from, so the Play widget's
+            # own value is set too, not left to the browser's link
+            value = top if t >= end else min(int(round(t / TICK_S)), top)
+            c["time"].value = value
+            c["play"].value = 0 if value >= top else value
             c["play"].step = self._play_step(c["pace"].value)
             c["clock"].value = f"t = {t:,.1f} s of {end:,.1f} s"
 
-    def _show_head(self) -> None:
+    def _show_head(self, now: Optional[float] = None) -> None:
+        """Draw everything so far; the readout says ``now`` (the drivers' clock in a live run, which the status
+        line shows too) or else the latest span end."""
         self._redraw()
-        self._set_slider(self.end, self.end)
+        t = self.end if now is None else max(float(now), self.end)
+        self._set_slider(t, t)
 
     def _finish(self) -> None:
         """After a run: draw everything, fix the time axis on the whole run and arm the replay controls."""
@@ -392,7 +413,36 @@ class LiveGantt:
     def _on_slider(self, change) -> None:
         if self._live:
             return
-        self.show(change["new"] * TICK_S)
+        play = self.controls["play"]
+        new = change["new"]
+        # The Play widget pauses when its next step would pass the end, short of it, and its ▶ then does nothing
+        # (it starts over only from the end): shorten the last step so the last frame is the end.
+        if play.playing and new < play.max and new + play.step > play.max:
+            play.step = play.max - new
+        elif new >= play.max:
+            play.step = self._play_step(self.controls["pace"].value)
+        if not play.playing:                   # dragged: ▶ goes on from here (from 0 at the end)
+            with self._holding():
+                play.value = 0 if new >= play.max else new
+        self.show(new * TICK_S)
+
+    def _on_play_value(self, change) -> None:
+        if self._live:
+            return
+        self.controls["time"].value = change["new"]
+
+    def _on_playing(self, change) -> None:
+        """When a replay stops: the pace's step again, and, where ▶ was pressed within one step of the end (the
+        widget then pauses at once without moving), the end shown, so the next ▶ starts over from 0."""
+        play, slider = self.controls["play"], self.controls["time"]
+        if change["new"]:
+            return
+        play.step = self._play_step(self.controls["pace"].value)
+        if play.value < play.max and play.value + play.step > play.max:
+            slider.value = slider.max
+        if slider.value >= slider.max:
+            with self._holding():
+                play.value = 0                 # the end is shown; the next ▶ starts over from 0
 
     def _on_pace(self, change) -> None:
         self.pace = change["new"]
@@ -442,7 +492,7 @@ class LiveGantt:
                 now = self.clock()
                 if last is None or now - last >= interval:
                     self.status.value = self._status(drivers)
-                    self._show_head()
+                    self._show_head(max(d.now for d in drivers.values()))
                     last = now
                 tick(steps_done)
         results = {label: d.result() for label, d in drivers.items()}

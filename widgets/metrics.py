@@ -94,8 +94,9 @@ def table_html(table: pd.DataFrame) -> str:
 
 
 def _tick(number: int, label: str) -> str:
-    """The chart's short name of a run: its number and policy (the table has the full label)."""
-    return f"{number}: {label.split(' · ')[0]}"
+    """The chart's short name of a run: its number, policy and split, the first two parts of a
+    :func:`bidirl.results.metrics.run_label` (the table has the full label)."""
+    return f"{number}: {' · '.join(label.split(' · ')[:2])}"
 
 
 @dataclass

@@ -96,6 +96,9 @@ class RayRun:
         self.counts = dict(counts)
         took = self.clock() - self.started
         self.steps.value = d.steps_done
+        # the browser's counter starts late (its Play starts when the message arrives): end it on the time the
+        # phase line gives, so the two agree
+        self._play.value = int(f"{took:.0f}")
         self.phase.value = f"<b>{d.policy_name}</b> on Ray ({d.provenance}): done in {took:.0f} s"
         self.note.value = (f"Ray printed {counts['routine']} routine line(s) (start-up notices and warnings), kept "
                            f"in <code>{counts['log']}</code>; {counts['shown']} other line(s) shown above.")

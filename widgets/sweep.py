@@ -214,6 +214,7 @@ class PartitionSweep:
             for trace, fresh in zip(self.figure.data, new.data):
                 trace.x, trace.y, trace.customdata = fresh.x, fresh.y, fresh.customdata
                 trace.marker.color = fresh.marker.color
+                trace.showlegend = fresh.showlegend
                 if fresh.type == "scatter":
                     trace.text = fresh.text
             self.figure.layout.title = new.layout.title
@@ -238,7 +239,9 @@ class PartitionSweep:
         from bidirl.viz.plan import selected_shape
         base = [s for s in (self.figure.layout.shapes if shapes is None else shapes)
                 if getattr(s, "name", None) != "selected"]
-        self.figure.layout.shapes = base + selected_shape(self.plan.index_of(self.selected()))
+        index = self.plan.index_of(self.selected())
+        self.figure.layout.shapes = base + selected_shape(index)
+        self.figure.data[-1].showlegend = index is not None      # "column: split selected to simulate"
 
     def _on_click(self, trace, points, _state) -> None:
         if not points.point_inds:
@@ -333,10 +336,8 @@ class PartitionSweep:
     # ------------------------------------------------------------------------------------------
     def snapshot(self) -> go.Figure:
         """The chart as it is now, as a static figure (sweep, simulated rates, selected split)."""
-        from bidirl.viz.plan import selected_shape, sweep_figure
-        fig = sweep_figure(self.plan, self.simulated)
-        fig.layout.shapes = list(fig.layout.shapes) + selected_shape(self.plan.index_of(self.selected()))
-        return fig
+        from bidirl.viz.plan import sweep_figure
+        return sweep_figure(self.plan, self.simulated, selected=self.plan.index_of(self.selected()))
 
     def export_figure(self, path: Any = None) -> dict:
         """Write :meth:`snapshot` as HTML (and PNG where kaleido renders); default

@@ -52,6 +52,8 @@ class Profiler:
     refit_window: int = 256                        # records a refit uses (the most recent)
     refits: int = 0
     cost_samples: dict = field(default_factory=dict)
+    errors: list = field(default_factory=list)    # each record's |predicted − observed| / observed, as predicted
+    changes: list = field(default_factory=list)   # len(errors) at each model change (a refit or new factors)
     prompt_lens: deque = field(default_factory=deque)
     response_lens: deque = field(default_factory=deque)
 
@@ -59,6 +61,9 @@ class Profiler:
         if rec.observed < 0 or rec.predicted < 0:
             raise ValueError(f"profiling record with negative time: {rec}")
         self.records.append(rec)
+        if rec.observed > 0 and rec.predicted > 0:
+            predicted = self.scales.get((rec.k, rec.x), 1.0) * rec.predicted
+            self.errors.append(abs(predicted - rec.observed) / rec.observed)
 
     def observe_group(self, prompt_len: int, response_lens) -> None:
         """Keep the group's (prompt, response) lengths, the most recent ``window`` responses in all."""
@@ -82,14 +87,19 @@ class Profiler:
         if predictor is not None and hasattr(predictor, "refit") and usable:
             errors = [abs(r.predicted - r.observed) / r.observed for r in usable]
             if float(np.median(errors)) > self.tolerance:
-                predictor.refit(self.records[-self.refit_window:])
-                self.refits += 1
-                self.scales = {key: 1.0 for key in self.scales}
+                refitted = predictor.refit(self.records[-self.refit_window:])
+                if refitted is None or refitted:       # {}: too few records of any stage to refit
+                    self.refits += 1
+                    self.scales = {key: 1.0 for key in self.scales}
+                    self.changes.append(len(self.errors))
         else:
+            old = dict(self.scales)
             for key in list(self.scales):
                 ratios = [r.observed / r.predicted for r in usable if (r.k, r.x) == key]
                 if ratios:
                     self.scales[key] = float(np.median(ratios))
+            if self.scales != old:
+                self.changes.append(len(self.errors))
         for (direction, which), samples in self.cost_samples.items():
             old = self.costs[direction]
             value = (1 - self.smoothing) * getattr(old, which) + self.smoothing * float(np.mean(samples))
@@ -97,10 +107,26 @@ class Profiler:
         self.cost_samples = {}
         return dict(self.scales)
 
+    def error_summary(self) -> dict:
+        """How wrong the stage-time models were, before and after the profiler changed them: the median relative
+        error (%) of the predictions made with the models as configured (before the first refit or correction)
+        and with the current models (since the last change; ``None`` when nothing changed or nothing was
+        recorded since), and how many records each median covers. The correction factors return to 1.0 after a
+        refit, so they alone cannot say this."""
+        first = self.changes[0] if self.changes else len(self.errors)
+        last = self.changes[-1] if self.changes else len(self.errors)
+        before, after = self.errors[:first], self.errors[last:]
+        return {"median_error_pct_before": 100 * float(np.median(before)) if before else None,
+                "records_before": len(before),
+                "median_error_pct_after": 100 * float(np.median(after)) if after and self.changes else None,
+                "records_after": len(after) if self.changes else 0,
+                "changes": len(self.changes), "tolerance_pct": 100 * self.tolerance}
+
     def summary(self) -> dict:
-        """Plain data for run summaries: measured/predicted stage-time factors, record count, charged costs."""
+        """Plain data for run summaries: measured/predicted stage-time factors, record count, refits, the models'
+        median error before and after the changes (:meth:`error_summary`), charged costs."""
         return {"scales": {f"{'rollout' if k == 'r' else 'trainer'}/{x}": v for (k, x), v in self.scales.items()},
-                "records": len(self.records), "refits": self.refits,
+                "records": len(self.records), "refits": self.refits, **self.error_summary(),
                 "switch_costs": {d: dict(vars(c)) for d, c in self.costs.items()}}
 
     def response_sample(self, prior: tuple) -> np.ndarray:

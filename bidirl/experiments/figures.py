@@ -14,7 +14,8 @@ Every figure says what it shows and sets it beside what the paper reports (``dat
   paper's.
 
 Axis titles are words with units (:data:`VARIABLE_TITLES`), never config keys. Simulated numbers are labelled
-simulated (model prediction); the stage-model panels are measurements on this CPU with the tiny model.
+simulated (model prediction); the stage-model panels say where their records come from (measured on this CPU
+with the tiny model in ``reproduce``; synthetic in the calibration notebook), read from the records' tag.
 """
 
 from __future__ import annotations
@@ -64,6 +65,26 @@ def variable_title(spec: PanelSpec) -> str:
 def _range_text(values) -> str:
     v = [x for x in values if np.isfinite(x)]
     return f"{min(v):.2f}x–{max(v):.2f}x" if v else "n/a"
+
+
+def variant_text(spec: PanelSpec) -> str:
+    """'quick variant: 2 of the 5 points (s=0, s=1)' for a reduced panel, '' for the full one."""
+    from bidirl.experiments.specs import SPECS
+    full = SPECS.get(spec.id)
+    if full is None or len(spec.points) >= len(full.points):
+        return ""
+    return (f"quick variant: {len(spec.points)} of the {len(full.points)} points "
+            f"({', '.join(p.label for p in spec.points)})")
+
+
+def speedup_range(values, pad: float = 0.25, least: float = 0.1) -> tuple:
+    """A speedup axis range that shows every value and 1× with room around them: the span of the finite
+    ``values`` and 1.0, widened by ``pad`` of itself on each side and to at least ``least`` in all (a band
+    of the paper's range is then never on a clipped edge)."""
+    v = [float(x) for x in values if x is not None and np.isfinite(x)] + [1.0]
+    lo, hi = min(v), max(v)
+    margin = max(pad * (hi - lo), (least - (hi - lo)) / 2, 0.0) + 1e-9
+    return lo - margin, hi + margin
 
 
 def paper_values(spec: PanelSpec, claims: Optional[Sequence] = None) -> dict:
@@ -161,7 +182,7 @@ def panel_figure(spec: PanelSpec, results: pd.DataFrame, speedup_table: Optional
     df = results[results["panel"] == spec.id]
     labels = [p.label for p in spec.points if p.label in set(df["point"])]
     paper = paper_values(spec, claims)
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.66, 0.34], vertical_spacing=0.07)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.62, 0.38], vertical_spacing=0.1)
     for policy in spec.policies:
         sub = df[df["policy"] == policy].set_index("point")
         y = [float(sub.at[lbl, "throughput"]) if lbl in sub.index and sub.at[lbl, "status"] == "ok" else None
@@ -196,17 +217,20 @@ def panel_figure(spec: PanelSpec, results: pd.DataFrame, speedup_table: Optional
                                  hovertemplate="%{x}: %{y:.2f}x (paper)<extra></extra>"), row=2, col=1)
     compared = "external baselines" if spec.kind == "end-to-end" else "ablated variants"
     title = f"{spec.title} ({spec.figure}) — {SIMULATED}"
+    variant = variant_text(spec)
+    if variant:
+        title += f" — {variant}"
     sub = f"BiDiRL speedup over the strongest of the {compared}: reproduced {_range_text(got.values())}"
     if paper["range"]:
         sub += f"; paper {paper['range'][0]:.2f}x–{paper['range'][1]:.2f}x"
     fig.update_layout(title={"text": f"{title}<br><sup>{sub}</sup>"}, barmode="group",
-                      template="plotly_white", legend_title="", shapes=shapes, height=640, width=1000,
+                      template="plotly_white", legend_title="", shapes=shapes, height=680, width=1000,
                       legend={"orientation": "h", "yref": "container", "y": 0.0, "yanchor": "bottom"},
-                      margin={"t": 90, "b": 170})
-    fig.update_yaxes(title_text=METRIC_TITLES.get(spec.metric, spec.metric), rangemode="tozero", row=1, col=1)
-    top = max([v for v in got.values() if np.isfinite(v)] + list(paper["points"].values())
-              + list(paper["range"] or ()) + [1.0])
-    fig.update_yaxes(title_text="BiDiRL speedup (×)", range=[0, 1.12 * top], row=2, col=1)
+                      margin={"t": 90, "b": 170, "l": 90})
+    fig.update_yaxes(title_text=METRIC_TITLES.get(spec.metric, spec.metric).replace(" (", "<br>(", 1),
+                     rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="BiDiRL speedup (×)", range=list(speedup_range(
+        list(got.values()) + list(paper["points"].values()) + list(paper["range"] or ()))), row=2, col=1)
     fig.update_xaxes(type="category")                  # a split such as "8-24" must not read as a date
     fig.update_xaxes(title_text=variable_title(spec), row=2, col=1)
     return fig
@@ -255,19 +279,27 @@ def static_figure(spec: PanelSpec, results: pd.DataFrame, sweep: Optional[pd.Dat
     return fig
 
 
-def stage_figure(spec: PanelSpec, records: pd.DataFrame, claims: Optional[Sequence] = None) -> go.Figure:
+def stage_figure(spec: PanelSpec, records: Optional[pd.DataFrame], claims: Optional[Sequence] = None) -> go.Figure:
     """Observed and predicted stage time per x value, one pair of curves per max response length, with the
-    held-out errors beside the paper's."""
-    from bidirl.experiments.stage_models import LABEL
+    held-out errors; titled with where the records come from (their tag,
+    :func:`bidirl.results.provenance.records_label`; untagged records are refused). Measured records are set
+    beside the paper's errors; synthetic ones beside the generator's noise floor, which is what their error
+    measures."""
+    from bidirl.experiments.stage_models import NOISE, noise_floor_pct
+    from bidirl.results.provenance import records_label
     fig = go.Figure()
     paper = paper_values(spec, claims)
     errors = ""
+    label = "no records (the panel failed: see the report)"
+    source = None
+    if records is not None:
+        label, source = records_label(records), records.attrs["source"]
     if records is not None and len(records):
         palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
         for i, (length, sub) in enumerate(records.groupby("max_response_len")):
             agg = sub.groupby("x")[["observed", "predicted"]].mean().sort_index()
             color = palette[i % len(palette)]
-            fig.add_trace(go.Scatter(name=f"observed, responses of {length} tokens", x=agg.index,
+            fig.add_trace(go.Scatter(name=f"{source}, responses of {length} tokens", x=agg.index,
                                      y=agg["observed"], mode="markers", marker={"color": color, "size": 8},
                                      legendgroup=str(length)))
             fig.add_trace(go.Scatter(name=f"predicted (fitted model), responses of {length} tokens", x=agg.index,
@@ -276,11 +308,14 @@ def stage_figure(spec: PanelSpec, records: pd.DataFrame, claims: Optional[Sequen
         if {"observed", "predicted"} <= set(records.columns):
             rel = (records["predicted"] - records["observed"]).abs() / records["observed"]
             errors = f"held-out error: median {100 * rel.median():.2f} %, p90 {100 * rel.quantile(0.9):.2f} %"
-    if paper["median"] is not None:
+    if source == "synthetic":
+        errors += (f"{'; ' if errors else ''}floor set by the injected {100 * NOISE:g} % noise: median "
+                   f"{noise_floor_pct():.2f} % (not comparable with the paper's errors on real GPUs)")
+    elif paper["median"] is not None:
         errors += (f"{'; ' if errors else ''}paper: median {paper['median']:.2f} %"
                    + (f", p90 {paper['p90']:.2f} %" if paper["p90"] is not None else "")
                    + " (Qwen3-VL on A6000)")
-    fig.update_layout(title={"text": f"{spec.title} ({spec.figure}) — {LABEL}<br><sup>{errors}</sup>"},
+    fig.update_layout(title={"text": f"{spec.title} ({spec.figure}) — {label}<br><sup>{errors}</sup>"},
                       xaxis_title=variable_title(spec), yaxis_title="stage time (s)", template="plotly_white",
                       width=1000, height=480)
     return fig
@@ -315,5 +350,5 @@ def _try_png(figures: dict, out_dir: Path, paths: list, png_cache: Optional[Path
     return f"PNG written for {len(targets)} figures"
 
 
-__all__ = ["panel_figure", "static_figure", "stage_figure", "write_figures", "paper_values", "mechanisms",
+__all__ = ["variant_text", "speedup_range", "panel_figure", "static_figure", "stage_figure", "write_figures", "paper_values", "mechanisms",
            "variable_title", "policy_name"]

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import pandas as pd
 
-from bidirl.experiments.claims import Claim, judge
+from bidirl.experiments.claims import RANGE_RULE, Claim, judge
 
 NOT_RUN, NO_VALID = "not run", "no valid runs"
 NOT_SIMULABLE = "not reproducible in simulation"
@@ -341,6 +341,82 @@ def counts(rows: list) -> dict:
     return out
 
 
+def coverage(rows: list, panels: list) -> dict:
+    """Which claims a run of ``panels`` (specs) judges, and why the others are not judged: ``own`` (every panel
+    of the claim was run), ``shared`` (claim id → the panels it also needs, not run: judged on the points run
+    only), ``independent`` (no panel: derived, judged in every run), ``not_run``, ``not_simulable``,
+    ``unavailable`` (claim ids)."""
+    run = {s.id for s in panels}
+    out: dict = {"own": [], "shared": {}, "independent": [], "not_run": [], "not_simulable": [], "unavailable": []}
+    for r in rows:
+        needed = list(r.get("check", {}).get("panels", ()))
+        if r["status"] == NOT_SIMULABLE:
+            out["not_simulable"].append(r["id"])
+        elif r["status"] == NOT_RUN:
+            out["not_run"].append(r["id"])
+        elif r["status"] in (UNAVAILABLE, NO_VALID):
+            out["unavailable"].append(r["id"])
+        elif not needed:
+            out["independent"].append(r["id"])
+        elif set(needed) <= run:
+            out["own"].append(r["id"])
+        else:
+            out["shared"][r["id"]] = [p for p in needed if p not in run]
+    return out
+
+
+def coverage_text(rows: list, panels: list) -> str:
+    """:func:`coverage` in words: what this run judges, how fully, and why the rest is not judged."""
+    from bidirl.experiments.figures import variant_text
+    cov = coverage(rows, panels)
+    names = "; ".join(f"{s.id}" + (f" — {variant_text(s)}" if variant_text(s) else "") for s in panels)
+    parts = [f"This run covers {names}. Of the paper's {len(rows)} claims:"]
+    if cov["own"]:
+        parts.append(f"{len(cov['own'])} {'is' if len(cov['own']) == 1 else 'are'} this run's own "
+                     f"({', '.join(cov['own'])}), judged on the points run;")
+    if cov["shared"]:
+        others = sorted({p for v in cov["shared"].values() for p in v})
+        parts.append(f"{len(cov['shared'])} pool this run's panels with {', '.join(others)}, not run, and are "
+                     "judged on this run's points alone — a partial check: under the range rule the points run "
+                     "can break a range claim but cannot confirm it for the points not run;")
+    if cov["independent"]:
+        parts.append(f"{len(cov['independent'])} need no panel ({', '.join(cov['independent'])}: derived from "
+                     "state sizes and link bandwidths) and are judged in every run;")
+    if cov["unavailable"]:
+        parts.append(f"{len(cov['unavailable'])} could not be computed ({', '.join(cov['unavailable'])});")
+    if cov["not_run"]:
+        parts.append(f"{len(cov['not_run'])} are not judged because their panels were not run;")
+    if cov["not_simulable"]:
+        parts.append(f"{len(cov['not_simulable'])} are about training quality (reward curves), which a simulation "
+                     "cannot produce.")
+    text = " ".join(parts)
+    return text[:-1] + "." if text.endswith(";") else text
+
+
+def claims_table(rows: list, ids: Optional[list] = None) -> pd.DataFrame:
+    """The rows ``ids`` (default: every judged row) as a narrow table for a notebook: claim, paper, reproduced,
+    tolerance, match, and the note (points used, rebalance bound, limits)."""
+    keep = [r for r in rows if (ids is None and r["match"] is not None) or (ids is not None and r["id"] in ids)]
+    return pd.DataFrame([{"claim": r["id"], "paper": _fmt(r["paper"]), "reproduced": _fmt(r["reproduced"]),
+                          "tolerance": r["tolerance"], "match": "—" if r["match"] is None else
+                          ("yes" if r["match"] else "no"), "note": r["note"]
+                          + (f" — limits: {', '.join(r['limits'])}" if r.get("limits") else "")} for r in keep],
+                        columns=["claim", "paper", "reproduced", "tolerance", "match", "note"])
+
+
+def speedup_table(speedups: pd.DataFrame, panel: Optional[str] = None) -> pd.DataFrame:
+    """The speedups of ``panel`` (default: all) as a narrow table: point, BiDiRL and the strongest comparator in
+    tokens/s (whole numbers), the speedup and the rebalance bound (three decimals)."""
+    sp = speedups if panel is None else speedups[speedups["panel"] == panel]
+    out = pd.DataFrame({"point": sp["point"], "BiDiRL (tokens/s)": sp["bidirl"].round().astype("Int64"),
+                        "strongest other": sp["best"],
+                        "its tokens/s": sp["best_throughput"].round().astype("Int64"),
+                        "speedup (×)": sp["speedup"].round(3)})
+    if "rebalance_bound" in sp:
+        out["rebalance bound (×)"] = sp["rebalance_bound"].round(3)
+    return out.reset_index(drop=True)
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
@@ -361,6 +437,7 @@ def to_markdown(rows: list, *, png_note: str = "", panels: Optional[list] = None
     lines = ["# BiDiRL reproduction report", "",
              "Each row is one number the paper reports (data/paper/claims.yaml). `match` is computed from the "
              "values under the stated tolerance; convergence claims cannot be checked in simulation.", "",
+             f"Range rule: {RANGE_RULE}", "",
              "Summary: " + ", ".join(f"{k}: {v}" for k, v in c.items()), ""]
     if png_note:
         lines += [f"Figures: HTML for every panel; {png_note}.", ""]
@@ -414,7 +491,7 @@ def write_report(out_dir, rows: list, *, png_note: str = "", panels: Optional[li
     from bidirl.experiments.claims import load_limits
     baselines, limits = baseline_rules(), load_limits()
     rows = explain(rows, limits)
-    payload = {"summary": counts(rows), "figures_png": png_note,
+    payload = {"summary": counts(rows), "range_rule": RANGE_RULE, "figures_png": png_note,
                "panels": [s.id for s in panels] if panels else [], "baselines": baselines,
                "limits": [{"id": lim.id, "title": lim.title, "text": lim.text, "claims": list(lim.claims)}
                           for lim in limits], "claims": rows}
@@ -427,4 +504,4 @@ def write_report(out_dir, rows: list, *, png_note: str = "", panels: Optional[li
 
 
 __all__ = ["Evidence", "Outcome", "evaluate", "explain", "static_evidence", "switch_cost_evidence", "write_report", "to_markdown",
-           "counts", "baseline_rules", "METRICS", "NOT_RUN", "NO_VALID", "NOT_SIMULABLE", "UNAVAILABLE"]
+           "counts", "coverage", "coverage_text", "claims_table", "speedup_table", "baseline_rules", "METRICS", "NOT_RUN", "NO_VALID", "NOT_SIMULABLE", "UNAVAILABLE"]

@@ -13,7 +13,11 @@ fidelity on the hardware at hand.
 
 :func:`perturb`, :func:`rollout_records` and :func:`trainer_records` are a seeded synthetic generator (a
 perturbed ground truth plus simulator-sized noise) that checks the calibration's ability to recover known
-parameters; the tutorial notebook on calibration uses them. The panel no longer does.
+parameters; the tutorial notebook on calibration uses them. The panel no longer does. Every table of records
+says where it comes from (:func:`bidirl.results.provenance.mark_records`: ``measured`` or ``synthetic``), and
+:func:`bidirl.experiments.figures.stage_figure` titles a figure from that tag, never from a constant, so
+generated records cannot be drawn as measurements. The error of a fit to synthetic records is bounded below by
+the injected noise (:func:`noise_floor_pct`), not by the paper's.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from bidirl.experiments.specs import PanelSpec
+from bidirl.results.provenance import mark_records
 
 #: the shipped profile the panel is measured on (``data/profiles/<name>``) and how its results are labelled
 PROFILE = "cpu-tiny"
@@ -103,6 +108,7 @@ def run_stage_panel(spec: PanelSpec, *, quick: bool = False, seed: int = 0, fit_
             f"the {cal.statistic} of {meta['grid'].get('repeats')} repetitions) of {records_label(prof)} (measured "
             f"{meta['date'][:10]}, {meta['machine'].get('usable_cpus')} CPUs); knobs and tiny-model parameters "
             "fitted by bidirl calibrate; the paper's numbers are for Qwen3-VL on A6000")
+    mark_records(held, "measured", LABEL)
     err = held["rel_error"]
     return {"median": 100 * float(np.median(err)), "p90": 100 * float(np.quantile(err, 0.9)),
             "fit_errors": {"median": 100 * float(fit["rel_error"].median()),
@@ -119,6 +125,48 @@ TRUTH_SIGMA = 0.15    # σ of the log-normal scaling of each ground-truth coeffi
 REPEATS = 8           # repetitions per x value (half fit, half held out)
 QUICK_REPEATS = 4
 NON_SCALED = {"r"}    # shape exponents of the p-norm overlap stay as derived
+
+
+def noise_floor_pct(sigma: float = NOISE) -> float:
+    """The median relative error (%) a perfect model makes on the generator's records: the median m of
+    |exp(ε) − 1| with ε ~ N(0, σ²), i.e. Φ(ln(1 + m)/σ) − Φ(ln(1 − m)/σ) = 1/2, solved by bisection.
+    About σ·Φ⁻¹(0.75): 2.02 % at σ = 3 %."""
+    def phi(x: float) -> float:
+        return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+    lo, hi = 0.0, 1.0 - 1e-12
+    for _ in range(100):
+        m = 0.5 * (lo + hi)
+        lo, hi = (m, hi) if phi(math.log1p(m) / sigma) - phi(math.log1p(-m) / sigma) < 0.5 else (lo, m)
+    return 100 * 0.5 * (lo + hi)
+
+
+def synthetic_label(spec: PanelSpec) -> str:
+    """How figures name the generator's records of ``spec``: synthetic, from which model and hardware, how noisy."""
+    cfg = spec.config(spec.points[0])
+    return (f"synthetic: a perturbed {cfg.model} / {cfg.hardware} model plus {100 * NOISE:g} % noise "
+            "(seeded generator, not a measurement)")
+
+
+def with_predictions(records: pd.DataFrame, predict: Callable) -> pd.DataFrame:
+    """``records`` with ``predicted = predict(row)`` and ``rel_error`` = |predicted − observed| / observed (the
+    records' source tag is kept)."""
+    out = records.copy()
+    out["predicted"] = [float(predict(row)) for _, row in records.iterrows()]
+    out["rel_error"] = relative_errors(out["observed"], out["predicted"])
+    return out
+
+
+def stage_times(chunk_records: pd.DataFrame) -> pd.DataFrame:
+    """Per-chunk trainer records summed into one stage time per (point, repetition, stage) — what a GPU spends
+    on a stage is the sum of its chunks — with ``rel_error`` recomputed; the source tag is kept."""
+    keys = ["point", "x", "max_response_len", "rep", "stage"]
+    missing = [k for k in keys + ["observed", "predicted"] if k not in chunk_records]
+    if missing:
+        raise ValueError(f"chunk records need columns {missing} (trainer_records, then with_predictions)")
+    out = chunk_records.groupby(keys, as_index=False)[["observed", "predicted"]].sum()
+    out["rel_error"] = relative_errors(out["observed"], out["predicted"])
+    out.attrs.update(chunk_records.attrs)
+    return out
 
 
 def perturb(params: Any, rng: np.random.Generator, sigma: float) -> Any:
@@ -154,7 +202,7 @@ def rollout_records(spec: PanelSpec, truth, *, repeats: int, seed: int) -> pd.Da
             rows.append({"point": point.label, "x": n_prompts, "max_response_len": max_len, "rep": rep,
                          "prompt_lens": p, "response_lens": r, "d": 1, "group_size": cfg.workload.group_size,
                          "observed": true_time * float(np.exp(rng.normal(0.0, NOISE)))})
-    return pd.DataFrame(rows)
+    return mark_records(pd.DataFrame(rows), "synthetic", synthetic_label(spec))
 
 
 def trainer_records(spec: PanelSpec, truth, *, repeats: int, seed: int) -> pd.DataFrame:
@@ -175,8 +223,50 @@ def trainer_records(spec: PanelSpec, truth, *, repeats: int, seed: int) -> pd.Da
                     rows.append({"point": point.label, "x": n_chunks, "max_response_len": max_len, "rep": rep,
                                  "stage": stage, "chunk": c, "prompt_lens": p, "response_lens": r, "d": 1,
                                  "observed": true_time * float(np.exp(rng.normal(0.0, NOISE)))})
-    return pd.DataFrame(rows)
+    return mark_records(pd.DataFrame(rows), "synthetic", synthetic_label(spec))
 
 
 __all__ = ["run_stage_panel", "shipped_profile", "rollout_records", "trainer_records", "perturb", "relative_errors",
+           "with_predictions", "stage_times", "synthetic_label", "noise_floor_pct", "online_profile", "RECORD_KINDS",
            "PROFILE", "LABEL", "HOLDOUT", "NOISE", "TRUTH_SIGMA", "REPEATS", "QUICK_REPEATS"]
+
+
+# --------------------------------------------------------------------------------------------------
+# the online profiler at work (§5.1): a run that starts with a wrong trainer model
+# --------------------------------------------------------------------------------------------------
+
+#: what a profiler record's stage code ``k`` stands for
+RECORD_KINDS = {"r": "rollout batch", "t": "trainer chunk"}
+
+
+def online_profile(config: Any = "a6000-default", *, steps: int = 4, seed: int = 0, believed_speedup: float = 2.0,
+                   overrides: Optional[dict] = None):
+    """Simulate ``config`` with a scheduler that believes the trainer ``believed_speedup`` × faster than it is (the
+    trainer model's FLOP-rate coefficients α scaled by 1 / ``believed_speedup``), so the online profiler has
+    something to correct. Returns ``(result, records)``: the run and its profiler's records as a table in words and
+    seconds (``step`` the record fell in, ``work``, ``role``, ``pool``, ``replicas``, ``observed_s``,
+    ``predicted_s``, ``error_pct``; the prediction is the one the scheduler held when the work ran, and the
+    profiler refits at weight syncs, i.e. between steps)."""
+    from bidirl.job import config as cfgmod
+    from bidirl.job.planner import plan
+    from bidirl.perf.predictor import StagePredictor
+    from bidirl.perf.trainer import TrainerModel
+    from bidirl.sim.driver import SimDriver
+    if not believed_speedup > 0:
+        raise ValueError(f"believed_speedup must be > 0 (1 = the true model), got {believed_speedup!r}")
+    cfg = cfgmod.load(config) if isinstance(config, str) else config
+    if overrides:
+        cfg = cfg.with_overrides(overrides)
+    env = plan(cfg).envelope
+    wrong = StagePredictor.from_config(cfg, env.rollout_layout, env.trainer_layout)
+    t = wrong.trainer
+    alpha = {s: v / believed_speedup for s, v in t.params.alpha.items()}
+    wrong.trainer = TrainerModel(t.model, t.hardware, layout=t.layout,
+                                 params=dataclasses.replace(t.params, alpha=alpha))
+    result = SimDriver(cfg, "bidirl", steps=steps, seed=seed, predictor=wrong).run()
+    ends = result.log.steps_df()["end"].to_numpy()
+    rows = [{"step": int(np.searchsorted(ends, r.t)), "work": RECORD_KINDS[r.k] + (f": {r.workload['stage']}" if r.k == "t" else ""), "role": r.x,
+             "pool": r.pool, "replicas": r.d, "observed_s": r.observed, "predicted_s": r.predicted,
+             "error_pct": 100 * abs(r.predicted - r.observed) / r.observed if r.observed > 0 else float("nan")}
+            for r in result.view.profile]
+    return result, pd.DataFrame(rows)

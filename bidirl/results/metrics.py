@@ -440,6 +440,36 @@ COST_SOURCES: dict = {"measured": "measured on the real engines",
                       "simulated": "charged by the models"}
 
 
+def group_rate(summary: Mapping, prompts_per_step: int) -> Optional[float]:
+    """A run's rate in :data:`RATE_UNIT` (the planner's unit, λ_pipe): the prompt groups of its measured steps over
+    their §7.1 window — the same window as its throughput in tokens/s. ``None`` when the run has no window."""
+    if summary.get("throughput") is None or summary.get("window") is None:
+        return None
+    t0, t1 = summary["window"]
+    return int(summary["measured_steps"]) * int(prompts_per_step) / (t1 - t0)
+
+
+def calibration_line(cal: dict) -> str:
+    """The online profiler (§5.1) in one line: how many times it refitted the stage-time models and their median
+    relative error before and after (:meth:`bidirl.core.profiler.Profiler.error_summary`); the correction factors
+    only where the fallback set them (after a refit they are 1.0 and say nothing)."""
+    before, after = cal.get("median_error_pct_before"), cal.get("median_error_pct_after")
+    n = cal.get("refits", 0)
+    line = f"online profiler: {n} refit{'' if n == 1 else 's'} of the stage-time models"
+    if before is None:
+        return line + " (no stage-time records yet)"
+    if not cal.get("changes"):
+        return (line + f"; median prediction error {before:.1f} % over {cal['records_before']} records "
+                f"(refits above {cal['tolerance_pct']:g} %)")
+    line += f"; median prediction error {before:.1f} % before ({cal['records_before']} records), "
+    line += (f"{after:.1f} % after ({cal['records_after']} records)" if after is not None
+             else "after: no record since the last change")
+    factors = {k: v for k, v in cal.get("scales", {}).items() if abs(v - 1.0) > 1e-9}
+    if factors:
+        line += "; correction factors (measured / predicted) " + ", ".join(f"{k} {v:.2f}" for k, v in factors.items())
+    return line
+
+
 def format_summary(s: dict) -> str:
     """The human-readable summary of ``simulate`` / ``run`` (what ``bidirl simulate`` prints), headed by what
     the numbers are (the summary's ``provenance``: simulated, emulated or measured)."""
@@ -458,8 +488,7 @@ def format_summary(s: dict) -> str:
         lines.append(f"switch costs (s, {COST_SOURCES.get(what, 'source not given')}): " + "; ".join(
             f"{d} " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()) for d, c in s["costs"].items()))
     if s.get("calibration"):
-        lines.append("online calibration, measured / predicted stage time: " + ", ".join(
-            f"{k} {v:.2f}" for k, v in s["calibration"]["scales"].items()))
+        lines.append(calibration_line(s["calibration"]))
     if s.get("reward"):
         lines.append("mean reward per step: " + " ".join(f"{r:.3f}" for r in s["reward"]))
     return "\n".join(lines)

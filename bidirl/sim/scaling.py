@@ -7,7 +7,12 @@ the batch growing in step — ``prompts_per_gpu`` prompt groups per GPU (4 by de
 cluster is busy at every size. :func:`measure_scaling` simulates each (GPUs, steps) point and records the
 **wall time of the simulation itself** (measured on the machine running it, with the events it processed and
 the CPU time it used) and the cost per simulated GPU-step, in wall and in CPU time (the CPU figure is the one to
-read on a machine other work keeps busy); the simulated throughput is in the frame too, marked as a simulation. :func:`scaling_figure` draws wall time and cost per GPU-step against GPUs and steps.
+read on a machine other work keeps busy); the simulated throughput is in the frame too, marked as a simulation.
+The first simulation in a process pays one-time costs (imports, first-call paths of numpy and the models): one
+untimed warm-up run goes first, every point is repeated (the repetitions interleaved, so a change in the
+machine's load falls on every point alike) and the frame holds the medians with the CPU cost's spread.
+:func:`cost_summary` reads the frame: the cost ratio of the largest size over the smallest and the log-log slope
+of the cost against GPUs. :func:`scaling_figure` draws wall time and cost per GPU-step against GPUs and steps.
 
 The cost per GPU-step is what should stay flat or fall as the cluster grows: the control plane's per-event
 work is indexed (no scan over all groups or workers per event), so the time per step grows with the requests
@@ -26,7 +31,9 @@ from bidirl.job import config as cfgmod
 #: the frame's columns, in order
 COLUMNS: tuple = ("gpus", "steps", "prompts_per_step", "policy", "wall_s", "cpu_s", "events", "events_per_s",
                   "gpu_steps", "us_per_gpu_step", "cpu_us_per_gpu_step", "simulated_throughput", "wall_provenance",
-                  "throughput_provenance")
+                  "throughput_provenance", "repeats", "cpu_us_per_gpu_step_min", "cpu_us_per_gpu_step_max")
+#: the timed columns a repeated point reports as medians
+TIMED: tuple = ("wall_s", "cpu_s", "events_per_s", "us_per_gpu_step", "cpu_us_per_gpu_step")
 
 DEFAULT_GPUS: tuple = (16, 32, 64, 128, 256, 512, 1024)
 
@@ -68,32 +75,80 @@ def measure_point(gpus: int, steps: int, *, policy: str = "bidirl", seed: Option
 
 def measure_scaling(gpus: Iterable[int] = DEFAULT_GPUS, steps: Union[int, Iterable[int]] = 5, *,
                     policy: str = "bidirl", seed: Optional[int] = None, base: Any = "a6000-default",
-                    prompts_per_gpu: int = 4,
+                    prompts_per_gpu: int = 4, repeats: int = 3, warmup: bool = True,
                     progress: Union[bool, Callable[[int, int], Any], None] = False) -> pd.DataFrame:
-    """Simulate every (GPUs, steps) pair — ``gpus`` × ``steps`` (an int or several) — one after the other in
-    this process, and return one row per pair (columns :data:`COLUMNS`). ``progress``: ``True`` for a tqdm
-    bar, or a callable ``progress(done, total)``."""
+    """Simulate every (GPUs, steps) pair — ``gpus`` × ``steps`` (an int or several) — in this process, after one
+    untimed ``warmup`` run of the first pair, ``repeats`` times each (round by round: every pair once, then
+    again), and return one row per pair (columns :data:`COLUMNS`): the medians of the timed columns
+    (:data:`TIMED`), the repetitions and the range of the CPU cost per GPU-step. ``progress``: ``True`` for a
+    tqdm bar, or a callable ``progress(done, total)``."""
     pairs = [(int(g), int(s)) for g in gpus for s in ([steps] if isinstance(steps, int) else steps)]
     if not pairs:
         raise ValueError("measure_scaling needs at least one GPU count and one step count")
+    if int(repeats) < 1:
+        raise ValueError(f"repeats must be ≥ 1 (runs per point; the row holds their medians), got {repeats!r}")
+    repeats = int(repeats)
     for g, _ in pairs:
         scaled_config(g, base=base, prompts_per_gpu=prompts_per_gpu)       # bad sizes fail before anything runs
+    total = len(pairs) * repeats + bool(warmup)
     bar = None
     if progress is True:
         from tqdm.auto import tqdm
-        bar = tqdm(total=len(pairs), desc="scaling", unit="run", leave=False)
-    rows = []
+        bar = tqdm(total=total, desc="scaling", unit="run", leave=False)
+    done = 0
+
+    def tick():
+        nonlocal done
+        done += 1
+        if bar is not None:
+            bar.update(1)
+        elif callable(progress):
+            progress(done, total)
+
+    runs: dict = {pair: [] for pair in pairs}
     try:
-        for g, s in pairs:
-            rows.append(measure_point(g, s, policy=policy, seed=seed, base=base, prompts_per_gpu=prompts_per_gpu))
-            if bar is not None:
-                bar.update(1)
-            elif callable(progress):
-                progress(len(rows), len(pairs))
+        if warmup:
+            measure_point(*pairs[0], policy=policy, seed=seed, base=base, prompts_per_gpu=prompts_per_gpu)
+            tick()
+        for _ in range(repeats):
+            for g, s in pairs:
+                runs[(g, s)].append(measure_point(g, s, policy=policy, seed=seed, base=base,
+                                                  prompts_per_gpu=prompts_per_gpu))
+                tick()
     finally:
         if bar is not None:
             bar.close()
+    rows = []
+    for pair in pairs:
+        timed = pd.DataFrame(runs[pair])
+        row = dict(runs[pair][0])
+        row.update({c: float(timed[c].median()) for c in TIMED})
+        row.update(repeats=repeats, cpu_us_per_gpu_step_min=float(timed["cpu_us_per_gpu_step"].min()),
+                   cpu_us_per_gpu_step_max=float(timed["cpu_us_per_gpu_step"].max()))
+        rows.append(row)
     return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def cost_summary(by_gpus: pd.DataFrame, column: str = "cpu_us_per_gpu_step") -> dict:
+    """How the cost per simulated GPU-step (``column``, medians) grows with the GPUs: ``ratio`` (largest size over
+    smallest), ``slope`` (least-squares slope of log cost against log GPUs: 0 is flat, 1 is a cost per step
+    growing with the square of the GPUs), ``spread`` (dearest size over cheapest), the sizes, and ``text``, one
+    sentence. The smallest size carries the per-step work that does not grow with the cluster (gates, optimizer
+    step, sync) over the fewest GPUs, so the slope and the spread say more than the end-to-end ratio alone."""
+    import numpy as np
+    frame = by_gpus.sort_values("gpus")
+    if frame["gpus"].nunique() < 2:
+        raise ValueError("cost_summary needs at least two GPU counts")
+    g, c = frame["gpus"].to_numpy(float), frame[column].to_numpy(float)
+    slope = float(np.polyfit(np.log(g), np.log(c), 1)[0])
+    ratio, spread = float(c[-1] / c[0]), float(c.max() / c.min())
+    what = "CPU" if column.startswith("cpu") else "wall"
+    reps = int(frame["repeats"].min()) if "repeats" in frame and frame["repeats"].notna().all() else 1
+    text = (f"cost per simulated GPU-step ({what} time, median of {reps} run{'s' if reps != 1 else ''} per size"
+            f"{' after a warm-up run' if reps > 1 else ''}): {int(g[-1]):,} GPUs over {int(g[0]):,}: {ratio:.2f}×; "
+            f"across the {len(g)} sizes it stays within {spread:.2f}× ({c.min():,.0f}–{c.max():,.0f} µs), "
+            f"log-log slope {slope:+.2f} (0 = flat)")
+    return {"ratio": ratio, "slope": slope, "spread": spread, "smallest": int(g[0]), "largest": int(g[-1]), "text": text}
 
 
 def scaling_figure(by_gpus: pd.DataFrame, by_steps: Optional[pd.DataFrame] = None):
@@ -112,13 +167,20 @@ def scaling_figure(by_gpus: pd.DataFrame, by_steps: Optional[pd.DataFrame] = Non
     fig.add_trace(go.Scatter(x=by_gpus["gpus"], y=by_gpus["us_per_gpu_step"], mode="lines+markers",
                              name="wall µs per GPU-step",
                              hovertemplate="%{x} GPUs: %{y:.4g} wall µs per GPU-step<extra></extra>"), 1, 2)
+    spread = {}
+    if "cpu_us_per_gpu_step_min" in by_gpus and by_gpus["cpu_us_per_gpu_step_min"].notna().all():
+        spread = {"error_y": {"type": "data", "symmetric": False,
+                              "array": by_gpus["cpu_us_per_gpu_step_max"] - by_gpus["cpu_us_per_gpu_step"],
+                              "arrayminus": by_gpus["cpu_us_per_gpu_step"] - by_gpus["cpu_us_per_gpu_step_min"]}}
     fig.add_trace(go.Scatter(x=by_gpus["gpus"], y=by_gpus["cpu_us_per_gpu_step"], mode="lines+markers",
-                             name="CPU µs per GPU-step", line={"dash": "dot"},
+                             name="CPU µs per GPU-step (median; bars: min–max)", line={"dash": "dot"}, **spread,
                              hovertemplate="%{x} GPUs: %{y:.4g} CPU µs per GPU-step<extra></extra>"), 1, 2)
-    fig.update_xaxes(type="log", title_text="GPUs simulated", row=1, col=1)
-    fig.update_xaxes(type="log", title_text="GPUs simulated", row=1, col=2)
-    fig.update_yaxes(type="log", title_text="seconds (measured)", row=1, col=1)
-    fig.update_yaxes(title_text="µs (measured)", rangemode="tozero", row=1, col=2)
+    ticks = sorted(set(int(g) for g in by_gpus["gpus"]))
+    for col in (1, 2):            # the simulated sizes as the ticks, written out (no log-axis minor digits)
+        fig.update_xaxes(type="log", title_text="GPUs simulated", tickvals=ticks, ticktext=[f"{g:,}" for g in ticks],
+                         row=1, col=col)
+    fig.update_yaxes(type="log", title_text="seconds (measured)", dtick=1, tickformat="~g", row=1, col=1)
+    fig.update_yaxes(type="log", title_text="µs per GPU-step (measured)", dtick=1, tickformat=",~r", row=1, col=2)
     if by_steps is not None:
         name = by_steps["gpus"].astype(str) + " GPUs"
         fig.add_trace(go.Scatter(x=by_steps["steps"], y=by_steps["wall_s"], mode="lines+markers",
@@ -126,7 +188,9 @@ def scaling_figure(by_gpus: pd.DataFrame, by_steps: Optional[pd.DataFrame] = Non
                                  hovertemplate="%{text}, %{x} steps: %{y:.3g} s<extra></extra>"), 1, 3)
         fig.update_xaxes(title_text="steps simulated", row=1, col=3)
         fig.update_yaxes(title_text="seconds (measured)", rangemode="tozero", row=1, col=3)
-    fig.update_layout(title="Simulator cost at scale (measured on this machine)", height=380)
+    reps = by_gpus["repeats"].min() if "repeats" in by_gpus and by_gpus["repeats"].notna().all() else 1
+    fig.update_layout(title=f"Simulator cost at scale (measured on this machine; median of {int(reps)} per point)",
+                      height=400)
     return fig
 
 
@@ -142,5 +206,5 @@ def markdown_table(frame: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["scaled_config", "measure_point", "measure_scaling", "scaling_figure", "markdown_table", "COLUMNS",
+__all__ = ["scaled_config", "measure_point", "measure_scaling", "cost_summary", "scaling_figure", "markdown_table", "COLUMNS",
            "DEFAULT_GPUS"]

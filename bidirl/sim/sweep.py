@@ -85,10 +85,9 @@ def simulate_one(cfg: cfgmod.JobConfig, row: dict) -> dict:
         return dict(row, status="failed", reason=f"{type(exc).__name__}: {exc}")
     if summary.get("throughput") is None:
         return dict(row, status="no-window", reason=summary.get("throughput_note", "too few steps"))
-    t0, t1 = summary["window"]
-    kept = int(summary["measured_steps"])
-    return dict(row, rate=kept * job.workload.prompts_per_step / (t1 - t0), throughput=float(summary["throughput"]),
-                measured_steps=kept, provenance=summary.get("provenance", "simulated"))
+    from bidirl.results.metrics import group_rate
+    return dict(row, rate=group_rate(summary, job.workload.prompts_per_step), throughput=float(summary["throughput"]),
+                measured_steps=int(summary["measured_steps"]), provenance=summary.get("provenance", "simulated"))
 
 
 def _simulate_forked(cfg: cfgmod.JobConfig, todo: list, workers: int, tick: Callable) -> list:

@@ -97,9 +97,10 @@ def simulated_note(simulated: Optional[pd.DataFrame]) -> str:
     return f", beside the simulated rate ({first['policy']}, {int(first['steps'])} steps per split)"
 
 
-def sweep_figure(plan, simulated: Optional[pd.DataFrame] = None) -> go.Figure:
+def sweep_figure(plan, simulated: Optional[pd.DataFrame] = None, selected: Optional[int] = None) -> go.Figure:
     """The sweep of ``plan`` (a :class:`bidirl.job.planner.Plan`) as a figure (module doc); ``simulated`` adds the
-    simulated rate per split."""
+    simulated rate per split, ``selected`` (a sweep row index) shades the split selected to simulate. The legend
+    lists only what the chart shows (:func:`legend_shown`)."""
     sweep = plan.sweep.reset_index(drop=True)
     env = plan.envelope
     cfg = plan.config
@@ -138,6 +139,10 @@ def sweep_figure(plan, simulated: Optional[pd.DataFrame] = None) -> go.Figure:
     fig.add_trace(_legend_only(TRACE_NAMES[6], INCOMPATIBLE))
     fig.add_trace(_legend_only(TRACE_NAMES[7], CHOSEN))
     fig.add_trace(_legend_only(TRACE_NAMES[8], SELECTED_FILL.replace("0.22", "0.6")))
+    shown = legend_shown(ok, chosen, sim_rates, no_fit, selected)
+    for trace, show in zip(fig.data, shown):
+        if show is not None:
+            trace.showlegend = show
     i = int(np.nonzero(chosen)[0][0]) if chosen.any() else None
     shapes, notes = [], []
     if i is not None:
@@ -160,7 +165,17 @@ def sweep_figure(plan, simulated: Optional[pd.DataFrame] = None) -> go.Figure:
         legend={"orientation": "h", "yref": "container", "y": 0.0, "yanchor": "bottom", "x": 0.0, "xanchor": "left"},
         margin={"t": 100, "b": 130, "l": 70, "r": 20},
     )
+    fig.layout.shapes = list(fig.layout.shapes) + selected_shape(selected)
     return fig
+
+
+def legend_shown(compatible, chosen, sim_rates, no_fit, selected: Optional[int]) -> list:
+    """Per trace of :data:`TRACE_NAMES`: whether its legend entry shows (``None``: the trace has none, the
+    λ_pipe bars), true only where the chart has what it names — a simulated rate, a split that does not fit,
+    bars of each colour, a selected split."""
+    compatible, chosen = np.asarray(compatible, bool), np.asarray(chosen, bool)
+    return [None, True, True, any(v is not None and np.isfinite(v) for v in sim_rates), any(no_fit),
+            bool((compatible & ~chosen).any()), bool((~compatible).any()), bool(chosen.any()), selected is not None]
 
 
 def selected_shape(index: Optional[int]) -> list:
