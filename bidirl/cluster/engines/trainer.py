@@ -551,15 +551,7 @@ class TrainerEngine:
         if count == 0:
             raise ValueError("apply: no chunk gradients given or accumulated")
         if total is not None:
-            offset = 0
-            for p, shape in zip(self.params, self.local_shapes):
-                n = math.prod(shape)
-                part = total[offset:offset + n].view(shape)
-                if p.grad is None:
-                    p.grad = _like(part.clone(), p)
-                else:
-                    _local(p.grad).add_(part)
-                offset += n
+            self._add_to_grads(total)
         for p in self.params:                              # a parameter no chunk reached: a zero gradient
             if p.grad is None:
                 p.grad = _like(torch.zeros_like(_local(p)), p)
@@ -569,6 +561,18 @@ class TrainerEngine:
         self.version += 1
         return {"version": self.version, "grad_norm": grad_norm, "chunks": count,
                 "seconds": time.perf_counter() - t0}
+
+    def _add_to_grads(self, flat: torch.Tensor) -> None:
+        """Add a flat vector of this rank's shards (parameter order) into each parameter's ``grad``."""
+        offset = 0
+        for p, shape in zip(self.params, self.local_shapes):
+            n = math.prod(shape)
+            part = flat[offset:offset + n].view(shape)
+            if p.grad is None:
+                p.grad = _like(part.clone(), p)
+            else:
+                _local(p.grad).add_(part)
+            offset += n
 
     def discard_gradients(self) -> int:
         """Forget the chunk gradients accumulated since the last step (a step started over); returns how many."""
@@ -615,16 +619,8 @@ class TrainerEngine:
                                      "accumulated here already; a chunk counts once")
         t0 = time.perf_counter()
         flat = self.bridge.recv(self.local_numel, int(src_rank))
-        offset = 0
         with torch.no_grad():
-            for p, shape in zip(self.params, self.local_shapes):
-                n = math.prod(shape)
-                part = flat[offset:offset + n].view(shape)
-                if p.grad is None:
-                    p.grad = _like(part.clone(), p)
-                else:
-                    _local(p.grad).add_(part)
-                offset += n
+            self._add_to_grads(flat)
         self.accumulated += ids
         return {"chunks": ids, "bytes": flat.numel() * 4, "seconds": time.perf_counter() - t0}
 
