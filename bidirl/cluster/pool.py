@@ -43,8 +43,10 @@ from typing import Callable, Optional
 from bidirl.cluster.recovery import MAX_RESTARTS, Restarts
 from bidirl.core import protocol as P
 from bidirl.errors import BidirlError
+from bidirl.results.run_result import RunResult
+from bidirl.results.trace import EventLog
 from bidirl.runtime import checkpoints
-from bidirl.runtime.driver import Driver, RunListener, RunResult, progress_bar
+from bidirl.runtime.driver import Driver, RunListener, progress_bar
 
 
 #: logical CPUs each GPU slot's bundle reserves (for its workers' Ray processes)
@@ -91,8 +93,8 @@ class StepMetricsOutput(RunListener):
                                                 pools)
         log = driver.log
         for k, (spans, decisions) in enumerate(driver.step_marks):      # a resumed run writes every step's row
-            self.metrics.step_done(tracking.EventLog(spans=log.spans[:spans], steps=log.steps[:k + 1],
-                                                     decisions=log.decisions[:decisions]), driver.train_stats())
+            self.metrics.step_done(EventLog(spans=log.spans[:spans], steps=log.steps[:k + 1],
+                                            decisions=log.decisions[:decisions]), driver.train_stats())
 
     def on_report(self, driver: "PoolDriver", report) -> None:
         if isinstance(report, P.StepDone):

@@ -353,8 +353,8 @@ def _jsonable(value: Any):
 
 
 def write_run(result, out_dir: Union[str, Path]) -> Path:
-    """Write a finished :class:`~bidirl.results.run_result.RunResult`'s output folder at once (simulated or emulated
-    runs; engine runs write theirs while they run)."""
+    """Write a finished :class:`~bidirl.results.run_result.RunResult`'s output folder at once (a simulation, say;
+    the Ray drivers write theirs while they run, ``bidirl.cluster.pool.StepMetricsOutput``)."""
     output = RunOutput(out_dir, result.config)
     output.add_rows(step_metrics(result))
     return output.finish(result.log, result.summary())

@@ -54,6 +54,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from bidirl.core.protocol import SyncFinished
 from bidirl.errors import BidirlError
 from bidirl.results.trace import EventLog
 from bidirl.runtime.driver import RunListener
@@ -471,7 +472,6 @@ class Checkpointing(RunListener):
         self.writer = writer
 
     def on_event(self, driver, event) -> None:
-        from bidirl.core.protocol import SyncFinished
         if isinstance(event, SyncFinished):
             self.write(driver, event)
 

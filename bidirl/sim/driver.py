@@ -22,7 +22,8 @@ import numpy as np
 from bidirl.core import protocol as P
 from bidirl.perf.replica import BatchingEngine, EngineGroup
 from bidirl.perf.workload import GroupLengths
-from bidirl.runtime.driver import Driver, RunResult, progress_bar
+from bidirl.results.run_result import RunResult
+from bidirl.runtime.driver import Driver, progress_bar
 from bidirl.runtime.loop import EventLoop
 
 #: seconds to move a chunk's inputs to a worker (Table 2's "queued" phase, when a chunk can still be cancelled)
