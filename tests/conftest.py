@@ -27,3 +27,34 @@ def model_dir(tmp_path_factory):
     from bidirl.rl.bootstrap import ensure_tiny_model
     cache = os.environ.get("BIDIRL_CACHE") or tmp_path_factory.mktemp("bidirl-cache")
     return ensure_tiny_model(cache_dir=cache)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for every integration test that runs on Ray in this process (8 GPU slots, the most any test's
+    job asks for); each test's runs start their own placement group on it. Tests that start ``bidirl run`` in a
+    subprocess get that process's own embedded Ray."""
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_enable_metrics_collection", "0")
+    ray.shutdown()
+    for attempt in range(3):           # a loaded machine may miss Ray's fixed 30 s node-registration deadline
+        try:
+            ray.init(num_cpus=4, resources={"gpu_slot": 8.0}, include_dashboard=False, log_to_driver=False,
+                     namespace="bidirl-tests")
+            break
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == 2:
+                raise
+            ray.shutdown()
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def kept_workers(ray_session):
+    """Engine workers kept for the whole session (``bidirl.cluster.pool.KeptWorkers``, the library's own reuse
+    that notebooks and side-by-side runs use): a test's run takes the set started for its shape, reset to a fresh
+    engine's state, so a shape's engines start once per session, not once per run. One set is held at a time."""
+    from bidirl.cluster.pool import KeptWorkers
+    with KeptWorkers(capacity=1) as kept:
+        yield kept

@@ -16,18 +16,6 @@ SMALL = {
 }
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    import os
-    os.environ.setdefault("RAY_enable_metrics_collection", "0")
-    ray.shutdown()                      # a Ray left running by an earlier module
-    ray.init(num_cpus=4, resources={"gpu_slot": 8.0}, include_dashboard=False, log_to_driver=False,
-             namespace="bidirl-tests")
-    yield ray
-    ray.shutdown()
-
-
 def _exclusive(spans):
     assert metrics.role_conflicts(spans) == []
 

@@ -1,12 +1,13 @@
 """Real engine runs on the user's data and reward, tracked to an output folder, and on a ``ray start`` cluster.
 
-Integration tests (``-m integration``): each starts Ray and the tiny model's four vLLM engines and two trainer
-gangs (``tiny-cpu``) for one or two steps, about a minute each on 2 cores.
+Integration tests (``-m integration``): each starts the tiny model's four vLLM engines and two trainer gangs
+(``tiny-cpu``) for one or two steps, on the session's Ray or, for ``bidirl run``, on the cluster it reaches.
 
 * the shipped veRL-layout parquet drives a run scored by a ``compute_score`` file given by path, whose scores
   are the per-step rewards, and the run's output folder holds JSONL and TensorBoard metrics under veRL's names;
 * a reward function that raises stops the run with a ``ClusterError`` naming it and the sample;
-* ``bidirl run --address auto`` reaches a cluster started with ``ray start --head`` and trains from a JSONL file.
+* ``bidirl run --address auto`` reaches a cluster started with ``ray start --head``, trains from a JSONL file and
+  prints the CLI's JSON contract, with the trace written.
 """
 
 from __future__ import annotations
@@ -57,15 +58,6 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-@pytest.fixture(scope="module", autouse=True)
-def own_ray():
-    """The driver starts an embedded Ray and keeps it for later runs; this module starts and ends its own."""
-    import ray
-    ray.shutdown()
-    yield
-    ray.shutdown()
-
-
 def _write(path: Path, text: str) -> str:
     path.write_text(textwrap.dedent(text))
     return str(path)
@@ -76,7 +68,7 @@ def _run(cfg, model_dir, steps, out_dir=None):
     return EngineDriver(cfg, "bidirl", steps, cfg.seed, model_dir=str(model_dir), out_dir=out_dir).run()
 
 
-def test_a_verl_parquet_and_a_compute_score_file_drive_a_tracked_run(model_dir, tmp_path):
+def test_a_verl_parquet_and_a_compute_score_file_drive_a_tracked_run(model_dir, ray_session, tmp_path):
     reward = _write(tmp_path / "row_reward.py", SCORE_BY_ROW)
     cfg = cfgmod.load("tiny-cpu").with_overrides({"workload.data_file": str(SAMPLE), "rl.reward": reward})
     out = tmp_path / "run"
@@ -99,7 +91,7 @@ def test_a_verl_parquet_and_a_compute_score_file_drive_a_tracked_run(model_dir, 
     assert any(e.get("name") == "generate" for e in json.loads((out / tracking.TRACE_FILE).read_text())["traceEvents"])
 
 
-def test_a_reward_that_raises_stops_the_run_naming_the_function_and_the_sample(model_dir, tmp_path):
+def test_a_reward_that_raises_stops_the_run_naming_the_function_and_the_sample(model_dir, ray_session, tmp_path):
     from bidirl.cluster.pool import ClusterError
     data = tmp_path / "sums.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(16)))
@@ -122,8 +114,10 @@ def _free_port() -> int:
 
 
 def test_cli_run_with_address_auto_reaches_a_ray_start_head_cluster(model_dir, tmp_path):
-    """``ray start --head --block`` in its own session, stopped by signalling that process group only (``ray stop``
-    would stop every Ray instance on the machine)."""
+    """``bidirl run --address auto --json --trace`` on a cluster of ``ray start --head --block``: it prints the CLI's
+    contract (only the JSON object on stdout) and writes the trace and the output folder. The head runs in its own
+    session, stopped by signalling that process group only (``ray stop`` would stop every Ray instance on the
+    machine). The embedded-Ray path of ``bidirl run`` is the one ``tests/test_chaos.py`` kills and resumes."""
     ray_cli = Path(sys.executable).parent / "ray"
     port = _free_port()
     ray_tmp = tempfile.mkdtemp(prefix="ray")          # short: Ray's socket paths must stay under 108 bytes
@@ -146,11 +140,22 @@ def test_cli_run_with_address_auto_reaches_a_ray_start_head_cluster(model_dir, t
         data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": 2 * i}) + "\n" for i in range(16)))
         out = tmp_path / "run"
         run_env = dict(env, BIDIRL_CACHE=str(model_dir.parent), RAY_ADDRESS=f"127.0.0.1:{port}")
+        trace = tmp_path / "run.json"
         cmd = [sys.executable, "-m", "bidirl.cli", "run", "tiny-cpu", "--steps", "1", "--address", "auto",
-               "--data-file", str(data), "--reward", "last_number", "--out", str(out), "--json"]
+               "--data-file", str(data), "--reward", "last_number", "--out", str(out), "--json",
+               "--trace", str(trace)]
         done = subprocess.run(cmd, capture_output=True, text=True, env=run_env, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
-        s = json.loads(done.stdout)
+        s = json.loads(done.stdout)     # stdout holds the JSON object only (Ray's own output goes to stderr)
+        # the CLI's contract (the keys outside checks read)
+        for key in ("policy", "throughput", "step_times", "idle", "utilization", "borrows", "samples", "costs",
+                    "reward", "train", "startup", "weight_sync"):
+            assert key in s, key
+        assert s["emulated"] is False and s["policy"] == "bidirl" and len(s["step_times"]) == 1
+        assert all(0.0 <= r <= 1.0 for r in s["reward"])
+        events = json.loads(trace.read_text())
+        assert any(e.get("name") == "generate" for e in events["traceEvents"]), "the trace holds the generation spans"
+        # the user's inputs and outputs
         assert s["data_file"] == str(data) and s["reward_function"] == "last_number" and len(s["reward"]) == 1
         assert s["out_dir"] == str(out) and s["samples"]["lost"] == 0
         assert len(tracking.load_metrics(out)) == 1

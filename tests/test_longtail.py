@@ -158,19 +158,14 @@ def test_step_throughputs_need_a_measured_step(cfg):
 # --------------------------------------------------------------------------------------------------
 
 @pytest.mark.integration
-def test_the_real_long_tail_run_forces_the_lengths_and_borrows_both_ways(cfg, model_dir):
+def test_the_real_long_tail_run_forces_the_lengths_and_borrows_both_ways(cfg, model_dir, ray_session):
     """Three real steps under bidirl: each step's responses have exactly the lengths the simulator draws, and the
     gate admits at least one window in each direction. The margins do not depend on the machine's speed: the first
     Rollouter-on-TrainerPool window is judged on the config's models and costs alone (as in simulation), and later
     windows on the online profiler's refit of the measured times, whose gains grow with them."""
-    import ray
-
     from bidirl.cluster.engines.driver import EngineDriver
     steps = 3
-    try:
-        res = EngineDriver(cfg, "bidirl", steps, cfg.seed, model_dir=str(model_dir)).run()
-    finally:
-        ray.shutdown()
+    res = EngineDriver(cfg, "bidirl", steps, cfg.seed, model_dir=str(model_dir)).run()
     s = res.summary()
     assert res.provenance == "measured" and len(s["train"]) == steps
     assert s["samples"]["lost"] == 0 and s["samples"]["duplicated"] == 0

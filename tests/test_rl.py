@@ -93,7 +93,10 @@ def test_group_advantages_flat_matches_grouped_and_sums_to_zero():
     grouped = grpo.group_advantages(torch.tensor(r))
     flat = grpo.group_advantages(torch.tensor(r.reshape(-1)), group_size=8)
     torch.testing.assert_close(flat.view(6, 8), grouped)
-    torch.testing.assert_close(grouped.sum(dim=1), torch.zeros(6), atol=1e-5, rtol=0)
+    # a z-scored group of n = 8 has |a_i| ≤ (n − 1)/√n; its fp32 sum rounds by ≤ n·u·Σ|a_i| and the mean it was
+    # centred on by ≤ 2·u per element: (n + 2)·u·n·(n − 1)/√n ≈ 1.2e-5
+    n, u = 8, 2.0 ** -24
+    torch.testing.assert_close(grouped.sum(dim=1), torch.zeros(6), atol=(n + 2) * u * n * (n - 1) / n ** 0.5, rtol=0)
 
 
 def test_group_advantages_edge_cases_and_errors():
@@ -315,7 +318,11 @@ def test_trainer_logprobs_match_a_direct_forward(trainer):
     P = len(s.prompt_ids)
     expect = torch.log_softmax(logits, -1)[P - 1:P - 1 + len(s.response_ids)].gather(
         -1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
-    torch.testing.assert_close(lps[3], expect, atol=1e-5, rtol=0)
+    # the same weights and arithmetic but the head's matmul blocked differently (response rows only, in chunks):
+    # a logit z rounds by ≤ λ·√h·u·|z| on each side, logsumexp over V adds λ·√V·u (tests/rounding.py; λ = 6)
+    cfg = trainer.model.config
+    bound = 2 * 2 * 6 * 2.0 ** -24 * (cfg.hidden_size ** 0.5 + cfg.vocab_size ** 0.5) * float(logits.abs().max())
+    torch.testing.assert_close(lps[3], expect, atol=bound, rtol=0)
     assert [len(x) for x in lps] == [s.response_len for s in samples]
 
 
@@ -326,7 +333,11 @@ def test_chunk_gradients_add_up_to_the_batch_gradient(trainer):
     full = trainer.chunk_gradients(samples, adv, old)
     norm = grpo.loss_normalizer([s.response_len for s in samples])
     parts = [trainer.chunk_gradients(samples[a:b], adv[a:b], old[a:b], normalizer=norm) for a, b in ((0, 3), (3, 8))]
-    torch.testing.assert_close(parts[0].flat + parts[1].flat, full.flat, atol=1e-6, rtol=0)
+    # the same per-token terms summed in two parts then added: a sum of N terms regrouped rounds by
+    # ≤ λ·√N·u of its magnitude on each side, + one addition (u); magnitude taken as max|g| (λ = 6)
+    N, u = sum(s.response_len for s in samples), 2.0 ** -24
+    bound = 2 * (6 * N ** 0.5 + 1) * u * float(full.flat.abs().max())
+    torch.testing.assert_close(parts[0].flat + parts[1].flat, full.flat, atol=bound, rtol=0)
     assert full.flat.shape == (trainer.numel,) and full.flat.abs().sum() > 0
     assert full.tokens == sum(s.response_len for s in samples) and full.samples == 8
     with pytest.raises(ValueError, match="advantages"):
@@ -350,6 +361,9 @@ def test_apply_sums_in_order_and_moves_the_weights(trainer, model_dir):
     after = trainer.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     for k, v in twin.state_dict().items():
+        # identical gradients (the same two operands added in the same order: IEEE addition is deterministic)
+        # and the same AdamW arithmetic; 1e-7 ≈ one rounding of a weight below 2 (u·2 = 1.2e-7) absorbs an FMA
+        # contracted on one path and not the other
         torch.testing.assert_close(after[k], v, atol=1e-7, rtol=0)
     # the update raises the log-probs of positive-advantage responses
     new = trainer.logprobs(samples)

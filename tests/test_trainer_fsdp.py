@@ -54,6 +54,8 @@ from bidirl.rl import grpo
 from bidirl.rl.samples import Sample
 from bidirl.rl.tasks import ArithmeticTask
 
+import rounding
+
 pytestmark = pytest.mark.integration
 
 STEPS = 3
@@ -62,8 +64,6 @@ AUX_CHUNK = 1                            # this chunk's gradient travels unshard
 LR = 1e-3
 SIGNAL_WEIGHT_FRACTION = 0.05            # of lr, for weights with a real gradient (see the module docstring)
 NOISE_ONLY = ".self_attn.k_proj.bias"    # parameters whose exact gradient is zero (see the module docstring)
-FP32_UNIT_ROUNDOFF = 2.0 ** -24
-ROUNDING_LAMBDA = 6.0                    # Higham & Mary's λ: a reduction exceeds λ·√n·u w.p. ≤ 2·exp(−18) ≈ 3e-8
 BF16_LOGPROB_TOL = 0.05
 BF16_LOGPROB_RTOL = 2.0 ** -6
 BF16_MIN_COSINE = 0.98
@@ -144,20 +144,15 @@ def _fp32_bounds(model_dir, samples, max_logit: float) -> tuple:
     (the derivation is in the module docstring)."""
     from bidirl.rl import model_folder as checkpoint
     cfg = checkpoint.causal_lm_config(model_dir, "model_dir")
-    h, f, layers, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
-    head = h // cfg.num_attention_heads
     t = max(len(s.prompt_ids) + s.response_len for s in samples)
     tokens = sum(len(s.prompt_ids) + s.response_len for s in samples)
-    # one decoder layer: RMSNorm, q/k/v (length h), scores (head dim), softmax sum and P·V (length ≤ t), o_proj (h),
-    # RMSNorm, gate/up (h), down (f); then the final RMSNorm, the LM head (h) and logsumexp (vocab)
-    per_layer = 4 * math.sqrt(h) + math.sqrt(head) + 2 * math.sqrt(t) + 2 * math.sqrt(h) + math.sqrt(f)
-    path = layers * per_layer + 2 * math.sqrt(h) + math.sqrt(vocab)
-    rho = ROUNDING_LAMBDA * FP32_UNIT_ROUNDOFF * path
-    logprob_tol = 2 * (2 * rho * max_logit)
+    path = rounding.logit_path(cfg, t)
+    logprob_tol = rounding.logprob_tolerance(cfg, t, max_logit)
     n_params = sum(p.numel() for p in TrainerEngine(model_dir).params)
     # + (chunks − 1): the gang adds the step's chunks in another order than the reference (module docstring)
-    grad_rho = ROUNDING_LAMBDA * FP32_UNIT_ROUNDOFF * (2 * path + math.sqrt(tokens) + math.sqrt(n_params)) \
-        + (len(CHUNKS) - 1) * FP32_UNIT_ROUNDOFF
+    grad_rho = rounding.ROUNDING_LAMBDA * rounding.FP32_UNIT_ROUNDOFF * (2 * path + math.sqrt(tokens)
+                                                                        + math.sqrt(n_params)) \
+        + (len(CHUNKS) - 1) * rounding.FP32_UNIT_ROUNDOFF
     return logprob_tol, 2 * grad_rho
 
 

@@ -4,6 +4,7 @@ Names are imported on first use so that ``import bidirl.cluster`` stays cheap (n
 
 * ``run`` — a job on Ray (``bidirl.cluster.run``);
 * ``PoolDriver``, ``ClusterError`` — the Ray half every Ray driver shares (``bidirl.cluster.pool``);
+* ``KeptWorkers`` — engine workers kept from run to run on one Ray, reset for each (``bidirl.cluster.pool``);
 * ``EmulatedDriver`` — model-timed workers (``bidirl.cluster.emulated``);
 * ``EngineDriver`` — real engines (``bidirl.cluster.engines``: vLLM ``RolloutEngine``, torch ``TrainerEngine``,
   their Ray actors ``RolloutActor`` / ``TrainerActor``, position-keyed sampling).
@@ -17,6 +18,7 @@ _LAZY = {
     "run": "bidirl.cluster.run",
     "PoolDriver": "bidirl.cluster.pool",
     "ClusterError": "bidirl.cluster.pool",
+    "KeptWorkers": "bidirl.cluster.pool",
     "EmulatedDriver": "bidirl.cluster.emulated",
     "EngineDriver": "bidirl.cluster.engines.driver",
     "RolloutEngine": "bidirl.cluster.engines.rollout",

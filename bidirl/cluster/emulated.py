@@ -173,6 +173,9 @@ class EmulatedDriver(PoolDriver):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.kept_workers is not None:
+            raise ValueError("EmulatedDriver.kept_workers: emulated workers start in a second; kept workers are "
+                             "for engine runs (EngineDriver)")
         self.lengths = GroupLengths.of(self.config, self.seed)
         if self.replicas_per_host is not None and (isinstance(self.replicas_per_host, bool) or
                                                    not isinstance(self.replicas_per_host, int) or
@@ -195,10 +198,6 @@ class EmulatedDriver(PoolDriver):
 
     def _place(self):
         import ray
-
-        if self.workers is not None:
-            raise ValueError("EmulatedDriver.workers: emulated workers start in a second; kept workers are for "
-                             "engine runs (EngineDriver)")
 
         # the virtual clock starts a second from now (see _begin for a resumed run)
         self.t0 = time.time() + 1.0 - self.clock_start / self.time_scale

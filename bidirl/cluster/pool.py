@@ -36,7 +36,7 @@ import os
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -114,14 +114,13 @@ class StepMetricsOutput(RunListener):
 
 @dataclass
 class Workers:
-    """A finished run's placement group and actors, kept for the next run of the same shape
-    (``run(keep_workers=True)`` leaves them in ``driver.kept``; pass them on as ``workers=``). Starting engines is
-    most of a short run's time on a small machine (tests, runs side by side); the next run resets every worker to
-    what a fresh one holds. :meth:`release` ends them."""
+    """A finished run's placement group and actors, as :class:`KeptWorkers` holds them for the next run of the
+    same ``shape`` (:meth:`PoolDriver.worker_shape`) on the same Ray (``ray_job``). :meth:`release` ends them."""
     pg: object
     actors: dict
     gangs: dict
     shape: dict                   # what the next run must match (PoolDriver.worker_shape)
+    ray_job: str = ""             # the Ray session they live in (a new ``ray.init`` ends them)
 
     def release(self) -> None:
         import ray
@@ -135,6 +134,63 @@ class Workers:
             remove_placement_group(self.pg)
         except Exception:
             pass
+
+
+def _ray_job() -> str:
+    import ray
+    return ray.get_runtime_context().get_job_id() if ray.is_initialized() else ""
+
+
+@dataclass
+class KeptWorkers:
+    """Engine workers kept from run to run on one Ray, each reset to a fresh engine's state for the next run.
+
+    Starting engines is most of a short run's time (vLLM and torch processes, the gangs' process groups). A notebook
+    that runs jobs one after another, a side-by-side comparison of policies or a test session passes one
+    ``KeptWorkers`` to every run (``run(..., kept_workers=kw)``, ``EngineDriver(..., kept_workers=kw)``): a run whose
+    job needs the same workers (:meth:`PoolDriver.worker_shape`: layout, model, engine settings) takes them and
+    resets each one (``reset``: the model folder's weights, a new optimizer, no groups, version 0, auxiliaries
+    offloaded), other runs start their own; a run that finishes gives its workers back, one that fails ends them.
+    At most ``capacity`` sets are held, the least recently used is ended first; sets of an earlier Ray session
+    (after ``ray.shutdown``) are dropped. :meth:`release` ends them all (also at the end of a ``with`` block).
+    ``started`` / ``reused`` count the runs that started workers and those that took kept ones."""
+    capacity: int = 1
+    sets: list = field(default_factory=list)        # Workers, least recently used first
+    started: int = 0
+    reused: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 1:
+            raise ValueError(f"KeptWorkers.capacity must be an integer ≥ 1 (sets of workers held), "
+                             f"got {self.capacity!r}")
+
+    def take(self, shape: dict) -> Optional[Workers]:
+        """The kept set started for ``shape`` in the current Ray session (removed from the cache), or ``None``."""
+        job = _ray_job()
+        self.sets = [w for w in self.sets if w.ray_job == job]
+        for i, workers in enumerate(self.sets):
+            if workers.shape == shape:
+                self.reused += 1
+                return self.sets.pop(i)
+        self.started += 1
+        return None
+
+    def give(self, workers: Workers) -> None:
+        """Keep a finished run's workers; end the least recently used set beyond ``capacity``."""
+        self.sets.append(workers)
+        while len(self.sets) > self.capacity:
+            self.sets.pop(0).release()
+
+    def release(self) -> None:
+        """End every kept worker."""
+        while self.sets:
+            self.sets.pop().release()
+
+    def __enter__(self) -> "KeptWorkers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def root_cause(exc: Exception) -> str:
@@ -167,7 +223,7 @@ class PoolDriver(Driver):
     resume: Optional[str] = None
     out_dir: Optional[str] = None
     max_restarts: int = MAX_RESTARTS
-    workers: Optional[Workers] = None
+    kept_workers: Optional[KeptWorkers] = None
 
     label = "ray"
 
@@ -207,9 +263,8 @@ class PoolDriver(Driver):
                        if self.checkpoint_dir is not None else None)
         if self.writer is not None:
             self.add_listener(checkpoints.Checkpointing(self.writer))
-        self.keep_workers = False
+        self.workers: Optional[Workers] = None       # the kept workers this run took (kept_workers)
         self._identity: Optional[checkpoints.RunIdentity] = None
-        self.kept: Optional[Workers] = None          # this run's workers, when kept for the next run
         # wall time of the ray.wait loop: waiting for replies, and handling them (driver + coordinator)
         self.loop_stats: dict = {"wait_s": 0.0, "handle_s": 0.0, "replies": 0, "calls": 0, "events": 0}
 
@@ -260,13 +315,9 @@ class PoolDriver(Driver):
         from ray.util.placement_group import placement_group
 
         G, res = self.config.cluster.gpus, self._resource()
+        if self.kept_workers is not None:
+            self.workers = self.kept_workers.take(self.worker_shape())
         if self.workers is not None:
-            shape = self.worker_shape()
-            diff = sorted(k for k in set(shape) | set(self.workers.shape) if shape.get(k) != self.workers.shape.get(k))
-            if diff:
-                raise ValueError(f"{type(self).__name__}.workers: the kept workers were started for another job ("
-                                 + ", ".join(f"{k}: {self.workers.shape.get(k)!r} there, {shape.get(k)!r} here"
-                                             for k in diff) + "); release them and start new ones")
             self.pg = self.workers.pg
             return
         self.pg = placement_group([{res: 1.0, "CPU": BUNDLE_CPU}] * G, strategy="PACK")
@@ -523,13 +574,12 @@ class PoolDriver(Driver):
                     self.writer.abandon(p)
 
     # ------------------------------------------------------------------------------------------
-    def run(self, progress: bool = False, kill: Optional[Callable] = None, keep_workers: bool = False) -> RunResult:
-        """Run to the configured number of steps. ``kill(driver)`` is polled each loop (fault tests);
-        ``keep_workers``: leave the workers running for another run of the same shape (``self.kept``)."""
+    def run(self, progress: bool = False, kill: Optional[Callable] = None) -> RunResult:
+        """Run to the configured number of steps. ``kill(driver)`` is polled each loop (fault tests)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        self.progress, self.keep_workers = progress, keep_workers
+        self.progress = progress
         self._load_resume()
         self._start_ray()
         try:
@@ -599,9 +649,9 @@ class PoolDriver(Driver):
     def _stop_workers(self):
         import ray
         from ray.util.placement_group import remove_placement_group
-        if self.keep_workers and self.finished and self.pg is not None:
-            self.kept = Workers(self.pg, dict(self.actors), {g: list(r) for g, r in self.gangs.items()},
-                                self.worker_shape())
+        if self.kept_workers is not None and self.finished and self.pg is not None:
+            self.kept_workers.give(Workers(self.pg, dict(self.actors), {g: list(r) for g, r in self.gangs.items()},
+                                           self.worker_shape(), _ray_job()))
             self.pg = None
             return
         for a in self._all_actors():

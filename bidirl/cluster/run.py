@@ -14,7 +14,7 @@ def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, se
         emulate: bool = False, address: Optional[str] = None, time_scale: float = 20.0,
         model_dir: Optional[str] = None, out_dir: Optional[str] = None, progress: bool = False,
         on_event=None, checkpoint_dir: Optional[str] = None, checkpoint_every: int = 1, keep: int = 3,
-        resume: Optional[str] = None, max_restarts: int = MAX_RESTARTS) -> RunResult:
+        resume: Optional[str] = None, max_restarts: int = MAX_RESTARTS, kept_workers=None) -> RunResult:
     """Run a job on Ray (embedded local Ray unless ``address`` names a cluster).
 
     Engine workers (vLLM rollouters, torch trainers: :class:`~bidirl.cluster.engines.driver.EngineDriver`)
@@ -27,7 +27,9 @@ def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, se
     ``keep`` (``bidirl.runtime.checkpoints``); ``resume``: continue from the newest good checkpoint in that folder (or
     from that ``step-*`` checkpoint) — it keeps checkpointing there unless ``checkpoint_dir`` names another
     folder. ``max_restarts``: restarts allowed per worker in a row (no whole step completed between its failures)
-    before its next failure ends the run.
+    before its next failure ends the run. ``kept_workers``: a :class:`~bidirl.cluster.pool.KeptWorkers` shared by
+    runs one after another on this Ray (engine runs): a run of the same shape takes the workers an earlier one
+    left, reset to a fresh engine's state, instead of starting its own.
     """
     cfg = cfgmod.load(config)
     policy = policy or cfg.scheduler.policy
@@ -48,7 +50,10 @@ def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, se
     if not emulate:
         from bidirl.cluster.engines.driver import EngineDriver
         return EngineDriver(cfg, policy, steps, seed, on_event=on_event, address=address,
-                            model_dir=model_dir, **durable).run(progress)
+                            model_dir=model_dir, kept_workers=kept_workers, **durable).run(progress)
+    if kept_workers is not None:
+        raise cfgmod.ConfigError("kept_workers", "emulated runs start their workers in a second and keep none",
+                                 "pass kept_workers only to engine runs (emulate=False)")
     from bidirl.cluster.emulated import EmulatedDriver
     return EmulatedDriver(cfg, policy, steps, seed, on_event=on_event, address=address,
                           time_scale=time_scale, **durable).run(progress)

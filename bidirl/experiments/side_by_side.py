@@ -44,18 +44,23 @@ class Ratio:
 def run_policies(config, policies: Iterable[str], steps: int, seed: Optional[int] = None, *,
                  simulate: bool = False, progress: bool = False) -> dict:
     """``{policy: RunResult}``: the job under each policy, one after the other, on real engines on an embedded
-    local Ray (``simulate=True``: the discrete-event simulator instead). Same config, seed and steps for all."""
+    local Ray (``simulate=True``: the discrete-event simulator instead). Same config, seed and steps for all; the
+    engine runs share their workers (:class:`~bidirl.cluster.pool.KeptWorkers`), each reset to a fresh engine's
+    state, so the engines start once."""
     from bidirl.job import config as cfgmod
     cfg = cfgmod.load(config)
     seed = cfg.seed if seed is None else int(seed)
     out = {}
-    for policy in policies:
-        if simulate:
-            from bidirl.sim import simulate as sim
+    if simulate:
+        from bidirl.sim import simulate as sim
+        for policy in policies:
             out[policy] = sim(cfg, policy, steps=steps, seed=seed, progress=progress)
-        else:
-            from bidirl.cluster.run import run
-            out[policy] = run(cfg, policy, steps=steps, seed=seed, progress=progress)
+        return out
+    from bidirl.cluster.pool import KeptWorkers
+    from bidirl.cluster.run import run
+    with KeptWorkers() as kept:          # the policies' runs share one start of the engines, each reset for its run
+        for policy in policies:
+            out[policy] = run(cfg, policy, steps=steps, seed=seed, progress=progress, kept_workers=kept)
     return out
 
 
