@@ -219,10 +219,10 @@ def test_a_killed_driver_resumes_from_its_checkpoint_as_if_never_stopped(model_d
     resumed, straight = checkpoints.find(folder), checkpoints.Checkpoint.open(ref_folder / "step-000006")
     assert resumed.step == 6
     assert _batches(resumed.control().coordinator.view()) == _batches(straight.control().coordinator.view())
-    signal, signal_tol, noise, noise_tol = rounding.same_weights(resumed.trainer_weights(),
-                                                                 straight.trainer_weights(), job(0.0).rl.lr, 6)
-    print(f"3 + 3 resumed steps against 6 straight: max |weight difference| {signal} (noise-only {noise})")
-    assert signal <= signal_tol and noise <= noise_tol, (signal, signal_tol, noise, noise_tol)
+    gap, gap_tol, noise, noise_tol = rounding.same_weights(resumed.trainer_weights(), straight.trainer_weights(),
+                                                           job(0.0).rl.lr, 6)
+    print(f"3 + 3 resumed steps against 6 straight: max |weight difference| {gap} (noise-only {noise})")
+    assert gap <= gap_tol and noise <= noise_tol, (gap, gap_tol, noise, noise_tol)
     # the resumed run's own outputs number the steps 0-5: its log continues the first run's
     from bidirl.results.trace import EventLog
     from bidirl.results.tracking import EVENTS_FILE, METRICS_FILE
