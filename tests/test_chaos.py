@@ -141,9 +141,9 @@ def _batches(view) -> list:
 def _same_weights(a: dict, b: dict, cfg) -> float:
     """Two runs of one job at s = 0 whose chunk gradients may be summed in other groupings (borrowing; restarted
     workers): ``rounding.same_weights``. Returns the largest gap of a weight with a gradient."""
-    signal, signal_tol, noise, noise_tol = rounding.same_weights(a, b, cfg.rl.lr, STEPS)
-    assert signal <= signal_tol and noise <= noise_tol, (signal, signal_tol, noise, noise_tol)
-    return signal
+    gap, gap_tol, noise, noise_tol = rounding.same_weights(a, b, cfg.rl.lr, STEPS)
+    assert gap <= gap_tol and noise <= noise_tol, (gap, gap_tol, noise, noise_tol)
+    return gap
 
 
 @pytest.fixture(scope="module")
