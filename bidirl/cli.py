@@ -257,6 +257,9 @@ def _args_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reward", default=None, metavar="SPEC",
                    help="engine runs: exact, last_number, boxed, module:function or path/to/file.py[:function] "
                         "(a veRL compute_score; sets rl.reward)")
+    p.add_argument("--kv-cache-gib", type=float, default=None, metavar="GIB",
+                   help="engine runs: the KV cache of each rollout GPU in GiB (sets cluster.rollout_kv_cache_gib; "
+                        "default: the planner's memory model sizes it)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="output folder: metrics.jsonl, tensorboard/, trace.json, events.parquet, summary.json "
                         "(default: results/run-<date>-<time>)")
@@ -308,7 +311,8 @@ def _run_run(args: argparse.Namespace) -> int:
     from bidirl.cluster.run import run
     from bidirl.job import config as cfgmod
     from bidirl.results.tracking import default_out_dir
-    overrides = {key: value for key, value in (("workload.data_file", args.data_file), ("rl.reward", args.reward))
+    overrides = {key: value for key, value in (("workload.data_file", args.data_file), ("rl.reward", args.reward),
+                                               ("cluster.rollout_kv_cache_gib", args.kv_cache_gib))
                  if value is not None}
     cfg = cfgmod.load(args.config).with_overrides(overrides)
     out = args.out or str(default_out_dir())

@@ -153,10 +153,17 @@ def test_killing_auxiliary_workers_mid_window_loses_no_sample(model_dir, kept_wo
     assert s["samples"]["consumed"] == consumed
 
 
-def test_a_worker_that_fails_to_start_names_itself_and_the_cause(model_dir, ray_session):
+def test_a_worker_that_fails_to_start_names_itself_and_the_cause(model_dir, ray_session, tmp_path):
+    import shutil
+
     from bidirl.cluster.engines.driver import EngineDriver
     from bidirl.cluster.pool import ClusterError
-    cfg = cfgmod.load("tiny-cpu")
-    driver = EngineDriver(cfg, "bidirl", 1, 0, model_dir=str(model_dir), kv_cache_gib=0.0)
-    with pytest.raises(ClusterError, match=r"rollouter/\d failed to start: .*kv_cache_gib must be > 0"):
+    # a checkpoint whose weight file is cut short: the driver reads only its config and tokenizer, the workers'
+    # engines fail to load it (a KV budget the engines cannot use is refused before: tests/test_rollout_memory.py)
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    driver = EngineDriver(cfgmod.load("tiny-cpu"), "bidirl", 1, 0, model_dir=str(broken))
+    with pytest.raises(ClusterError, match=r"(rollouter|trainer)/\d failed to start: .*deserializing header"):
         driver.run()

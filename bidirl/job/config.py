@@ -54,11 +54,18 @@ class Partition:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """GPU budget G, GPUs per node, placement constraint Π (paper §4.3) and an optional fixed partition."""
+    """GPU budget G, GPUs per node, placement constraint Π (paper §4.3) and an optional fixed partition.
+
+    ``rollout_kv_cache_gib``: engine runs give each rollout GPU's vLLM engine a KV cache of this many GiB
+    (empty: the planner's memory model sizes it for both roles of a GPU, the batch and the lengths;
+    ``bidirl.job.planner.rollout_kv_budget``). It must hold one sequence of prompt + ``max_response_len``
+    tokens and fit beside the trainer on the same GPU.
+    """
     gpus: int = 16
     gpus_per_node: int = 8
     placement: Placement = "node-aligned"
     partition: Optional[Partition] = None
+    rollout_kv_cache_gib: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -401,6 +408,11 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError("cluster.partition", f"{p.rollout} + {p.trainer} = {p.rollout + p.trainer} "
                               f"does not sum to cluster.gpus = {c.gpus}",
                               "make rollout + trainer equal the budget, or drop partition to let the planner choose")
+
+    if c.rollout_kv_cache_gib is not None and not c.rollout_kv_cache_gib > 0:
+        raise ConfigError("cluster.rollout_kv_cache_gib", f"must be > 0 GiB, got {c.rollout_kv_cache_gib:g}",
+                          "give the KV cache of each rollout GPU in GiB (e.g. 0.5), or leave it empty for the "
+                          "planner's budget")
 
     w = cfg.workload
     _positive("workload.prompts_per_step", w.prompts_per_step)

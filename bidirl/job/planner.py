@@ -385,3 +385,112 @@ def predict_stage_times(plan: Plan, prompt_lens, response_lens, consumed=None) -
     t_t = env.trainer_model.stage_time(p[order], r[order], env.trainer_replicas, cfg.rl.micro_batch_per_device,
                                        plan.stages)
     return float(t_r), float(t_t)
+
+
+# --------------------------------------------------------------------------------------------------
+# the real runtime's rollout memory (§4.1's memory model, both roles of a GPU: §3.2)
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KVBudget:
+    """The KV cache of each rollout GPU in an engine run: ``bytes`` (vLLM's ``kv_cache_memory_bytes``) and the
+    ``tokens`` they hold in whole blocks of ``block_tokens``, at ``bytes_per_token`` (b_kv of the checkpoint at
+    the engine's dtype and tensor parallelism). ``source``: ``"config"`` (``cluster.rollout_kv_cache_gib``) or
+    ``"planner"`` (:func:`rollout_kv_budget`); ``terms``: the bytes the budget was derived from."""
+    bytes: int
+    tokens: int
+    block_tokens: int
+    bytes_per_token: int
+    source: str
+    terms: dict = field(default_factory=dict)
+
+    @property
+    def gib(self) -> float:
+        return self.bytes / GiB
+
+    def to_dict(self) -> dict:
+        return {"bytes": self.bytes, "gib": self.gib, "tokens": self.tokens, "block_tokens": self.block_tokens,
+                "bytes_per_token": self.bytes_per_token, "source": self.source, "terms": dict(self.terms)}
+
+
+def rollout_kv_budget(plan: Plan, *, device: str, kv_shape: tuple, dtype_bytes: int, max_prompt_len: int,
+                      max_seqs: int) -> KVBudget:
+    """The KV budget of each rollout GPU of an engine run of ``plan`` (one rollout replica per GPU,
+    ``plan.envelope.rollout_layout`` = 1), on ``device`` (``"cuda"`` or ``"cpu"``), for a checkpoint whose
+    attention is ``kv_shape`` = (layers, KV heads, head dim) computed in ``dtype_bytes``-byte values, prompts
+    of at most ``max_prompt_len`` tokens and engines running at most ``max_seqs`` sequences (vLLM's
+    ``max_num_seqs``).
+
+    ``cluster.rollout_kv_cache_gib`` when the job sets it; otherwise the memory model's: the least of
+
+    * what both roles of one GPU leave (:func:`bidirl.perf.memory.colocated_kv_limit`: usable memory less the
+      rollout weights, the activation reserve and the trainer rank beside it while it loads), and
+    * what the rollouter can ever fill: ``min(max_seqs, ⌊(1 + s)·B_p⌋·group_size)`` sequences (at most
+      ``⌊(1 + s)·B_p⌋`` groups are admitted and not yet consumed, ``bidirl.core.staleness``) of
+      ``max_prompt_len + workload.max_response_len`` tokens, each in whole blocks,
+
+    rounded down to whole blocks. Raises :class:`ConfigError` when the budget cannot hold one sequence of
+    prompt + ``max_response_len`` tokens, when a configured budget does not fit beside the trainer, or when an
+    active trainer replica and a switched-out rollouter do not fit one GPU (:mod:`bidirl.perf.memory`).
+    """
+    cfg, env = plan.config, plan.envelope
+    m, hw, w = cfg.model_spec, cfg.hardware_spec, cfg.workload
+    tp, key = env.rollout_layout, "cluster.rollout_kv_cache_gib"
+    layers, kv_heads, head_dim = kv_shape
+    per_token = memory.attention_kv_bytes(layers, kv_heads, head_dim, dtype_bytes, tp)
+    block = memory.KV_BLOCK_TOKENS[device]
+    max_seq = int(max_prompt_len) + w.max_response_len
+    one = memory.sequence_blocks(max_seq, block) * block
+    gib = lambda x: f"{x / GiB:.4g} GiB"  # noqa: E731
+    # the trainer rank beside the rollouter: loading (unsharded fp32 weights, the reference in the compute dtype);
+    # on CPU the switched-out trainer's host buffer shares the same memory, so its model states count as well
+    reference = (2 if device == "cuda" else 4) if cfg.rl.kl_coef > 0 else 0
+    beside = memory.trainer_load_bytes(m, reference)
+    if device == "cpu":
+        beside = max(beside, memory.trainer_state_bytes(m, env.trainer_layout))
+    usable = memory.usable_bytes(hw)
+    weights, reserve = memory.rollout_weight_bytes(m, tp), memory.rollout_reserve_bytes(m, tp)
+    limit = memory.colocated_kv_limit(m, hw, tp, beside)
+    split = (f"the usable {gib(usable)} per GPU of {hw.name} ({hw.memory_bytes / GiB:g} GiB × memory_utilization "
+             f"{hw.memory_utilization:g}) less {m.name}'s rollout weights {gib(weights)}, the activation reserve "
+             f"{gib(reserve)} and the trainer rank beside it while it loads {gib(beside)}")
+    asleep = memory.rollout_asleep_bytes(m, tp, device)
+    trainer = plan.memory["trainer"]
+    if trainer.total + asleep > usable:
+        raise ConfigError("rl.micro_batch_per_device",
+                          f"an active trainer replica of {env.trainer_layout} GPUs needs {gib(trainer.total)} per GPU "
+                          f"and a switched-out rollouter on the same GPU keeps {gib(asleep)}, more than the usable "
+                          f"{gib(usable)} of {hw.name}",
+                          "lower rl.micro_batch_per_device or workload.max_response_len, or use a GPU with more memory")
+    terms = {"usable": usable, "rollout_weights": weights, "activation_reserve": reserve, "trainer_beside": beside,
+             "colocated_limit": limit}
+    shape = (f"{per_token:,} bytes per token ({layers} layers × {max(1, kv_heads // tp)} KV heads × {head_dim} × 2 "
+             f"(keys, values) × {dtype_bytes} bytes) in blocks of {block}")
+    if cfg.cluster.rollout_kv_cache_gib is not None:
+        nbytes, source = int(cfg.cluster.rollout_kv_cache_gib * GiB), "config"
+        if nbytes > limit:
+            raise ConfigError(key, f"{cfg.cluster.rollout_kv_cache_gib:g} GiB per rollout GPU does not fit beside the "
+                              f"trainer on the same GPU: at most {gib(max(0.0, limit))} is left, {split}",
+                              f"set at most {max(0.0, limit) / GiB:.4g}, or leave it empty for the planner's budget")
+    else:
+        in_flight = math.floor((1 + cfg.rl.staleness) * w.prompts_per_step) * w.group_size
+        cap = min(int(max_seqs), in_flight) * one * per_token
+        terms.update(concurrency_cap=cap, sequences=min(int(max_seqs), in_flight))
+        nbytes, source = int(max(0.0, min(limit, cap))), "planner"
+    tokens = memory.kv_cache_tokens(nbytes, per_token, block)
+    if source == "planner":
+        nbytes = tokens * per_token                      # whole blocks: what vLLM will use of it
+    if tokens < one:
+        need = one * per_token
+        problem = ("" if source == "config" else "(empty: the planner's budget) ") + (
+                   f"a KV cache of {gib(nbytes)} ({nbytes:,} bytes) per rollout GPU holds {tokens:,} tokens of this "
+                   f"model — {shape} — fewer than the {one:,} tokens one sequence takes (prompt {max_prompt_len} + "
+                   f"workload.max_response_len {w.max_response_len} = {max_seq} tokens, in whole blocks)")
+        if source == "config" or need <= limit:
+            fix = (f"set {key} to at least {need / GiB:.4g} GiB (up to {max(0.0, limit) / GiB:.4g} fits beside the "
+                   "trainer), leave it empty for the planner's budget, or lower workload.max_response_len")
+        else:
+            fix = (f"the planner's budget is {split}: use a hardware preset with more memory per GPU, a smaller "
+                   "model, or lower workload.max_response_len")
+        raise ConfigError(key, problem, fix)
+    return KVBudget(int(nbytes), int(tokens), int(block), int(per_token), source, terms)

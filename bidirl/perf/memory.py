@@ -24,6 +24,22 @@ Rollout replica (vLLM, tensor parallel ``tp`` = ρ):
   ``group_size · max_seq_len · b_kv(tp)``, so a replica can always hold at least one group at full length
   (a group never has to wait for its own members to finish). The rest of the usable memory becomes the
   KV cache budget B_kv of the rollout model.
+
+Both roles on one GPU (hot switching, §3.2: each pool hosts a primary role and the other role's borrowing
+worker, on the same GPUs, one of them switched out at a time). The real runtime's rollouter gets its KV
+cache from :func:`colocated_kv_limit`, so that what the two roles hold together fits ``usable``:
+
+* a rollouter awake: ``W_r + A_r + B_kv + T_beside ≤ usable``, where ``T_beside`` is the most the trainer
+  rank on the same GPU holds while the rollouter may be awake — :func:`trainer_load_bytes`, its unsharded fp32
+  weights (and the reference model) while it loads at start or restart, before its gang shards them; a
+  switched-out trainer rank holds nothing on the GPU (its offload moves weights, gradients and AdamW state
+  to host memory and frees the device copies);
+* a trainer active: ``trainer need + R_r ≤ usable``, where ``R_r`` is what a switched-out rollouter keeps
+  (:func:`rollout_asleep_bytes`: vLLM's level-2 sleep discards weights and KV cache; the activation
+  workspace stays).
+
+CUDA contexts, CUDA-graph pools and allocator fragmentation of the two processes live in the
+``1 − memory_utilization`` share left out of ``usable`` (e.g. 12 GiB of an 80 GiB H100 at 0.85).
 """
 
 from __future__ import annotations
@@ -34,6 +50,12 @@ from dataclasses import dataclass
 PREFILL_CHUNK_TOKENS = 8192
 #: bytes per parameter of the trainer's optimiser-side state besides the weights: fp32 grads, master, Adam m, v
 TRAIN_STATE_EXTRA_BYTES = 4 + 4 + 8
+#: bytes per parameter of the unsharded fp32 weights a trainer rank loads on its device before its gang shards
+#: them (``TrainerEngine._load_model``: fp32 master weights)
+TRAINER_LOAD_BYTES = 4
+#: tokens per KV-cache block of vLLM 0.32 by engine device, when the engine is given none: 16 on CUDA (the
+#: CacheConfig default), 128 on CPU (``vllm.platforms.cpu`` sets it). vLLM holds a sequence in whole blocks.
+KV_BLOCK_TOKENS = {"cuda": 16, "cpu": 128}
 
 
 def usable_bytes(hw) -> float:
@@ -82,6 +104,47 @@ def rollout_reserve_bytes(model, tp: int = 1) -> float:
 def kv_budget_bytes(model, hw, tp: int = 1) -> float:
     """B_kv: what is left of the usable memory for the KV cache after weights and the reserve (≥ 0)."""
     return max(0.0, usable_bytes(hw) - rollout_weight_bytes(model, tp) - rollout_reserve_bytes(model, tp))
+
+
+def trainer_load_bytes(model, reference_bytes: int = 0) -> float:
+    """What a trainer rank holds on its device while it loads (start, restart): ``N_total · 4`` unsharded fp32
+    weights, plus ``N_total · reference_bytes`` for a reference model (0: none; 2: bf16 on a bf16-mixed engine)."""
+    return model.params_total * (TRAINER_LOAD_BYTES + reference_bytes)
+
+
+def rollout_asleep_bytes(model, tp: int = 1, device: str = "cuda") -> float:
+    """What a switched-out rollouter keeps on its device: on CUDA the activation reserve (vLLM's level-2 sleep
+    discards the weights and the KV cache); on CPU, where vLLM has no sleep mode and only the KV cache is freed,
+    the weights as well."""
+    if device == "cpu":
+        return rollout_weight_bytes(model, tp) + rollout_reserve_bytes(model, tp)
+    return rollout_reserve_bytes(model, tp)
+
+
+def colocated_kv_limit(model, hw, tp: int, trainer_beside: float) -> float:
+    """The largest KV cache per GPU for which an awake rollouter and the trainer rank beside it fit ``usable``
+    (module docstring): ``usable − W_r − A_r − T_beside`` (may be negative: nothing fits)."""
+    return usable_bytes(hw) - rollout_weight_bytes(model, tp) - rollout_reserve_bytes(model, tp) - trainer_beside
+
+
+def attention_kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, tp: int = 1) -> int:
+    """b_kv of a checkpoint on one GPU of a ``tp``-way replica: ``layers · kv_heads_per_gpu · head_dim · 2 · b``
+    (keys and values), where a GPU holds ``⌊kv_heads / tp⌋`` KV heads, or one replicated when ``tp > kv_heads``
+    (vLLM's tensor-parallel attention)."""
+    return int(layers) * max(1, int(kv_heads) // int(tp)) * int(head_dim) * 2 * int(dtype_bytes)
+
+
+def sequence_blocks(tokens: int, block_tokens: int) -> int:
+    """Whole KV blocks one sequence of ``tokens`` tokens occupies: ``⌈tokens / block_tokens⌉``."""
+    return -(-int(tokens) // int(block_tokens))
+
+
+def kv_cache_tokens(budget_bytes: float, bytes_per_token: float, block_tokens: int) -> int:
+    """Tokens a KV cache of ``budget_bytes`` holds, in whole blocks of ``block_tokens`` (vLLM's paging:
+    ``⌊B / (block · b_kv)⌋`` blocks, each shared by all layers' pages)."""
+    if budget_bytes <= 0:
+        return 0
+    return int(budget_bytes // (block_tokens * bytes_per_token)) * int(block_tokens)
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,16 @@ def tied_embeddings(config) -> bool:
     return bool(getattr(text, "tie_word_embeddings", False))
 
 
+def kv_cache_shape(config) -> tuple:
+    """``(layers, KV heads, head dimension)`` of a causal LM's attention (its text model's): a token's KV cache is
+    ``2 · layers · kv_heads · head_dim`` values (keys and values; ``bidirl.perf.memory.attention_kv_bytes``)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return int(text.num_hidden_layers), kv_heads, head_dim
+
+
 def load_causal_lm(model_dir: Union[str, Path], dtype, who: str = "model_dir"):
     """``AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)`` on CPU after :func:`causal_lm_config`."""
     from transformers import AutoModelForCausalLM

@@ -59,10 +59,15 @@ class RolloutActor(_Timed):
 
         start = time.time()
         self.engine = RolloutEngine(model_dir, seed=seed, **engine_kwargs)
-        self._start_span = {"worker": name, "kind": "start", "start": start, "end": time.time(), "detail": {}}
+        self._start_span = {"worker": name, "kind": "start", "start": start, "end": time.time(),
+                            "detail": {"kv_cache_tokens": self.engine.kv_cache_tokens}}
 
     def ready(self) -> Reply:
         return Reply(self.engine.start_seconds, (self._start_span,))
+
+    def onload(self, kv: bool = True) -> Reply:
+        """Both phases of the switch-in, or (``kv=False``) the weights phase only (``RolloutEngine.onload``)."""
+        return self._reply("onload", self.engine.onload, kv, detail={"kv": kv})
 
     def start(self, requests: Sequence) -> Reply:
         return self._reply("generate", self.engine.start, list(requests), detail={"phase": "submit",

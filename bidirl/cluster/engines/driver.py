@@ -36,9 +36,14 @@ How each command runs:
   place by the target rollouters (vLLM reload). Auxiliary workers receive the weights they need when
   they are switched in.
 * ``Switch`` — offload the passive role's state, onload the active one, and bring the active one's
-  weights to the current version (vLLM sleep/wake and trainer offload on GPU; on CPU the KV cache and
-  the trainer's weights and optimizer state are really freed and restored). The measured durations are
-  C_in / C_out, fed back to the profiler through ``SwitchFinished``.
+  weights to the current version; a rollouter switched in wakes its weights, loads the version, then wakes
+  its KV cache (vLLM sleep level 2 and wake by tags, trainer offload on GPU; on CPU the KV cache and the
+  trainer's weights and optimizer state are really freed and restored). The measured durations are
+  C_in / C_out, fed back to the profiler through ``SwitchFinished``; each phase's too (``costs``).
+
+Every rollouter starts with the settings :class:`~bidirl.cluster.engines.rollout_setup.RolloutSetup` resolves
+from the plan before any actor starts: the KV budget of the planner's memory model (or
+``cluster.rollout_kv_cache_gib``), tensor parallelism ρ_r, CUDA graphs on GPU, prefix caching.
 
 A busy period of a rollouter that ran only fresh groups becomes a ``RolloutRecord`` (§5.1); chunk times
 come with ``ChunkFinished``: the profiler calibrates the stage-time models online from both.
@@ -91,10 +96,10 @@ class EngineDriver(PoolDriver):
     """Run ``config`` with real engine workers. ``model_dir``: a causal-LM checkpoint folder (default: the
     built-in tiny model, created once into the cache); ``step_seconds``: wall seconds per generation slice;
     ``out_dir`` (:class:`~bidirl.cluster.pool.PoolDriver`): the run's output folder, with the training statistics
-    of each step in its rows."""
+    of each step in its rows. The rollouters' engine settings, KV budget included, come from the plan
+    (:attr:`rollout`, resolved before any actor starts)."""
     model_dir: Optional[str] = None
     step_seconds: float = 0.05
-    kv_cache_gib: float = 0.0625
     start_timeout: float = 600.0
     stall_timeout: float = 300.0
 
@@ -127,6 +132,10 @@ class EngineDriver(PoolDriver):
         from bidirl.perf.workload import GroupLengths
         self.forced_lengths = GroupLengths.of(cfg, self.seed) if cfg.workload.forced_lengths else None
         self.max_model_len = self.prompts.max_prompt_len + cfg.workload.max_response_len
+        self._rollout = None              # RolloutSetup: now on an embedded Ray, once connected to a named cluster
+        self.kv_allocated: dict = {}      # rollouter -> KV tokens its vLLM engine allocated (at start)
+        if self.address is None:
+            self._resolve_rollout()
         self.gangs.update({PRIMARY_TRAINER: [], AUX_TRAINER: []})
         self.versions: dict = {}          # worker -> weights version it holds
         self.weights: dict = {0: None}    # version -> object ref of the state_dict (None: the checkpoint)
@@ -180,6 +189,30 @@ class EngineDriver(PoolDriver):
             return {"num_gpus": int(gpus)}
         return super()._local_slots(gpus)
 
+    @property
+    def rollout(self):
+        """The rollouters' :class:`~bidirl.cluster.engines.rollout_setup.RolloutSetup` (:meth:`_resolve_rollout`)."""
+        return self._resolve_rollout()
+
+    def _resolve_rollout(self):
+        """Resolve the rollouters' settings once: in ``__post_init__`` on an embedded Ray (CUDA when
+        :meth:`_local_slots` offers GPUs), else once the named cluster is connected (CUDA when it offers ``GPU``
+        resources) — before any actor starts either way. Raises ``ConfigError`` (``RolloutSetup.resolve``)."""
+        if self._rollout is None:
+            from bidirl.cluster.engines.rollout_setup import RolloutSetup
+            gpu = ("num_gpus" in self._local_slots(self.config.cluster.gpus) if self.address is None
+                   else self._resource() == "GPU")
+            self._rollout = RolloutSetup.resolve(self.plan, self.model_dir, self.prompts.max_prompt_len, gpu)
+        return self._rollout
+
+    def _forget_discarded(self, workers) -> None:
+        """Rollouters switched out on GPU sleep at level 2 and discard their weights: forget the version they held,
+        so the next switch-in (or command) loads the current one (§3.2)."""
+        if self.rollout.device == "cuda":
+            for w in workers:
+                if w not in self.gangs:
+                    self.versions[w] = None
+
     def _at(self, bundle: int, share: float = 0.5, cpus: float = 0.05) -> dict:
         opts = super()._at(bundle, share, cpus)
         if self._resource() == "GPU":          # Ray places GPU shares through num_gpus
@@ -213,8 +246,8 @@ class EngineDriver(PoolDriver):
 
     def worker_shape(self) -> dict:
         cfg = self.config
-        return dict(super().worker_shape(), model_dir=str(self.model_dir), max_model_len=self.max_model_len,
-                    kv_cache_gib=self.kv_cache_gib, reward=self.reward.name, seed=cfg.seed, lr=cfg.rl.lr,
+        return dict(super().worker_shape(), model_dir=str(self.model_dir), **self.rollout.shape(),
+                    reward=self.reward.name, seed=cfg.seed, lr=cfg.rl.lr,
                     kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
                     activation_checkpointing=cfg.rl.activation_checkpointing)
 
@@ -244,8 +277,7 @@ class EngineDriver(PoolDriver):
                                   for j, b in enumerate(bundles)]
         else:
             self.actors[worker] = RolloutActor.options(**self._at(bundles[0])).remote(
-                worker, self.model_dir, cfg.seed, max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib,
-                reward_fn=self.reward)
+                worker, self.model_dir, cfg.seed, reward_fn=self.reward, **self.rollout.engine_kwargs())
         self.versions[worker] = 0            # a fresh process holds the model folder's weights
 
     def _handles(self, worker: str) -> list:
@@ -273,6 +305,8 @@ class EngineDriver(PoolDriver):
                 then()
                 return
             method = "offload" if want else "onload"
+            if want:
+                self._forget_discarded([worker])
             self._when_all([(worker, getattr(a, method).remote()) for a in handles], lambda _: settle(want))
 
         def state():
@@ -344,6 +378,8 @@ class EngineDriver(PoolDriver):
                         raise ClusterError(f"worker {name} failed to start: {root_cause(exc)}") from None
                     for sp in reply.spans:
                         self._measure(("start", name.rsplit("/", 1)[0]), sp["end"] - sp["start"])
+                        if "kv_cache_tokens" in sp["detail"]:
+                            self.kv_allocated[name] = sp["detail"]["kv_cache_tokens"]
                     bar.update(1)
         for name in list(self.actors) + list(self.gangs):
             self.versions[name] = 0
@@ -363,6 +399,7 @@ class EngineDriver(PoolDriver):
         """Auxiliary workers start passive: their state is offloaded until a switch brings them in."""
         import ray
         aux = [self.actors[w] for w in self.topology.aux_rollouters] + self.gangs[AUX_TRAINER]
+        self._forget_discarded(self.topology.aux_rollouters)
         ray.get([a.offload.remote() for a in aux], timeout=self.start_timeout)
 
     def _begin(self):
@@ -680,31 +717,54 @@ class EngineDriver(PoolDriver):
             del self.weights[v]
 
     def do_Switch(self, cmd: P.Switch):
-        """Offload the pool's passive role, onload the active one and bring its weights to ``cmd.version``."""
+        """Offload the pool's passive role, onload the active one and bring its weights to ``cmd.version`` (§3.2),
+        in phases: ``offload`` (the passive role out), ``wake`` (a rollouter's weights, a gang's whole state),
+        ``load`` (the version), ``kv`` (a rollouter's KV cache, once its weights are in place). Each phase's
+        duration is measured as ``c_in.<phase>`` / ``c_out.<phase>`` beside the whole switch."""
         passive, active = self.switch_sides(cmd)
         start = self.now()
+        which = "c_in" if cmd.phase == "in" else "c_out"
 
-        def calls(method, workers):
+        def calls(method, workers, **rollout_kwargs):
             out = []
             for w in self._alive(workers):
                 if w in self.gangs:
                     out += [(w, getattr(r, method).remote()) for r in self.gangs[w]]
                 else:
-                    out.append((w, getattr(self.actors[w], method).remote()))
+                    out.append((w, getattr(self.actors[w], method).remote(**rollout_kwargs)))
             return out
 
-        def phase(pairs, then):
-            """Run a set of calls; a worker that dies meanwhile only drops out (the coordinator recovers)."""
-            self._when_all(pairs, lambda _values: then(), tolerate=True)
+        def phase(name, pairs, then, applies=None):
+            """Run a set of calls; a worker that dies meanwhile only drops out (the coordinator recovers). The
+            phase is timed where it ``applies`` (default: it has calls; a load with nothing to load counts 0 s)."""
+            if not (pairs if applies is None else applies):
+                then()
+                return
+            t0 = self.now()
+
+            def done(_values):
+                self._measure((cmd.direction, f"{which}.{name}"), self.now() - t0)
+                then()
+            self._when_all(pairs, done, tolerate=True)
 
         def finish():
             end = self.now()
-            self._measure((cmd.direction, "c_in" if cmd.phase == "in" else "c_out"), end - start)
+            self._measure((cmd.direction, which), end - start)
             self.record_switch(cmd, start, end)
             self.feed(P.SwitchFinished(end, cmd.pool, cmd.to_role, end - start))
 
-        phase(calls("offload", passive),
-              lambda: phase(calls("onload", active), lambda: phase(self._weight_loads(active, cmd.version), finish)))
+        def wake():
+            phase("wake", calls("onload", active, kv=False), load)
+
+        def load():
+            phase("load", self._weight_loads(active, cmd.version), kv, applies=bool(active))
+
+        def kv():
+            phase("kv", calls("onload", [w for w in active if w not in self.gangs]), finish)
+
+        out = calls("offload", passive)
+        self._forget_discarded(passive)
+        phase("offload", out, wake)
 
     # ------------------------------------------------------------------------------------------
     def shutdown(self):
@@ -728,6 +788,7 @@ class EngineDriver(PoolDriver):
         gaps = [s["logprob_diff_max"] for s in self.step_stats if s["logprob_diff_max"] is not None]
         out["logprob_diff_max"] = max(gaps) if gaps else None
         out["model_dir"] = self.model_dir
+        out["rollout_engine"] = dict(self.rollout.summary(), kv_cache_tokens_allocated=dict(self.kv_allocated))
         out["reward_function"] = self.reward.name
         out["data_file"] = self.config.workload.data_file
         return out

@@ -1,8 +1,11 @@
 """The vLLM rollout engine: interruptible group generation, partial-rollout resume, weight reload, offload.
 
 One ``RolloutEngine`` is one rollout replica (paper §2.1): a vLLM engine run **in-process** (no engine
-subprocess: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``) in eager mode, fp32
-on CPU and bf16 on GPU (the trainer's compute precision there), over any local checkpoint folder of an
+subprocess: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ``distributed_executor_backend="uni"`` for one GPU, vLLM's
+multiprocess executor for ``tensor_parallel_size > 1``, CUDA only), with CUDA graphs on GPU and eager mode on
+CPU (``enforce_eager``), prefix caching on (a group's responses share their prompt), a KV cache of
+``kv_cache_gib`` (checked to hold one ``max_model_len`` sequence), fp32 on CPU and bf16 on GPU (the trainer's
+compute precision there), over any local checkpoint folder of an
 architecture both vLLM and transformers implement (checked up front: ``bidirl.rl.model_folder``). Generation
 is driven step by step through ``LLMEngine.add_request`` / ``step`` so it can be stopped between any two decode
 steps:
@@ -27,12 +30,23 @@ steps:
 
 :meth:`load_weights` reloads weights in place through ``collective_rpc`` (the full ``state_dict`` including
 the tied ``lm_head``, under the HF checkpoint's names, checked against the checkpoint's names and shapes
-first) — the actor→rollout weight sync (§6.2). :meth:`offload` / :meth:`onload` are the
-rollout half of a hot switch (§3.2, C_in / C_out): on GPU vLLM's ``sleep(level=1)`` / ``wake_up()``; on
-CPU, where vLLM has no sleep mode, the KV cache's memory is released (its storage resized to zero bytes)
-and re-allocated on onload, and the weights are re-installed from the host copy of the last weights
-loaded (or the checkpoint). The CPU path does not free the weights' own memory (vLLM's CPU backend keeps
-them packed in oneDNN handles that only a reload replaces); ``last_switch`` says what was moved.
+first) — the actor→rollout weight sync (§6.2) — and resets the prefix cache (cached blocks hold the old
+weights' keys and values). :meth:`offload` / :meth:`onload` are the rollout half of a hot switch (§3.2,
+C_in / C_out), in the order vLLM intends:
+
+* switch-out on GPU: ``sleep(level=2)`` — weights and KV cache discarded (the switch-in pushes the current
+  weights anyway, so level 1's host copy of the old ones would be made for nothing); until the next
+  :meth:`load_weights` the engine refuses to generate;
+* switch-in in two phases: ``onload(kv=False)`` wakes the weights (GPU: ``wake_up(tags=["weights"])``), the
+  caller loads the current version (:meth:`load_weights`), then ``onload()`` wakes the KV cache
+  (``wake_up(tags=["kv_cache"])``) and resets the prefix cache; ``onload()`` alone does both phases;
+* on CPU, where vLLM has no sleep mode, the KV cache's memory is released (its storage resized to zero bytes)
+  and re-allocated by the KV phase; the weights phase re-installs the weights from the host copy of the last
+  weights loaded (or the checkpoint). The CPU path does not free the weights' own memory (vLLM's CPU backend
+  keeps them packed in oneDNN handles that only a reload replaces).
+
+``last_switch`` says what was moved and times each phase (seconds). The GPU branches follow vLLM 0.32's
+``LLM.sleep`` / ``LLM.wake_up`` and are not exercised by the CPU tests.
 """
 
 from __future__ import annotations
@@ -188,7 +202,16 @@ class RolloutEngine:
     def __init__(self, model_dir: Union[str, Path], seed: int = 0, max_model_len: int = 64,
                  kv_cache_gib: float = 0.0625, *, temperature: float = 1.0, top_p: float = 1.0,
                  reward_fn: Optional[Callable[[Any, str], float]] = None, max_num_seqs: int = 256,
-                 device: Optional[str] = None, dtype: Optional[str] = None, quiet: bool = True):
+                 device: Optional[str] = None, dtype: Optional[str] = None, tensor_parallel_size: int = 1,
+                 enforce_eager: Optional[bool] = None, enable_prefix_caching: bool = True,
+                 block_size: Optional[int] = None, memory_bytes: Optional[int] = None, quiet: bool = True):
+        """``kv_cache_gib``: the KV cache per GPU (the default suits the tiny model standalone; engine runs pass
+        the planner's budget, ``bidirl.cluster.engines.rollout_setup``); ``enforce_eager``: ``None`` is eager on
+        CPU and CUDA graphs on GPU; ``block_size``: tokens per KV block (``None``: vLLM's default for the
+        device); ``memory_bytes`` (GPU): what this engine may take of its device, weights and KV included —
+        vLLM's start-up check then asks for that much free memory (``gpu_memory_utilization`` = memory_bytes /
+        the device's total) instead of 90 % of it."""
+        from bidirl.perf import memory
         from bidirl.rl import model_folder as checkpoint
 
         path = checkpoint.model_folder(model_dir, "RolloutEngine.model_dir")
@@ -202,6 +225,15 @@ class RolloutEngine:
                              f"got {max_model_len!r}")
         if not kv_cache_gib > 0:
             raise ValueError(f"RolloutEngine.kv_cache_gib must be > 0, got {kv_cache_gib!r}")
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"RolloutEngine.tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
+            raise ValueError(f"RolloutEngine.block_size must be a positive integer or None, got {block_size!r}")
+        if memory_bytes is not None and not memory_bytes > 0:
+            raise ValueError(f"RolloutEngine.memory_bytes must be > 0 or None, got {memory_bytes!r}")
+        if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            raise ValueError("RolloutEngine: VLLM_CPU_KVCACHE_SPACE is set, and vLLM would replace the KV cache size "
+                             "given (kv_cache_gib) with it; unset it (engine runs take cluster.rollout_kv_cache_gib)")
         if not temperature > 0:
             raise ValueError(f"RolloutEngine.temperature must be > 0 (sampling), got {temperature!r}")
         if top_p != 1.0:
@@ -227,17 +259,43 @@ class RolloutEngine:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = device
         self.gpu = device.startswith("cuda")
+        if tensor_parallel_size > 1 and not self.gpu:
+            raise ValueError(f"RolloutEngine.tensor_parallel_size={tensor_parallel_size} needs CUDA: vLLM's in-process "
+                             "CPU engine runs one worker (distributed_executor_backend='uni')")
         self.dtype = dtype or ("bfloat16" if self.gpu else "float32")
-        kwargs = dict(model=str(path), dtype=self.dtype, enforce_eager=True, max_model_len=self.max_model_len,
-                      distributed_executor_backend="uni", seed=self.seed, enable_prefix_caching=False,
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        self.enforce_eager = (not self.gpu) if enforce_eager is None else bool(enforce_eager)
+        self.prefix_caching = bool(enable_prefix_caching)
+        kv_bytes = int(kv_cache_gib * 2**30)
+        per_token = memory.attention_kv_bytes(*checkpoint.kv_cache_shape(config),
+                                              2 if self.dtype == "bfloat16" else 4, self.tensor_parallel_size)
+        block = block_size or memory.KV_BLOCK_TOKENS["cuda" if self.gpu else "cpu"]
+        one = memory.sequence_blocks(self.max_model_len, block) * block
+        if memory.kv_cache_tokens(kv_bytes, per_token, block) < one:
+            raise ValueError(f"RolloutEngine.kv_cache_gib={kv_cache_gib:g} holds "
+                             f"{memory.kv_cache_tokens(kv_bytes, per_token, block)} tokens ({per_token} bytes per "
+                             f"token, blocks of {block}), fewer than one max_model_len={self.max_model_len} sequence "
+                             f"({one} tokens in whole blocks); give at least {one * per_token / 2**30:.4g} GiB")
+        kwargs = dict(model=str(path), dtype=self.dtype, enforce_eager=self.enforce_eager,
+                      max_model_len=self.max_model_len, tensor_parallel_size=self.tensor_parallel_size,
+                      distributed_executor_backend="uni" if self.tensor_parallel_size == 1 else "mp",
+                      seed=self.seed, enable_prefix_caching=self.prefix_caching,
                       max_num_seqs=int(max_num_seqs), disable_log_stats=True,
-                      kv_cache_memory_bytes=int(kv_cache_gib * 2**30), logprobs_mode="raw_logprobs",
+                      kv_cache_memory_bytes=kv_bytes, logprobs_mode="raw_logprobs",
                       logits_processors=[PositionKeyedSampler])
+        if block_size is not None:
+            kwargs["block_size"] = int(block_size)
         if self.gpu:
-            kwargs["enable_sleep_mode"] = True        # sleep(level=1) / wake_up() for hot switching
+            kwargs["enable_sleep_mode"] = True        # sleep(level=2) / wake_up(tags) for hot switching
+            if memory_bytes is not None:
+                total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+                kwargs["gpu_memory_utilization"] = min(1.0, float(memory_bytes) / total)
         with _preserved_global_rng():     # in-process vLLM seeds random / numpy / torch globally
             self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
+        cache = self.engine.vllm_config.cache_config
+        self.kv_block_tokens = int(cache.block_size)
+        self.kv_cache_tokens = int(cache.num_gpu_blocks or 0) * self.kv_block_tokens    # what vLLM allocated
         from bidirl.rl.tiny_model import load_tokenizer
         self.tokenizer = load_tokenizer(path)
         self.eos_id = self.tokenizer.eos_token_id
@@ -246,9 +304,12 @@ class RolloutEngine:
         self._by_request: dict = {}        # request id -> (group_id, index)
         self._counter = 0
         self._host_weights: Optional[list] = None
-        self._offloaded = False
+        self._offloaded = False            # the weights are switched out (until onload's weights phase)
+        self._kv_released = False          # the KV cache is switched out (until onload's KV phase)
+        self._weights_stale = False        # discarded by a level-2 sleep: generation waits for load_weights
         self.steps = 0
         self.generated_tokens = 0
+        self.prefix_cached_tokens = 0      # prompt tokens of finished requests served from the prefix cache
         self.last_switch: dict = {}
         self._warm_up()
         self.reward_fn = reward_fn
@@ -259,13 +320,13 @@ class RolloutEngine:
 
         A new engine's first generation step is slow — one-time kernel and allocator set-up, ≈ 2-3 s for the
         tiny model on a 2-core CPU against ≈ 50 ms for every later one. Paid here it counts as start-up: a fresh
-        engine's first busy period then costs what a kept one's does (``PoolDriver.workers``), so whether a
+        engine's first busy period then costs what a kept one's does (``KeptWorkers``), so whether a
         borrowing window finds work left (§4) and what the online profiler's first rollout records say (§5.1)
         do not depend on whether the process is new."""
         token = self.eos_id if self.eos_id is not None else 0
         self.generate([GroupRequest(group_id=0, prompt_ids=(int(token),), group_size=1,
                                     max_tokens=min(2, self.max_model_len - 1))])
-        self.steps = self.generated_tokens = 0
+        self.steps = self.generated_tokens = self.prefix_cached_tokens = 0
         self.engine.reset_prefix_cache()
 
     # ------------------------------------------------------------------------------------------
@@ -295,8 +356,11 @@ class RolloutEngine:
 
     def start(self, requests: Iterable[GroupRequest]) -> int:
         """Add the requests of ``requests`` (fresh or resumed groups); returns the number of requests added."""
-        if self._offloaded:
+        if self.offloaded:
             raise RuntimeError("RolloutEngine.start: the engine is offloaded; call onload() first")
+        if self._weights_stale:
+            raise RuntimeError("RolloutEngine.start: the weights were discarded when the engine slept (level 2); "
+                               "load_weights() the current version first")
         requests = list(requests)
         for req in requests:
             self._validate(req)
@@ -412,6 +476,7 @@ class RolloutEngine:
             resp.logprobs += [float(d[t].logprob) for t, d in zip(ids, comp.logprobs)]
             self.generated_tokens += len(ids)
         if out.finished:
+            self.prefix_cached_tokens += int(getattr(out, "num_cached_tokens", None) or 0)
             resp.done = True
             resp.finish_reason = comp.finish_reason or ("stop" if resp.tokens and resp.tokens[-1] == self.eos_id
                                                          else "length")
@@ -490,10 +555,12 @@ class RolloutEngine:
         Pass the trainer's full ``state_dict()`` (the tied ``lm_head.weight`` included). Names are the HF
         checkpoint's (wrapper prefixes are removed); names or shapes that differ from the checkpoint's raise
         before anything is loaded. ``version`` becomes the engine's actor version (the staleness tag of tokens
-        generated from now on).
+        generated from now on). ``None``: the checkpoint's weights (a driver's version 0).
         """
         from bidirl.rl import model_folder as checkpoint
 
+        if state_dict_items is None:
+            state_dict_items = self._checkpoint_items()
         self._require_idle("load_weights")
         if self._offloaded:
             raise RuntimeError("RolloutEngine.load_weights: the engine is offloaded; call onload() first")
@@ -503,6 +570,8 @@ class RolloutEngine:
         items = list(weights.items())
         t0 = time.perf_counter()
         self.llm.collective_rpc(_worker_reload, args=(items,))
+        self._weights_stale = False
+        self._reset_prefix_cache("load_weights")        # cached blocks hold the old weights' keys and values
         seconds = time.perf_counter() - t0
         self._host_weights = items
         if version is not None:
@@ -511,44 +580,68 @@ class RolloutEngine:
 
     @property
     def offloaded(self) -> bool:
-        return self._offloaded
+        """Whether anything is switched out (the weights, the KV cache, or both)."""
+        return self._offloaded or self._kv_released
+
+    def _reset_prefix_cache(self, where: str) -> None:
+        """Forget every cached block (their keys and values are no longer the current weights' or were freed)."""
+        if not self.engine.reset_prefix_cache():
+            raise RuntimeError(f"RolloutEngine.{where}: vLLM could not reset its prefix cache (blocks still in use); "
+                               "cached blocks would serve stale keys and values")
 
     def offload(self) -> float:
         """Give the replica's memory up for a hot switch; returns seconds (see the module docstring)."""
         self._require_idle("offload")
-        if self._offloaded:
+        if self.offloaded:
             return 0.0
         t0 = time.perf_counter()
         if self.gpu:
-            self.llm.sleep(level=1)
-            self.last_switch = {"mode": "vllm-sleep-1"}
+            from bidirl.cluster.engines.rollout_setup import SLEEP_LEVEL
+            self.llm.sleep(level=SLEEP_LEVEL)              # clears the prefix cache; weights and KV discarded
+            self._weights_stale = True
+            self.last_switch = {"mode": f"vllm-sleep-{SLEEP_LEVEL}", "weights_discarded": True}
         else:
             if self._host_weights is None:
                 self._host_weights = self._checkpoint_items()
+            self._reset_prefix_cache("offload")
             released = sum(self.llm.collective_rpc(_worker_release_kv))
             self.last_switch = {"mode": "cpu", "kv_bytes_released": int(released), "weights_released": False}
-        self._offloaded = True
+        self._offloaded = self._kv_released = True
         seconds = time.perf_counter() - t0
         self.last_switch["offload_seconds"] = seconds
         return seconds
 
-    def onload(self) -> float:
-        """Restore what :meth:`offload` gave up (KV cache, weights); returns seconds."""
-        if not self._offloaded:
+    def onload(self, kv: bool = True) -> float:
+        """Restore what :meth:`offload` gave up: the weights, then (``kv``) the KV cache; returns seconds.
+
+        A hot switch-in calls ``onload(kv=False)``, loads the current weights, then ``onload()`` — the KV cache
+        comes back only once the weights are in place (module docstring). On GPU the weights phase gives the
+        weights' memory back with undefined contents after a level-2 sleep: :meth:`load_weights` must follow
+        before the engine generates."""
+        if not self.offloaded:
             return 0.0
         t0 = time.perf_counter()
-        if self.gpu:
-            self.llm.wake_up()
-        else:
-            restored = sum(self.llm.collective_rpc(_worker_restore_kv))
-            self.llm.collective_rpc(_worker_reload, args=(self._host_weights,))
-            self.last_switch["kv_bytes_restored"] = int(restored)
-            self.last_switch["weight_bytes_loaded"] = int(sum(t.numel() * t.element_size()
-                                                             for _, t in self._host_weights))
-        self.engine.reset_prefix_cache()
-        self._offloaded = False
+        if self._offloaded:
+            t = time.perf_counter()
+            if self.gpu:
+                self.llm.wake_up(tags=["weights"])
+            else:
+                self.llm.collective_rpc(_worker_reload, args=(self._host_weights,))
+                self.last_switch["weight_bytes_loaded"] = int(sum(w.numel() * w.element_size()
+                                                                 for _, w in self._host_weights))
+            self._offloaded = False
+            self.last_switch["wake_weights_seconds"] = time.perf_counter() - t
+        if kv and self._kv_released:
+            t = time.perf_counter()
+            if self.gpu:
+                self.llm.wake_up(tags=["kv_cache"])       # fully awake: vLLM resumes scheduling
+            else:
+                self.last_switch["kv_bytes_restored"] = int(sum(self.llm.collective_rpc(_worker_restore_kv)))
+            self._reset_prefix_cache("onload")          # the restored blocks hold nothing a hash may point to
+            self._kv_released = False
+            self.last_switch["wake_kv_seconds"] = time.perf_counter() - t
         seconds = time.perf_counter() - t0
-        self.last_switch["onload_seconds"] = seconds
+        self.last_switch["onload_seconds"] = self.last_switch.get("onload_seconds", 0.0) + seconds
         return seconds
 
     def reset(self) -> float:
