@@ -13,9 +13,12 @@ medians over the calls ``--repeats`` makes):
   started once per process and its logits processor is switched between runs
   (``implementations()["switched"]``); one call makes ``ROUNDS`` rounds of one run per sampler, in an order
   that rotates, and reports the rounds' medians (the speedup: the median of each round's paired ratio, runs
-  seconds apart seeing the same load on a shared machine). ``per_row_new_noise`` is the previous loop drawing
-  the new noise per row — a plain reference of the new draw — which separates the cost of the loop from the
-  cost of the generator;
+  seconds apart seeing the same load on a shared machine). The engine runs on one torch thread, unbound
+  (``torch_threads``; as the cluster's rollouter actors run with ``num_cpus=1``), and
+  ``decode_tokens_per_cpu_s_*`` divides by the process's CPU time instead of the wall time: what the work
+  costs, whatever else the machine runs. ``per_row_new_noise`` is the previous loop drawing the new noise per
+  row — a plain reference of the new draw — which separates the cost of the loop from the cost of the
+  generator;
 * ``same_tokens_new_vs_per_row_reference`` — 1 when the vectorised sampler generated exactly the per-row
   reference's tokens in every run (the engine-level form of ``tests/test_sampler.py``), else 0;
 * ``previous_vs_new_equal_token_fraction`` — the fraction of positions where the previous and the new sampler
@@ -25,7 +28,7 @@ medians over the calls ``--repeats`` makes):
   shared machine a second thread makes every parallel op wait for a descheduled peer; vLLM's CPU backend keeps
   the threads it bound once an engine started in the process, hence this benchmark runs before
   ``sampler_decode``); ``apply_us_*_tiny_vocab`` the same at the tiny model's vocabulary, where the per-row
-  overhead is all there is.
+  overhead is all there is; ``apply_us_*_cuda`` the full vocabulary on the GPU when there is one.
 """
 
 from __future__ import annotations
@@ -159,17 +162,27 @@ _STATE: dict = {"engine": None, "calls": 0, "warm": set()}
 
 
 def _engine():
-    """One tiny-model rollouter per process whose sampler the benchmark switches (started on first use)."""
+    """One tiny-model rollouter per process whose sampler the benchmark switches (started on first use), on one
+    torch thread without vLLM's CPU binding — as the cluster's rollouter actors (``num_cpus=1``) run — unless
+    ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise."""
     if _STATE["engine"] is None:
+        import os
         from unittest import mock
+
+        import torch
 
         from bidirl.cluster.engines import sampler as keyed
         from bidirl.cluster.engines.rollout import RolloutEngine
         from bidirl.rl.bootstrap import ensure_tiny_model
+        env = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
+        if env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind":
+            torch.set_num_threads(1)
         # the engine installs the sampler module's PositionKeyedSampler: the switched one, for this engine only
-        with mock.patch.object(keyed, "PositionKeyedSampler", implementations()["switched"]):
+        with mock.patch.object(keyed, "PositionKeyedSampler", implementations()["switched"]), \
+                mock.patch.dict(os.environ, env):
             _STATE["engine"] = RolloutEngine(ensure_tiny_model(), seed=0, max_model_len=64,
                                              max_num_seqs=GROUPS * GROUP_SIZE)
+        _STATE["threads"] = torch.get_num_threads()
     return _STATE["engine"]
 
 
@@ -188,7 +201,7 @@ def _decode(quick: bool) -> dict:
     engine = _engine()
     switched = implementations()["switched"]
     reqs = _requests(engine, QUICK_GROUPS if quick else GROUPS, QUICK_TOKENS if quick else TOKENS)
-    rates, tokens = {m: [] for m in MODES}, {m: [] for m in MODES}
+    rates, cpu_rates, tokens = {m: [] for m in MODES}, {m: [] for m in MODES}, {m: [] for m in MODES}
     try:
         for _ in range(1 if quick else ROUNDS):
             shift = _STATE["calls"] % len(MODES)
@@ -198,42 +211,56 @@ def _decode(quick: bool) -> dict:
                 if mode not in _STATE["warm"]:            # a mode's first run allocates and sets up: not counted
                     engine.generate(reqs)
                     _STATE["warm"].add(mode)
-                t = time.perf_counter()
+                wall, cpu = time.perf_counter(), time.process_time()
                 out = engine.generate(reqs)
-                seconds = time.perf_counter() - t
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
                 tokens[mode].append([list(ids) for g in out for ids in g.payload.token_ids])
-                rates[mode].append(sum(map(len, tokens[mode][-1])) / seconds)
+                n = sum(map(len, tokens[mode][-1]))
+                rates[mode].append(n / wall)
+                cpu_rates[mode].append(n / cpu)
     finally:
         switched.mode = "new"
     pairs = [(a, b) for x, y in zip(tokens["previous"][0], tokens["new"][0]) for a, b in zip(x, y)]
-    ratios = [n / p for n, p in zip(rates["new"], rates["previous"])]
-    return {**{f"decode_tokens_per_s_{m}": (statistics.median(rates[m]), "tokens/s") for m in MODES},
-            "decode_speedup_new_over_previous": (statistics.median(ratios), "x"),
+    return {"torch_threads": (_STATE["threads"], "threads"),
+            **{f"decode_tokens_per_s_{m}": (statistics.median(rates[m]), "tokens/s") for m in MODES},
+            "decode_speedup_new_over_previous": (_paired(rates), "x"),
+            **{f"decode_tokens_per_cpu_s_{m}": (statistics.median(cpu_rates[m]), "tokens/s") for m in MODES},
+            "decode_cpu_speedup_new_over_previous": (_paired(cpu_rates), "x"),
             "same_tokens_new_vs_per_row_reference": (float(tokens["new"] == tokens["per_row_new_noise"]), "bool"),
             "previous_vs_new_equal_token_fraction": (sum(a == b for a, b in pairs) / len(pairs), "fraction")}
 
 
-def _apply_us(vocab: int, calls: int) -> dict:
+def _paired(rates: dict) -> float:
+    """The median over rounds of new / previous (the two runs of a round are seconds apart)."""
+    return statistics.median(n / p for n, p in zip(rates["new"], rates["previous"]))
+
+
+def _apply_us(vocab: int, calls: int, device: str = "cpu") -> dict:
     """Median µs per ``apply`` of the previous and the new sampler on the same [ROWS, vocab] seeded logits
-    (calls interleaved; a fresh copy of the logits before each call, not timed; the first call not counted)."""
+    (calls interleaved; a fresh copy of the logits before each call, not timed; the first call not counted; on
+    CUDA the device is synchronised before and after each timed call)."""
     import torch
     from vllm.v1.sample.logits_processor import BatchUpdate
 
     from bidirl.cluster.engines.sampler import SEED_KEY, TEMPERATURE_KEY
 
-    base = torch.randn(ROWS, vocab, generator=torch.Generator().manual_seed(0)) * 3.0
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    base = (torch.randn(ROWS, vocab, generator=torch.Generator().manual_seed(0)) * 3.0).to(dev)
     added = [(r, SimpleNamespace(extra_args={SEED_KEY: 1000 + r, TEMPERATURE_KEY: 1.0}), [0] * 100, [0] * (r % 64))
              for r in range(ROWS)]
     procs = {}
     for mode in ("previous", "new"):
-        procs[mode] = implementations()[mode](None, torch.device("cpu"), False)
+        procs[mode] = implementations()[mode](None, dev, dev.type == "cuda")
         procs[mode].update_state(BatchUpdate(ROWS, removed=[], added=added, moved=[]))
     logits, times = base.clone(), {m: [] for m in procs}
     for _ in range(calls + 1):
         for mode, proc in procs.items():
             logits.copy_(base)
+            sync()
             t = time.perf_counter()
             proc.apply(logits)
+            sync()
             times[mode].append(time.perf_counter() - t)
     return {m: statistics.median(ts[1:]) * 1e6 for m, ts in times.items()}
 
@@ -245,9 +272,12 @@ def bench_sampler_apply(quick: bool) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)         # vLLM's CPU backend ignores this once an engine of this process bound them
     out = {"torch_threads": (torch.get_num_threads(), "threads")}
+    cases = [("cpu", VOCAB, "", 1 if quick else 3), ("cpu", TinyConfig.vocab_size, "_tiny_vocab", 20)]
+    if torch.cuda.is_available():
+        cases.append(("cuda", VOCAB, "_cuda", 5 if quick else 20))
     try:
-        for vocab, suffix, calls in ((VOCAB, "", 1 if quick else 3), (TinyConfig.vocab_size, "_tiny_vocab", 20)):
-            us = _apply_us(vocab, calls)
+        for device, vocab, suffix, calls in cases:
+            us = _apply_us(vocab, calls, device)
             out.update({f"apply_us_{m}{suffix}": (v, "us") for m, v in us.items()})
             out[f"apply_speedup{suffix}"] = (us["previous"] / us["new"], "x")
     finally:

@@ -124,8 +124,8 @@ def _log_exponentials(keys: torch.Tensor, lanes: torch.Tensor, z: torch.Tensor, 
     torch.bitwise_right_shift(z, 27, out=t).bitwise_and_((1 << 37) - 1)     # logical z >> 27
     z.bitwise_xor_(t).mul_(_C2_S)
     torch.bitwise_right_shift(z, 64 - UNIFORM_BITS, out=t).bitwise_and_((1 << UNIFORM_BITS) - 1)
-    x.copy_(t)                                            # k < 2^23: exact in fp32
-    x.add_(0.5).mul_(2.0 ** -UNIFORM_BITS)                # u = (k + ½)/2^23, exact
+    torch.mul(t, 2.0 ** -UNIFORM_BITS, out=x)             # k·2^-23: k < 2^23 and the scale exact in fp32
+    x.add_(2.0 ** -(UNIFORM_BITS + 1))                    # u = (k + ½)/2^23: 24 significant bits, exact
     return x.log_().neg_().log_()                         # log E, E = −log u ~ Exp(1) (E ≥ 5.96e-8 > 0)
 
 
