@@ -18,9 +18,9 @@ at once. With ``φ = 0x9E3779B97F4A7C15`` and SplitMix64's finaliser constants `
 mod 2^64, ``>>`` a logical shift):
 
 * ``key = position_seed(seed, position)`` (SplitMix64 of ``seed·φ + position + 1``, 63 bits);
-* ``z = key + (v + 1)·φ`` for token index ``v`` (the ``v``-th state of a SplitMix64 stream started at ``key``),
-  ``z = (z ^ z >> 30)·C1``, ``z = (z ^ z >> 27)·C2``, ``k = z >> 41`` — the top 23 bits of SplitMix64's
-  output (its last xor-shift, by 31, does not reach them);
+* ``z = key + (v + 1)·φ`` for token index ``v`` (the state after ``v + 1`` steps of a SplitMix64 stream
+  from ``key``), ``z = (z ^ z >> 30)·C1``, ``z = (z ^ z >> 27)·C2``, ``k = z >> 41`` — the top 23 bits of
+  SplitMix64's output (its last xor-shift, by 31, does not reach them);
 * ``u = (k + ½) / 2^23`` ∈ [2^-24, 1 − 2^-24], exact in fp32, so ``G = −log(−log u)`` is finite (fp32);
 * ``token = argmax_v (logits_v / T + G_v)`` (the first index on a tie).
 
