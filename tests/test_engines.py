@@ -345,7 +345,7 @@ def test_prefix_caching_reuses_a_shared_prompt_and_never_serves_stale_keys_and_v
     and a 40-token prompt (one full block to share). Checked: the group's responses share the prompt's block, and
     after a weight load, after the KV storage is freed and restored (offload / onload) and across an interrupt
     and resume, vLLM's log-probs equal the trainer's recomputation with the weights in place (a stale or zeroed
-    block shifts them by far more than the 1e-4 tolerance: 1.8 and 2.4 measured with the resets after a load and
+    block shifts them by far more than the rounding bound, ≈ 4e-3: 1.8 and 2.4 measured with the resets after a load and
     around the KV release removed) and the tokens are the uninterrupted ones."""
     eng = block32_engine
     assert eng.prefix_caching and eng.enforce_eager and eng.kv_block_tokens == 32
@@ -358,7 +358,7 @@ def test_prefix_caching_reuses_a_shared_prompt_and_never_serves_stale_keys_and_v
     def check(states, trainer):
         samples = [Sample(g.group_id, i, g.payload.prompt_ids, t, lp, 0.0, 0)
                    for g in states for i, (t, lp) in enumerate(zip(g.payload.token_ids, g.payload.logprobs))]
-        assert _max_diff(samples, trainer.logprobs(samples)) <= LOGPROB_TOL
+        assert _max_diff(samples, trainer.logprobs(samples)) <= _logprob_tol(model_dir, trainer.state_dict())
 
     trainer = TrainerEngine(model_dir, threads=1)
     base = eng.generate(group(0))

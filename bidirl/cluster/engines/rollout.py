@@ -324,8 +324,9 @@ class RolloutEngine:
         borrowing window finds work left (§4) and what the online profiler's first rollout records say (§5.1)
         do not depend on whether the process is new."""
         token = self.eos_id if self.eos_id is not None else 0
-        self.generate([GroupRequest(group_id=0, prompt_ids=(int(token),), group_size=1,
-                                    max_tokens=min(2, self.max_model_len - 1))])
+        with _preserved_global_rng():     # as at construction: the warm-up leaves the process's RNGs alone
+            self.generate([GroupRequest(group_id=0, prompt_ids=(int(token),), group_size=1,
+                                        max_tokens=min(2, self.max_model_len - 1))])
         self.steps = self.generated_tokens = self.prefix_cached_tokens = 0
         self.engine.reset_prefix_cache()
 
