@@ -31,15 +31,16 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray for every integration test that runs on Ray in this process (8 GPU slots, the most any test's
-    job asks for); each test's runs start their own placement group on it. Tests that start ``bidirl run`` in a
-    subprocess get that process's own embedded Ray."""
+    """One local Ray for every integration test that runs on Ray in this process; each test's runs start their own
+    placement group on it. 12 GPU slots: the largest job a test runs (8) beside the set of engine workers the
+    session keeps (``kept_workers``: tiny-cpu's 4), which holds its slots between runs. Tests that start
+    ``bidirl run`` in a subprocess get that process's own embedded Ray."""
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_enable_metrics_collection", "0")
     ray.shutdown()
     for attempt in range(3):           # a loaded machine may miss Ray's fixed 30 s node-registration deadline
         try:
-            ray.init(num_cpus=4, resources={"gpu_slot": 8.0}, include_dashboard=False, log_to_driver=False,
+            ray.init(num_cpus=4, resources={"gpu_slot": 12.0}, include_dashboard=False, log_to_driver=False,
                      namespace="bidirl-tests")
             break
         except Exception as exc:
