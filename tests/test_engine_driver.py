@@ -72,9 +72,8 @@ def _timing_free(res) -> dict:
 def test_kept_workers_run_a_job_as_fresh_ones_do(model_dir, kept_workers):
     """The library's reuse (``KeptWorkers``, as notebooks and side-by-side runs use it): a run on workers an earlier
     run left, each reset, computes what a run on freshly started workers computes for the same seed — the same
-    prompt groups, versions and tokens per step, the same rewards, the same weights — and borrows as it does: the
-    auxiliary rollouters generate in both (a fresh engine warms up at start-up, so its first busy period is as fast
-    as a kept one's). Path: start, reset of every kind of worker (primary and auxiliary rollouters and gangs),
+    prompt groups, versions and tokens per step, the same rewards, the same weights — and borrows both ways as it
+    does (a fresh engine warms up at start-up, so its first busy period is as fast as a kept one's). Path: start, reset of every kind of worker (primary and auxiliary rollouters and gangs),
     switches both ways, weight syncs, optimizer steps."""
     cfg = _borrowing_job()
     steps = 3
@@ -84,8 +83,10 @@ def test_kept_workers_run_a_job_as_fresh_ones_do(model_dir, kept_workers):
     kept = _run(cfg, "opportunistic", model_dir, steps, kept_workers)
     assert (kept_workers.started, kept_workers.reused) == (started, reused + 1), "the second run did not reuse"
     for res in (fresh, kept):
-        _check_log(res, steps)
-        assert any(sp.kind == "generate" and sp.worker.startswith("trainer_pool/rollouter") for sp in res.log.spans)
+        s = _check_log(res, steps)
+        # both borrow both ways; whether an auxiliary rollouter still finds groups to generate once it is in
+        # depends on the machine's load in 3 steps (the 10-step borrowing test below asserts it)
+        assert s["borrows"]["rollout_on_trainer_pool"] > 0 and s["borrows"]["trainer_on_rollout_pool"] > 0
         assert any(sp.kind == "chunk" and sp.worker == "rollout_pool/trainer" for sp in res.log.spans)
     assert _timing_free(kept) == _timing_free(fresh)
     _check_same_weights(fresh, kept, cfg, steps)
