@@ -8,6 +8,14 @@ and have no deadline (timing is never asserted in tests).
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -59,3 +67,59 @@ def kept_workers(ray_session):
     from bidirl.cluster.pool import KeptWorkers
     with KeptWorkers(capacity=1) as kept:
         yield kept
+
+
+@pytest.fixture
+def ray_head():
+    """A cluster of ``ray start --head --block`` (4 CPUs, 4 GPU slots) for ``bidirl run --address auto``: yields
+    the environment that points ``auto`` at it (``RAY_ADDRESS``). The head runs in its own session, stopped by
+    signalling that process group only (``ray stop`` would stop every Ray instance on the machine)."""
+    ray_cli = Path(sys.executable).parent / "ray"
+    env = dict(os.environ, RAY_enable_metrics_collection="0")
+    for attempt in range(3):           # a loaded machine may miss Ray's fixed 30 s node-registration deadline
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ray_tmp = tempfile.mkdtemp(prefix="ray")      # short: Ray's socket paths must stay under 108 bytes
+        head = subprocess.Popen([str(ray_cli), "start", "--head", "--block", f"--port={port}", "--num-cpus=4",
+                                 '--resources={"gpu_slot": 4}', f"--temp-dir={ray_tmp}", "--include-dashboard=false",
+                                 "--disable-usage-stats"], env=env, start_new_session=True, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        lines, started = [], threading.Event()
+
+        def pump(out=head.stdout, lines=lines, started=started):
+            for line in out:
+                lines.append(line)
+                if "Ray runtime started" in line:
+                    started.set()
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.time() + 300
+        while not started.wait(1) and head.poll() is None and time.time() < deadline:
+            pass
+        if started.is_set() or attempt == 2:
+            break
+        _stop_group(head, ray_tmp)
+    try:
+        assert started.is_set(), "ray start --head did not start:\n" + "".join(lines)[-3000:]
+        yield dict(env, RAY_ADDRESS=f"127.0.0.1:{port}")
+    finally:
+        _stop_group(head, ray_tmp)
+
+
+def _stop_group(head, ray_tmp: str) -> None:
+    """Stop a ``ray start --head --block`` process and its session's processes, and remove its temp folder."""
+    import shutil
+    try:
+        os.killpg(head.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        head.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait(60)
+    try:                                              # stragglers of the group (workers that outlive the head)
+        os.killpg(head.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    shutil.rmtree(ray_tmp, ignore_errors=True)

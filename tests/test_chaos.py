@@ -17,8 +17,9 @@ workers to kill and switches to kill them in.
   recovered; at s = 0 the same prompt groups train in every step and the final weights equal a fault-free run's
   as two runs of one job do (``tests/rounding.py``'s ``same_weights``: borrowing and restarted workers sum chunk
   gradients in other groupings).
-* **Driver death.** ``bidirl run`` is killed (SIGKILL, its embedded Ray with it) once its checkpoint after 3 of 6
-  steps exists; ``bidirl run --resume`` runs the other 3. The result equals 6 steps straight (the fault-free
+* **Driver death.** ``bidirl run --address auto`` on a ``ray start --head`` cluster is killed (SIGKILL; Ray ends
+  its job's workers) once its checkpoint after 3 of 6 steps exists; ``bidirl run --resume`` runs the other 3 on
+  the same cluster and prints the CLI's JSON contract, with the trace written. The result equals 6 steps straight (the fault-free
   run's checkpoint after step 6): the same prompt groups per step, the same rewards, the same weights (as above), and
   the resumed run's log, metrics and summary number the steps 0-5.
 """
@@ -39,10 +40,10 @@ import pytest
 
 from bidirl.cluster.recovery import MAX_RESTARTS
 from bidirl.core import protocol as P
-from bidirl.job import config as cfgmod
 from bidirl.results import metrics
 from bidirl.runtime import checkpoints
 
+import engine_jobs
 import rounding
 
 pytestmark = [pytest.mark.integration,
@@ -57,8 +58,7 @@ SEEDS = tuple(int(s) for s in os.environ.get("BIDIRL_CHAOS_SEEDS", "0").split(",
 
 
 def job(staleness: float):
-    return cfgmod.load("tiny-cpu").with_overrides({"rl.staleness": staleness, "workload.prompts_per_step": 32,
-                                                   "workload.group_size": 8})
+    return engine_jobs.borrowing(**{"rl.staleness": staleness})
 
 
 @dataclass
@@ -187,13 +187,21 @@ def _cli(*args, env, **kwargs):
                             stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
 
 
-def test_a_killed_driver_resumes_from_its_checkpoint_as_if_never_stopped(model_dir, fault_free, tmp_path):
+#: the keys of ``bidirl run --json`` that outside checks read (the CLI's contract)
+CONTRACT = ("policy", "throughput", "step_times", "idle", "utilization", "borrows", "samples", "costs", "reward",
+            "train", "startup", "weight_sync")
+
+
+def test_a_killed_driver_resumes_from_its_checkpoint_as_if_never_stopped(model_dir, fault_free, ray_head, tmp_path):
+    """Both runs are ``bidirl run --address auto`` on a ``ray start --head`` cluster (``ray_head``): the killed
+    driver's job ends with it, its actors and placement group with it, and the resumed run finds the slots free.
+    The resumed run also carries the CLI's contract: stdout holds the JSON object only, the trace is written."""
     ref, ref_folder = fault_free
     config = tmp_path / "job.yaml"
     config.write_text(job(0.0).to_yaml())
     folder = tmp_path / "ck"
-    env = dict(os.environ, BIDIRL_CACHE=str(model_dir.parent))
-    common = ["--policy", POLICY, "--steps", "6", "--json"]
+    env = dict(ray_head, BIDIRL_CACHE=str(model_dir.parent))
+    common = ["--policy", POLICY, "--steps", "6", "--json", "--address", "auto"]
 
     first = _cli(str(config), *common, "--checkpoint-dir", str(folder), "--checkpoint-every", "3",
                  "--out", str(tmp_path / "out-1"), env=env)
@@ -205,14 +213,21 @@ def test_a_killed_driver_resumes_from_its_checkpoint_as_if_never_stopped(model_d
             time.sleep(0.05)
     finally:
         if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)        # the driver, and the embedded Ray it started
+            os.killpg(first.pid, signal.SIGKILL)        # the driver: Ray ends its job's actors
         first.communicate()
     assert not (folder / "step-000006").exists(), "the driver was killed after it finished"
 
-    second = _cli(str(config), *common, "--resume", str(folder), "--out", str(tmp_path / "out-2"), env=env)
+    trace = tmp_path / "run.json"
+    second = _cli(str(config), *common, "--resume", str(folder), "--out", str(tmp_path / "out-2"),
+                  "--trace", str(trace), env=env)
     out, err = second.communicate(timeout=900)
     assert second.returncode == 0, err[-3000:]
-    summary = json.loads(out)
+    summary = json.loads(out)       # stdout holds the JSON object only (Ray's own output goes to stderr)
+    missing = [key for key in CONTRACT if key not in summary]
+    assert not missing, missing
+    assert summary["emulated"] is False and summary["policy"] == POLICY
+    events = json.loads(trace.read_text())
+    assert any(e.get("name") == "generate" for e in events["traceEvents"]), "the trace holds the generation spans"
     assert summary["resumed_from"]["step"] == 3
     assert len(summary["step_times"]) == 6 and len(summary["reward"]) == 6
     assert summary["samples"]["lost"] == 0 and summary["samples"]["duplicated"] == 0

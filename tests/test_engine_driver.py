@@ -21,6 +21,7 @@ import pytest
 from bidirl.job import config as cfgmod
 from bidirl.results import metrics
 
+import engine_jobs
 import rounding
 
 pytestmark = [pytest.mark.integration,
@@ -58,8 +59,7 @@ def _borrowing_job():
     windows in both directions open at every step; 32 x 8 responses per step make generation outlast a rollouter's
     switch-in on warm engines (16 x 4 is done in ≈ 0.1 s, before an auxiliary rollouter is in), so groups migrate
     to the auxiliary rollouters."""
-    return cfgmod.load("tiny-cpu").with_overrides({"rl.staleness": 0, "workload.prompts_per_step": 32,
-                                                   "workload.group_size": 8})
+    return engine_jobs.borrowing(**{"rl.staleness": 0})
 
 
 def _timing_free(res) -> dict:

@@ -98,6 +98,29 @@ def test_prompts_too_long_for_the_model_are_refused(fresh_model, tmp_path):
     assert info.value.field == "workload.max_response_len" and "64 positions" in str(info.value)
 
 
+def test_max_prompt_len_sizes_the_engines_for_any_data_and_refuses_a_longer_prompt(fresh_model, tmp_path):
+    """``workload.max_prompt_len`` (veRL's ``data.max_prompt_length``): the rollouters' max_model_len and KV budget
+    follow it, not the data's longest prompt, so jobs on other data have the same worker shape (kept workers)."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join('{"prompt": "%d+%d=", "answer": "%d"}\n' % (i, i, 2 * i) for i in range(16)))
+    task = _driver(fresh_model, **{"workload.max_prompt_len": 40})
+    data = _driver(fresh_model, **{"workload.max_prompt_len": 40, "workload.data_file": str(path),
+                                   "rl.reward": "last_number"})
+    own = _driver(fresh_model, **{"workload.data_file": str(path), "rl.reward": "last_number"})
+    assert task.max_model_len == data.max_model_len == 40 + 16 and own.max_model_len < 40 + 16
+    for d in (task, data, own):
+        d._resource_name = "gpu_slot"           # what a cluster without GPUs answers (read from Ray otherwise)
+    assert task.rollout.shape() == data.rollout.shape() != own.rollout.shape()
+    longest = max(len(ids) for ids in (own.prompts.prompt_ids(g) for g in range(16)))
+    with pytest.raises(cfgmod.ConfigError) as info:
+        _driver(fresh_model, **{"workload.max_prompt_len": longest - 1, "workload.data_file": str(path),
+                                "rl.reward": "last_number"})
+    assert info.value.field == "workload.max_prompt_len" and f"prompt of {longest} tokens" in str(info.value)
+    with pytest.raises(cfgmod.ConfigError) as info:
+        _driver(fresh_model, **{"workload.max_prompt_len": 0})
+    assert info.value.field == "workload.max_prompt_len"
+
+
 def test_a_ground_truth_the_built_in_reward_cannot_score_is_named(fresh_model, tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "four"}\n')

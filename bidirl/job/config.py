@@ -101,6 +101,12 @@ class WorkloadConfig:
     it — response ``i`` of group ``g`` gets ``GroupLengths(config, seed)(g)[1][i]`` tokens (vLLM ``ignore_eos``,
     as ``bidirl profile`` forces lengths) — so a real run does the work ``bidirl simulate`` and the planner
     predict, request by request. The reward scores the text before a response's first end-of-sequence token.
+
+    ``max_prompt_len`` (veRL's ``data.max_prompt_length``): engine runs size their rollouters — vLLM's
+    ``max_model_len`` = ``max_prompt_len + max_response_len``, and the KV budget — for prompts of up to this many
+    tokens; a prompt the run can draw that is longer is refused before anything starts, naming its row. Empty: the
+    longest prompt the run can draw. Jobs of one model and layout that set the same value can run on the same
+    kept engine workers (``bidirl.cluster.pool.KeptWorkers``) whatever their data.
     """
     dataset: str = "geo3k"
     prompts_per_step: int = 64
@@ -111,6 +117,7 @@ class WorkloadConfig:
     data_file: Optional[str] = None
     response_lengths: Optional[ResponseLengths] = None
     forced_lengths: bool = False
+    max_prompt_len: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -431,6 +438,8 @@ def validate(cfg: JobConfig) -> None:
                           "set rl.reference_model: true (the KL needs the reference log-probs) or kl_coef: 0")
     if w.prompt_pool is not None:
         _positive("workload.prompt_pool", w.prompt_pool)
+    if w.max_prompt_len is not None:
+        _positive("workload.max_prompt_len", w.max_prompt_len)
     if w.response_lengths is not None:
         _check_response_lengths(w.response_lengths, w.max_response_len)
     if w.data_file is not None:

@@ -300,10 +300,11 @@ class GroupPrompts:
 
     @classmethod
     def build(cls, source, tokenizer, *, prompt_pool: Optional[int] = None, max_response_len: int,
-              max_positions: Optional[int] = None) -> "GroupPrompts":
+              max_positions: Optional[int] = None, max_prompt_len: Optional[int] = None) -> "GroupPrompts":
         """Check the pool against the source, tokenize the rows a run can use and check that the longest prompt
         plus ``max_response_len`` fits the model's ``max_positions`` (raises ``DatasetError`` /
-        ``ConfigError`` naming the key and the row)."""
+        ``ConfigError`` naming the key and the row). With ``max_prompt_len`` (``workload.max_prompt_len``) every
+        prompt must fit it and the engines are sized for it, not for the longest prompt."""
         self = cls(source, tokenizer, prompt_pool)
         size = getattr(source, "size", None)
         if size is None:                        # the arithmetic task: an endless stream of short problems
@@ -321,9 +322,19 @@ class GroupPrompts:
                 self._ids[i] = row_ids
             longest = max(self._ids, key=lambda i: len(self._ids[i]))     # the first of the longest
             self.max_prompt_len = len(self._ids[longest])
+        if max_prompt_len is not None:
+            if self.max_prompt_len > max_prompt_len:
+                where = (f"{source.path}, row {longest}, has a prompt of {self.max_prompt_len} tokens"
+                         if longest is not None else f"the arithmetic task's prompts have up to {self.max_prompt_len} "
+                                                     "tokens")
+                raise ConfigError("workload.max_prompt_len", f"is {max_prompt_len} but {where}",
+                                  f"raise it to at least {self.max_prompt_len}, leave it empty (the longest prompt), "
+                                  "or drop overlong prompts from the data file")
+            self.max_prompt_len, longest = int(max_prompt_len), None
         if max_positions is not None and self.max_prompt_len + max_response_len > max_positions:
             where = (f"the longest prompt ({source.path}, row {longest}) has {self.max_prompt_len} tokens"
-                     if longest is not None else f"prompts have up to {self.max_prompt_len} tokens")
+                     if longest is not None else f"workload.max_prompt_len is {max_prompt_len}"
+                     if max_prompt_len is not None else f"prompts have up to {self.max_prompt_len} tokens")
             raise ConfigError("workload.max_response_len",
                               f"{where}; with max_response_len {max_response_len} that exceeds the model's "
                               f"{max_positions} positions",

@@ -93,9 +93,10 @@ class RolloutActor(_Timed):
     def load_weights(self, state_dict, version: Optional[int] = None) -> Reply:
         return self._reply("sync", self.engine.load_weights, state_dict, version, detail={"version": version})
 
-    def reset(self) -> Reply:
-        """A fresh engine's state again (a new run on kept workers: ``PoolDriver.workers``)."""
-        return self._reply("reset", self.engine.reset)
+    def reset(self, reward_fn=None) -> Reply:
+        """A fresh engine's state again, scoring with the new run's ``reward_fn`` (a new run on kept workers:
+        ``PoolDriver.workers``)."""
+        return self._reply("reset", self.engine.reset, reward_fn)
 
     def status(self) -> dict:
         e = self.engine

@@ -164,7 +164,8 @@ class EngineDriver(PoolDriver):
         source = load_dataset(w.data_file) if w.data_file is not None else ArithmeticTask(seed=cfg.seed)
         prompts = GroupPrompts.build(source, self.tokenizer, prompt_pool=w.prompt_pool,
                                      max_response_len=w.max_response_len,
-                                     max_positions=model_max_positions(self.model_dir))
+                                     max_positions=model_max_positions(self.model_dir),
+                                     max_prompt_len=w.max_prompt_len)
         if reward.builtin is not None:
             prompts.check_ground_truths(reward.builtin)
         return prompts, reward
@@ -236,7 +237,8 @@ class EngineDriver(PoolDriver):
         self.actors = dict(kept.actors)
         self.gangs = {g: list(r) for g, r in kept.gangs.items()}
         try:
-            ray.get([a.reset.remote() for a in self._all_actors()], timeout=self.start_timeout)
+            ray.get([a.reset.remote(reward_fn=self.reward) for a in self.actors.values()]     # the rollouters
+                    + [a.reset.remote() for g in self.gangs.values() for a in g], timeout=self.start_timeout)
         except Exception as exc:
             raise ClusterError(f"the kept workers could not be reset: {root_cause(exc)}; release them "
                                "(Workers.release) and start new ones") from None
@@ -247,7 +249,7 @@ class EngineDriver(PoolDriver):
     def worker_shape(self) -> dict:
         cfg = self.config
         return dict(super().worker_shape(), model_dir=str(self.model_dir), **self.rollout.shape(),
-                    reward=self.reward.name, seed=cfg.seed, lr=cfg.rl.lr,
+                    seed=cfg.seed, lr=cfg.rl.lr,
                     kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
                     activation_checkpointing=cfg.rl.activation_checkpointing)
 

@@ -645,10 +645,12 @@ class RolloutEngine:
         self.last_switch["onload_seconds"] = self.last_switch.get("onload_seconds", 0.0) + seconds
         return seconds
 
-    def reset(self) -> float:
+    def reset(self, reward_fn: Optional[Callable[[Any, str], float]] = None) -> float:
         """Back to what a fresh engine holds — no groups, the model folder's weights, version 0, onloaded — for
-        a new run on the same process. Returns seconds."""
+        a new run on the same process, whose responses ``reward_fn`` scores (as the constructor's). Returns
+        seconds."""
         t0 = time.perf_counter()
+        self.reward_fn = reward_fn
         self.interrupt(None)
         self.onload()
         self.load_weights(self._checkpoint_items(), 0)
