@@ -226,6 +226,7 @@ class TrainerEngine:
         self._reference = None
         self.bridge = None                # the group to the other trainer gang (join_bridge)
         self._host = HostStash()         # offload's host buffer: allocated once, reused by every switch
+        self.published: dict = {}         # actor version -> this rank's weight shards in the wire dtype (publish)
         self.accumulated: list = []       # chunk gradients accumulated into p.grad since the last step (their ids)
         self.version = 0
         self.model = self._load_model()
@@ -672,6 +673,128 @@ class TrainerEngine:
             self.version = int(version)
         return time.perf_counter() - t0
 
+    # ------------------------------------------------------------------------------------------
+    # the weight transport (bidirl.cluster.engines.weight_transport): published versions, send, receive
+    # ------------------------------------------------------------------------------------------
+    def named_weights(self) -> dict:
+        """``{checkpoint name: parameter or persistent buffer}`` of the trained model, each tensor once (a tied
+        head is the embedding's parameter: the transport delivers it under both names)."""
+        out: dict = {}
+        seen = set()
+        for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):
+            key = checkpoint.hf_name(name)
+            if id(t) in seen or key.endswith(checkpoint.NON_WEIGHT_SUFFIXES):
+                continue
+            if name.rsplit(".", 1)[-1] in getattr(self._owner(name), "_non_persistent_buffers_set", ()):
+                continue
+            seen.add(id(t))
+            out[key] = t
+        return out
+
+    def _owner(self, name: str):
+        module = self.model
+        for part in name.split(".")[:-1]:
+            module = getattr(module, part)
+        return module
+
+    def publish(self, version: int, dtype: str, keep: Sequence[int] = ()) -> int:
+        """Keep this rank's shards of the current weights, cast to the wire ``dtype``, as actor ``version`` — what
+        :meth:`send_weights` sends whatever the engine does next (a rollouter may need a version after the next
+        optimizer step changed the weights: §3.2's sync follows the step). Versions other than ``version`` and
+        ``keep`` are dropped. On CPU in fp32 this is a copy of the shards; on GPU a bf16 copy on the device (moved
+        to the host while the engine is offloaded). Returns the bytes kept for ``version``. Every rank of a gang
+        calls it (no communication)."""
+        from bidirl.cluster.engines.weight_transport import DTYPES
+        if dtype not in DTYPES:
+            raise ValueError(f"TrainerEngine.publish: dtype must be one of {list(DTYPES)}, got {dtype!r}")
+        self._check_onloaded("publish")
+        with torch.no_grad():
+            shards = {k: _local(t).detach().to(DTYPES[dtype], copy=True) for k, t in self.named_weights().items()}
+        wanted = {int(v) for v in keep} | {int(version)}
+        self.published = {v: p for v, p in self.published.items() if v in wanted}
+        self.published[int(version)] = shards
+        return sum(t.numel() * t.element_size() for t in shards.values())
+
+    def _move_published(self, device) -> None:
+        """Published shards follow the engine out of the device and back (CUDA only: on CPU they never move)."""
+        if self.device.type != "cuda":
+            return
+        pin = torch.device(device).type == "cpu"
+        for shards in self.published.values():
+            for k, t in shards.items():
+                shards[k] = t.pin_memory() if pin else t.to(device, non_blocking=True)
+
+    def _gather_published(self, version: int, names: Sequence[str], weights: dict) -> list:
+        """Full tensors of ``names`` from the published shards of ``version`` (FSDP2 all-gathers of these tensors
+        only on a sharded engine: every rank calls it with the same names); ``weights``: :meth:`named_weights`."""
+        shards = self.published[version]
+        out = []
+        for name in names:
+            local = shards[name].to(self.device) if self.device.type == "cuda" else shards[name]
+            param = weights[name]
+            if _is_dtensor(param):
+                from torch.distributed.tensor import DTensor
+                local = DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                                           stride=param.stride(), run_check=False).full_tensor()
+            out.append(local)
+        return out
+
+    def send_weights(self, transfer) -> dict:
+        """Send published version ``transfer.version`` to the transfer's receivers: every rank of the gang calls it
+        (the gathers are collectives, bucket by bucket); rank 0 sends (:func:`weight_transport.send_buckets`). A
+        receiver that dies or times out is dropped, never an error here; returns rank 0's report."""
+        from bidirl.cluster.engines import weight_transport as wt
+        version = int(transfer.version)
+        if version not in self.published:
+            raise ValueError(f"send_weights: version {version} is not published on this rank (published: "
+                             f"{sorted(self.published)}); publish(version, dtype) after the optimizer step")
+        shards = self.published[version]
+        wanted = transfer.layout.shapes()
+        weights = self.named_weights()
+        have = {k: tuple(weights[k].shape) for k in shards}
+        missing = sorted(k for k in wanted if k not in have and k not in dict(transfer.layout.aliases))
+        wrong = sorted(k for k in wanted if k in have and have[k] != tuple(wanted[k]))
+        if missing or wrong or any(t.dtype != transfer.layout.torch_dtype for t in shards.values()):
+            raise ValueError(f"send_weights: the layout does not fit this model (missing {missing[:5]}, shape "
+                             f"mismatches {wrong[:5]}, or another dtype than {transfer.layout.dtype}); build it from "
+                             "this trainer's model folder (weight_transport.model_layout)")
+        broadcast = None
+        if self._group is not None and self.world > 1:
+            import torch.distributed as dist
+
+            def broadcast(n: int) -> int:
+                flag = torch.tensor([n], dtype=torch.int64, device=self._comm_device())
+                dist.broadcast(flag, src=0, group=self._group)
+                return int(flag.item())
+        with torch.no_grad():
+            return wt.send_buckets(transfer, self.rank, lambda names: self._gather_published(version, names, weights),
+                                   self._comm_device(), broadcast)
+
+    def receive_weights(self, transfer, rank: int) -> dict:
+        """Load ``transfer.version`` as receiver ``rank`` (an auxiliary gang's ranks each receive every bucket and
+        copy their own shards in: no communication within the gang). Returns the receiver's report."""
+        from bidirl.cluster.engines import weight_transport as wt
+        self._ready("receive_weights")
+        t0 = time.perf_counter()
+        weights = self.named_weights()
+        shapes = transfer.layout.shapes()
+        missing = sorted(k for k in weights if k not in shapes)
+        wrong = sorted(k for k in shapes if k in weights and tuple(weights[k].shape) != tuple(shapes[k]))
+        unexpected = sorted(k for k in shapes if k not in weights and k != "lm_head.weight")
+        receiver = wt.Receiver(transfer, rank, self._comm_device())
+        if missing or wrong or unexpected:
+            receiver.abandon("layout mismatch")
+            raise ValueError(f"receive_weights: the weights sent do not fit this model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}, shape mismatches {wrong[:5]}")
+        receiver.connect()
+        with torch.no_grad():
+            for name, full in receiver.items():
+                t = weights.get(name)
+                if t is not None:
+                    _local(t).copy_(_local_slice(full.to(t.dtype), t))
+        self.version = int(transfer.version)
+        return dict(receiver.close(), seconds=time.perf_counter() - t0)
+
     def reset(self) -> float:
         """Back to what a fresh engine holds — the model folder's weights, a new optimizer, version 0 — for a
         new run on the same process (the sharding and the gang stay). Returns seconds."""
@@ -792,6 +915,7 @@ class TrainerEngine:
         if self._reference is not None:
             self._reshard(self._reference)
         self._host.offload(self._state_tensors())
+        self._move_published("cpu")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return time.perf_counter() - t0
@@ -802,6 +926,7 @@ class TrainerEngine:
             return 0.0
         t0 = time.perf_counter()
         self._host.restore()
+        self._move_published(self.device)
         return time.perf_counter() - t0
 
     def state_bytes(self) -> int:
