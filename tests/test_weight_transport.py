@@ -69,8 +69,16 @@ def test_layout_packs_tensors_in_order_into_buckets_and_sends_a_tied_head_once()
         wt.BucketLayout.plan(shapes, "float16", 64)
 
 
-def test_model_layout_reads_the_checkpoint_and_aliases_the_tied_head(model_dir):
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The built-in tiny model's layout (weights as created, not warm-started: only names and shapes matter)."""
+    from bidirl.rl import tiny_model
+    return tiny_model.create(tmp_path_factory.mktemp("tiny") / "m", seed=0)
+
+
+def test_model_layout_reads_the_checkpoint_and_aliases_the_tied_head(tiny_dir):
     from bidirl.rl.model_folder import checkpoint_shapes
+    model_dir = tiny_dir
     layout = wt.model_layout(model_dir, "float32", 2**20)
     stored = checkpoint_shapes(model_dir)
     assert layout.aliases == (("lm_head.weight", "model.embed_tokens.weight"),)
@@ -89,6 +97,90 @@ def test_bad_transport_settings_name_the_field():
     with pytest.raises(ConfigError, match="transport.bucket_mb"):
         wt.check_settings("collective", float("nan"), 10)
     assert wt.wire_dtype(gpu=True) == "bfloat16" and wt.wire_dtype(gpu=False) == "float32"
+
+
+class _Method:
+    def __init__(self, log, actor, name):
+        self.log, self.actor, self.name = log, actor, name
+
+    def remote(self, *args):
+        self.log.append((self.actor, self.name, args))
+        return f"ref:{self.actor}.{self.name}:{len(self.log)}"
+
+
+class _Actor:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def __getattr__(self, method):
+        return _Method(self.log, self.name, method)
+
+
+class _Driver:
+    """What :class:`WeightSync` uses of the engine driver, recording the calls it would make."""
+
+    def __init__(self, model_dir):
+        from types import SimpleNamespace
+
+        from bidirl.core import protocol as P
+        self.log, self.when_all = [], []
+        self.model_dir, self.failed, self.trainer_state = model_dir, set(), None
+        self.gangs = {P.PRIMARY_TRAINER: [_Actor(self.log, f"primary/{j}") for j in range(2)],
+                      P.AUX_TRAINER: [_Actor(self.log, f"aux/{j}") for j in range(2)]}
+        self.actors = {"r0": _Actor(self.log, "r0"), "r1": _Actor(self.log, "r1")}
+        self.versions = {P.PRIMARY_TRAINER: 3}
+        self.plan = SimpleNamespace(envelope=SimpleNamespace(trainer_layout=2))
+
+    def _when_all(self, calls, callback, tolerate=False):
+        self.when_all.append((calls, callback, tolerate))
+
+
+def test_the_driver_side_sends_published_versions_marks_the_dead_and_resends_after_a_restart(tiny_dir):
+    from bidirl.cluster.engines.weight_sync import WeightSync
+    from bidirl.cluster.pool import ClusterError
+    from bidirl.core import protocol as P
+
+    d = _Driver(tiny_dir)
+    sync = WeightSync(d, "collective", 1.0, 30.0, lambda: False)
+    sync.published = {2, 3}
+    calls = sync.loads(["r0", P.AUX_TRAINER], 3)
+    # one transfer: the rollouter is rank 1, the auxiliary gang's ranks 2 and 3; every primary rank sends it
+    assert [(w, a, m) for w, (a, m, _) in zip([c[0] for c in calls], [e for e in d.log[:3]])] == [
+        ("r0", "r0", "receive_weights"), (P.AUX_TRAINER, "aux/0", "receive_weights"),
+        (P.AUX_TRAINER, "aux/1", "receive_weights")]
+    transfer = d.log[0][2][0]
+    assert transfer.receivers == ("r0", f"{P.AUX_TRAINER}/0", f"{P.AUX_TRAINER}/1") and transfer.version == 3
+    assert transfer.layout.dtype == "float32" and [e[1] for e in d.log[3:]] == ["send_weights"] * 2
+    with pytest.raises(ClusterError, match="actor version 1 .* holds only \\[2, 3\\]"):
+        sync.loads(["r1"], 1)
+    with pytest.raises(ClusterError, match="primary trainer would need"):
+        sync.loads([P.PRIMARY_TRAINER], 3)
+
+    # a receiver that dies is marked gone at the rendezvous, so the sender stops waiting for it
+    store = sync.rendezvous._stores[transfer.tid][0]
+    sync.member_lost("r0")
+    assert store.check(["gone/1"]) and not store.check(["gone/2"])
+    sync.member_lost(P.AUX_TRAINER)
+    assert store.check(["gone/2"]) and store.check(["gone/3"])
+
+    # the primary gang dies before serving anyone: the restarted gang publishes its snapshot's version, then resends
+    second = sync.loads(["r1"], 3)[0][1]
+    tid = [t for t in sync.flights if t != transfer.tid][0]
+    d.failed.add(P.PRIMARY_TRAINER)
+    sync.member_lost(P.PRIMARY_TRAINER)
+    assert not sync.flights[tid].sent and not sync.flights[tid].broken and second.startswith("ref:r1")
+    sync.publish(d.gangs[P.PRIMARY_TRAINER], 3)
+    assert sync.published == set() and sync.publishing == 3
+    publish_calls, done, _ = d.when_all[-1]
+    assert [a for a, m, _ in d.log[-2:]] == ["primary/0", "primary/1"] and d.log[-1][1] == "publish"
+    d.failed.discard(P.PRIMARY_TRAINER)
+    done([None, None])
+    assert sync.published == {3} and sync.flights[tid].sent and d.log[-1][1] == "send_weights"
+    # one that had begun is broken instead: its receivers give up (and are restarted)
+    store = sync.rendezvous._stores[tid][0]
+    store.set("go/1", "gloo")
+    sync.member_lost(P.PRIMARY_TRAINER)
+    assert sync.flights[tid].broken and store.check(["gone/0"])
 
 
 # --------------------------------------------------------------------------------------------------

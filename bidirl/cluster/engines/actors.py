@@ -114,9 +114,11 @@ class RolloutActor(_Timed):
                 "generated_tokens": e.generated_tokens, "offloaded": e.offloaded}
 
 
-@ray.remote(num_cpus=1)
+@ray.remote(num_cpus=1, concurrency_groups={"transport": 1})
 class TrainerActor(_Timed):
-    """One trainer rank: ``TrainerEngine(**engine_kwargs)`` inside a Ray actor."""
+    """One trainer rank: ``TrainerEngine(**engine_kwargs)`` inside a Ray actor. Calls run one at a time in the order
+    sent, except :meth:`send_weights`, which runs on a thread of its own (concurrency group ``transport``) beside
+    them: a rollouter's weight load then never waits for the chunk the gang is running."""
 
     def __init__(self, name: str, model_dir: str, **engine_kwargs):
         super().__init__(name)
@@ -250,13 +252,21 @@ class TrainerActor(_Timed):
     def publish(self, version: int, dtype: str, keep: Sequence[int] = ()) -> Reply:
         return self._reply("publish", self.engine.publish, version, dtype, keep, detail={"version": version})
 
+    @ray.method(concurrency_group="transport")
     def send_weights(self, transfer) -> Reply:
+        """Send a published version (``TrainerEngine.send_weights``: it reads only the published shards and gathers
+        over the gang's transport group, so it runs beside the calls of the default group)."""
         return self._reply("send", self.engine.send_weights, transfer,
                            detail={"version": transfer.version, "receivers": len(transfer.receivers)})
 
     def receive_weights(self, transfer, rank: int) -> Reply:
         return self._reply("sync", self.engine.receive_weights, transfer, rank,
                            detail={"version": transfer.version, "transport": "collective"})
+
+    def load_model_shard(self, shard: dict) -> Reply:
+        """Take a primary rank's snapshot weights (an auxiliary gang while the primary gang is restarted)."""
+        return self._reply("sync", self.engine.load_model_shard, shard, detail={"version": shard.get("version"),
+                                                                               "transport": "snapshot"})
 
     def restore(self, shard: dict) -> Reply:
         """Take back a snapshot's shard of this rank (a restarted gang)."""

@@ -36,6 +36,7 @@ KINDS = {
     "weights": ("weights", ("result",)),
     "snapshot": ("metrics", ("metrics", "weights", "snapshot")),
     "restore": ("snapshot", ("metrics",)),
+    "load_model_shard": ("snapshot", ("metrics",)),
     "chunk_gradient": ("groups", ("metrics", "gradients")),
     "receive_gradient": ("gradients", ("metrics",)),
     "start": ("groups", ("metrics",)),

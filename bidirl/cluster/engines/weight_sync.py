@@ -14,7 +14,9 @@ waiting for it (it loads the version when it is back, through a transfer of its 
 broke off raises ``WeightTransferError``; its weights may be half the new version's, so the driver restarts it like
 a lost process (:meth:`WeightSync.is_transfer_error`). When the primary gang dies, a transfer whose sender had not
 begun is sent again by the restarted gang (which publishes the version its snapshot holds); one it had begun is
-marked broken, and its receivers restart.
+marked broken, and its receivers restart. While the primary gang is being restarted an auxiliary gang does not wait
+for it: each rank takes its weight shards from the recovery snapshot (``TrainerSnapshot``, in the object store
+anyway: nothing new is put there); a rollouter, which would need the shards gathered, waits for the sender.
 
 ``transport.weights: object_store`` keeps the path from before the transport: rank 0 gathers the full state dict
 into Ray's object store after each step and every target deserialises its own copy. It is the fallback for a
@@ -54,6 +56,7 @@ class WeightSync:
         self.rendezvous = None
         self.flights: dict = {}          # tid -> _Flight
         self.published: set = set()      # versions the primary gang holds for sending
+        self.publishing = None           # the version a (re)started primary gang is publishing now
         self.reports: list = []          # rank 0's report of each completed transfer
         self.receivers: list = []        # each receiver's report (bytes, seconds)
 
@@ -88,20 +91,23 @@ class WeightSync:
             self.published = {int(version)} | ({before} & self.published)
 
     def publish(self, handles: list, version: int) -> None:
-        """A (re)started primary gang publishes the version it holds (``handles``: its ranks), then sends what
-        waited for it."""
+        """A (re)started primary gang publishes the version it holds (``handles``: its ranks); once it has, what
+        waited for it is sent (sends run beside the gang's other calls, so they must wait for the publish)."""
         if not self.collective:
             return
-        self.published = {int(version)}
-        self.driver._when_all([(PRIMARY_TRAINER, r.publish.remote(int(version), self.dtype, [])) for r in handles],
-                              lambda _: None)
-        for tid, flight in list(self.flights.items()):
-            if flight.sent or flight.broken:
-                continue
-            if flight.transfer.version in self.published:
-                self._send(tid)
-            else:                       # the version died with the gang: the receivers give up (and restart)
-                self._break(tid)
+        version = int(version)
+        self.published, self.publishing = set(), version
+
+        def done(_replies):
+            self.published, self.publishing = {version}, None
+            for tid, flight in list(self.flights.items()):
+                if flight.sent or flight.broken:
+                    continue
+                if flight.transfer.version in self.published and PRIMARY_TRAINER not in self.driver.failed:
+                    self._send(tid)
+                else:                   # the version died with the gang: the receivers give up (and restart)
+                    self._break(tid)
+        self.driver._when_all([(PRIMARY_TRAINER, r.publish.remote(version, self.dtype, [])) for r in handles], done)
 
     # ------------------------------------------------------------------------------------------
     # transfers
@@ -116,12 +122,24 @@ class WeightSync:
             raise ClusterError(f"the primary trainer would need actor version {version} sent to it, but it holds "
                                f"{d.versions.get(PRIMARY_TRAINER)}: it is the sender, and a restarted primary gang "
                                "takes its weights from its snapshot")
-        if version not in self.published:
+        if version not in self.published and version != self.publishing:
             raise ClusterError(f"actor version {version} must be sent to {sorted(targets)} but the primary trainer "
                                f"holds only {sorted(self.published)} for sending (it keeps the current version and "
                                "the one before; a primary trainer restarted between its optimizer step and the sync "
                                "holds only its snapshot's) — set transport.weights: object_store to keep every "
                                "version in Ray's object store instead")
+        calls = []
+        snap = d.trainer_state
+        if (PRIMARY_TRAINER in d.failed or self.publishing is not None) and snap is not None and snap.version == version:
+            # the sender is being restarted: a gang takes the version's weights from the recovery snapshot, which
+            # the object store holds anyway (a rollouter, which would need them whole, waits for the sender)
+            for w in [w for w in targets if w in d.gangs]:
+                per_replica = d.plan.envelope.trainer_layout
+                calls += [(w, r.load_model_shard.remote(snap.shards[j % per_replica]))
+                          for j, r in enumerate(d.gangs[w])]
+            targets = [w for w in targets if w not in d.gangs]
+            if not targets:
+                return calls
         members = []
         for w in targets:
             if w in d.gangs:
@@ -132,11 +150,11 @@ class WeightSync:
             self.rendezvous = wt.Rendezvous()
         self._prune()
         transfer = self.rendezvous.open([name for _, name, _ in members], version, self.layout(), self.timeout_s)
-        calls = [(w, actor.receive_weights.remote(transfer, rank))
-                 for rank, (w, _, actor) in enumerate(members, start=1)]
+        calls += [(w, actor.receive_weights.remote(transfer, rank))
+                  for rank, (w, _, actor) in enumerate(members, start=1)]
         self.flights[transfer.tid] = _Flight(transfer)
-        if PRIMARY_TRAINER not in d.failed:
-            self._send(transfer.tid)
+        if PRIMARY_TRAINER not in d.failed and version in self.published:
+            self._send(transfer.tid)     # else when the restarted gang has published (publish)
         return calls
 
     def _send(self, tid: str) -> None:
