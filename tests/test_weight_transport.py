@@ -136,12 +136,17 @@ class _Driver:
 
 
 def test_the_driver_side_sends_published_versions_marks_the_dead_and_resends_after_a_restart(tiny_dir):
+    from types import SimpleNamespace
+
     from bidirl.cluster.engines.weight_sync import WeightSync
     from bidirl.cluster.pool import ClusterError
     from bidirl.core import protocol as P
 
+    tp2 = WeightSync(_Driver(tiny_dir), "collective", 1.0, 30.0,
+                     lambda: SimpleNamespace(dtype="bfloat16", tensor_parallel_size=2))
+    assert tp2.mode == "object_store" and "tensor-parallel" in tp2.fallback and tp2.snapshot_spec() is None
     d = _Driver(tiny_dir)
-    sync = WeightSync(d, "collective", 1.0, 30.0, lambda: False)
+    sync = WeightSync(d, "collective", 1.0, 30.0, lambda: SimpleNamespace(dtype="float32", tensor_parallel_size=1))
     sync.published = {2, 3}
     calls = sync.loads(["r0", P.AUX_TRAINER], 3)
     # one transfer: the rollouter is rank 1, the auxiliary gang's ranks 2 and 3; every primary rank sends it
@@ -214,14 +219,35 @@ def _sender(transfer, q):
     q.put(("sent", 0, wt.send_buckets(transfer, 0, lambda names: [_full(n).to(dtype) for n in names], "cpu")))
 
 
+class _Inbox:
+    """One queue per process: a process killed while it writes to a shared queue would leave the queue's lock held
+    and every other writer blocked (``multiprocessing.Queue``'s one write lock)."""
+
+    def __init__(self, ctx, keys):
+        self.queues = {k: ctx.Queue() for k in keys}
+
+    def get(self, timeout: float):
+        import queue
+        deadline = time.time() + timeout
+        while True:
+            for q in self.queues.values():
+                try:
+                    return q.get_nowait()
+                except queue.Empty:
+                    pass
+            if time.time() > deadline:
+                raise queue.Empty
+            time.sleep(0.01)
+
+
 def _start(case: str, dtype: str = "float32", timeout_s: float = 120.0):
     ctx = multiprocessing.get_context("spawn")
     layout = wt.BucketLayout.plan(_shapes(), dtype, BUCKET_BYTES)
     rendezvous = wt.Rendezvous("127.0.0.1")
     transfer = rendezvous.open(["r1", "r2", "r3"], 7, layout, timeout_s)
-    q = ctx.Queue()
-    procs = {r: ctx.Process(target=_receiver, args=(transfer, r, q)) for r in (1, 2, 3)}
-    procs[0] = ctx.Process(target=_sender, args=(transfer, q))
+    q = _Inbox(ctx, (0, 1, 2, 3))
+    procs = {r: ctx.Process(target=_receiver, args=(transfer, r, q.queues[r])) for r in (1, 2, 3)}
+    procs[0] = ctx.Process(target=_sender, args=(transfer, q.queues[0]))
     for r, p in procs.items():
         if not (case == "absent" and r == 3):
             p.start()
@@ -353,8 +379,9 @@ def _fused(state: dict, name: str) -> torch.Tensor:
 
 @pytest.mark.integration
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the rollout engine needs vllm")
-def test_a_sync_over_the_transport_gives_every_rollouter_the_trainers_weights_through_no_object_store(model_dir):
-    ray = pytest.importorskip("ray")
+def test_a_sync_over_the_transport_gives_every_rollouter_the_trainers_weights_through_no_object_store(model_dir,
+                                                                                                     ray_session):
+    ray = ray_session
     from bidirl.cluster.engines.actors import RolloutActor, TrainerActor
     from bidirl.cluster.engines.object_store_meter import ObjectStoreMeter, inline_limit
     from bidirl.cluster.engines.sync_grpo import requests_for
@@ -364,13 +391,12 @@ def test_a_sync_over_the_transport_gives_every_rollouter_the_trainers_weights_th
     from bidirl.rl.tasks import ArithmeticTask
     from bidirl.rl.tiny_model import load_tokenizer
 
-    ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    md = str(model_dir)
+    ranks = [TrainerActor.options(num_cpus=0.5).remote(f"trainer_pool/trainer/{j}", md, lr=3e-3, threads=1)
+             for j in range(2)]
+    rollouters = [RolloutActor.options(num_cpus=0.5).remote(f"rollout_pool/rollouter/{i}", md, 0, max_model_len=32,
+                                                            reward_fn=ArithmeticTask.reward) for i in range(2)]
     try:
-        md = str(model_dir)
-        ranks = [TrainerActor.remote(f"trainer_pool/trainer/{j}", md, lr=3e-3, threads=1) for j in range(2)]
-        rollouters = [RolloutActor.remote(f"rollout_pool/rollouter/{i}", md, 0, max_model_len=32,
-                                          reward_fn=ArithmeticTask.reward) for i in range(2)]
         ray.get([a.ready.remote() for a in ranks + rollouters], timeout=600)
         addr = ray.get(ranks[0].address.remote())
         ray.get([r.init_process_group.remote(j, 2, addr, 1) for j, r in enumerate(ranks)], timeout=300)
@@ -435,7 +461,8 @@ def test_a_sync_over_the_transport_gives_every_rollouter_the_trainers_weights_th
             ray.get(rollouters[0].receive_weights.remote(bad, 1), timeout=120)
         assert ray.get(rollouters[0].status.remote())["version"] == 1
     finally:
-        ray.shutdown()
+        for actor in ranks + rollouters:
+            ray.kill(actor)
 
 
 def _checkpoint(model_dir):

@@ -150,7 +150,7 @@ class EngineDriver(PoolDriver):
         self.final_weights = None
         self._resource_name: Optional[str] = None
         t = cfg.transport
-        self.sync = WeightSync(self, t.weights, t.bucket_mb, t.timeout_s, lambda: self._resource() == "GPU")
+        self.sync = WeightSync(self, t.weights, t.bucket_mb, t.timeout_s, lambda: self.rollout)
 
     def _prompts_and_reward(self):
         """Which prompt each group gets (``workload.data_file`` or the arithmetic task) and the reward function

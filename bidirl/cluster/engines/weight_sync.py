@@ -21,7 +21,9 @@ anyway: nothing new is put there); a rollouter, which would need the shards gath
 ``transport.weights: object_store`` keeps the path from before the transport: rank 0 gathers the full state dict
 into Ray's object store after each step and every target deserialises its own copy. It is the fallback for a
 cluster whose workers cannot open TCP connections to each other (the transport's process groups need them), and
-what the transport is measured against (``benchmarks/weight_sync.md``).
+what the transport is measured against (``benchmarks/weight_sync.md``). A run whose rollouters use tensor
+parallelism (ρ_r > 1: vLLM's workers are other processes, each of which would have to join the transfer with its
+own part of every tensor) takes that path too, and its summary says why.
 """
 
 from __future__ import annotations
@@ -46,12 +48,14 @@ class WeightSync:
     """The weight path of one engine run (module docstring). ``driver``: the :class:`EngineDriver`; ``gpu()``: whether
     the engines run on GPUs (the wire dtype: bf16 there, fp32 on CPU)."""
 
-    def __init__(self, driver, mode: str, bucket_mb: float, timeout_s: float, gpu: Callable[[], bool]):
+    def __init__(self, driver, mode: str, bucket_mb: float, timeout_s: float, rollout: Callable):
         wt.check_settings(mode, bucket_mb, timeout_s)
-        self.driver, self.mode = driver, mode
+        self.driver, self.configured = driver, mode
+        self._mode = None
+        self.fallback = None             # why a configured collective transport is not used
         self.bucket_bytes = max(1, int(round(bucket_mb * 2**20)))
         self.timeout_s = float(timeout_s)
-        self._gpu = gpu
+        self._rollout = rollout
         self._layout = None
         self.rendezvous = None
         self.flights: dict = {}          # tid -> _Flight
@@ -61,12 +65,25 @@ class WeightSync:
         self.receivers: list = []        # each receiver's report (bytes, seconds)
 
     @property
+    def mode(self) -> str:
+        """The path this run takes (decided once the rollouters' settings are known, before any weight moves)."""
+        if self._mode is None:
+            self._mode = self.configured
+            tp = int(getattr(self._rollout(), "tensor_parallel_size", 1))
+            if self.configured == "collective" and tp > 1:
+                self._mode = "object_store"
+                self.fallback = (f"the rollouters run tensor-parallel over {tp} GPUs (their vLLM workers are other "
+                                 "processes); the weight transport feeds an in-process worker only")
+        return self._mode
+
+    @property
     def collective(self) -> bool:
         return self.mode == "collective"
 
     @property
     def dtype(self) -> str:
-        return wt.wire_dtype(self._gpu())
+        """The wire dtype: the rollouters' own (bf16 on GPU, fp32 on CPU)."""
+        return str(self._rollout().dtype)
 
     def layout(self) -> wt.BucketLayout:
         if self._layout is None:
@@ -223,6 +240,8 @@ class WeightSync:
         """``summary()["weight_transport"]``: the path, its settings and what moved."""
         import numpy as np
         out = {"transport": self.mode, "sync_seconds": seconds}
+        if self.fallback is not None:
+            out["fallback"] = self.fallback
         if not self.collective:
             return out
         layout = self._layout
