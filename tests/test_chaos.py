@@ -72,8 +72,10 @@ class Chaos:
     pool is lent to rollout only in the first steps (later the trainer never waits), so the kills that need it
     (an auxiliary rollouter's, the switch's) are armed from a step in ``[0, early]``, the others from one in
     ``[1, last]``. At s = 1 ``early`` is 0: on a slower machine the trainer pool may be lent only while the first
-    batch is generated. The switch kill leaves the auxiliary rollouters alone until their own kill is done:
-    killing one as it switches in could leave that kill no window. The worker, and the rank of a gang, are seeded
+    batch is generated. The switch kill waits until the auxiliary rollouter's kill is done: killing either side of
+    the trainer pool's switch (the gang switching out, or an auxiliary rollouter switching in) can close the one
+    window that kill has (seen at s = 1 on warm engines: the primary gang killed as it switched out at step 0,
+    and no auxiliary rollouter generated afterwards). The worker, and the rank of a gang, are seeded
     choices; ``ray.kill`` ends the process."""
     seed: int
     early: int = 1
@@ -93,9 +95,9 @@ class Chaos:
         for kind, step in sorted(self.armed.items(), key=lambda kv: (kv[1], kv[0])):
             if driver.steps_done < step:
                 break
+            if kind == "switch" and "auxiliary rollouter" in self.armed:
+                continue        # that kill may have this window only, and killing either side can close it
             candidates = sorted(w for w in self._in(kind, self.moment[kind], driver) if w not in driver.failed)
-            if kind == "switch" and "auxiliary rollouter" in self.armed:   # that kill may have this window only
-                candidates = [w for w in candidates if w not in driver.topology.aux_rollouters]
             if candidates:
                 worker = self.rng.choice(candidates)
                 ranks = driver.gangs.get(worker) or [driver.actors[worker]]
