@@ -43,29 +43,28 @@ def object_store_per_step(steps: int) -> dict:
     from bidirl.cluster.engines.driver import EngineDriver
     from bidirl.cluster.engines.object_store_meter import ObjectStoreMeter
 
+    from bidirl.cluster.pool import KeptWorkers
+
     cfg = cfgmod.load("tiny-cpu")
-    out, kept = {}, None
-    try:
-        for mode in MODES:
-            job = cfg.with_overrides({"transport.weights": mode})
-            driver = EngineDriver(job, "opportunistic", steps, job.seed, workers=kept)
-            kept = None
-            meter = ObjectStoreMeter()
-            with meter:
-                result = driver.run(kill=lambda d: meter.poll(), keep_workers=True)
-            kept = driver.kept
-            report = meter.report(steps)
-            for kind in KINDS:
-                out[f"{mode}.object_store.{kind}"] = (report["object_store"][kind], "B/step")
-                out[f"{mode}.inline.{kind}"] = (report["inline"][kind], "B/step")
-            out[f"{mode}.object_store.total"] = (report["object_store_total"] - report["object_store"]["result"],
-                                                 "B/step")
-            out[f"{mode}.result_weights"] = (meter.store["result"], "B/run")
-            out[f"{mode}.raylet"] = (report["raylet_bytes"], "B/step")
-            out[f"{mode}.sync_s"] = (result.summary()["weight_sync"] or 0.0, "s")
+    out = {}
+    try:                                                # the first run starts an embedded Ray with its GPU slots
+        with KeptWorkers(capacity=1) as kept:          # both paths on the same workers: one start
+            for mode in MODES:
+                job = cfg.with_overrides({"transport.weights": mode})
+                driver = EngineDriver(job, "opportunistic", steps, job.seed, kept_workers=kept)
+                meter = ObjectStoreMeter()
+                with meter:
+                    result = driver.run(kill=lambda d: meter.poll())
+                report = meter.report(steps)
+                for kind in KINDS:
+                    out[f"{mode}.object_store.{kind}"] = (report["object_store"][kind], "B/step")
+                    out[f"{mode}.inline.{kind}"] = (report["inline"][kind], "B/step")
+                out[f"{mode}.object_store.total"] = (report["object_store_total"] - report["object_store"]["result"],
+                                                     "B/step")
+                out[f"{mode}.result_weights"] = (meter.store["result"], "B/run")
+                out[f"{mode}.raylet"] = (report["raylet_bytes"], "B/step")
+                out[f"{mode}.sync_s"] = (result.summary()["weight_sync"] or 0.0, "s")
     finally:
-        if kept is not None:
-            kept.release()
         ray.shutdown()
     return out
 
