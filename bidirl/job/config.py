@@ -169,6 +169,23 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class TransportConfig:
+    """How engine runs move actor weights from the trainer to the rollouters (the weight sync of §3.2;
+    ``bidirl.cluster.engines.weight_transport``).
+
+    ``weights``: ``collective`` — the primary trainer gang sends the rollout dtype (bf16 on GPU, fp32 on CPU) in
+    buckets of ``bucket_mb`` MiB over a ``torch.distributed`` group per transfer (gloo on CPU, NCCL on GPU), and Ray
+    carries only metadata; ``object_store`` — the trainer's full fp32 state dict goes through Ray's object store and
+    every target deserialises its own copy (for clusters whose workers cannot open TCP connections to each other).
+    ``timeout_s``: how long a member of a transfer waits for its peers (at the rendezvous, and for each bucket)
+    before the transfer fails and the worker is restarted.
+    """
+    weights: Literal["collective", "object_store"] = "collective"
+    bucket_mb: float = 512.0
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """A whole job. ``model``, ``hardware`` and ``workload.dataset`` name presets in ``data/presets``;
     ``hardware`` may also be the path of a preset file (``*.yaml``, e.g. written by ``bidirl calibrate``)."""
@@ -178,6 +195,7 @@ class JobConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
     seed: int = 0
 
     def __post_init__(self):
@@ -467,5 +485,12 @@ def validate(cfg: JobConfig) -> None:
                 _positive(f"scheduler.{direction}.{k}", getattr(costs, k), allow_zero=True)
     if s.weight_sync is not None:
         _positive("scheduler.weight_sync", s.weight_sync, allow_zero=True)
+    t = cfg.transport
+    if not t.bucket_mb > 0:
+        raise ConfigError("transport.bucket_mb", f"must be > 0 MiB, got {t.bucket_mb:g}",
+                          "give the bucket size in MiB, e.g. 512 (a tensor larger than a bucket travels alone)")
+    if not t.timeout_s > 0:
+        raise ConfigError("transport.timeout_s", f"must be > 0 seconds, got {t.timeout_s:g}",
+                          "give how long a transfer's members wait for each other, e.g. 300")
     if cfg.seed < 0:
         raise ConfigError("seed", f"must be ≥ 0, got {cfg.seed}", "use a non-negative integer seed")

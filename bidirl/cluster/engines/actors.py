@@ -93,10 +93,21 @@ class RolloutActor(_Timed):
     def load_weights(self, state_dict, version: Optional[int] = None) -> Reply:
         return self._reply("sync", self.engine.load_weights, state_dict, version, detail={"version": version})
 
+    def receive_weights(self, transfer, rank: int) -> Reply:
+        """Load ``transfer.version`` from the trainer gang over the weight transport (receiver ``rank``)."""
+        return self._reply("sync", self.engine.receive_weights, transfer, rank,
+                           detail={"version": transfer.version, "transport": "collective"})
+
     def reset(self, reward_fn=None) -> Reply:
         """A fresh engine's state again, scoring with the new run's ``reward_fn`` (a new run on kept workers:
         ``PoolDriver.workers``)."""
         return self._reply("reset", self.engine.reset, reward_fn)
+
+    def effective_weights(self) -> dict:
+        """The weights vLLM computes with, read back through its own layers (``weight_transport.effective_weights``;
+        for tests and benchmarks: a copy of the model, made only when asked)."""
+        from bidirl.cluster.engines.weight_transport import effective_weights
+        return self.engine.llm.collective_rpc(effective_weights)[0]
 
     def status(self) -> dict:
         e = self.engine
@@ -104,9 +115,11 @@ class RolloutActor(_Timed):
                 "generated_tokens": e.generated_tokens, "offloaded": e.offloaded}
 
 
-@ray.remote(num_cpus=1)
+@ray.remote(num_cpus=1, concurrency_groups={"transport": 1})
 class TrainerActor(_Timed):
-    """One trainer rank: ``TrainerEngine(**engine_kwargs)`` inside a Ray actor."""
+    """One trainer rank: ``TrainerEngine(**engine_kwargs)`` inside a Ray actor. Calls run one at a time in the order
+    sent, except :meth:`send_weights`, which runs on a thread of its own (concurrency group ``transport``) beside
+    them: a rollouter's weight load then never waits for the chunk the gang is running."""
 
     def __init__(self, name: str, model_dir: str, **engine_kwargs):
         super().__init__(name)
@@ -220,16 +233,41 @@ class TrainerActor(_Timed):
         return self._reply("checkpoint", self.engine.load_train_state, path, version, detail={"version": version})
 
     @ray.method(num_returns=3)
-    def snapshot(self):
+    def snapshot(self, weights: bool = True, publish: Optional[dict] = None):
         """(Reply acknowledging the version, the full weights on rank 0 else None, this rank's training-state
         shard). Every rank of a sharded gang must be asked (the weight gather is a collective); the caller owns
-        the returned objects, so they outlive this actor."""
+        the returned objects, so they outlive this actor. ``weights=False`` gathers no weights (the weight
+        transport sends them); ``publish`` (``{"dtype", "keep"}``) keeps this version for it
+        (:meth:`TrainerEngine.publish`)."""
         start = time.time()
-        weights = self.engine.state_dict() or None
+        full = (self.engine.state_dict() or None) if weights else None
+        if publish is not None:
+            self.engine.publish(self.engine.version, publish["dtype"], publish.get("keep", ()))
         shard = self.engine.train_state_shard()
         ack = Reply({"version": self.engine.version}, ({"worker": self.name, "kind": "snapshot", "start": start,
                                                         "end": time.time(), "detail": {}},))
-        return ack, weights, shard
+        return ack, full, shard
+
+    # The weight transport (bidirl.cluster.engines.weight_transport): the primary gang publishes each version and
+    # sends it bucket by bucket (every rank gathers, rank 0 sends); an auxiliary gang's ranks receive.
+    def publish(self, version: int, dtype: str, keep: Sequence[int] = ()) -> Reply:
+        return self._reply("publish", self.engine.publish, version, dtype, keep, detail={"version": version})
+
+    @ray.method(concurrency_group="transport")
+    def send_weights(self, transfer) -> Reply:
+        """Send a published version (``TrainerEngine.send_weights``: it reads only the published shards and gathers
+        over the gang's transport group, so it runs beside the calls of the default group)."""
+        return self._reply("send", self.engine.send_weights, transfer,
+                           detail={"version": transfer.version, "receivers": len(transfer.receivers)})
+
+    def receive_weights(self, transfer, rank: int) -> Reply:
+        return self._reply("sync", self.engine.receive_weights, transfer, rank,
+                           detail={"version": transfer.version, "transport": "collective"})
+
+    def load_model_shard(self, shard: dict) -> Reply:
+        """Take a primary rank's snapshot weights (an auxiliary gang while the primary gang is restarted)."""
+        return self._reply("sync", self.engine.load_model_shard, shard, detail={"version": shard.get("version"),
+                                                                               "transport": "snapshot"})
 
     def restore(self, shard: dict) -> Reply:
         """Take back a snapshot's shard of this rank (a restarted gang)."""

@@ -32,9 +32,11 @@ How each command runs:
 * ``MergeGradients`` — the auxiliary chunks' gradients are moved to every primary rank (measured: C_grad);
   ``OptimizerStep`` — each primary rank sums all update-chunk gradients in the original chunk order and
   takes one AdamW step, so where a chunk ran never changes the update (§6.3).
-* ``SyncWeights`` — the primary trainer's ``state_dict`` goes once into the object store and is loaded in
-  place by the target rollouters (vLLM reload). Auxiliary workers receive the weights they need when
-  they are switched in.
+* ``SyncWeights`` — the primary gang sends the new version to the target rollouters over the weight transport
+  (:mod:`bidirl.cluster.engines.weight_sync`: buckets in the rollout dtype over a ``torch.distributed`` group per
+  transfer, loaded in place by vLLM; Ray carries only metadata), or with ``transport.weights: object_store``
+  through Ray's object store. Auxiliary workers and restarted ones receive the version they need the same way
+  when they are switched in or next work.
 * ``Switch`` — offload the passive role's state, onload the active one, and bring the active one's
   weights to the current version; a rollouter switched in wakes its weights, loads the version, then wakes
   its KV cache (vLLM sleep level 2 and wake by tags, trainer offload on GPU; on CPU the KV cache and the
@@ -60,6 +62,7 @@ from typing import Optional
 
 import numpy as np
 
+from bidirl.cluster.engines.weight_sync import WeightSync
 from bidirl.cluster.pool import ClusterError, PoolDriver, root_cause
 from bidirl.core import protocol as P
 from bidirl.job import config as cfgmod
@@ -146,6 +149,8 @@ class EngineDriver(PoolDriver):
         self.trainer_state: Optional[TrainerSnapshot] = None    # None: version 0, the model folder's weights
         self.final_weights = None
         self._resource_name: Optional[str] = None
+        t = cfg.transport
+        self.sync = WeightSync(self, t.weights, t.bucket_mb, t.timeout_s, lambda: self.rollout)
 
     def _prompts_and_reward(self):
         """Which prompt each group gets (``workload.data_file`` or the arithmetic task) and the reward function
@@ -293,6 +298,7 @@ class EngineDriver(PoolDriver):
             except Exception:
                 pass
         self.period.pop(worker, None)
+        self.sync.member_lost(worker)
 
     def _restore(self, worker: str, then) -> None:
         """A fresh worker: ready; a gang forms its process group; the primary trainer takes back its weights and
@@ -313,12 +319,17 @@ class EngineDriver(PoolDriver):
 
         def state():
             snap = self.trainer_state
-            if worker != PRIMARY_TRAINER or snap is None:
+            if worker != PRIMARY_TRAINER:
+                settle()
+                return
+            if snap is None:
+                self.sync.publish(handles, 0)
                 settle()
                 return
             self.versions[worker] = snap.version
             self._when_all([(worker, r.restore.remote(shard)) for r, shard in zip(handles, snap.shards)],
                            lambda _: settle())
+            self.sync.publish(handles, snap.version)     # after the restore on each rank (calls run in order)
 
         def join(_ready):
             if worker not in self.gangs or len(handles) < 2:
@@ -406,6 +417,8 @@ class EngineDriver(PoolDriver):
 
     def _begin(self):
         self.t0 = time.time() - self.clock_start
+        if self.trainer_state is None:       # version 0 (the model folder's) is what the primary gang publishes first
+            self.sync.publish(self.gangs[PRIMARY_TRAINER], 0)
 
     def train_stats(self) -> list:
         return self.step_stats
@@ -474,13 +487,15 @@ class EngineDriver(PoolDriver):
 
     def _weight_loads(self, workers, version: int) -> list:
         """``(worker, ref)`` calls that load actor ``version`` into those of ``workers`` (rollouters, or a
-        trainer gang's ranks) that do not hold it yet. Calls on one actor run in order, so the work sent
-        after these sees the new weights."""
+        trainer gang's ranks) that do not hold it yet: one transfer from the primary gang (``WeightSync``), or loads
+        from the object store. Calls on one actor run in order, so the work sent after these sees the new weights."""
         calls = []
-        for w in self._alive(workers):
-            if self.versions.get(w) == version:
-                continue
+        need = [w for w in self._alive(workers) if self.versions.get(w) != version]
+        for w in need:
             self.versions[w] = version
+        if need and self.sync.collective:
+            return self.sync.loads(need, version)
+        for w in need:
             if w in self.gangs:
                 calls += [(w, r.load_state_dict.remote(self.weights[version], version)) for r in self.gangs[w]]
             else:
@@ -489,6 +504,7 @@ class EngineDriver(PoolDriver):
 
     def _record_syncs(self, replies, version: int, lane: Optional[str] = None):
         """Lazy weight loads as ``sync`` spans on each worker's lane (``lane``: a gang's, once for its ranks)."""
+        self.sync.received(replies)
         for reply in replies[:1] if lane is not None else replies:
             if reply is not None:
                 self._record_spans(reply, "sync", lane=lane, version=version)
@@ -658,12 +674,16 @@ class EngineDriver(PoolDriver):
     def _snapshot_calls(self) -> tuple:
         """Ask every primary rank for its snapshot: (acknowledgement refs, rank 0's full weights ref, shard refs).
         The weights and shards stay in the object store, owned by the driver; only the acknowledgements are
-        fetched."""
-        calls = [r.snapshot.remote() for r in self.gangs[PRIMARY_TRAINER]]    # the weight gather is collective
+        fetched. With the weight transport the ranks publish the version instead of gathering the weights (the
+        weights ref is then None)."""
+        publish = self.sync.snapshot_spec()
+        calls = [r.snapshot.remote(weights=publish is None, publish=publish)        # the weight gather is collective
+                 for r in self.gangs[PRIMARY_TRAINER]]
         return [c[0] for c in calls], calls[0][1], tuple(c[2] for c in calls)
 
     def _keep_snapshot(self, version: int, weights, shards) -> None:
-        self.weights[version] = weights
+        self.sync.kept(version, self.versions.get(PRIMARY_TRAINER))
+        self.weights[version] = weights if not self.sync.collective else None
         self.versions[PRIMARY_TRAINER] = version
         self.trainer_state = TrainerSnapshot(version, shards)
 
@@ -704,6 +724,7 @@ class EngineDriver(PoolDriver):
             end = self.now()
             per_target = {w: (self._wall(r.spans[0]["start"]), self._wall(r.spans[0]["end"]))
                           for (w, _), r in zip(calls, replies) if r is not None}
+            self.sync.received(replies)
             self.record_sync(cmd, start, end, per_target)
             if replies:
                 self._measure(("weight_sync", "rollout"), end - start)
@@ -777,6 +798,15 @@ class EngineDriver(PoolDriver):
                 self.final_weights = ray.get(self.weights[last], timeout=60)
             except Exception:
                 self.final_weights = None
+        elif self.final_weights is None and self.sync.collective and self.finished and PRIMARY_TRAINER not in self.failed:
+            # the run's result holds the final weights: gathered once from the primary gang (onloaded for it)
+            ranks = self.gangs.get(PRIMARY_TRAINER) or []
+            try:
+                ray.get([r.onload.remote() for r in ranks], timeout=self.start_timeout)
+                self.final_weights = ray.get([r.weights.remote() for r in ranks], timeout=self.start_timeout)[0]
+            except Exception:
+                self.final_weights = None
+        self.sync.shutdown()
         super().shutdown()
 
     def summary(self) -> dict:
@@ -784,6 +814,7 @@ class EngineDriver(PoolDriver):
         costs = out["costs"]
         out["startup"] = costs.pop("start", {})             # seconds to construct each kind of worker
         out["weight_sync"] = costs.pop("weight_sync", {}).get("rollout")
+        out["weight_transport"] = self.sync.summary(out["weight_sync"])
         out["emulated"] = False
         out["reward"] = [s["reward"] for s in self.step_stats]
         out["train"] = list(self.step_stats)
@@ -797,3 +828,11 @@ class EngineDriver(PoolDriver):
 
     def result(self, **extra) -> RunResult:
         return super().result(weights=self.final_weights, **extra)
+
+    def _call_failed(self, worker: str, exc: Exception) -> None:
+        """A receiver whose weight transfer broke off holds half-loaded weights: it is restarted like a lost
+        process (``WeightSync``), not treated as an engine error that ends the run."""
+        if self.sync.is_transfer_error(exc):
+            self._worker_failed(worker, root_cause(exc))
+            return
+        super()._call_failed(worker, exc)

@@ -31,19 +31,21 @@ steps:
 :meth:`load_weights` reloads weights in place through ``collective_rpc`` (the full ``state_dict`` including
 the tied ``lm_head``, under the HF checkpoint's names, checked against the checkpoint's names and shapes
 first) — the actor→rollout weight sync (§6.2) — and resets the prefix cache (cached blocks hold the old
-weights' keys and values). :meth:`offload` / :meth:`onload` are the rollout half of a hot switch (§3.2,
+weights' keys and values); :meth:`receive_weights` does the same from the trainer gang over the weight transport
+(:mod:`bidirl.cluster.engines.weight_transport`), bucket by bucket as they arrive. The engine keeps no copy of
+the weights it loads. :meth:`offload` / :meth:`onload` are the rollout half of a hot switch (§3.2,
 C_in / C_out), in the order vLLM intends:
 
 * switch-out on GPU: ``sleep(level=2)`` — weights and KV cache discarded (the switch-in pushes the current
   weights anyway, so level 1's host copy of the old ones would be made for nothing); until the next
-  :meth:`load_weights` the engine refuses to generate;
+  :meth:`load_weights` / :meth:`receive_weights` the engine refuses to generate;
 * switch-in in two phases: ``onload(kv=False)`` wakes the weights (GPU: ``wake_up(tags=["weights"])``), the
-  caller loads the current version (:meth:`load_weights`), then ``onload()`` wakes the KV cache
-  (``wake_up(tags=["kv_cache"])``) and resets the prefix cache; ``onload()`` alone does both phases;
+  caller loads the current version (:meth:`load_weights` / :meth:`receive_weights`), then ``onload()`` wakes the
+  KV cache (``wake_up(tags=["kv_cache"])``) and resets the prefix cache; ``onload()`` alone does both phases;
 * on CPU, where vLLM has no sleep mode, the KV cache's memory is released (its storage resized to zero bytes)
-  and re-allocated by the KV phase; the weights phase re-installs the weights from the host copy of the last
-  weights loaded (or the checkpoint). The CPU path does not free the weights' own memory (vLLM's CPU backend
-  keeps them packed in oneDNN handles that only a reload replaces).
+  and re-allocated by the KV phase. The CPU path does not free the weights' own memory (vLLM's CPU backend keeps
+  them packed in oneDNN handles that only a reload replaces), so they stay as loaded and the weights phase has
+  nothing to move.
 
 ``last_switch`` says what was moved and times each phase (seconds). The GPU branches follow vLLM 0.32's
 ``LLM.sleep`` / ``LLM.wake_up`` and are not exercised by the CPU tests.
@@ -303,7 +305,6 @@ class RolloutEngine:
         self._groups: dict = {}            # group_id -> _Group (in flight or complete, not yet returned)
         self._by_request: dict = {}        # request id -> (group_id, index)
         self._counter = 0
-        self._host_weights: Optional[list] = None
         self._offloaded = False            # the weights are switched out (until onload's weights phase)
         self._kv_released = False          # the KV cache is switched out (until onload's KV phase)
         self._weights_stale = False        # discarded by a level-2 sleep: generation waits for load_weights
@@ -362,6 +363,9 @@ class RolloutEngine:
         if self._weights_stale:
             raise RuntimeError("RolloutEngine.start: the weights were discarded when the engine slept (level 2); "
                                "load_weights() the current version first")
+        if self.version is None:
+            raise RuntimeError("RolloutEngine.start: a weight transfer broke off and left the weights partly loaded; "
+                               "load a version (load_weights / receive_weights) first")
         requests = list(requests)
         for req in requests:
             self._validate(req)
@@ -574,10 +578,42 @@ class RolloutEngine:
         self._weights_stale = False
         self._reset_prefix_cache("load_weights")        # cached blocks hold the old weights' keys and values
         seconds = time.perf_counter() - t0
-        self._host_weights = items
         if version is not None:
             self.version = int(version)
         return seconds
+
+    def receive_weights(self, transfer, rank: int) -> dict:
+        """Load actor ``transfer.version`` in place from the trainer gang over the weight transport, as receiver
+        ``rank`` of ``transfer`` (:mod:`bidirl.cluster.engines.weight_transport`): each bucket goes into vLLM's
+        layerwise reload (``model.load_weights``) as it arrives, and nothing is kept. The names and shapes are
+        checked against the checkpoint before anything is loaded (a refused transfer loads nothing). If the
+        sender fails mid-way this raises ``WeightTransferError`` and the weights are partly the new version's:
+        the engine must not generate before it loads a version again (the driver restarts it). Returns the
+        receiver's report with ``seconds``."""
+        import torch
+
+        from bidirl.cluster.engines.weight_transport import Receiver
+        from bidirl.rl import model_folder as checkpoint
+
+        self._require_idle("receive_weights")
+        if self._offloaded:
+            raise RuntimeError("RolloutEngine.receive_weights: the engine is offloaded; call onload() first")
+        receiver = Receiver(transfer, rank, self.device)
+        try:
+            sent = {k: torch.empty(shape, device="meta") for k, shape in transfer.layout.shapes().items()}
+            checkpoint.check_weights(sent, self.checkpoint_shapes, self.tied, f"receive_weights ({self.model_dir})",
+                                     "send the weights of a trainer of this model (weight_transport.model_layout)")
+        except ValueError as exc:
+            receiver.abandon(str(exc))
+            raise
+        t0 = time.perf_counter()
+        receiver.connect()
+        self.version = None               # partly loaded until the last bucket is in
+        self.llm.collective_rpc(_worker_reload, args=(receiver.items(),))
+        self._weights_stale = False
+        self._reset_prefix_cache("receive_weights")     # cached blocks hold the old weights' keys and values
+        self.version = int(transfer.version)
+        return dict(receiver.close(), seconds=time.perf_counter() - t0)
 
     @property
     def offloaded(self) -> bool:
@@ -602,8 +638,6 @@ class RolloutEngine:
             self._weights_stale = True
             self.last_switch = {"mode": f"vllm-sleep-{SLEEP_LEVEL}", "weights_discarded": True}
         else:
-            if self._host_weights is None:
-                self._host_weights = self._checkpoint_items()
             self._reset_prefix_cache("offload")
             released = sum(self.llm.collective_rpc(_worker_release_kv))
             self.last_switch = {"mode": "cpu", "kv_bytes_released": int(released), "weights_released": False}
@@ -626,10 +660,6 @@ class RolloutEngine:
             t = time.perf_counter()
             if self.gpu:
                 self.llm.wake_up(tags=["weights"])
-            else:
-                self.llm.collective_rpc(_worker_reload, args=(self._host_weights,))
-                self.last_switch["weight_bytes_loaded"] = int(sum(w.numel() * w.element_size()
-                                                                 for _, w in self._host_weights))
             self._offloaded = False
             self.last_switch["wake_weights_seconds"] = time.perf_counter() - t
         if kv and self._kv_released:
