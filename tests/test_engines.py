@@ -166,6 +166,23 @@ def test_weight_sync_takes_wrapped_names_and_refuses_another_models_weights(fres
     assert fresh.version == 1                                            # nothing was loaded by the refused calls
 
 
+def test_prompts_beyond_a_steps_token_budget_generate_whole_on_cpu(fresh):
+    """256 responses with 30-token prompts (7,680 prompt tokens) exceed a CPU engine's step budget of 4,096: vLLM
+    would split a prompt over two steps, and with seeded requests its rewind of a CPU generator raises (vLLM
+    0.32). CPU engines schedule whole prompts (``rollout.cpu_scheduling``): every response completes, with the
+    tokens it gets when its group runs alone (position-keyed sampling)."""
+    sched = fresh.engine.vllm_config.scheduler_config
+    assert not sched.enable_chunked_prefill and sched.max_num_batched_tokens == 4096
+    prompt = tuple(fresh.tokenizer("12+34=")["input_ids"]) * 5
+    prompt = prompt[:30]
+    reqs = [GroupRequest(g, prompt, 8, 2) for g in range(32)]
+    assert len(prompt) * 8 * len(reqs) > sched.max_num_batched_tokens
+    out = fresh.generate(reqs)
+    assert len(out) == 32 and all(g.complete for g in out)
+    alone = fresh.generate([GroupRequest(5, prompt, 8, 2)])
+    assert [g.payload.token_ids for g in out if g.group_id == 5] == [alone[0].payload.token_ids]
+
+
 def test_same_seeds_give_the_same_tokens(fresh):
     a = fresh.generate(_requests(fresh, 6, group_size=4))
     b = fresh.generate(_requests(fresh, 6, group_size=4))

@@ -66,6 +66,18 @@ from bidirl.core.protocol import GroupState
 from bidirl.rl.samples import GroupPayload
 
 
+def cpu_scheduling(max_model_len: int) -> dict:
+    """vLLM scheduler settings of a CPU engine: no chunked prefill, a step's token budget of at least one whole
+    sequence (vLLM's CPU default, 4,096 tokens, or ``max_model_len`` if longer).
+
+    Each response carries its seed in ``SamplingParams`` (vLLM's sampler then draws from a per-request
+    ``torch.Generator`` and never from the global RNG), and vLLM 0.32 rewinds that generator's offset for a request
+    whose prefill was split over steps — which a CPU ``torch.Generator`` does not support: the step raises "CPU
+    Generator does not use offset". Splits happen as soon as a step's prompts exceed its token budget (32 groups
+    of 8 responses with 46-token prompts did), so CPU engines schedule whole prompts only."""
+    return dict(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, int(max_model_len)))
+
+
 def request_seed(seed: int, group_id: int, index: int) -> int:
     """The sampling seed of response ``index`` of group ``group_id`` (the same when it is resumed)."""
     state = np.random.SeedSequence([int(seed), int(group_id), int(index)]).generate_state(1)
@@ -284,6 +296,7 @@ class RolloutEngine:
                       seed=self.seed, enable_prefix_caching=self.prefix_caching,
                       max_num_seqs=int(max_num_seqs), disable_log_stats=True,
                       kv_cache_memory_bytes=kv_bytes, logprobs_mode="raw_logprobs",
+                      **({} if self.gpu else cpu_scheduling(self.max_model_len)),
                       logits_processors=[PositionKeyedSampler])
         if block_size is not None:
             kwargs["block_size"] = int(block_size)
