@@ -41,6 +41,7 @@ KINDS = {
     "receive_gradient": ("gradients", ("metrics",)),
     "start": ("groups", ("metrics",)),
     "step_until": ("metrics", ("groups",)),
+    "stream": ("metrics", ("groups",)),          # its values come through a generator: not counted
     "interrupt": ("metrics", ("groups",)),
     "logprobs": ("groups", ("groups",)),
 }
