@@ -8,7 +8,9 @@ bundle it sits on, and are kept: a hot switch changes which one works, never res
 
 Every timed command becomes one or more actor calls; their completion becomes the matching event, fed to the
 coordinator through :meth:`bidirl.runtime.driver.Driver.feed`. Workers record their own spans and return them with
-their results.
+their results. A call may also be a stream (a Ray ``ObjectRefGenerator``: a rollouter that runs free, whose engine
+loop yields groups as they finish): the same ``ray.wait`` waits on it, and each value it yields is handled as it
+arrives (:meth:`PoolDriver._submit_stream`).
 
 **Failures** (:mod:`bidirl.cluster.recovery`). A worker whose actor dies — or a trainer rank whose collective
 breaks because a peer died — is reported to the coordinator as ``WorkerFailed``; the driver gives the rest of it
