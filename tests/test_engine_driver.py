@@ -51,7 +51,18 @@ def _check_log(res, steps):
     assert len(res.log.steps) == steps
     assert s["samples"]["lost"] == 0 and s["samples"]["duplicated"] == 0, s["samples"]
     assert metrics.role_conflicts(res.log) == [], "a pool hosted both roles at once"
+    _check_rollouters_ran_free(s["rollout_calls"])
     return s
+
+
+def _check_rollouters_ran_free(calls):
+    """Rollouters run free (``RolloutActor.stream``): a stream covers a whole busy period and a new one opens only
+    for a start the last one did not see, so a rollouter gets at most one generation call per ``Generate`` — where
+    polling sent one per 50 ms slice, each slice waiting for the driver's round trip — and its engine makes many
+    steps per call."""
+    for worker, c in calls["rollouters"].items():
+        assert c["advances"] <= c["starts"], (worker, c)
+    assert calls["steps"] > calls["advances"] > 0, calls
 
 
 def _borrowing_job():

@@ -20,9 +20,9 @@ def test_engine_runs_of_a_preset_model_need_its_weights():
     assert info.value.field == "model" and "model_dir" in info.value.fix
 
 
-def test_generation_slices_must_be_positive(tmp_path):
-    with pytest.raises(ValueError, match="step_seconds"):
-        EngineDriver(cfgmod.load("tiny-cpu"), "bidirl", 1, 0, model_dir=str(tmp_path), step_seconds=0)
+def test_the_report_interval_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="report_seconds"):
+        EngineDriver(cfgmod.load("tiny-cpu"), "bidirl", 1, 0, model_dir=str(tmp_path), report_seconds=0)
 
 
 def test_unknown_policy_names_the_field():

@@ -8,7 +8,9 @@ bundle it sits on, and are kept: a hot switch changes which one works, never res
 
 Every timed command becomes one or more actor calls; their completion becomes the matching event, fed to the
 coordinator through :meth:`bidirl.runtime.driver.Driver.feed`. Workers record their own spans and return them with
-their results.
+their results. A call may also be a stream (a Ray ``ObjectRefGenerator``: a rollouter that runs free, whose engine
+loop yields groups as they finish): the same ``ray.wait`` waits on it, and each value it yields is handled as it
+arrives (:meth:`PoolDriver._submit_stream`).
 
 **Failures** (:mod:`bidirl.cluster.recovery`). A worker whose actor dies — or a trainer rank whose collective
 breaks because a peer died — is reported to the coordinator as ``WorkerFailed``; the driver gives the rest of it
@@ -193,6 +195,11 @@ class KeptWorkers:
         self.release()
 
 
+def _object_ref_generator() -> type:
+    import ray
+    return ray.ObjectRefGenerator
+
+
 def root_cause(exc: Exception) -> str:
     """The innermost error message of a failed actor construction or call (one line)."""
     cause = getattr(exc, "cause", None) or getattr(exc, "__cause__", None)
@@ -230,6 +237,7 @@ class PoolDriver(Driver):
     def __post_init__(self):
         super().__post_init__()
         self.pending: dict = {}           # object ref -> (worker, incarnation, callback, on_error)
+        self.streams: dict = {}           # ObjectRefGenerator -> (worker, incarnation, on_item, on_end)
         self.actors: dict = {}            # worker -> its actor
         self.gangs: dict = {}             # trainer gang -> its ranks' actors (engine runs)
         self.measured: dict = {}          # (direction | "start" | ..., which) -> [seconds]
@@ -238,8 +246,9 @@ class PoolDriver(Driver):
         self.t0 = time.time()
         self.progress = False
         self.r_busy: dict = {}            # rollouter -> whether it holds requests
-        self.r_advancing: dict = {}       # rollouter -> whether a generation call is in flight
-        self.r_starts: dict = {}          # rollouter -> number of start calls sent (see _still_busy)
+        self.r_advancing: dict = {}       # rollouter -> whether a generation call (a slice or a stream) is in flight
+        self.r_starts: dict = {}          # rollouter -> number of start calls sent to its current process
+        self.r_calls: dict = {}           # rollouter -> {"starts", "advances"}: calls sent over the run (summary)
         self.chunk_queue: dict = {}       # gang -> deque of queued RunChunk commands
         self.chunk_running: dict = {}     # gang -> the RunChunk it executes
         self.restarts = Restarts(self.max_restarts)
@@ -373,6 +382,13 @@ class PoolDriver(Driver):
         self.pending[ref] = (worker, self.restarts.incarnation(worker), callback, on_error)
         self.loop_stats["calls"] += 1
 
+    def _submit_stream(self, worker: str, stream, on_item, on_end) -> None:
+        """Track a streaming call on ``worker``'s current process (a Ray ``ObjectRefGenerator``): ``on_item(value)``
+        for each value it yields, in order, then ``on_end()``. If the worker fails, or failed since the call was
+        sent, the stream is void (neither runs again), and a failure of the current process restarts the worker."""
+        self.streams[stream] = (worker, self.restarts.incarnation(worker), on_item, on_end)
+        self.loop_stats["calls"] += 1
+
     def _when_all(self, calls: list, callback, tolerate: bool = False):
         """Call ``callback(values)`` once every ``(worker, ref)`` call has completed (at once if there are none).
 
@@ -416,6 +432,7 @@ class PoolDriver(Driver):
         self.restarts.begin(worker, self.now(), error, self.steps_done)
         self._discard(worker)
         self.r_busy[worker] = self.r_advancing[worker] = False
+        self.r_starts.pop(worker, None)           # a fresh process has applied none of them
         self.chunk_queue.pop(worker, None)
         self.chunk_running.pop(worker, None)
         if worker not in self.failed:
@@ -441,6 +458,11 @@ class PoolDriver(Driver):
     # ------------------------------------------------------------------------------------------
     def _count_start(self, worker: str) -> None:
         self.r_starts[worker] = self.r_starts.get(worker, 0) + 1
+        self._count_call(worker, "starts")
+
+    def _count_call(self, worker: str, kind: str) -> None:
+        calls = self.r_calls.setdefault(worker, {"starts": 0, "advances": 0})
+        calls[kind] += 1
 
     def _still_busy(self, worker: str, reported: bool, starts_before: int) -> bool:
         """Whether a rollouter is busy after a call that reported ``reported``: a start sent while the call was
@@ -448,24 +470,38 @@ class PoolDriver(Driver):
         return bool(reported) or self.r_starts.get(worker, 0) != starts_before
 
     def _ensure_advance(self, worker: str):
-        """Keep a busy rollouter generating: one ``_advance_call`` in flight, reported to ``_advanced``."""
+        """Keep a busy rollouter generating: one ``_advance_call`` in flight, each of its results reported to
+        ``_advanced``. The call is a slice (an object ref: one result) or a stream (an ``ObjectRefGenerator``: a
+        result each time it yields, until the rollouter holds no requests); when it ends another is sent if the
+        rollouter is still busy."""
         if self.r_advancing.get(worker) or not self.r_busy.get(worker) or worker in self.failed:
             return
         self.r_advancing[worker] = True
+        self._count_call(worker, "advances")
         starts = self.r_starts.get(worker, 0)
+
+        def ended():
+            self.r_advancing[worker] = False
+            self._ensure_advance(worker)
+        call = self._advance_call(worker)
+        if isinstance(call, _object_ref_generator()):
+            self._submit_stream(worker, call, lambda result: self._advanced(worker, result, starts), ended)
+            return
 
         def done(result):
             self.r_advancing[worker] = False
             self._advanced(worker, result, starts)
             self._ensure_advance(worker)
-        self._submit(worker, self._advance_call(worker), done)
+        self._submit(worker, call, done)
 
     def _advance_call(self, worker: str):
-        """Submit one generation slice on ``worker``; returns its object ref."""
+        """Send one generation call to ``worker``: a slice (returns its object ref) or a stream (returns its
+        ``ObjectRefGenerator``)."""
         raise NotImplementedError
 
     def _advanced(self, worker: str, result, starts_before: int) -> None:
-        """Report a generation slice's result (``starts_before``: for :meth:`_still_busy`)."""
+        """Report a generation call's result (``starts_before``: the starts sent when the call was, for
+        :meth:`_still_busy`)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------
@@ -598,9 +634,10 @@ class PoolDriver(Driver):
                     # workers that were being restarted when the checkpoint was written are fresh ones now
                     for w in self.coordinator.view().failed:
                         self.feed(P.WorkerRestarted(self.now(), w))
-                while self.pending:
+                while self.pending or self.streams:
                     t_wait = time.perf_counter()
-                    ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=self.stall_timeout)
+                    ready, _ = ray.wait(list(self.pending) + list(self.streams), num_returns=1,
+                                        timeout=self.stall_timeout)
                     t_ready = time.perf_counter()
                     self.loop_stats["wait_s"] += t_ready - t_wait
                     self.loop_stats["replies"] += len(ready)
@@ -608,6 +645,9 @@ class PoolDriver(Driver):
                         raise ClusterError(f"no worker answered for {self.stall_timeout:.0f} s at step "
                                            f"{self.steps_done}; the job is stuck")
                     for ref in ready:
+                        if ref in self.streams:
+                            self._stream_ready(ref)
+                            continue
                         worker, incarnation, callback, on_error = self.pending.pop(ref)
                         current = incarnation == self.restarts.incarnation(worker)
                         try:
@@ -628,6 +668,29 @@ class PoolDriver(Driver):
         finally:
             self.shutdown()
         return self.result()
+
+    def _stream_ready(self, stream) -> None:
+        """A stream's next value (or its end) is ready: report it, and keep waiting for the next one."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        worker, incarnation, on_item, on_end = self.streams.pop(stream)
+        current = incarnation == self.restarts.incarnation(worker)
+        try:
+            ref = next(stream)
+        except StopIteration:
+            if current:
+                on_end()
+            return
+        try:
+            value = ray.get(ref)
+        except (RayActorError, RayTaskError) as exc:
+            if current:
+                self._call_failed(worker, exc)
+            return
+        if current:                    # else the worker failed: its calls are void
+            self.streams[stream] = (worker, incarnation, on_item, on_end)
+            on_item(value)
 
     def result(self, **extra) -> RunResult:
         if not self.finished:
@@ -669,6 +732,18 @@ class PoolDriver(Driver):
     def _all_actors(self) -> list:
         return list(self.actors.values())
 
+    def rollout_calls(self) -> dict:
+        """Generation calls sent over the run, in all and per rollouter: ``starts`` (one per ``Generate``),
+        ``advances`` (slices or streams that kept the rollouters generating) and the engine ``steps`` their
+        ``generate`` spans record (when they record them)."""
+        steps: dict = {}
+        for sp in self.log.spans:
+            if sp.kind == "generate" and "steps" in sp.detail:
+                steps[sp.worker] = steps.get(sp.worker, 0) + int(sp.detail["steps"])
+        per = {w: dict(c, steps=steps.get(w, 0)) for w, c in sorted(self.r_calls.items())}
+        total = {k: sum(c[k] for c in per.values()) for k in ("starts", "advances", "steps")}
+        return dict(total, rollouters=per)
+
     def summary(self) -> dict:
         """The run summary plus ``costs``: measured C_in / C_out / C_grad per direction (medians)."""
         import numpy as np
@@ -678,6 +753,7 @@ class PoolDriver(Driver):
             costs.setdefault(direction, {})[which] = float(np.median(values))
         out["costs"] = costs
         out["recoveries"] = list(self.restarts.record)
+        out["rollout_calls"] = self.rollout_calls()
         if self.resumed_from is not None:
             out["resumed_from"] = {"checkpoint": str(self.resumed_from.path), "step": self.resumed_from.step}
         if self.out_dir is not None:

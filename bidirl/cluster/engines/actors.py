@@ -9,12 +9,18 @@ wall-clock seconds (``time.time()``), so the driver places them on its timeline 
 (weight load), ``offload`` / ``onload`` (the two halves of a hot switch, §3.2), ``logprob``, ``chunk``,
 ``optimizer``, ``start`` (engine construction).
 
+A ``RolloutActor``'s engine runs free of the driver: :meth:`RolloutActor.stream` is a Ray streaming generator in the
+actor's own concurrency group that steps the engine back to back and yields finished groups as they finish; the
+other calls run in the order sent and pause it (keeping the engine's requests) while they hold the engine.
+
 ``num_cpus`` is always set (DESIGN.md): pass ``RolloutActor.options(num_cpus=..., resources=...)`` to
 place an actor on a pool's bundle.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -49,18 +55,53 @@ class _Timed:
                               "detail": dict(detail or {})},))
 
 
-@ray.remote(num_cpus=1)
+@ray.remote(num_cpus=1, concurrency_groups={"stream": 1})
 class RolloutActor(_Timed):
-    """A rollout replica: ``RolloutEngine(**engine_kwargs)`` inside a Ray actor."""
+    """A rollout replica: ``RolloutEngine(**engine_kwargs)`` inside a Ray actor.
+
+    Its engine runs free: :meth:`stream` (concurrency group ``stream``, a Ray streaming generator) steps the engine
+    back to back while it holds requests and yields each finished group as soon as it finishes, so the engine never
+    waits for the driver between steps. Every other call runs in the default group, one at a time in the order sent
+    (the driver relies on it), and holds the engine for its whole run: the stream's loop pauses after the step it is
+    in, keeping the engine's requests, and goes on once the call has returned. Every engine access holds one lock
+    (vLLM's engine is not thread-safe); a call waiting for it goes before the loop's next step."""
 
     def __init__(self, name: str, model_dir: str, seed: int = 0, **engine_kwargs):
         super().__init__(name)
         from bidirl.cluster.engines.rollout import RolloutEngine
 
+        self._engine_lock = threading.Lock()       # held by every engine access
+        self._calls = threading.Condition()        # guards _waiting; wakes a paused stream loop
+        self._waiting = 0                          # calls waiting for or holding the engine (the loop yields to them)
+        self._started = 0                          # the sequence number of the last start call applied
+        self._reports = 0                          # reports made (_report): numbers them in the order they were made
         start = time.time()
         self.engine = RolloutEngine(model_dir, seed=seed, **engine_kwargs)
         self._start_span = {"worker": name, "kind": "start", "start": start, "end": time.time(),
                             "detail": {"kv_cache_tokens": self.engine.kv_cache_tokens}}
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """Hold the engine for one call: a running stream pauses after its current step, keeping its requests."""
+        with self._calls:
+            self._waiting += 1
+        try:
+            with self._engine_lock:
+                yield
+        finally:
+            with self._calls:
+                self._waiting -= 1
+                self._calls.notify_all()
+
+    def _reply(self, kind: str, fn, *args, detail: Optional[dict] = None, **kwargs) -> Reply:
+        with self._exclusive():
+            return super()._reply(kind, fn, *args, detail=detail, **kwargs)
+
+    def _report(self, **detail) -> dict:
+        """``detail`` plus whether the engine holds requests, the last start applied and the report's number (in the
+        order the reports were made: a driver tells a stale one). Call with the engine held."""
+        self._reports += 1
+        return dict(detail, busy=self.engine.busy, starts=self._started, report=self._reports)
 
     def ready(self) -> Reply:
         return Reply(self.engine.start_seconds, (self._start_span,))
@@ -69,26 +110,85 @@ class RolloutActor(_Timed):
         """Both phases of the switch-in, or (``kv=False``) the weights phase only (``RolloutEngine.onload``)."""
         return self._reply("onload", self.engine.onload, kv, detail={"kv": kv})
 
-    def start(self, requests: Sequence) -> Reply:
-        return self._reply("generate", self.engine.start, list(requests), detail={"phase": "submit",
-                                                                                  "groups": len(requests)})
+    def start(self, requests: Sequence, seq: Optional[int] = None) -> Reply:
+        """Add groups. ``seq`` numbers the driver's start calls on this actor (default: one more than the last):
+        :meth:`stream` and every reply report the last one applied, so the driver knows whether a reply saw them."""
+        def run():
+            self._started = self._started + 1 if seq is None else int(seq)     # first: even a refused start counts
+            return self.engine.start(list(requests))
+        return self._reply("generate", run, detail={"phase": "submit", "groups": len(requests)})
+
+    @ray.method(concurrency_group="stream", num_returns="streaming")
+    def stream(self, starts: int = 0, report_seconds: Optional[float] = None):
+        """Run the engine while it holds requests; yield a :class:`Reply` each time groups finish, and end once it
+        holds none (after start ``starts`` has been applied: a stream sent right behind a start waits for it).
+
+        Each reply's value is ``{"groups": the groups that finished, "busy": whether requests are left, "starts":
+        the last start applied, "report": its number}`` (:meth:`_report`) and its spans are the ``generate`` spans
+        since the previous reply: one per run of back-to-back steps (``steps``, ``completed``, ``busy``), split where
+        a call paused the loop. The last reply has ``busy`` False. With ``report_seconds`` a reply also comes after
+        that long without one (its spans keep the driver's timeline current; the engine does not wait for it). A Ray
+        streaming generator in the ``stream`` concurrency group: ``actor.stream.remote()`` returns an
+        ``ObjectRefGenerator``."""
+        e = self.engine
+        spans, groups, run = [], [], None
+        last = time.time()
+
+        def close():
+            nonlocal run
+            if run is not None:
+                spans.append({"worker": self.name, "kind": "generate", "start": run.pop("start"),
+                              "end": run.pop("end"), "detail": dict(run, stream=True)})
+                run = None
+        while True:
+            with self._calls:
+                while self._waiting or self._started < starts:
+                    close()                                   # the loop pauses here: the span ends at its last step
+                    self._calls.wait()
+            with self._engine_lock:
+                t0 = time.time()
+                before = e.steps
+                done = e.step_until(max_steps=1)               # one step (none if no request is in flight)
+                t1 = time.time()
+                stepped, report = e.steps - before, self._report()
+            if stepped:
+                if run is None:
+                    run = {"start": t0, "steps": 0, "completed": 0}
+                run.update(end=t1, steps=run["steps"] + stepped, completed=run["completed"] + len(done),
+                           busy=report["busy"])
+            groups += done
+            if groups or not report["busy"] or (report_seconds is not None and t1 - last >= report_seconds):
+                close()
+                yield Reply(dict(report, groups=groups), tuple(spans))
+                if not report["busy"]:
+                    return
+                spans, groups, last = [], [], t1
 
     def step_until(self, min_groups: Optional[int] = None, max_steps: Optional[int] = None,
                    max_seconds: Optional[float] = None) -> Reply:
-        """Run engine steps; stops once ``min_groups`` groups completed (or the step / time budget)."""
+        """Run engine steps; stops once ``min_groups`` groups completed (or the step / time budget). The polled
+        alternative to :meth:`stream` (tests and the streaming benchmark's baseline)."""
         stop = None if min_groups is None else (lambda done: len(done) >= min_groups)
-        steps_before = self.engine.steps
-        reply = self._reply("generate", self.engine.step_until, stop=stop, max_steps=max_steps,
-                            max_seconds=max_seconds)
-        reply.spans[0]["detail"].update(steps=self.engine.steps - steps_before, completed=len(reply.value),
-                                        busy=self.engine.busy)
-        return reply
+
+        def run():
+            before = self.engine.steps
+            done = self.engine.step_until(stop=stop, max_steps=max_steps, max_seconds=max_seconds)
+            return done, self._report(steps=self.engine.steps - before, completed=len(done))
+        reply = self._reply("generate", run)
+        (done, detail), spans = reply.value, reply.spans
+        spans[0]["detail"].update(detail)
+        return Reply(done, spans)
 
     def interrupt(self, group_ids: Optional[Sequence[int]] = None) -> Reply:
-        """Stop the listed groups (``None``: all); groups already returned as complete are skipped."""
-        reply = self._reply("interrupt", self.engine.interrupt, group_ids, missing_ok=True)
-        reply.spans[0]["detail"].update(stopped=len(reply.value), busy=self.engine.busy)
-        return reply
+        """Stop the listed groups (``None``: all); groups already returned as complete are skipped. A stream in
+        flight pauses for it and goes on with the other groups."""
+        def run():
+            stopped = self.engine.interrupt(group_ids, missing_ok=True)
+            return stopped, self._report(stopped=len(stopped))
+        reply = self._reply("interrupt", run)
+        (stopped, detail), spans = reply.value, reply.spans
+        spans[0]["detail"].update(detail)
+        return Reply(stopped, spans)
 
     def load_weights(self, state_dict, version: Optional[int] = None) -> Reply:
         return self._reply("sync", self.engine.load_weights, state_dict, version, detail={"version": version})
@@ -100,19 +200,24 @@ class RolloutActor(_Timed):
 
     def reset(self, reward_fn=None) -> Reply:
         """A fresh engine's state again, scoring with the new run's ``reward_fn`` (a new run on kept workers:
-        ``PoolDriver.workers``)."""
-        return self._reply("reset", self.engine.reset, reward_fn)
+        ``PoolDriver.workers``); start numbers begin again at 1."""
+        def run():
+            self._started = 0
+            return self.engine.reset(reward_fn)
+        return self._reply("reset", run)
 
     def effective_weights(self) -> dict:
         """The weights vLLM computes with, read back through its own layers (``weight_transport.effective_weights``;
         for tests and benchmarks: a copy of the model, made only when asked)."""
         from bidirl.cluster.engines.weight_transport import effective_weights
-        return self.engine.llm.collective_rpc(effective_weights)[0]
+        with self._exclusive():
+            return self.engine.llm.collective_rpc(effective_weights)[0]
 
     def status(self) -> dict:
-        e = self.engine
-        return {"busy": e.busy, "groups": e.group_ids, "version": e.version, "steps": e.steps,
-                "generated_tokens": e.generated_tokens, "offloaded": e.offloaded}
+        with self._exclusive():
+            e = self.engine
+            return {"busy": e.busy, "groups": e.group_ids, "version": e.version, "steps": e.steps,
+                    "generated_tokens": e.generated_tokens, "offloaded": e.offloaded, "starts": self._started}
 
 
 @ray.remote(num_cpus=1, concurrency_groups={"transport": 1})

@@ -17,12 +17,19 @@ How each command runs:
 * ``Generate`` — the groups' prompts come from ``workload.data_file`` (``bidirl.rl.data``: group ``g`` is row
   ``g mod prompt_pool`` or ``g mod`` the file's rows) or, without one, from the built-in ``ArithmeticTask``
   (problem ``g``, or ``g mod workload.prompt_pool``); a rollouter whose weights are older than the command's
-  version loads them first. Generation advances in ``step_seconds`` slices (``step_until``), so an
-  ``Interrupt`` (sync point, lease revocation, migration) waits at most one slice; completed groups carry
-  token ids, log-probs and rewards — scored in the rollout actor by ``rl.reward`` (``bidirl.rl.rewards``;
-  a reward function that fails stops the run with a ``ClusterError`` naming it and the response).
-  Unfinished groups come back as prefixes and resume without regenerating; sampling is position-keyed, so
-  a resumed response gets the tokens it would have got.
+  version loads them first. Rollouters run free: a busy rollouter has one ``RolloutActor.stream`` call in flight
+  (a Ray streaming generator in the actor's own concurrency group), whose loop steps the engine back to back while
+  it holds requests and yields each group as soon as it finishes — the engine never waits for a driver round trip
+  between steps — and which ends once the rollouter holds no requests (the next ``Generate`` opens another). Every
+  other call on the actor (start, interrupt, weight loads, offload / onload, reset) runs in the order sent and
+  pauses the loop after its current step, keeping the engine's requests, so an ``Interrupt`` (sync point, lease
+  revocation, migration) waits at most one engine step and the other groups go on generating after it. Each reply
+  says whether requests are left and which start it saw, which tells the driver when the rollouter went idle.
+  Completed groups carry token ids, log-probs and rewards — scored in the rollout actor by ``rl.reward``
+  (``bidirl.rl.rewards``; a reward function that fails stops the run with a ``ClusterError`` naming it and the
+  response). Unfinished groups come back as prefixes and resume without regenerating; sampling is position-keyed,
+  so a response gets the same tokens whichever steps it shared with others, and a resumed one the tokens it would
+  have got.
 * ``StartStep`` — the step's groups (their token ids, log-probs and rewards) become the step's samples and
   GRPO advantages.
 * ``RunChunk`` — each rank (device) of the gang takes ``per_device`` samples of the chunk: ``old_logprob`` /
@@ -97,12 +104,13 @@ class TrainerSnapshot:
 @dataclass
 class EngineDriver(PoolDriver):
     """Run ``config`` with real engine workers. ``model_dir``: a causal-LM checkpoint folder (default: the
-    built-in tiny model, created once into the cache); ``step_seconds``: wall seconds per generation slice;
+    built-in tiny model, created once into the cache); ``report_seconds``: the longest a generating rollouter goes
+    without reporting (its spans; the engine does not wait for the report);
     ``out_dir`` (:class:`~bidirl.cluster.pool.PoolDriver`): the run's output folder, with the training statistics
     of each step in its rows. The rollouters' engine settings, KV budget included, come from the plan
     (:attr:`rollout`, resolved before any actor starts)."""
     model_dir: Optional[str] = None
-    step_seconds: float = 0.05
+    report_seconds: float = 1.0
     start_timeout: float = 600.0
     stall_timeout: float = 300.0
 
@@ -125,8 +133,8 @@ class EngineDriver(PoolDriver):
                                          "use model: tiny (built in), or pass model_dir= a causal-LM checkpoint folder")
             from bidirl.rl.bootstrap import ensure_tiny_model
             self.model_dir = str(ensure_tiny_model())
-        if not self.step_seconds > 0:
-            raise ValueError(f"EngineDriver.step_seconds must be > 0, got {self.step_seconds!r}")
+        if not self.report_seconds > 0:
+            raise ValueError(f"EngineDriver.report_seconds must be > 0, got {self.report_seconds!r}")
         from bidirl.rl.model_folder import causal_lm_config
         causal_lm_config(self.model_dir, "EngineDriver.model_dir")     # a loadable causal LM (vLLM: in the actors)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -143,6 +151,7 @@ class EngineDriver(PoolDriver):
         self.versions: dict = {}          # worker -> weights version it holds
         self.weights: dict = {0: None}    # version -> object ref of the state_dict (None: the checkpoint)
         self.period: dict = {}            # rollouter -> its current busy period (for profiling records)
+        self.r_report: dict = {}          # rollouter -> number of its latest report applied (see _busy_after)
         self.step_data: Optional[StepData] = None
         self.aux_grads: dict = {}         # chunk id -> object ref of an auxiliary chunk's gradient
         self.step_stats: list = []
@@ -298,6 +307,7 @@ class EngineDriver(PoolDriver):
             except Exception:
                 pass
         self.period.pop(worker, None)
+        self.r_report.pop(worker, None)          # a fresh process numbers its reports afresh
         self.sync.member_lost(worker)
 
     def _restore(self, worker: str, then) -> None:
@@ -519,18 +529,29 @@ class EngineDriver(PoolDriver):
         self.r_busy[w] = True
         self._count_start(w)
         requests = [self._request(t) for t in cmd.tasks]
-        self._submit(w, self.actors[w].start.remote(requests), lambda reply: None)
+        self._submit(w, self.actors[w].start.remote(requests, self.r_starts[w]), lambda reply: None)
         self._ensure_advance(w)
 
     def _advance_call(self, worker):
-        return self.actors[worker].step_until.remote(max_seconds=self.step_seconds)
+        """The rollouter's stream (``RolloutActor.stream``): it waits for the last start sent, then runs free."""
+        return self.actors[worker].stream.remote(self.r_starts.get(worker, 0), self.report_seconds)
 
     def _advanced(self, worker, reply, starts_before):
-        detail = reply.spans[0]["detail"]
-        if detail.get("steps"):
-            self._record_spans(reply, "generate")
-        self._rollout_finished(worker, reply.value)
-        self._set_busy(worker, self._still_busy(worker, detail["busy"], starts_before))
+        """One reply of a stream: its generate spans, the groups that finished, and whether requests are left."""
+        for sp in reply.spans:
+            if sp["detail"].get("steps"):
+                self.span(worker, "generate", self._wall(sp["start"]), self._wall(sp["end"]), dict(sp["detail"]))
+        self._rollout_finished(worker, reply.value["groups"])
+        self._busy_after(worker, reply.value)
+
+    def _busy_after(self, worker, report: dict) -> None:
+        """Take a rollouter's report (a stream reply's, an interrupt's): it is busy if the report saw requests left
+        or a start sent after the one it saw is still to run. The actor numbers its reports (its stream and its
+        other calls report in the order they held the engine); one older than the latest applied is stale."""
+        if report["report"] <= self.r_report.get(worker, 0):
+            return
+        self.r_report[worker] = report["report"]
+        self._set_busy(worker, bool(report["busy"]) or self.r_starts.get(worker, 0) > report["starts"])
 
     def _rollout_finished(self, worker, groups):
         period = self.period.get(worker)
@@ -555,11 +576,10 @@ class EngineDriver(PoolDriver):
         w = cmd.worker
         if w in self.period:
             self.period[w]["clean"] = False
-        starts = self.r_starts.get(w, 0)
 
         def done(reply):
             self.feed(P.GenerationStopped(self.now(), w, tuple(reply.value)))
-            self._set_busy(w, self._still_busy(w, reply.spans[0]["detail"]["busy"], starts))
+            self._busy_after(w, reply.spans[0]["detail"])
             self._ensure_advance(w)
         ids = list(cmd.group_ids) if cmd.group_ids is not None else None
         self._submit(w, self.actors[w].interrupt.remote(ids), done)

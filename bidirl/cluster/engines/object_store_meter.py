@@ -9,7 +9,8 @@ process it wraps every actor call the process makes (``ActorMethod._remote``) an
   it in the call otherwise; the meter serialises each argument with Ray's own serialiser and files it under one or
   the other. Object refs passed along are not new objects and count nothing.
 * **return values**: each returned object's size as Ray reports it (``ray.experimental.get_object_locations``)
-  once it exists; objects with a location are in the object store, the others were returned inline.
+  once it exists; objects with a location are in the object store, the others were returned inline. A streaming
+  call's items (a rollouter's ``stream``: a Ray ``ObjectRefGenerator``) count as they are taken from it.
 
 The kind of a call's data comes from the method and, for several returns, the return's position
 (:data:`KINDS`): ``weights`` (weight loads, transfers and the full state dict), ``gradients`` (an auxiliary gang's
@@ -41,6 +42,7 @@ KINDS = {
     "receive_gradient": ("gradients", ("metrics",)),
     "start": ("groups", ("metrics",)),
     "step_until": ("metrics", ("groups",)),
+    "stream": ("metrics", ("groups",)),          # items counted as the driver takes them from the generator
     "interrupt": ("metrics", ("groups",)),
     "logprobs": ("groups", ("groups",)),
 }
@@ -77,6 +79,7 @@ class ObjectStoreMeter:
         self.objects: dict = dict.fromkeys(CATEGORIES, 0)    # objects in the object store
         self.calls: dict = {}                                # method -> calls
         self._pending: list = []                             # (ref, kind) returns not measured yet
+        self._streams: dict = {}                             # id of a streaming call's generator -> its items' kind
         self._orig = None
         self._raylet0: Optional[int] = None
         self.raylet_bytes: Optional[int] = None
@@ -89,6 +92,7 @@ class ObjectStoreMeter:
         if ray.is_initialized():               # else at the first call (a driver starts Ray inside its run)
             self._raylet0 = raylet_created_bytes()
         self._orig = orig = ActorMethod._remote
+        self._orig_next = orig_next = ray.ObjectRefGenerator.__next__
         meter = self
 
         def _remote(method, args=None, kwargs=None, *rest, **kw):
@@ -98,13 +102,23 @@ class ObjectStoreMeter:
             except Exception:        # measuring must never break the run
                 pass
             return refs
+
+        def _next(stream):
+            ref = orig_next(stream)
+            kind = meter._streams.get(id(stream))
+            if kind is not None:     # an item of a streaming call this meter saw: measured like a return
+                meter._pending.append((ref, kind))
+            return ref
         ActorMethod._remote = _remote
+        ray.ObjectRefGenerator.__next__ = _next
         return self
 
     def __exit__(self, *exc) -> None:
+        import ray
         from ray.actor import ActorMethod
         if self._orig is not None:
             ActorMethod._remote = self._orig
+            ray.ObjectRefGenerator.__next__ = self._orig_next
             self._orig = None
         try:
             self.poll(wait=True)
@@ -133,6 +147,9 @@ class ObjectStoreMeter:
                 self.objects[arg_kind] += 1
             else:
                 self.inline[arg_kind] += size
+        if isinstance(refs, ray.ObjectRefGenerator):     # a stream: its items are counted as the driver takes them
+            self._streams[id(refs)] = return_kinds[0]
+            return
         returned = refs if isinstance(refs, (list, tuple)) else [refs]
         for i, ref in enumerate(returned):
             if isinstance(ref, ray.ObjectRef):
