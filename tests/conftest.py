@@ -114,7 +114,7 @@ def _stop_group(head, ray_tmp: str) -> None:
     except ProcessLookupError:
         pass
     try:
-        head.wait(60)
+        head.wait(5)            # it stops its session's processes; the group is killed below in any case
     except subprocess.TimeoutExpired:
         os.killpg(head.pid, signal.SIGKILL)
         head.wait(60)
