@@ -317,22 +317,31 @@ def _wait_progress(q, rank, buckets, others):
             others.append(msg)
 
 
-@pytest.mark.integration
-@pytest.mark.parametrize("marked", [True, False], ids=["marked-gone", "unnoticed"])
-def test_a_receiver_killed_mid_transfer_breaks_only_its_own_pair(marked):
-    # unnoticed: nobody marks it; the sender gives up on it after its timeout (short here), the others wait longer
-    rendezvous, transfer, q, procs = _start("kill", timeout_s=120.0 if marked else 15.0)
+def _kill_mid_transfer(timeout_s: float, member: int, progress: tuple, mark: bool):
+    """Start a transfer, SIGKILL ``member`` once member ``progress[0]`` has ``progress[1]`` buckets, mark it gone at
+    the rendezvous if ``mark`` (as the driver does for a death it sees), and collect every other member's last
+    message. Returns (the transfer, the messages by (kind, rank), the kill's time)."""
+    rendezvous, transfer, q, procs = _start("kill", timeout_s=timeout_s)
     others: list = []
     try:
-        _wait_progress(q, 2, 1, others)
-        os.kill(procs[2].pid, signal.SIGKILL)
-        if marked:
-            rendezvous.gone(transfer.tid, 2)
+        _wait_progress(q, *progress, others)
+        os.kill(procs[member].pid, signal.SIGKILL)
+        if mark:
+            assert rendezvous.started(transfer.tid)      # it had begun: the driver marks the member gone
+            rendezvous.gone(transfer.tid, member)
         t_kill = time.time()
         got = {(m[0], m[1]): m for m in others}
         got.update(_collect(q, 3 - len(others)))
     finally:
         _stop(procs)
+    return transfer, got, t_kill
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("marked", [True, False], ids=["marked-gone", "unnoticed"])
+def test_a_receiver_killed_mid_transfer_breaks_only_its_own_pair(marked):
+    # unnoticed: nobody marks it; the sender gives up on it after its timeout (short here), the others wait longer
+    transfer, got, t_kill = _kill_mid_transfer(120.0 if marked else 15.0, 2, (2, 1), marked)
     report = got[("sent", 0)][2]
     assert report["served"] == 2 and list(report["failed"]) == ["r2"], report
     for r in (1, 3):
@@ -342,18 +351,7 @@ def test_a_receiver_killed_mid_transfer_breaks_only_its_own_pair(marked):
 
 @pytest.mark.integration
 def test_a_sender_killed_mid_transfer_fails_its_receivers_instead_of_hanging_them():
-    rendezvous, transfer, q, procs = _start("kill")
-    others: list = []
-    try:
-        _wait_progress(q, 1, 1, others)
-        os.kill(procs[0].pid, signal.SIGKILL)
-        assert rendezvous.started(transfer.tid)          # it had begun: the driver marks it gone
-        rendezvous.gone(transfer.tid, 0)
-        t_kill = time.time()
-        got = {(m[0], m[1]): m for m in others}
-        got.update(_collect(q, 3 - len(others)))
-    finally:
-        _stop(procs)
+    _, got, t_kill = _kill_mid_transfer(120.0, 0, (1, 1), True)
     # each receiver either had every bucket before the kill or raises; none waits out the 120 s timeout
     errors = [r for r in (1, 2, 3) if ("error", r) in got]
     assert 1 in errors, got.keys()
