@@ -140,12 +140,12 @@ def _batches(view) -> list:
     return [sorted(ids) for _, _, ids in view.batches]
 
 
-def _same_weights(a: dict, b: dict, cfg) -> float:
+def _same_weights(a: dict, b: dict, cfg) -> str:
     """Two runs of one job at s = 0 whose chunk gradients may be summed in other groupings (borrowing; restarted
-    workers): ``rounding.same_weights``. Returns the largest gap of a weight with a gradient."""
-    gap, gap_tol, noise, noise_tol = rounding.same_weights(a, b, cfg.rl.lr, STEPS)
-    assert gap <= gap_tol and noise <= noise_tol, (gap, gap_tol, noise, noise_tol)
-    return gap
+    workers): ``rounding.same_weights``. Returns how far apart they are, in words."""
+    gap = rounding.same_weights(a, b, cfg.rl.lr, STEPS)
+    assert gap.ok, str(gap)
+    return str(gap)
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def test_killing_any_worker_at_any_moment_loses_nothing(model_dir, kept_workers,
         assert _batches(res.view) == _batches(ref.view), "other prompt groups trained"
         diff = _same_weights(res.weights, ref.weights, cfg)
     print(f"chaos seed {seed} s={staleness}: kills {chaos.kills}; samples {s['samples']}; "
-          f"max |weight - fault-free weight| {diff}")
+          f"weights against the fault-free run's: {diff}")
 
 
 def _cli(*args, env, **kwargs):
@@ -236,10 +236,9 @@ def test_a_killed_driver_resumes_from_its_checkpoint_as_if_never_stopped(model_d
     resumed, straight = checkpoints.find(folder), checkpoints.Checkpoint.open(ref_folder / "step-000006")
     assert resumed.step == 6
     assert _batches(resumed.control().coordinator.view()) == _batches(straight.control().coordinator.view())
-    gap, gap_tol, noise, noise_tol = rounding.same_weights(resumed.trainer_weights(), straight.trainer_weights(),
-                                                           job(0.0).rl.lr, 6)
-    print(f"3 + 3 resumed steps against 6 straight: max |weight difference| {gap} (noise-only {noise})")
-    assert gap <= gap_tol and noise <= noise_tol, (gap, gap_tol, noise, noise_tol)
+    gap = rounding.same_weights(resumed.trainer_weights(), straight.trainer_weights(), job(0.0).rl.lr, 6)
+    print(f"3 + 3 resumed steps against 6 straight: {gap}")
+    assert gap.ok, str(gap)
     # the resumed run's own outputs number the steps 0-5: its log continues the first run's
     from bidirl.results.trace import EventLog
     from bidirl.results.tracking import EVENTS_FILE, METRICS_FILE

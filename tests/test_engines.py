@@ -514,8 +514,8 @@ def test_dp2_over_gloo_matches_dp1(model_dir, tmp_path):
     for r in ranks:
         torch.testing.assert_close(r["grad"], ref["grad"], atol=atol, rtol=0)
     assert ranks[1]["state"] == {}                 # the gathered weights go to rank 0 only
-    signal, signal_tol, noise, noise_tol = rounding.same_weights(ranks[0]["state"], ref["state"], lr=1e-3, steps=1)
-    assert signal <= signal_tol and noise <= noise_tol, (signal, signal_tol, noise, noise_tol)
+    gap = rounding.same_weights(ranks[0]["state"], ref["state"], lr=1e-3, steps=1)
+    assert gap.ok, str(gap)
     assert any(not torch.equal(ranks[0]["state"][k], v) for k, v in TrainerEngine(model_dir).state_dict().items())
 
 

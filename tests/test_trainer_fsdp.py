@@ -23,14 +23,13 @@ Tolerances (fp32), each derived from the arithmetic (``_fp32_bounds``), none fro
   residual blocks, gain ≈ 1), ρ = λ·u·Σ√n_i over that path; the two runs differ by ≤ 2ρ·Z for a logit of
   magnitude Z, and a log-prob (z_y − logsumexp z) by ≤ 2·2ρ·Z_max. A gradient's path is the forward, its
   transpose and the reduction over the batch's tokens; its norm sums N squares (λ·√N·u more).
-- weights, against the unsharded trainer's own three steps: an AdamW step moves a weight by lr·m̂/(√v̂+ε), |m̂/√v̂|
-  ≤ 1 in these first steps (Kingma & Ba §2.1), so rounding cannot move any weight by more than 2·lr per step,
-  while it changes the update of a weight whose gradient is far above its rounding noise by ≈ lr·δg/|g|. The
-  attention key biases have an exact gradient of zero (softmax ignores a shift shared by all keys): pure noise, the
-  2·lr·steps worst case is all one can bound. Every other weight must stay within ``SIGNAL_WEIGHT_FRACTION`` = 5 %
-  of lr (5e-5): a wrong gradient (a chunk lost or doubled, a share dealt twice) moves weights by about lr. Measured:
-  ≤ 4.2e-6 (AMD EPYC, AVX2) and ≤ 2.4e-5 (Intel Xeon, AVX-512/AMX: near-zero gradients of a few weights round
-  differently), inside it on both.
+- weights, against the unsharded trainer's own steps: as two runs of one job (``rounding.same_weights``). An
+  AdamW step moves a weight by lr·m̂/(√v̂+ε), at most κ·lr (Kingma & Ba §2.1), and rounding changes the update of
+  a weight whose gradient is far above its rounding noise by ≈ lr·δg/|g|; a weight whose gradient lies within
+  rounding of zero may flip sign and move by up to 2·lr — a per-weight bound below Adam's own step would be a
+  coin toss on those few (seen: 2.4e-5 on an Intel Xeon with AVX-512/AMX, 4.2e-6 on an AMD EPYC). So at most 1 %
+  of the weights may differ by more than lr/3 (rounding flips ≲ 1e-4 of them; a chunk lost or doubled, a share
+  dealt twice, tens of percent) and none by more than 2·κ·lr·steps.
 
 bf16-mixed (bf16 compute, fp32 master weights and AdamW state): log-probs of the same weights within
 0.05 + 2**-6·|log-prob| of fp32 — a bf16 value carries 8 significant bits, so one rounding of a log-prob near −10
@@ -62,8 +61,6 @@ STEPS = 3
 CHUNKS = ((0, 4), (4, 7), (7, 8))        # update chunks of a step: uneven, the last leaves a rank empty
 AUX_CHUNK = 1                            # this chunk's gradient travels unsharded, as an auxiliary gang's does
 LR = 1e-3
-SIGNAL_WEIGHT_FRACTION = 0.05            # of lr, for weights with a real gradient (see the module docstring)
-NOISE_ONLY = ".self_attn.k_proj.bias"    # parameters whose exact gradient is zero (see the module docstring)
 BF16_LOGPROB_TOL = 0.05
 BF16_LOGPROB_RTOL = 2.0 ** -6
 BF16_MIN_COSINE = 0.98
@@ -258,22 +255,20 @@ def test_fsdp2_gang_matches_the_unsharded_trainer_after_three_steps(model_dir, t
     assert all(r["states"][0] == {} for r in ranks[1:]), "only rank 0 receives the gathered weights"
     start = TrainerEngine(model_dir).state_dict()
     # the gang's log-probs and norm of step t are of the weights it held before step t's update
-    rounding = _in_own_process(tmp_path, _rounding_reference, str(model_dir), [start] + r0["states"][:-1])
-    assert rounding["threads"] == 1
+    redo = _in_own_process(tmp_path, _rounding_reference, str(model_dir), [start] + r0["states"][:-1])
+    assert redo["threads"] == 1
     samples = _samples(model_dir)
     for step in range(STEPS):
-        logprob_tol, norm_rtol = _fp32_bounds(model_dir, samples, rounding["max_logit"][step])
+        logprob_tol, norm_rtol = _fp32_bounds(model_dir, samples, redo["max_logit"][step])
         for r in ranks:
-            assert r["norms"][step] == pytest.approx(rounding["norms"][step], rel=norm_rtol)
+            assert r["norms"][step] == pytest.approx(redo["norms"][step], rel=norm_rtol)
             for k, lp in r["logprobs"][step].items():
-                torch.testing.assert_close(lp, rounding["logprobs"][step][k], atol=logprob_tol, rtol=0)
+                torch.testing.assert_close(lp, redo["logprobs"][step][k], atol=logprob_tol, rtol=0)
         covered = set().union(*(r["logprobs"][step] for r in ranks))
         assert covered == set(range(8))
         state = r0["states"][step]
-        signal = [k for k in state if not k.endswith(NOISE_ONLY)]
-        diff = _max_weight_diff(state, reference["states"][step], signal)
-        assert diff <= SIGNAL_WEIGHT_FRACTION * LR, (step, diff)
-        assert _max_weight_diff(state, reference["states"][step]) <= 2 * LR * (step + 1), step
+        gap = rounding.same_weights(state, reference["states"][step], LR, step + 1)
+        assert gap.ok, (step, str(gap))
     # the weights moved, and a step's offload freed the rank's (sharded) state and onload restored it exactly
     assert _max_weight_diff(r0["states"][-1], start) > 1e-4
     for r in ranks:
