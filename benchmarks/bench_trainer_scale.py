@@ -16,9 +16,13 @@ CUDA, fp32 on CPU). Per micro-batch of ``MB`` samples of ``P`` prompt + ``R`` re
 * ``offload`` / ``onload`` — the engine's weights + AdamW state moved out and back (second switch: what a
   steady-state hot switch pays), with the bytes moved and GB/s;
 * ``peak_device_gb`` — peak device memory of an update micro-batch (CUDA only);
-* ``object_store_*`` — bytes the engine driver puts into Ray's object store per optimizer step (the recovery
-  snapshot) and per auxiliary chunk on the Ray gradient path: the sizes of the objects those engine calls return
-  (an engine-level count, not a driver run).
+* ``snapshot_*`` — the recovery snapshot a primary rank writes every ``recovery.snapshot_every`` steps: the copy
+  the gang waits for (``snapshot_copy``), the background write to local disk (``snapshot_write``) and its size;
+  nothing of it goes through Ray's object store;
+* ``window_*`` — C_grad for one rank pair: an auxiliary rank's window (its gradient shard, fp32) sent to a primary
+  rank over the transport (:func:`bidirl.cluster.engines.bridge.send_shard` / ``receive_shard``, gloo through
+  the host here: both ends in this process), seconds and GB/s. The bytes a whole run puts into Ray's object store
+  by kind are counted driver-level by ``bench weight_sync`` (``benchmarks/weight_sync.md``).
 
 ``--size``: ``tiny`` (seconds on CPU), ``small`` (about a minute on CPU; the figures in
 ``benchmarks/trainer_scale.md``), ``4b`` / ``8b`` (Qwen3-4B / -8B shapes; a GPU). With ``BIDIRL_TRAINER_SCALE_OUT``
@@ -166,13 +170,12 @@ def measure(size: str = "small", reps: int = 3, out: str = None) -> dict:
         fig["apply"] = time.perf_counter() - t
         del grads
 
-        # what the engine driver puts into Ray's object store per optimizer step (the recovery snapshot: rank 0's
-        # full weights + this rank's weights and AdamW shard) and per auxiliary chunk on the Ray path (the
-        # gathered fp32 gradient); engine-level counts of the objects those calls return
-        snap = eng.train_state_shard()
-        fig["object_store_snapshot_gb_per_step"] = (_nbytes(snap) + _nbytes(eng.state_dict())) / 2**30
-        fig["object_store_grad_gb_per_aux_chunk"] = eng.numel * 4 / 2**30
-        del snap
+        # the recovery snapshot: the copy the gang waits for, the write to local disk beside it
+        with tempfile.TemporaryDirectory() as snapshots:
+            fig["snapshot_copy"] = eng.save_snapshot(snapshots, eng.version)
+            written = eng.flush_snapshot()
+        fig["snapshot_write"], fig["snapshot_gb"] = written["seconds"], written["bytes"] / 2**30
+        fig.update(_window_transfer(eng.local_numel, device))
         nbytes = eng.state_bytes()
         fig["state_gb"] = nbytes / 2**30
         for k in range(2):           # the second switch is the steady state (buffers exist by then, if kept)
@@ -187,15 +190,30 @@ def measure(size: str = "small", reps: int = 3, out: str = None) -> dict:
     return fig
 
 
-def _nbytes(obj) -> int:
+def _window_transfer(numel: int, device: str) -> dict:
+    """C_grad of one rank pair: a window's shard of ``numel`` fp32 values from a sender thread to this thread over
+    the transport's two-rank group (a fresh rendezvous, as the engine driver opens one per window)."""
+    import threading
+
     import torch
-    if torch.is_tensor(obj):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0
+    from bidirl.cluster.engines import bridge
+    from bidirl.cluster.engines.weight_transport import DEFAULT_BUCKET_MB, Rendezvous
+
+    flat = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device)
+    rendezvous = Rendezvous("127.0.0.1")
+    times = []
+    for _ in range(3):
+        transfer = rendezvous.open(["primary/0"], 0, bridge.window_layout(numel, int(DEFAULT_BUCKET_MB * 2**20)), 120.0)
+        sender = threading.Thread(target=bridge.send_shard, args=(transfer, flat, device))
+        t = time.perf_counter()
+        sender.start()
+        got, _ = bridge.receive_shard(transfer, 1, numel, device)
+        sender.join()
+        times.append(time.perf_counter() - t)
+        rendezvous.close(transfer.tid)
+        assert torch.equal(got, flat)
+    seconds = statistics.median(times)
+    return {"window_transfer": seconds, "window_gb": numel * 4 / 2**30, "window_gbps": numel * 4 / seconds / 1e9}
 
 
 def _write_records(folder, size, device, shape, times, eng) -> None:
@@ -220,7 +238,8 @@ def _write_records(folder, size, device, shape, times, eng) -> None:
     records.save_trainer_records(folder, meta, records.records_frame(rows, "trainer"))
 
 
-UNITS = {"state_gb": "GB", "object_store_snapshot_gb_per_step": "GB", "object_store_grad_gb_per_aux_chunk": "GB", "offload_gbps": "GB/s", "onload_gbps": "GB/s", "host_rss_per_chunk_mb": "MB",
+UNITS = {"state_gb": "GB", "snapshot_gb": "GB", "window_gb": "GB", "window_gbps": "GB/s",
+         "offload_gbps": "GB/s", "onload_gbps": "GB/s", "host_rss_per_chunk_mb": "MB",
          "peak_device_gb": "GB", "peak_device_beyond_state_gb": "GB", "actor_update_over_fwd_bwd": "x",
          "params_m": "M"}
 

@@ -309,6 +309,66 @@ def test_trainer_on_rollout_pool_revoked_when_the_auxiliary_gang_dies_mid_chunk(
     assert not of(P.MergeGradients, out) and of(P.OptimizerStep, out)
 
 
+def _aux_finishes_update_chunks(c):
+    """Lend the rollout pool to the auxiliary gang and run chunks on both gangs until the auxiliary one has
+    finished an actor-update chunk; returns (the chunks live on the primary gang, the auxiliary update chunk)."""
+    (first,) = of(P.RunChunk, _consume_start(c))
+    c.handle(P.ChunkStarted(4.0, P.PRIMARY_TRAINER, first.chunk.chunk_id))
+    live = of(P.RunChunk, c.handle(P.SwitchFinished(4.1, P.ROLLOUT_POOL, P.TRAINER, 0.1))) + [first]
+    t = 4.2
+    while True:
+        # the auxiliary's chunks first; a primary one when the auxiliary waits for the next stage's segment
+        cmd = next((x for x in live if x.worker == P.AUX_TRAINER), None) or live[0]
+        live.remove(cmd)
+        c.handle(P.ChunkStarted(t, cmd.worker, cmd.chunk.chunk_id))
+        live += of(P.RunChunk, c.handle(P.ChunkFinished(t + 0.05, cmd.worker, cmd.chunk.chunk_id, 0.05)))
+        t += 0.1
+        if cmd.chunk.stage == "actor_update" and cmd.worker == P.AUX_TRAINER:
+            return live, cmd
+
+
+def test_an_auxiliary_gang_that_dies_holding_its_windows_gradients_rolls_the_step_back():
+    """§5.2: the auxiliary gang keeps its window's update gradients on its own devices until the window ends; they
+    die with it, so the step starts over with the same batch once the lost attempt's primary chunks are done."""
+    c = coordinator("tor-only")
+    live, aux_update = _aux_finishes_update_chunks(c)
+    out = c.handle(P.WorkerFailed(6.0, P.AUX_TRAINER, "actor died"))
+    assert c.view().phase == "rolling_back" and not of(P.StartStep, out)
+    assert of(P.Switch, out) == [P.Switch(P.ROLLOUT_POOL, P.ROLLOUT, TOR, "out", 0.1, 0)]
+    primary = [x for x in live if x.worker == P.PRIMARY_TRAINER]
+    assert primary, "a primary chunk of the lost attempt is still running"
+    out = []
+    for k, cmd in enumerate(primary):              # the lost attempt's primary chunks finish first
+        c.handle(P.ChunkStarted(6.1 + k, cmd.worker, cmd.chunk.chunk_id))
+        out = c.handle(P.ChunkFinished(6.2 + k, cmd.worker, cmd.chunk.chunk_id, 0.05))
+    (again,) = of(P.StartStep, out)
+    assert again.step == 0 and [g.group_id for g in again.groups] == [0, 1, 2, 3]
+    ran, out = _finish_on_primaries(c, of(P.RunChunk, out), t=9.0)
+    assert aux_update.chunk.chunk_id not in {ch.chunk_id for ch in ran}
+    assert sorted(s for ch in ran if ch.stage == "actor_update" for s in ch.samples) == \
+        sorted((g, i) for g in range(4) for i in range(2)), "every sample's update once, in the new attempt"
+    assert not of(P.MergeGradients, out) and of(P.OptimizerStep, out)
+
+
+def test_an_auxiliary_gang_that_dies_after_handing_its_window_over_loses_nothing():
+    c = coordinator("tor-only")
+    live, _ = _aux_finishes_update_chunks(c)
+    sent, t = [], 6.0                              # every chunk of the step runs: the window ends
+    while live:
+        cmd = live.pop(0)
+        c.handle(P.ChunkStarted(t, cmd.worker, cmd.chunk.chunk_id))
+        out = c.handle(P.ChunkFinished(t + 0.05, cmd.worker, cmd.chunk.chunk_id, 0.05))
+        live += of(P.RunChunk, out)
+        sent += out
+        t += 0.1
+    assert [s.phase for s in of(P.Switch, sent)] == ["out"] and of(P.MergeGradients, sent)
+    c.handle(P.SwitchFinished(8.0, P.ROLLOUT_POOL, P.ROLLOUT, 0.1))     # it handed its window over, then left
+    out = c.handle(P.WorkerFailed(8.1, P.AUX_TRAINER, "actor died"))
+    assert c.view().phase == "finishing" and not of(P.StartStep, out)
+    (opt,) = of(P.OptimizerStep, c.handle(P.GradientsMerged(8.2, 0, 0.05)))
+    assert opt.version == 1
+
+
 def test_a_cancelled_chunk_is_pulled_again_and_every_sample_runs_once():
     c = coordinator("tor-only")
     (first,) = of(P.RunChunk, _consume_start(c))

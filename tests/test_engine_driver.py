@@ -107,9 +107,18 @@ def test_kept_workers_run_a_job_as_fresh_ones_do(model_dir, kept_workers):
 def test_borrowing_changes_where_work_runs_not_what_is_learned_and_the_reward_rises(model_dir, kept_workers):
     cfg = _borrowing_job()
     steps = 10
+    from bidirl.cluster.engines.object_store_meter import ObjectStoreMeter
     base = _run(cfg, "no-borrow", model_dir, steps, kept_workers)
-    borrow = _run(cfg, "opportunistic", model_dir, steps, kept_workers)
+    with ObjectStoreMeter() as meter:
+        borrow = _run(cfg, "opportunistic", model_dir, steps, kept_workers, kill=lambda d: meter.poll())
     a, b = _check_log(base, steps), _check_log(borrow, steps)
+    # the auxiliary gang's gradients went shard to shard, once per window: nothing of them through the object store
+    assert b["aux_gradients"]["path"] == "shard to shard" and b["aux_gradients"]["transfers"] > 0, b["aux_gradients"]
+    grads = b["aux_gradients"]
+    assert meter.store["gradients"] == 0 and meter.calls.get("receive_gradient", 0) == 0, (meter.calls, meter.store)
+    switched_back = sum(sp.kind == "switch_out" and sp.pool == "rollout_pool" for sp in borrow.log.spans)
+    assert 0 < grads["windows"] <= switched_back, (grads, switched_back)       # once per window, not per chunk
+    assert meter.calls["send_window"] == grads["windows"] * grads["senders"], (meter.calls, grads)
     # what the run is travels with it to its figures
     from bidirl.viz.gantt import TIME_AXIS_TITLES, gantt_figure
     assert borrow.provenance == b["provenance"] == "measured"

@@ -134,6 +134,13 @@ def test_another_config_is_refused_naming_the_keys_that_differ(written):
     assert "Resume with the checkpoint's config" in msg
 
 
+def test_a_run_resumes_with_other_recovery_settings(written):
+    """Where and how often the primary trainer's recovery snapshots go changes nothing the run computes."""
+    root, _, _, cfg = written
+    other = _identity(cfg.with_overrides({"recovery.snapshot_every": 3, "recovery.snapshot_dir": "/elsewhere"}))
+    assert checkpoints.find(root, other).step == 3
+
+
 def test_another_world_size_is_refused_naming_the_layout(written):
     root, _, _, cfg = written
     bigger = cfg.with_overrides({"cluster.gpus": 16, "cluster.gpus_per_node": 16, "cluster.partition": [4, 12]})

@@ -81,6 +81,9 @@ class TrainerStep:
     merge_order: list = field(default_factory=list)   # chunk ids in merge order, all segments
     merge_positions: list = field(default_factory=list)  # (segment, first unit) of each merged chunk
     aux_update_chunks: list = field(default_factory=list)
+    # auxiliary update chunks finished since the auxiliary gang last handed its window over (§5.2: it accumulates a
+    # window's gradients on its own devices and sends them once, when the window ends): lost if it dies now
+    aux_unsent: list = field(default_factory=list)
 
     def __post_init__(self):
         self.prompt_lens = [g.prompt_len for g in self.groups for _ in g.generated]
@@ -334,6 +337,7 @@ class TrainerStep:
         self.unmerged[rec.units[0]] = rec
         if rec.side == AUXILIARY and rec.chunk.stage in UPDATE_STAGES:
             self.aux_update_chunks.append(chunk_id)
+            self.aux_unsent.append(chunk_id)
         merged = []
         while self.merged_upto in self.unmerged:
             c = self.unmerged.pop(self.merged_upto)

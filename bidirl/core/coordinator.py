@@ -270,6 +270,8 @@ class Coordinator:
         lease.fire("switched")
         if not lending:
             self.idle_windows[ev.pool] += 1           # the pool is its own again: a new idle window may follow
+            if ev.pool == P.ROLLOUT_POOL and self.step is not None:
+                self.step.aux_unsent.clear()          # the auxiliary gang sent its window before it switched out
         if lending:
             if ev.pool == P.TRAINER_POOL:
                 self._start_aux_rollout()
@@ -282,6 +284,9 @@ class Coordinator:
             self._maybe_sync()
 
     def _on_GradientsMerged(self, ev: P.GradientsMerged):
+        if self.step is None or ev.step != self.step.step or self.phase is not Phase.FINISHING:
+            return                                    # a merge of an attempt rolled back meanwhile
+        self.step.aux_unsent.clear()
         self.profiler.observe_cost(TOR, "c_grad", ev.elapsed)
         self._out.append(P.OptimizerStep(self.step.step, self.trainer_version + 1, self.step.update_merge_order()))
 
@@ -343,6 +348,9 @@ class Coordinator:
           position-keyed) on the other rollouters of its pool, or on it once it is back; an auxiliary
           rollouter's lease is revoked.
         * An auxiliary trainer gang's chunks, running ones included, go back to the queue; its lease is revoked.
+          It keeps its window's update-chunk gradients on its own devices until the window ends (§5.2), so if it
+          finished one since it last handed its window over (``aux_unsent``), those are lost with it and the
+          step rolls back to its start, as for the primary gang (Table 2: a finished chunk is not recoverable).
         * The primary trainer gang keeps the step's update-chunk gradients on its ranks, so a failure mid-step
           rolls the step back to its start (:meth:`_roll_back_step`); between steps nothing is lost.
         """
@@ -361,9 +369,11 @@ class Coordinator:
             if not P.is_primary(w):
                 self._revoke(P.TRAINER_POOL)
         elif P.is_primary(w):
-            self._roll_back_step()
+            self._roll_back_step(P.PRIMARY)
         else:
-            if self.step is not None:
+            if self.step is not None and self.step.aux_unsent:
+                self._roll_back_step(P.AUXILIARY)
+            elif self.step is not None:
                 self.step.recover(P.AUXILIARY)
             self._revoke(P.ROLLOUT_POOL)
         self._after_rollout_change()
@@ -375,23 +385,24 @@ class Coordinator:
         self._after_rollout_change()
         self._schedule_chunks()
 
-    def _roll_back_step(self):
-        """The primary trainer gang failed while a step consumed its batch (or merged and applied it): the
-        gradients its ranks kept are lost, so the step starts over with the same batch once the gang is back
-        and no auxiliary chunk of the lost attempt still runs (:meth:`_restart_step`). The auxiliaries' lease
-        is revoked; the optimizer step never happened (``OptimizerStepped`` is sent only after it is safe)."""
+    def _roll_back_step(self, side: str):
+        """A trainer gang that held gradients of the step failed while the step consumed its batch (or merged
+        and applied it): the primary gang, or an auxiliary one with a window not handed over. Those gradients
+        are lost, so the step starts over with the same batch once the primary gang is back and no chunk of the
+        lost attempt still runs on the other gang (:meth:`_restart_step`). The auxiliaries' lease is revoked;
+        the optimizer step never happened (``OptimizerStepped`` is sent only after it is safe)."""
         step = self.step
         if step is None or self.phase not in (Phase.CONSUMING, Phase.FINISHING):
             return
         self.phase = Phase.ROLLING_BACK
         self.merge_log = [m for m in self.merge_log if m[0] != step.step]
-        step.lose(P.PRIMARY)                 # lost with the gang's processes
+        step.lose(side)                      # lost with the gang's processes
         self._revoke(P.ROLLOUT_POOL)
 
     def _restart_step(self):
         """Start a rolled-back step over: the same batch, new chunks, once the primary gang is back."""
         old = self.step
-        if P.PRIMARY_TRAINER in self.failed or old.live(P.AUXILIARY):
+        if P.PRIMARY_TRAINER in self.failed or old.live():
             return
         self.phase = Phase.CONSUMING
         self.step = self._trainer_step(old.step, list(old.groups))

@@ -186,6 +186,20 @@ class TransportConfig:
 
 
 @dataclass(frozen=True)
+class RecoveryConfig:
+    """How an engine run gets a lost primary trainer gang back (``bidirl.cluster.engines.trainer_recovery``).
+
+    Every ``snapshot_every`` optimizer steps each primary rank writes its shard of weights and AdamW state to
+    ``snapshot_dir`` on its own node's disk (default: the system's temporary folder), in the background; a
+    restarted gang reads the last complete snapshot and replays the optimizer steps since from the samples the
+    driver kept (at most ``2 · snapshot_every − 1`` steps of training, no generation). Nothing of the training
+    state goes through Ray's object store.
+    """
+    snapshot_every: int = 10
+    snapshot_dir: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """A whole job. ``model``, ``hardware`` and ``workload.dataset`` name presets in ``data/presets``;
     ``hardware`` may also be the path of a preset file (``*.yaml``, e.g. written by ``bidirl calibrate``)."""
@@ -196,6 +210,7 @@ class JobConfig:
     rl: RLConfig = field(default_factory=RLConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     seed: int = 0
 
     def __post_init__(self):
@@ -492,5 +507,8 @@ def validate(cfg: JobConfig) -> None:
     if not t.timeout_s > 0:
         raise ConfigError("transport.timeout_s", f"must be > 0 seconds, got {t.timeout_s:g}",
                           "give how long a transfer's members wait for each other, e.g. 300")
+    if cfg.recovery.snapshot_every < 1:
+        raise ConfigError("recovery.snapshot_every", f"must be ≥ 1 optimizer step, got {cfg.recovery.snapshot_every}",
+                          "give how many steps apart the primary trainer's recovery snapshots are, e.g. 10")
     if cfg.seed < 0:
         raise ConfigError("seed", f"must be ≥ 0, got {cfg.seed}", "use a non-negative integer seed")

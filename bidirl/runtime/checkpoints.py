@@ -135,10 +135,17 @@ class RunIdentity:
                 out.append(f"{key}: {getattr(self, key)!r} in the checkpoint, {getattr(run, key)!r} in this run")
         mine, theirs = _flatten(self.config), _flatten(run.config)
         for key in sorted(set(mine) | set(theirs)):
+            if key.split(".", 1)[0] in RESUMABLE_ACROSS:
+                continue
             if mine.get(key, "(absent)") != theirs.get(key, "(absent)"):
                 out.append(f"config: {key} is {_short(mine.get(key, '(absent)'))} in the checkpoint, "
                            f"{_short(theirs.get(key, '(absent)'))} in this run")
         return out
+
+
+#: config sections a run may be resumed with other values of: how the run recovers from a lost trainer (where
+#: its snapshots go, how often) changes nothing it computes
+RESUMABLE_ACROSS = ("recovery",)
 
 
 def _flatten(data: Any, prefix: str = "") -> dict:

@@ -220,11 +220,13 @@ class RolloutActor(_Timed):
                     "generated_tokens": e.generated_tokens, "offloaded": e.offloaded, "starts": self._started}
 
 
-@ray.remote(num_cpus=1, concurrency_groups={"transport": 1})
+@ray.remote(num_cpus=1, concurrency_groups={"transport": 1, "snapshot": 1})
 class TrainerActor(_Timed):
     """One trainer rank: ``TrainerEngine(**engine_kwargs)`` inside a Ray actor. Calls run one at a time in the order
-    sent, except :meth:`send_weights`, which runs on a thread of its own (concurrency group ``transport``) beside
-    them: a rollouter's weight load then never waits for the chunk the gang is running."""
+    sent, except :meth:`send_weights` and :meth:`receive_window`, which run on a thread of their own (concurrency
+    group ``transport``) beside them: a rollouter's weight load never waits for the chunk the gang is running, nor
+    an auxiliary window for the primary's; and :meth:`flush_snapshot` (group ``snapshot``), which waits for a
+    recovery snapshot's write while the gang goes on training."""
 
     def __init__(self, name: str, model_dir: str, **engine_kwargs):
         super().__init__(name)
@@ -263,9 +265,11 @@ class TrainerActor(_Timed):
                            detail={"model": model, "samples": len(samples)})
 
     # The engine driver's gradient path: a primary gang accumulates each chunk's gradient into its ranks' sharded
-    # p.grad on their devices (nothing leaves the gang, nothing goes to the host); an auxiliary gang gathers its
-    # chunk gradient unsharded and returns it as one object, which the merge moves to the primary ranks once
-    # (C_grad; each adds its shard into p.grad) and which outlives the auxiliary actor if that dies.
+    # p.grad on their devices (nothing leaves the gang, nothing goes to the host). An auxiliary gang does the same
+    # over its window and, when the window ends, each rank sends its shard to the primary ranks holding it
+    # (send_window / receive_window: C_grad, once per window, shard to shard; bidirl.cluster.engines.bridge). With
+    # transport.weights: object_store an auxiliary gang instead gathers each chunk gradient unsharded and returns
+    # it as one object, which the merge moves to the primary ranks (each adds its shard).
     @ray.method(num_returns=2)
     def chunk_gradient(self, chunk_id: int, samples: Sequence, advantages, old_logprobs, ref_logprobs=None,
                        normalizer: Optional[float] = None, keep: bool = True, give: bool = False):
@@ -297,12 +301,38 @@ class TrainerActor(_Timed):
             return int(flat.numel())
         return self._reply("grad_merge", run, detail={"chunk_id": chunk_id})
 
-    def apply_kept(self, chunk_ids_in_order: Sequence[int]) -> Reply:
-        """``apply``: the step's gradient is the chunks accumulated here plus the received ones, and it must hold
-        exactly the step's update chunks ``chunk_ids_in_order`` (one missing or one extra would change the
-        update); every kept gradient is forgotten afterwards."""
+    def shard_signature(self) -> tuple:
+        """Which elements of every parameter this rank holds (pairs the gangs' ranks for the windows)."""
+        return self.engine.shard_signature()
+
+    def send_window(self, transfer, chunk_ids: Sequence[int]) -> Reply:
+        """An auxiliary rank's window ends: send its gradient shard (``TrainerEngine.send_window``). It runs in
+        order after the window's chunks, before the switch that offloads the gang."""
+        return self._reply("grad_merge", self.engine.send_window, transfer, list(chunk_ids),
+                           detail={"chunks": list(chunk_ids), "receivers": len(transfer.receivers)})
+
+    @ray.method(concurrency_group="transport")
+    def receive_window(self, transfer, rank: int) -> Reply:
+        """A primary rank takes an auxiliary rank's window (``TrainerEngine.receive_window``) beside the chunk it
+        may be running. A transfer whose sender was lost returns ``{"failed": why}`` instead of raising: this
+        rank's state is intact, and the auxiliary gang's failure decides what happens to the step."""
+        from bidirl.cluster.engines.weight_transport import WeightTransferError
+
+        def run():
+            try:
+                return self.engine.receive_window(transfer, rank)
+            except WeightTransferError as exc:
+                return {"tid": transfer.tid, "failed": str(exc)}
+        return self._reply("grad_merge", run, detail={"tid": transfer.tid})
+
+    def apply_kept(self, chunk_ids_in_order: Sequence[int], windows: Optional[dict] = None) -> Reply:
+        """``apply``: the step's gradient is the chunks accumulated here, the received ones and the auxiliary
+        windows ``windows`` (``{transfer id: chunk ids}``), and it must hold exactly the step's update chunks
+        ``chunk_ids_in_order`` (one missing or one extra would change the update); every kept gradient is
+        forgotten afterwards."""
         want = [int(c) for c in chunk_ids_in_order]
-        have = list(self.engine.accumulated) + list(self._kept)
+        windows = {tid: [int(c) for c in ids] for tid, ids in (windows or {}).items()}
+        have = list(self.engine.accumulated) + list(self._kept) + [c for ids in windows.values() for c in ids]
         missing = sorted(set(want) - set(have))
         extra = sorted(set(have) - set(want))
         if missing or extra or len(have) != len(set(have)):
@@ -313,7 +343,7 @@ class TrainerActor(_Timed):
                                "here or received once before the optimizer step")
         grads = [self._kept[c] for c in want if c in self._kept]
         self._kept.clear()
-        return self._reply("optimizer", self.engine.apply, grads)
+        return self._reply("optimizer", self.engine.apply, grads, windows)
 
     def discard_gradients(self) -> Reply:
         """Forget the gradients kept for the next optimizer step (a step that starts over)."""
@@ -338,17 +368,17 @@ class TrainerActor(_Timed):
         return self._reply("checkpoint", self.engine.load_train_state, path, version, detail={"version": version})
 
     @ray.method(num_returns=3)
-    def snapshot(self, weights: bool = True, publish: Optional[dict] = None):
+    def snapshot(self, weights: bool = True, publish: Optional[dict] = None, shard: bool = True):
         """(Reply acknowledging the version, the full weights on rank 0 else None, this rank's training-state
-        shard). Every rank of a sharded gang must be asked (the weight gather is a collective); the caller owns
-        the returned objects, so they outlive this actor. ``weights=False`` gathers no weights (the weight
-        transport sends them); ``publish`` (``{"dtype", "keep"}``) keeps this version for it
-        (:meth:`TrainerEngine.publish`)."""
+        shard if ``shard`` else None). Every rank of a sharded gang must be asked (the weight gather is a
+        collective); the caller owns the returned objects, so they outlive this actor. ``weights=False`` gathers
+        no weights (the weight transport sends them); ``publish`` (``{"dtype", "keep"}``) keeps this version for
+        it (:meth:`TrainerEngine.publish`)."""
         start = time.time()
         full = (self.engine.state_dict() or None) if weights else None
         if publish is not None:
             self.engine.publish(self.engine.version, publish["dtype"], publish.get("keep", ()))
-        shard = self.engine.train_state_shard()
+        shard = self.engine.train_state_shard() if shard else None
         ack = Reply({"version": self.engine.version}, ({"worker": self.name, "kind": "snapshot", "start": start,
                                                         "end": time.time(), "detail": {}},))
         return ack, full, shard
@@ -369,12 +399,25 @@ class TrainerActor(_Timed):
         return self._reply("sync", self.engine.receive_weights, transfer, rank,
                            detail={"version": transfer.version, "transport": "collective"})
 
-    def load_model_shard(self, shard: dict) -> Reply:
-        """Take a primary rank's snapshot weights (an auxiliary gang while the primary gang is restarted)."""
-        return self._reply("sync", self.engine.load_model_shard, shard, detail={"version": shard.get("version"),
-                                                                               "transport": "snapshot"})
+    # Recovery snapshots on the rank's own disk (bidirl.cluster.engines.trainer_recovery)
+    def save_snapshot(self, folder: str, version: int) -> Reply:
+        return self._reply("snapshot", self.engine.save_snapshot, folder, version, detail={"version": version})
 
-    def restore(self, shard: dict) -> Reply:
-        """Take back a snapshot's shard of this rank (a restarted gang)."""
-        return self._reply("restore", self.engine.restore_train_state_shard, shard,
-                           detail={"version": shard.get("version")})
+    @ray.method(concurrency_group="snapshot")
+    def flush_snapshot(self) -> dict:
+        """Wait for the snapshot write (beside the calls that train) and report it; ``{"error": why}`` if the file
+        could not be written (a full or missing ``recovery.snapshot_dir``: the run stops and says so)."""
+        try:
+            return self.engine.flush_snapshot()
+        except OSError as exc:
+            return {"error": str(exc)}
+
+    def drop_snapshots(self, folder: str) -> None:
+        """Delete a finished run's snapshot folder on this rank's node."""
+        import shutil
+        self.engine.flush_snapshot()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def load_snapshot(self, folder: str, version: int) -> Reply:
+        return self._reply("restore", self.engine.load_snapshot, folder, version, detail={"version": version})
+

@@ -1,26 +1,33 @@
-"""Auxiliary gradients shard to shard: a ``torch.distributed`` group between two trainer gangs (C_grad, §5.2).
+"""Auxiliary gradients once per window, shard to shard (C_grad, paper §5.2, §6.2 "Cross-pool Synchronization").
 
-Trainer-on-RolloutPool (paper §5.2, Algorithm 2) pays C_grad once per borrowed window: the auxiliary gang's
-chunk gradients must reach the primary gang before its optimizer step. Here an auxiliary gang accumulates its
-window's chunks into its own sharded ``p.grad`` (as a primary does) and, when the window ends, each auxiliary
-rank sends each primary rank holding the same shard exactly that shard, over a process group of both gangs'
-ranks (gloo on CPU, NCCL on GPU); Ray carries nothing but the ids. Shard layouts match by construction: the
-planner gives both gangs replicas of the same ρ_t ranks (compatible layouts), so FSDP2 cuts every parameter the
-same way on the rank with the same index within a replica. :func:`pair_ranks` checks that from each rank's
-:func:`shard_signature` and pairs the ranks; a mismatch is a clear error, never a wrong sum.
+Trainer-on-RolloutPool (§5.2, Algorithm 2) pays C_grad once per borrowed window: the auxiliary gang's chunk
+gradients must reach the primary gang before its optimizer step. An auxiliary gang accumulates its window's
+update chunks into its own sharded ``p.grad`` on its devices (as a primary does) and, when the window ends — before
+it switches out — each auxiliary rank sends each primary rank holding the same shard exactly that shard; nothing
+goes through the host (on GPU) or Ray, which carries the ids and the rendezvous only. Shard layouts match by
+construction: the planner gives both gangs replicas of the same ρ_t ranks (compatible layouts), so FSDP2 cuts
+every parameter the same way on the rank with the same index within a replica. :func:`pair_ranks` checks that
+from each rank's :func:`shard_signature`; a mismatch is a clear error, never a wrong sum.
 
-The group is standalone (its own ``TCPStore`` and ``ProcessGroupGloo`` / ``ProcessGroupNCCL``), beside each
-gang's default group, so neither gang's FSDP2 collectives are disturbed. Bridge ranks: the primary gang's ranks
-first (``0 … P−1``), then the auxiliary gang's (``P … P+A−1``).
+Each window is one transfer per auxiliary rank over the weight transport's machinery
+(:mod:`bidirl.cluster.engines.weight_transport`): a fresh rendezvous with the live primary ranks it serves, a
+two-rank group per pair (gloo on CPU, NCCL between GPUs), the shard in buckets (:func:`window_layout`), and waits
+that poll the rendezvous where the driver marks members it saw die. A long-lived group of both gangs would have
+been formed once, but one dead member stalls every collective on it until a timeout; a transfer per window
+confines a death to its own pairs and costs one rendezvous per window (milliseconds on gloo; NCCL's pair set-up on
+GPU is part of the measured C_grad). A primary rank keeps the received shard beside its own gradient until the
+optimizer step (:meth:`~bidirl.cluster.engines.trainer.TrainerEngine.apply`), so a transfer that breaks off leaves
+its gradient untouched.
 """
 
 from __future__ import annotations
 
-import datetime
+import time
 from typing import Optional, Sequence
 
 import torch
 
+from bidirl.cluster.engines import weight_transport as wt
 from bidirl.errors import BidirlError
 
 
@@ -58,42 +65,55 @@ def pair_ranks(primary: Sequence[tuple], auxiliary: Sequence[tuple]) -> dict:
     return pairs
 
 
-class GradientBridge:
-    """This process's end of the group between the gangs: ``rank`` of ``world`` rendezvousing at ``addr``."""
+#: a window's gradient travels in fp32 (the primary sums it into fp32 master gradients)
+WIRE_DTYPE = "float32"
 
-    def __init__(self, rank: int, world: int, addr: str, device: torch.device, timeout_s: float = 1800.0):
-        import torch.distributed as dist
 
-        if ":" not in addr:
-            raise BridgeError(f"GradientBridge: addr must be 'host:port', got {addr!r}")
-        if not 0 <= rank < world:
-            raise BridgeError(f"GradientBridge: rank must be in [0, world), got rank={rank}, world={world}")
-        host, port = addr.rsplit(":", 1)
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, int(port), world, rank == 0, timeout=timeout)
-        self.device = torch.device(device)
-        if self.device.type == "cuda":     # GPU-only branch: NCCL point-to-point between the gangs' GPUs
-            self.group = dist.ProcessGroupNCCL(dist.PrefixStore("bidirl-bridge", store), rank, world)
-        else:
-            self.group = dist.ProcessGroupGloo(dist.PrefixStore("bidirl-bridge", store), rank, world, timeout)
-        self.rank, self.world = rank, world
-        self.sent = self.received = 0          # transfers (one per rank pair and window)
-        self.bytes = 0
+def window_layout(numel: int, bucket_bytes: int) -> wt.BucketLayout:
+    """A shard vector of ``numel`` fp32 values as a transport layout: pieces ``grad/<offset>`` of at most
+    ``bucket_bytes`` each, one per bucket, so neither end holds more than a bucket in flight beyond the shard."""
+    per = max(1, int(bucket_bytes) // torch.float32.itemsize)
+    pieces = [(f"grad/{o}", (min(per, numel - o),)) for o in range(0, numel, per)] or [("grad/0", (0,))]
+    return wt.BucketLayout.plan(pieces, WIRE_DTYPE, max(int(bucket_bytes), torch.float32.itemsize))
 
-    def send(self, flat: torch.Tensor, dst: int) -> None:
-        self.group.send([flat], dst, 0).wait()
-        self.sent += 1
-        self.bytes += flat.numel() * flat.element_size()
 
-    def recv(self, numel: int, src: int, dtype=torch.float32) -> torch.Tensor:
-        out = torch.empty(numel, dtype=dtype, device=self.device)
-        self.group.recv([out], src, 0).wait()
-        self.received += 1
-        self.bytes += out.numel() * out.element_size()
-        return out
+def send_shard(transfer: wt.Transfer, flat: torch.Tensor, device) -> dict:
+    """Send this auxiliary rank's shard vector ``flat`` to every receiver of ``transfer`` (the primary ranks that
+    hold the same shard), bucket by bucket; a receiver that fails is dropped, the others are served."""
+    sender = wt.Sender(transfer, device)
+    t0 = time.monotonic()
+    sender.connect()
+    posted = None
+    for i, bucket in enumerate(transfer.layout.buckets):
+        slot = bucket[0]
+        start = int(slot.name.split("/", 1)[1])
+        piece = flat.narrow(0, start, slot.numel)
+        if posted is not None:
+            sender.complete(posted)
+        posted = sender.post(i, piece) if sender.live else None
+    if posted is not None:
+        sender.complete(posted)
+    return dict(sender.close(), seconds=time.monotonic() - t0)
 
-    def close(self) -> None:
-        self.group = None
+
+def receive_shard(transfer: wt.Transfer, rank: int, numel: int, device) -> tuple:
+    """Receive an auxiliary rank's shard vector (``numel`` fp32 values) as member ``rank`` of ``transfer``; returns
+    (the vector on ``device``, the receiver's report). Raises ``WeightTransferError`` if the sender fails: nothing
+    was added anywhere."""
+    layout = transfer.layout
+    receiver = wt.Receiver(transfer, rank, device)
+    sent = sum(layout.bucket_numel(i) for i in range(len(layout.buckets)))
+    if sent != numel:
+        receiver.abandon("its shard differs in size")
+        raise BridgeError(f"receive_window: the auxiliary rank sends a shard of {sent} values, this primary rank "
+                          f"holds {numel}: the gangs' layouts differ; give both gangs the same ranks per replica "
+                          "(the planner's compatible layouts, Topology.trainer_layout)")
+    receiver.connect()
+    out = torch.empty(numel, dtype=torch.float32, device=device)
+    for name, piece in receiver.items():
+        start = int(name.split("/", 1)[1])
+        out.narrow(0, start, piece.numel()).copy_(piece)
+    return out, receiver.close()
 
 
 def check_window(accumulated: Sequence, chunk_ids: Optional[Sequence], who: str) -> list:

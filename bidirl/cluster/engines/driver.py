@@ -34,11 +34,16 @@ How each command runs:
   GRPO advantages.
 * ``RunChunk`` — each rank (device) of the gang takes ``per_device`` samples of the chunk: ``old_logprob`` /
   ``ref_logprob`` recompute log-probs, ``actor_update`` computes the chunk's GRPO gradient (step-level
-  group-normalised advantages and loss normaliser), summed over the gang by FSDP2. Each rank of a primary
-  gang keeps its shard; an auxiliary gang gathers it and returns it, unsharded, as one object.
-* ``MergeGradients`` — the auxiliary chunks' gradients are moved to every primary rank (measured: C_grad);
-  ``OptimizerStep`` — each primary rank sums all update-chunk gradients in the original chunk order and
-  takes one AdamW step, so where a chunk ran never changes the update (§6.3).
+  group-normalised advantages and loss normaliser), summed over the gang by FSDP2. Each rank keeps its shard
+  in ``p.grad`` on its device, on an auxiliary gang too: when its window ends (the rollout pool switches back,
+  before the gang is offloaded) each auxiliary rank sends its shard to the primary ranks holding it, one
+  transfer per rank pair over the weight transport's machinery (:mod:`.gradient_windows`; measured: C_grad).
+  With ``transport.weights: object_store`` an auxiliary gang instead gathers each chunk gradient and returns
+  it, unsharded, as one object.
+* ``MergeGradients`` — waits for windows still in flight (or moves the object-store gradients to every primary
+  rank); ``OptimizerStep`` — each primary rank sums all update-chunk gradients and windows and takes one AdamW
+  step; the sum equals the in-order sum up to fp32 summation order, so where a chunk ran never changes the
+  update (§6.3).
 * ``SyncWeights`` — the primary gang sends the new version to the target rollouters over the weight transport
   (:mod:`bidirl.cluster.engines.weight_sync`: buckets in the rollout dtype over a ``torch.distributed`` group per
   transfer, loaded in place by vLLM; Ray carries only metadata), or with ``transport.weights: object_store``
@@ -69,6 +74,8 @@ from typing import Optional
 
 import numpy as np
 
+from bidirl.cluster.engines.gradient_windows import GradientWindows
+from bidirl.cluster.engines.trainer_recovery import TrainerRecovery
 from bidirl.cluster.engines.weight_sync import WeightSync
 from bidirl.cluster.pool import ClusterError, PoolDriver, root_cause
 from bidirl.core import protocol as P
@@ -91,14 +98,6 @@ class StepData:
     old: list
     ref: list
     stats: list = field(default_factory=list)     # loss statistics of each update-chunk share
-
-
-@dataclass(frozen=True)
-class TrainerSnapshot:
-    """The primary gang's state after its last optimizer step, as Ray objects the driver owns (they outlive the
-    ranks): each rank's shard of weights and AdamW state. A restarted gang takes it back (:meth:`EngineDriver._restore`)."""
-    version: int
-    shards: tuple               # object refs, one per rank, in rank order
 
 
 @dataclass
@@ -155,11 +154,12 @@ class EngineDriver(PoolDriver):
         self.step_data: Optional[StepData] = None
         self.aux_grads: dict = {}         # chunk id -> object ref of an auxiliary chunk's gradient
         self.step_stats: list = []
-        self.trainer_state: Optional[TrainerSnapshot] = None    # None: version 0, the model folder's weights
         self.final_weights = None
         self._resource_name: Optional[str] = None
         t = cfg.transport
         self.sync = WeightSync(self, t.weights, t.bucket_mb, t.timeout_s, lambda: self.rollout)
+        self.windows = GradientWindows(self, self.sync.bucket_bytes, t.timeout_s)
+        self.recovery = TrainerRecovery(self, cfg.recovery.snapshot_every, cfg.recovery.snapshot_dir)
 
     def _prompts_and_reward(self):
         """Which prompt each group gets (``workload.data_file`` or the arithmetic task) and the reward function
@@ -309,10 +309,11 @@ class EngineDriver(PoolDriver):
         self.period.pop(worker, None)
         self.r_report.pop(worker, None)          # a fresh process numbers its reports afresh
         self.sync.member_lost(worker)
+        self.windows.member_lost(worker)
 
     def _restore(self, worker: str, then) -> None:
-        """A fresh worker: ready; a gang forms its process group; the primary trainer takes back its weights and
-        optimizer state (the snapshot of its last optimizer step, or the resumed checkpoint's); then it is
+        """A fresh worker: ready; a gang forms its process group; the primary trainer gets back the version the lost
+        gang held (its recovery point and the steps since, replayed: :mod:`.trainer_recovery`); then it is
         offloaded or onloaded as its pool's lease has it (``passive``). Rollouters and the auxiliary gang keep
         the model folder's weights until their next command loads the version it needs."""
         handles = self._handles(worker)
@@ -328,18 +329,13 @@ class EngineDriver(PoolDriver):
             self._when_all([(worker, getattr(a, method).remote()) for a in handles], lambda _: settle(want))
 
         def state():
-            snap = self.trainer_state
             if worker != PRIMARY_TRAINER:
                 settle()
                 return
-            if snap is None:
-                self.sync.publish(handles, 0)
-                settle()
-                return
-            self.versions[worker] = snap.version
-            self._when_all([(worker, r.restore.remote(shard)) for r, shard in zip(handles, snap.shards)],
-                           lambda _: settle())
-            self.sync.publish(handles, snap.version)     # after the restore on each rank (calls run in order)
+            calls, version = self.recovery.restore_calls(handles)
+            self.versions[worker] = version
+            self._when_all([(worker, c) for c in calls], lambda _: settle())
+            self.sync.publish(handles, version)          # after the replay on each rank (calls run in order)
 
         def join(_ready):
             if worker not in self.gangs or len(handles) < 2:
@@ -355,7 +351,7 @@ class EngineDriver(PoolDriver):
 
     def _resume_workers(self) -> None:
         """A resumed run: every rank of the primary gang loads the checkpoint's trainer state (sharded as written),
-        then the snapshot recovery and the other workers' weight loads use is taken."""
+        publishes that version for the other workers' weight loads, and the checkpoint is the recovery point."""
         import ray
         found = self.resumed_from
         if found is None:
@@ -364,12 +360,13 @@ class EngineDriver(PoolDriver):
         try:
             ray.get([r.load_train_state.remote(str(found.trainer_dir), found.trainer_version) for r in ranks],
                     timeout=self.start_timeout)
-            acks, weights, shards = self._snapshot_calls()
+            acks, weights = self._version_calls()
             ray.get(acks, timeout=self.start_timeout)
         except Exception as exc:
             raise ClusterError(f"the primary trainer could not load the checkpoint {found.path}: "
                                f"{root_cause(exc)}") from None
-        self._keep_snapshot(found.trainer_version, weights, shards)
+        self._keep_version(found.trainer_version, weights)
+        self.recovery.from_checkpoint(found.trainer_dir, found.trainer_version)
 
     def _named_actors(self) -> list:
         return list(self.actors.items()) + [(f"{g}/{j}", a) for g, ranks in self.gangs.items()
@@ -426,8 +423,12 @@ class EngineDriver(PoolDriver):
         ray.get([a.offload.remote() for a in aux], timeout=self.start_timeout)
 
     def _begin(self):
+        if self.sync.collective and self.gangs[AUX_TRAINER]:
+            import ray
+            self.windows.pair(*(ray.get([r.shard_signature.remote() for r in self.gangs[g]], timeout=self.start_timeout)
+                                for g in (PRIMARY_TRAINER, AUX_TRAINER)))
         self.t0 = time.time() - self.clock_start
-        if self.trainer_state is None:       # version 0 (the model folder's) is what the primary gang publishes first
+        if self.recovery.point[0] == "model":     # version 0 (the model folder's) is what the primary gang publishes first
             self.sync.publish(self.gangs[PRIMARY_TRAINER], 0)
 
     def train_stats(self) -> list:
@@ -595,6 +596,8 @@ class EngineDriver(PoolDriver):
         import torch
 
         self.aux_grads.clear()
+        if self.sync.collective:
+            self.windows.new_attempt()
         samples = samples_from_groups(cmd.groups)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         self.step_data = StepData(
@@ -640,14 +643,19 @@ class EngineDriver(PoolDriver):
             return
 
         primary = gang == PRIMARY_TRAINER
+        # an auxiliary gang keeps its window's gradient on its devices with the transport (GradientWindows), or
+        # hands each chunk's gradient back through the object store without it
+        keep = primary or self.sync.collective
+        if not primary and keep:
+            self.windows.hold(ch.chunk_id)
         refs, grad_ref = [], None
         for rank, (r, s) in enumerate(zip(ranks, shares)):
             reply_ref, flat_ref = r.chunk_gradient.remote(
                 ch.chunk_id, [data.samples[k] for k in s], data.advantages[s] if s else [],
                 [data.old[k] for k in s], [data.ref[k] for k in s] if self.config.rl.kl_coef > 0 else None,
-                data.normalizer, keep=primary, give=not primary and rank == 0)
+                data.normalizer, keep=keep, give=not keep and rank == 0)
             refs.append((gang, reply_ref))
-            if not primary and rank == 0:
+            if not keep and rank == 0:
                 grad_ref = flat_ref
 
         def done(replies):
@@ -658,6 +666,10 @@ class EngineDriver(PoolDriver):
         self._when_all(refs, done)
 
     def do_MergeGradients(self, cmd: P.MergeGradients):
+        if self.sync.collective:             # the windows were handed over when they ended (GradientWindows)
+            self.windows.after_windows(
+                lambda: self.feed(P.GradientsMerged(self.now(), cmd.step, self.windows.seconds)))
+            return
         start = self.now()
         ranks = self.gangs[PRIMARY_TRAINER]
         grads = [(cid, self.aux_grads.pop(cid)) for cid in cmd.chunk_ids]
@@ -681,31 +693,33 @@ class EngineDriver(PoolDriver):
                                    f"{cmd.version}; a rank missed an update")
             sp = replies[0].spans[0]
             self.record_optimizer(cmd, self._wall(sp["start"]), self._wall(sp["end"]))
-            acks, weights, shards = self._snapshot_calls()
+            acks, weights = self._version_calls()
 
             def kept(_acks):
-                # the step counts once its state is safe: a gang that dies before this point rolls the step back
-                self._keep_snapshot(cmd.version, weights, shards)
+                # the step counts once the version is out (published, or gathered on the object-store path) and
+                # the driver holds what a restarted gang replays it from; a gang that dies before this point
+                # rolls the step back
+                self._keep_version(cmd.version, weights)
+                self.recovery.stepped(data, cmd.version)
                 self.step_stats.append(self._step_stats(data, out))
                 self.feed(P.OptimizerStepped(self.now(), cmd.step, cmd.version))
             self._when_all([(PRIMARY_TRAINER, a) for a in acks], kept)
-        self._when_all([(PRIMARY_TRAINER, r.apply_kept.remote(list(cmd.merge_order))) for r in ranks], done)
+        self._when_all([(PRIMARY_TRAINER, r.apply_kept.remote(list(cmd.merge_order), self.windows.windows_for(i)))
+                        for i, r in enumerate(ranks)], done)
 
-    def _snapshot_calls(self) -> tuple:
-        """Ask every primary rank for its snapshot: (acknowledgement refs, rank 0's full weights ref, shard refs).
-        The weights and shards stay in the object store, owned by the driver; only the acknowledgements are
-        fetched. With the weight transport the ranks publish the version instead of gathering the weights (the
-        weights ref is then None)."""
+    def _version_calls(self) -> tuple:
+        """Put the primary gang's new version out: (acknowledgement refs, rank 0's full weights ref). With the weight
+        transport the ranks publish it (the weights ref is then None); on the object-store path they gather the
+        full weights into the object store, owned by the driver. Only the acknowledgements are fetched."""
         publish = self.sync.snapshot_spec()
-        calls = [r.snapshot.remote(weights=publish is None, publish=publish)        # the weight gather is collective
+        calls = [r.snapshot.remote(weights=publish is None, publish=publish, shard=False)   # a collective gather
                  for r in self.gangs[PRIMARY_TRAINER]]
-        return [c[0] for c in calls], calls[0][1], tuple(c[2] for c in calls)
+        return [c[0] for c in calls], calls[0][1]
 
-    def _keep_snapshot(self, version: int, weights, shards) -> None:
+    def _keep_version(self, version: int, weights) -> None:
         self.sync.kept(version, self.versions.get(PRIMARY_TRAINER))
         self.weights[version] = weights if not self.sync.collective else None
         self.versions[PRIMARY_TRAINER] = version
-        self.trainer_state = TrainerSnapshot(version, shards)
 
     def _step_stats(self, data: StepData, update: dict) -> dict:
         """Per-step learning metrics (veRL names where the meaning is the same)."""
@@ -767,6 +781,7 @@ class EngineDriver(PoolDriver):
         passive, active = self.switch_sides(cmd)
         start = self.now()
         which = "c_in" if cmd.phase == "in" else "c_out"
+        waited = [0.0]       # seconds the load waited for a primary gang being restarted: not a switch's cost
 
         def calls(method, workers, **rollout_kwargs):
             out = []
@@ -792,22 +807,37 @@ class EngineDriver(PoolDriver):
 
         def finish():
             end = self.now()
-            self._measure((cmd.direction, which), end - start)
+            self._measure((cmd.direction, which), end - start - waited[0])
             self.record_switch(cmd, start, end)
-            self.feed(P.SwitchFinished(end, cmd.pool, cmd.to_role, end - start))
+            self.feed(P.SwitchFinished(end, cmd.pool, cmd.to_role, end - start - waited[0]))
 
         def wake():
             phase("wake", calls("onload", active, kv=False), load)
 
         def load():
-            phase("load", self._weight_loads(active, cmd.version), kv, applies=bool(active))
+            # while the primary gang (the sender) is restarted and replays its steps, the load waits for it: that
+            # wait is the failure's, and charging it to C_in would make the scheduler stop borrowing
+            restarting, t0 = PRIMARY_TRAINER in self.failed or self.sync.publishing is not None, self.now()
+
+            def loaded():
+                if restarting:
+                    waited[0] += self.now() - t0
+                kv()
+            phase("load", self._weight_loads(active, cmd.version), loaded, applies=bool(active))
 
         def kv():
             phase("kv", calls("onload", [w for w in active if w not in self.gangs]), finish)
 
-        out = calls("offload", passive)
-        self._forget_discarded(passive)
-        phase("offload", out, wake)
+        def offload():
+            nonlocal start
+            start = self.now()               # C_out from here: the window's hand-over is C_grad, measured apart
+            out = calls("offload", passive)
+            self._forget_discarded(passive)
+            phase("offload", out, wake)
+        if AUX_TRAINER in passive and self.sync.collective:
+            self.windows.send(offload)       # the window ends: its gradient goes to the primary gang first
+        else:
+            offload()
 
     # ------------------------------------------------------------------------------------------
     def shutdown(self):
@@ -827,6 +857,8 @@ class EngineDriver(PoolDriver):
             except Exception:
                 self.final_weights = None
         self.sync.shutdown()
+        self.windows.shutdown()
+        self.recovery.cleanup()
         super().shutdown()
 
     def summary(self) -> dict:
@@ -835,6 +867,10 @@ class EngineDriver(PoolDriver):
         out["startup"] = costs.pop("start", {})             # seconds to construct each kind of worker
         out["weight_sync"] = costs.pop("weight_sync", {}).get("rollout")
         out["weight_transport"] = self.sync.summary(out["weight_sync"])
+        out["recovery"] = self.recovery.summary()
+        out["aux_gradients"] = (self.windows.summary() if self.sync.collective
+                                else {"path": "object store", "windows": None, "senders": None, "transfers": None,
+                                      "bytes": None})
         out["emulated"] = False
         out["reward"] = [s["reward"] for s in self.step_stats]
         out["train"] = list(self.step_stats)

@@ -29,13 +29,14 @@ gang). Parameters, gradients and optimizer state are sharded; a forward all-gath
 block by block. Gradients are reduced as a **sum** (divide factor 1: the GRPO loss is already normalised by
 the step's token count), so after a chunk every rank holds its shard of the gang's chunk gradient:
 :class:`ChunkGradient` ``.flat`` is that shard (the whole gradient on an unsharded engine).
-:meth:`full_gradient` gathers a shard vector into the full gradient (a gang collective: how an auxiliary
-gang's gradient leaves it once) and :meth:`local_gradient` cuts a rank's shard out of a full one (how a
-primary rank keeps a received gradient); :meth:`apply` accepts either. Every call that runs the model is a
-collective of the gang's replica — a rank with no samples still joins with an empty share
-(:func:`forward_ranks`) — and a chunk gradient one of the whole gang (:func:`rank_shares` deals a chunk's
-samples to the ranks). :meth:`send_window` / :meth:`receive_window` move an auxiliary gang's accumulated window
-shard to shard to the primary gang (:mod:`bidirl.cluster.engines.bridge`).
+:meth:`send_window` / :meth:`receive_window` move an auxiliary gang's accumulated window shard to shard to the
+primary gang (:mod:`bidirl.cluster.engines.bridge`), where it waits beside ``p.grad`` until :meth:`apply` adds it.
+Without the weight transport (``transport.weights: object_store``) :meth:`full_gradient` gathers a shard vector
+into the full gradient (a gang collective: how an auxiliary gang's chunk gradient leaves it) and
+:meth:`local_gradient` cuts a rank's shard out of a full one (how a primary rank keeps it); :meth:`apply`
+accepts either. Every call that runs the model is a collective of the gang's replica — a rank with no samples
+still joins with an empty share (:func:`forward_ranks`) — and a chunk gradient one of the whole gang
+(:func:`rank_shares` deals a chunk's samples to the ranks).
 
 **Weights.** :meth:`state_dict` gathers the full weights under the HF checkpoint's names (every rank must
 call it; rank 0 gets them, on CPU) — the weight sync to rollouters (§6.2); :meth:`load_state_dict` copies
@@ -58,7 +59,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from bidirl.cluster.engines import bridge
+from bidirl.cluster.engines import bridge, snapshot_files
 from bidirl.cluster.engines.host_buffer import HostStash
 from bidirl.cluster.engines.logprob import DEFAULT_CHUNK, response_logprobs
 from bidirl.core.protocol import PRIMARY, ROLES
@@ -224,8 +225,9 @@ class TrainerEngine:
         self._group = None
         self.rank, self.world, self.replicas = 0, 1, 1
         self._reference = None
-        self.bridge = None                # the group to the other trainer gang (join_bridge)
+        self.windows: dict = {}           # transfer id -> an auxiliary window's gradient shard (receive_window)
         self._host = HostStash()         # offload's host buffer: allocated once, reused by every switch
+        self._snapshots = snapshot_files.SnapshotWriter()    # recovery snapshots on this node's disk (save_snapshot)
         self.published: dict = {}         # actor version -> {name: (shard in the wire dtype, rows or None)}
         self._transport_group = None      # the gang's second group, for the weight transport's gathers
         self.accumulated: list = []       # chunk gradients accumulated into p.grad since the last step (their ids)
@@ -480,6 +482,7 @@ class TrainerEngine:
         for p in self.params:
             p.grad = None
         self.accumulated = []
+        self.windows = {}
 
     def _local_grad_vector(self) -> torch.Tensor:
         """This rank's gradient shards, flattened in parameter order (zeros where a parameter got none)."""
@@ -522,13 +525,15 @@ class TrainerEngine:
             offset += n
         return torch.cat(parts)
 
-    def apply(self, grads_in_chunk_order: Iterable = ()) -> dict:
+    def apply(self, grads_in_chunk_order: Iterable = (), windows: Optional[dict] = None) -> dict:
         """Clip the step's summed gradient and take one AdamW step on the device (primary only).
 
         The sum is what the chunks accumulated into ``p.grad`` (:meth:`chunk_gradients` with ``accumulate``,
         recorded in :attr:`accumulated`) plus the given gradients, each a :class:`ChunkGradient` or a vector,
         full or this rank's shard (:meth:`local_gradient`), added left to right in the given order;
-        :class:`ChunkGradient` s whose ``flat`` is ``None`` are the accumulated ones and add nothing again.
+        :class:`ChunkGradient` s whose ``flat`` is ``None`` are the accumulated ones and add nothing again; plus
+        the auxiliary windows received under the transfer ids ``windows`` names (``{tid: its chunk ids}``,
+        :meth:`receive_window`). Windows received and not named (a lost attempt's) are dropped.
         Chunks accumulate in the order they finish, not the original chunk order: the sum equals the in-order
         sum up to fp32 summation order (each element a sum of k terms: |error| ≤ (k − 1)·2⁻²⁴·Σ|gᵢ|) — so a
         borrowed chunk never changes what the update computes beyond rounding (§6.3, Table 2). On a sharded gang
@@ -550,6 +555,13 @@ class TrainerEngine:
                 raise ValueError(f"apply: chunk gradient {count}: {exc}") from None
             total = flat.clone() if total is None else total.add_(flat)
             count += 1
+        for tid, ids in (windows or {}).items():
+            if tid not in self.windows:
+                raise ValueError(f"apply: no auxiliary window was received under transfer {tid!r} (chunks "
+                                 f"{list(ids)}); receive_window first")
+            flat = self.windows[tid]
+            total = flat.clone() if total is None else total.add_(flat)
+            count += len(ids)
         if count == 0:
             raise ValueError("apply: no chunk gradients given or accumulated")
         if total is not None:
@@ -589,42 +601,25 @@ class TrainerEngine:
         """Which elements of every parameter this rank holds (:func:`bridge.shard_signature`)."""
         return bridge.shard_signature(self.params)
 
-    def join_bridge(self, rank: int, world: int, addr: str) -> None:
-        """Join the group between the primary and an auxiliary gang (every rank of both calls it together)."""
-        self.bridge = bridge.GradientBridge(rank, world, addr, self._comm_device())
-
-    def send_window(self, dst_ranks: Sequence[int], chunk_ids: Optional[Sequence[int]] = None) -> dict:
-        """Send this rank's shard of the window's accumulated gradient (the chunks :attr:`accumulated`, which
-        must be ``chunk_ids`` when given) to each primary rank in ``dst_ranks`` — one transfer per rank pair —
-        and forget it. The shard is flattened once on the device; nothing goes through the host or Ray."""
-        if self.bridge is None:
-            raise bridge.BridgeError("send_window: join_bridge first")
+    def send_window(self, transfer, chunk_ids: Optional[Sequence[int]] = None) -> dict:
+        """Send this rank's shard of the window's accumulated gradient (the chunks :attr:`accumulated`, which must be
+        ``chunk_ids`` when given) to the primary ranks that receive ``transfer`` (:func:`bridge.send_shard`: one
+        transfer per rank pair, nothing through Ray) and forget it. The shard is flattened once on the device."""
         self._check_onloaded("send_window")
         ids = bridge.check_window(self.accumulated, chunk_ids, "send_window")
-        t0 = time.perf_counter()
         flat = self._local_grad_vector()
-        for dst in dst_ranks:
-            self.bridge.send(flat, int(dst))
+        report = bridge.send_shard(transfer, flat, self._comm_device())
         self._clear_grads()
-        return {"chunks": ids, "transfers": len(dst_ranks), "bytes": flat.numel() * 4 * len(dst_ranks),
-                "seconds": time.perf_counter() - t0}
+        return dict(report, chunks=ids)
 
-    def receive_window(self, src_rank: int, chunk_ids: Sequence[int]) -> dict:
-        """Receive an auxiliary rank's shard of its window's gradient (chunks ``chunk_ids``) and add it into this
-        rank's ``p.grad`` on the device; the chunks count as accumulated here (:meth:`apply` steps on them)."""
-        if self.bridge is None:
-            raise bridge.BridgeError("receive_window: join_bridge first")
-        self._ready("receive_window")
-        ids = [int(c) for c in chunk_ids]
-        if set(ids) & set(self.accumulated):
-            raise bridge.BridgeError(f"receive_window: chunks {sorted(set(ids) & set(self.accumulated))} are "
-                                     "accumulated here already; a chunk counts once")
-        t0 = time.perf_counter()
-        flat = self.bridge.recv(self.local_numel, int(src_rank))
-        with torch.no_grad():
-            self._add_to_grads(flat)
-        self.accumulated += ids
-        return {"chunks": ids, "bytes": flat.numel() * 4, "seconds": time.perf_counter() - t0}
+    def receive_window(self, transfer, rank: int) -> dict:
+        """Receive an auxiliary rank's shard of its window's gradient as member ``rank`` of ``transfer`` and keep it
+        under ``transfer.tid`` beside this rank's ``p.grad`` (:meth:`apply` adds the windows it is given). It runs
+        beside a chunk in flight: nothing the chunk touches is changed, and a transfer that breaks off (raising
+        ``WeightTransferError``) leaves the step's gradient as it was."""
+        flat, report = bridge.receive_shard(transfer, rank, self.local_numel, self._comm_device())
+        self.windows[transfer.tid] = flat
+        return dict(report, tid=transfer.tid)
 
     def _clip_gradients(self) -> float:
         """The global L2 norm of the summed gradient (before clipping); clips to ``max_grad_norm`` if set."""
@@ -907,6 +902,25 @@ class TrainerEngine:
         return {"version": self.version,
                 "state": _tree_map(state, lambda t: _local(t).detach().to("cpu", copy=True))}
 
+    def save_snapshot(self, folder: Union[str, Path], version: int) -> float:
+        """Copy this rank's training state (:meth:`train_state_shard`) and write it to ``folder`` on this node's disk
+        in the background (:mod:`bidirl.cluster.engines.snapshot_files`); :meth:`flush_snapshot` waits for the
+        write. Returns the seconds of the copy (what the caller waits for)."""
+        if int(version) != self.version:
+            raise ValueError(f"save_snapshot: this engine holds version {self.version}, not {version}")
+        t0 = time.perf_counter()
+        self._snapshots.write(folder, self.version, self.rank, self.train_state_shard())
+        return time.perf_counter() - t0
+
+    def flush_snapshot(self) -> dict:
+        """Wait for the snapshot write in flight; its report (``version``, ``bytes``, ``seconds``), ``{}`` if none."""
+        return self._snapshots.flush()
+
+    def load_snapshot(self, folder: Union[str, Path], version: int) -> float:
+        """Take back the snapshot ``version`` this rank wrote to ``folder`` (a restarted rank of the same gang
+        layout, on the same node). Returns seconds."""
+        return self.restore_train_state_shard(snapshot_files.read(folder, version, self.rank))
+
     def restore_train_state_shard(self, shard: dict) -> float:
         """Take back what :meth:`train_state_shard` returned on the same rank of a gang of the same layout (the
         sharding comes from this engine's own parameters). Returns seconds."""
@@ -918,27 +932,6 @@ class TrainerEngine:
             raise ValueError(f"restore_train_state_shard: the shard does not fit this engine's state ({exc}); pass "
                              "train_state_shard() of the same rank of a gang with the same model and layout") from None
         self._set_train_state(state, shard["version"])
-        return time.perf_counter() - t0
-
-    def load_model_shard(self, shard: dict) -> float:
-        """Take the *weights* of a primary rank's :meth:`train_state_shard` (its ``model`` part) into this rank, which
-        must hold the same shard of every parameter (the same index within a replica of the same size: the
-        planner's compatible layouts) — how an auxiliary gang gets the current version from the recovery snapshot
-        while the primary gang, the weight transport's sender, is being restarted. Returns seconds."""
-        t0 = time.perf_counter()
-        self._ready("load_model_shard")
-        saved = shard["state"]["model"]
-        params = dict(self.model.named_parameters())
-        missing = sorted(k for k in params if k not in saved)
-        wrong = sorted(k for k, p in params.items() if k in saved and tuple(saved[k].shape) != tuple(_local(p).shape))
-        if missing or wrong:
-            raise ValueError(f"load_model_shard: the shard does not fit this rank (missing {missing[:5]}, shape "
-                             f"mismatches {wrong[:5]}); pass the shard of the primary rank with the same index in its "
-                             "replica (the gangs' layouts must match)")
-        with torch.no_grad():
-            for k, p in params.items():
-                _local(p).copy_(saved[k].to(_local(p).device, _local(p).dtype))
-        self.version = int(shard["version"])
         return time.perf_counter() - t0
 
     def _dcp_group(self):

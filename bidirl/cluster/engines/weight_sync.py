@@ -13,10 +13,9 @@ Failures (``bidirl.cluster.recovery``): a target that dies is marked gone at the
 waiting for it (it loads the version when it is back, through a transfer of its own). A receiver whose transfer
 broke off raises ``WeightTransferError``; its weights may be half the new version's, so the driver restarts it like
 a lost process (:meth:`WeightSync.is_transfer_error`). When the primary gang dies, a transfer whose sender had not
-begun is sent again by the restarted gang (which publishes the version its snapshot holds); one it had begun is
-marked broken, and its receivers restart. While the primary gang is being restarted an auxiliary gang does not wait
-for it: each rank takes its weight shards from the recovery snapshot (``TrainerSnapshot``, in the object store
-anyway: nothing new is put there); a rollouter, which would need the shards gathered, waits for the sender.
+begun is sent again by the restarted gang (which publishes the version it was restored to: its recovery point and
+the steps since, replayed, :mod:`.trainer_recovery`); one it had begun is marked broken, and its receivers restart.
+Every target, rollouter or auxiliary gang, waits for the restarted sender.
 
 ``transport.weights: object_store`` keeps the path from before the transport: rank 0 gathers the full state dict
 into Ray's object store after each step and every target deserialises its own copy. It is the fallback for a
@@ -138,25 +137,14 @@ class WeightSync:
         if PRIMARY_TRAINER in targets:
             raise ClusterError(f"the primary trainer would need actor version {version} sent to it, but it holds "
                                f"{d.versions.get(PRIMARY_TRAINER)}: it is the sender, and a restarted primary gang "
-                               "takes its weights from its snapshot")
+                               "gets its state from its recovery point and replays the steps since")
         if version not in self.published and version != self.publishing:
             raise ClusterError(f"actor version {version} must be sent to {sorted(targets)} but the primary trainer "
                                f"holds only {sorted(self.published)} for sending (it keeps the current version and "
                                "the one before; a primary trainer restarted between its optimizer step and the sync "
-                               "holds only its snapshot's) — set transport.weights: object_store to keep every "
+                               "holds only the version it was restored to) — set transport.weights: object_store to keep every "
                                "version in Ray's object store instead")
         calls = []
-        snap = d.trainer_state
-        if (PRIMARY_TRAINER in d.failed or self.publishing is not None) and snap is not None and snap.version == version:
-            # the sender is being restarted: a gang takes the version's weights from the recovery snapshot, which
-            # the object store holds anyway (a rollouter, which would need them whole, waits for the sender)
-            for w in [w for w in targets if w in d.gangs]:
-                per_replica = d.plan.envelope.trainer_layout
-                calls += [(w, r.load_model_shard.remote(snap.shards[j % per_replica]))
-                          for j, r in enumerate(d.gangs[w])]
-            targets = [w for w in targets if w not in d.gangs]
-            if not targets:
-                return calls
         members = []
         for w in targets:
             if w in d.gangs:
