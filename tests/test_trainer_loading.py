@@ -7,6 +7,8 @@ then sharded (``gang=False``, the unsharded engine's path) and one is built on t
 (tied head: one parameter for the embedding and the head) and the tiny Llama (untied head). The reference model
 (``kl_coef > 0``) is loaded the same way, and :meth:`TrainerEngine.reset` reads the shards again after the weights
 changed. Three ranks shard the tiny model's rows unevenly (32 vocabulary rows: 11, 11 and 10).
+
+Threads: a trainer in a Ray actor sets torch's thread count to the whole CPUs Ray granted it, as Ray sets OpenMP's.
 """
 
 from __future__ import annotations
@@ -122,3 +124,18 @@ def test_an_engine_built_for_a_gang_that_works_alone_loads_the_whole_model(model
     with pytest.raises(ValueError, match="TrainerEngine.gang"):
         TrainerEngine(model_dir, gang="yes")
 
+
+@pytest.mark.integration
+def test_an_actors_torch_threads_are_the_whole_cpus_ray_granted_it(ray_session):
+    ray = ray_session
+
+    @ray.remote
+    class Probe:
+        def threads(self):
+            from bidirl.cluster.engines.trainer import TrainerEngine
+            return TrainerEngine.host_threads("cuda"), int(os.environ["OMP_NUM_THREADS"])
+
+    for cpus, whole in ((2.5, 2), (0.05, 1)):          # ⌊granted⌋, at least one: what Ray gives OpenMP
+        probe = Probe.options(num_cpus=cpus).remote()
+        assert ray.get(probe.threads.remote(), timeout=120) == (whole, whole)
+        ray.kill(probe)

@@ -228,7 +228,7 @@ class EngineDriver(PoolDriver):
                 if w not in self.gangs:
                     self.versions[w] = None
 
-    def _at(self, bundle: int, share: float = 0.5, cpus: float = 0.05) -> dict:
+    def _at(self, bundle: int, share: float = 0.5, cpus: Optional[float] = None) -> dict:
         opts = super()._at(bundle, share, cpus)
         if self._resource() == "GPU":          # Ray places GPU shares through num_gpus
             opts["num_gpus"] = opts.pop("resources")["GPU"]

@@ -281,10 +281,16 @@ class TrainerEngine:
 
     @staticmethod
     def host_threads(device) -> int:
-        """``threads="auto"``: this machine's CPUs shared evenly by its GPUs on a CUDA device (a Ray actor with a
-        fractional ``num_cpus`` is otherwise left one thread for all host work: optimizer bookkeeping, copies,
-        batching), one thread on CPU (the engine's compute then owns a core, as the CPU gangs are laid out)."""
+        """``threads="auto"``: inside a Ray actor, the whole CPUs Ray granted it (at least one) — what Ray sets
+        ``OMP_NUM_THREADS`` to; on a GPU cluster the actor's half of its GPU slot's bundle, ``cluster.cpus_per_gpu``
+        (``bidirl.cluster.pool.gpu_bundle_cpus``), so host work (optimizer bookkeeping, copies, batching) is not
+        single-threaded. Outside Ray: this machine's CPUs shared evenly by its GPUs on a CUDA device, one thread on
+        CPU (the engine's compute then owns a core, as the CPU gangs are laid out)."""
         import os
+        import sys
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            return max(1, math.floor(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         if torch.device(device).type != "cuda":
             return 1
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
