@@ -43,11 +43,13 @@ from pathlib import Path
 SIZES = {
     "tiny": (2048, 64, 128, 2, 4, 2, 16, True),
     "small": (32768, 256, 768, 4, 4, 2, 64, True),
+    "medium": (32768, 768, 2048, 6, 12, 4, 64, False),     # 88 M parameters (bench_trainer_loading)
     "4b": (151936, 2560, 9728, 36, 32, 8, 128, True),
     "8b": (151936, 4096, 12288, 36, 32, 8, 128, False),
 }
 #: micro-batch per size: (samples, prompt tokens, response tokens)
-MICRO_BATCH = {"tiny": (4, 16, 32), "small": (4, 64, 256), "4b": (4, 512, 1024), "8b": (4, 512, 1024)}
+MICRO_BATCH = {"tiny": (4, 16, 32), "small": (4, 64, 256), "medium": (4, 64, 256), "4b": (4, 512, 1024),
+               "8b": (4, 512, 1024)}
 
 
 def _rss() -> int:

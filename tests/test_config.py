@@ -239,6 +239,18 @@ def test_partition_must_sum_to_budget():
            fix_contains="drop partition")
 
 
+def test_cpus_per_gpu_is_auto_or_a_positive_number():
+    assert C.load(base()).cluster.cpus_per_gpu == "auto"
+    assert C.load(base(cluster={"cpus_per_gpu": 6})).cluster.cpus_per_gpu == 6.0
+    for value in ("automatic", None, True, [8]):
+        raises(base(cluster={"cpus_per_gpu": value}), "cluster.cpus_per_gpu", contains="expected 'auto' or a number",
+               fix_contains="'auto'")
+    for value in (0, -2):
+        raises(base(cluster={"cpus_per_gpu": value}), "cluster.cpus_per_gpu", contains="> 0", fix_contains="auto")
+    with pytest.raises(ConfigError, match="cluster.cpus_per_gpu"):          # built directly: the same checks
+        JobConfig(cluster=C.ClusterConfig(cpus_per_gpu="8"))
+
+
 @pytest.mark.parametrize("side, pair", [("rollout", [0, 16]), ("trainer", [16, 0]),
                                         ("rollout", [-8, 24]), ("trainer", [24, -8])])
 def test_partition_sides_must_be_positive(side, pair):

@@ -157,3 +157,36 @@ def test_an_output_folder_holding_another_run_is_refused_before_anything_starts(
     with pytest.raises(OutputError, match="already holds a run's metrics"):
         EngineDriver(cfgmod.load("tiny-cpu"), "bidirl", 1, 0, model_dir=fresh_model, out_dir=str(tmp_path))
     assert main(["run", "tiny-cpu", "--emulate", "--out", str(tmp_path)]) == 2
+
+
+# --------------------------------------------------------------------------------------------------
+# CPUs for the workers of a GPU slot (cluster.cpus_per_gpu)
+# --------------------------------------------------------------------------------------------------
+
+def test_a_gpu_bundle_reserves_the_nodes_cpus_per_gpu():
+    from bidirl.cluster.pool import BUNDLE_CPU, RESERVED_CPUS, gpu_bundle_cpus
+    # auto: ⌊(CPUs − RESERVED_CPUS) / GPUs⌋ on the tightest GPU node; nodes without GPUs hold no bundle
+    assert gpu_bundle_cpus("auto", [(16, 1)]) == 16 - RESERVED_CPUS
+    assert gpu_bundle_cpus("auto", [(96, 8)]) == (96 - RESERVED_CPUS) // 8 == 11
+    assert gpu_bundle_cpus("auto", [(96, 8), (64, 8), (32, 0)]) == (64 - RESERVED_CPUS) // 8 == 7
+    assert gpu_bundle_cpus("auto", [(4, 8)]) == BUNDLE_CPU              # fewer CPUs than GPUs: today's small share
+    assert gpu_bundle_cpus(6.0, [(96, 8), (64, 8)]) == 6.0
+    with pytest.raises(cfgmod.ConfigError) as info:                     # 9 · 8 > 64: never placeable
+        gpu_bundle_cpus(9.0, [(96, 8), (64, 8)])
+    assert info.value.field == "cluster.cpus_per_gpu" and "at most 8" in info.value.fix
+
+
+def test_logical_slots_keep_their_small_cpu_share_and_gpu_slots_get_the_nodes_cpus(fresh_model, monkeypatch):
+    import ray
+
+    from bidirl.cluster.pool import BUNDLE_CPU
+    cpu = _driver(fresh_model, **{"cluster.cpus_per_gpu": 4})
+    cpu._resource_name = "gpu_slot"                     # engines on CPU: many actors share a 2-core machine
+    assert cpu.bundle_cpus() == BUNDLE_CPU and cpu._at(0)["num_cpus"] == BUNDLE_CPU / 2
+    gpu = _driver(fresh_model)
+    gpu._resource_name = "GPU"
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 16.0, "GPU": 1.0}},
+                                               {"Alive": False, "Resources": {"CPU": 2.0, "GPU": 1.0}}])
+    opts = gpu._at(0)
+    assert gpu.bundle_cpus() == 14 and (opts["num_cpus"], opts["num_gpus"]) == (7, 0.5)  # half a slot: half its CPUs
+    assert gpu.worker_shape()["bundle_cpus"] == 14      # kept workers started with other CPUs are not reused

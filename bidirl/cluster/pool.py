@@ -44,15 +44,36 @@ from typing import Callable, Optional
 
 from bidirl.cluster.recovery import MAX_RESTARTS, Restarts
 from bidirl.core import protocol as P
-from bidirl.errors import BidirlError
+from bidirl.errors import BidirlError, ConfigError
 from bidirl.results.run_result import RunResult
 from bidirl.results.trace import EventLog
 from bidirl.runtime import checkpoints
 from bidirl.runtime.driver import Driver, RunListener, progress_bar
 
 
-#: logical CPUs each GPU slot's bundle reserves (for its workers' Ray processes)
+#: logical CPUs each logical GPU slot's bundle reserves (engines on CPU: many workers share a few cores)
 BUNDLE_CPU = 0.1
+#: CPUs of each GPU node that ``cluster.cpus_per_gpu: auto`` leaves to the driver and Ray's own processes
+RESERVED_CPUS = 2
+
+
+def gpu_bundle_cpus(setting, nodes) -> float:
+    """The logical CPUs each GPU's bundle reserves on real GPUs, for ``cluster.cpus_per_gpu`` = ``setting`` on a
+    cluster whose nodes have ``nodes`` = ``[(CPUs, GPUs), ...]`` (nodes without GPUs hold no bundle): ``"auto"`` is
+    ⌊(CPUs − RESERVED_CPUS) / GPUs⌋ on the tightest node (never below :data:`BUNDLE_CPU`); a number is taken as it
+    is if every node has that many CPUs per GPU (else a :class:`ConfigError`: the bundles could never be placed).
+    The slot's two workers (§3.2) request half each (``PoolDriver._at``); Ray sets their ``OMP_NUM_THREADS`` from
+    it, and the trainer its torch threads (``TrainerEngine.host_threads``)."""
+    nodes = [(float(c), float(g)) for c, g in nodes if g > 0]
+    if not nodes:
+        raise ValueError("gpu_bundle_cpus: no node with GPUs")
+    if setting == "auto":
+        return max(BUNDLE_CPU, min(math.floor((c - RESERVED_CPUS) / g) for c, g in nodes))
+    cpus, gpus = min(nodes, key=lambda n: n[0] / n[1])
+    if setting * gpus > cpus:
+        raise ConfigError("cluster.cpus_per_gpu", f"{setting:g} CPUs for each GPU, but a node of the cluster has "
+                          f"{cpus:g} CPUs for {gpus:g} GPUs", f"set at most {cpus / gpus:g}, or auto")
+    return float(setting)
 
 
 class ClusterError(BidirlError, RuntimeError):
@@ -243,6 +264,7 @@ class PoolDriver(Driver):
         self.measured: dict = {}          # (direction | "start" | ..., which) -> [seconds]
         self.failed: set = set()          # workers reported to the coordinator as failed
         self.pg = None
+        self._bundle_cpus: Optional[float] = None      # bundle_cpus(), read from the cluster once
         self.t0 = time.time()
         self.progress = False
         self.r_busy: dict = {}            # rollouter -> whether it holds requests
@@ -318,6 +340,16 @@ class PoolDriver(Driver):
         """``ray.init`` arguments that give an embedded local Ray its GPU slots: logical ``gpu_slot`` units."""
         return {"resources": {"gpu_slot": float(gpus)}}
 
+    def bundle_cpus(self) -> float:
+        """Logical CPUs each GPU slot's bundle reserves: ``cluster.cpus_per_gpu`` (:func:`gpu_bundle_cpus`, over
+        the connected cluster's GPU nodes) when the slots are real GPUs, :data:`BUNDLE_CPU` on logical slots."""
+        if self._bundle_cpus is None:
+            import ray
+            self._bundle_cpus = BUNDLE_CPU if self._resource() != "GPU" else gpu_bundle_cpus(
+                self.config.cluster.cpus_per_gpu,
+                [(n["Resources"].get("CPU", 0), n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")])
+        return self._bundle_cpus
+
     def _reserve(self):
         """One placement group of ``G`` bundles: ``[0, g_r)`` the rollout pool, ``[g_r, G)`` the trainer pool."""
         import ray
@@ -329,16 +361,20 @@ class PoolDriver(Driver):
         if self.workers is not None:
             self.pg = self.workers.pg
             return
-        self.pg = placement_group([{res: 1.0, "CPU": BUNDLE_CPU}] * G, strategy="PACK")
+        cpus = self.bundle_cpus()
+        self.pg = placement_group([{res: 1.0, "CPU": cpus}] * G, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=self.start_timeout)
         except Exception as exc:
-            raise ClusterError(f"could not reserve {G} GPU slots within {self.start_timeout:.0f} s ({exc}); "
-                               "check the cluster's free resources") from None
+            fix = " or lower cluster.cpus_per_gpu" if res == "GPU" else ""
+            raise ClusterError(f"could not reserve {G} GPU slots of 1 {res} + {cpus:g} CPUs each within "
+                               f"{self.start_timeout:.0f} s ({exc}); check the cluster's free resources{fix}") from None
 
-    def _at(self, bundle: int, share: float = 0.5, cpus: float = 0.05) -> dict:
-        """Actor options that place it on ``bundle`` holding ``share`` of its GPU slot."""
+    def _at(self, bundle: int, share: float = 0.5, cpus: Optional[float] = None) -> dict:
+        """Actor options that place it on ``bundle`` holding ``share`` of its GPU slot and, unless ``cpus`` says
+        otherwise, the same share of the bundle's CPUs (:meth:`bundle_cpus`)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        cpus = share * self.bundle_cpus() if cpus is None else cpus
         return {"num_cpus": cpus, "resources": {self._resource(): share},
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
 
@@ -364,7 +400,7 @@ class PoolDriver(Driver):
 
     def worker_shape(self) -> dict:
         """What kept workers must have been started for to serve this run (layout and engine settings)."""
-        return {"driver": self.label, "resource": self._resource(), **self.layout()}
+        return {"driver": self.label, "resource": self._resource(), "bundle_cpus": self.bundle_cpus(), **self.layout()}
 
     def _begin(self):
         """Called after placement, right before ``Started`` (or the resumed boundary)."""

@@ -18,7 +18,7 @@ import math
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional, Union
 
 import yaml
 
@@ -60,12 +60,20 @@ class ClusterConfig:
     (empty: the planner's memory model sizes it for both roles of a GPU, the batch and the lengths;
     ``bidirl.job.planner.rollout_kv_budget``). It must hold one sequence of prompt + ``max_response_len``
     tokens and fit beside the trainer on the same GPU.
+
+    ``cpus_per_gpu``: on real GPUs, the logical CPUs each GPU slot's placement bundle reserves for the two workers
+    that share the slot (the pool's primary and the other role's borrowing worker, §3.2; half each), which Ray then
+    gives them as their thread count (host work: optimizer bookkeeping, copies, batching, tokenisation). ``auto``:
+    each GPU node's CPUs, less ``bidirl.cluster.pool.RESERVED_CPUS`` for the driver and Ray's own processes,
+    divided by its GPUs (whole CPUs; the least over the nodes). Logical GPU slots (engines on CPU) keep a small
+    fixed share (``bidirl.cluster.pool.BUNDLE_CPU``) whatever it says.
     """
     gpus: int = 16
     gpus_per_node: int = 8
     placement: Placement = "node-aligned"
     partition: Optional[Partition] = None
     rollout_kv_cache_gib: Optional[float] = None
+    cpus_per_gpu: Union[Literal["auto"], float] = "auto"
 
 
 @dataclass(frozen=True)
@@ -345,11 +353,23 @@ def _build(cls, data: Any, path: str):
 
 def _coerce(tp, value, path):
     origin = typing.get_origin(tp)
-    if origin is typing.Union:  # Optional[X]
+    if origin is typing.Union:  # Optional[X], or a choice of forms (the first that takes the value)
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
+        if value is None and len(args) < len(typing.get_args(tp)):
             return None
-        return _coerce(args[0], value, path)
+        for arg in args[:-1]:
+            try:
+                return _coerce(arg, value, path)
+            except ConfigError:
+                pass
+        try:
+            return _coerce(args[-1], value, path)
+        except ConfigError as exc:
+            if len(args) == 1:
+                raise
+            forms = " or ".join(repr(a) for arg in args[:-1] for a in typing.get_args(arg))
+            raise ConfigError(path, f"expected {forms} or {exc.problem.removeprefix('expected ')}",
+                              f"write {forms}, or {exc.fix.removeprefix('write ')}") from None
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
@@ -404,7 +424,7 @@ def _check_types(obj, path: str = "") -> None:
         where = _join(path, f.name)
         if is_dataclass(value):
             _check_types(value, where)
-        elif value is not None or typing.get_origin(hints[f.name]) is not typing.Union:
+        elif value is not None or type(None) not in typing.get_args(hints[f.name]):
             _coerce(hints[f.name], value, where)
 
 
@@ -449,6 +469,10 @@ def validate(cfg: JobConfig) -> None:
                               f"does not sum to cluster.gpus = {c.gpus}",
                               "make rollout + trainer equal the budget, or drop partition to let the planner choose")
 
+    if c.cpus_per_gpu != "auto" and not c.cpus_per_gpu > 0:
+        raise ConfigError("cluster.cpus_per_gpu", f"must be > 0 CPUs, got {c.cpus_per_gpu:g}",
+                          "give the logical CPUs each GPU's two workers share (e.g. 8), or auto for the node's CPUs "
+                          "divided by its GPUs")
     if c.rollout_kv_cache_gib is not None and not c.rollout_kv_cache_gib > 0:
         raise ConfigError("cluster.rollout_kv_cache_gib", f"must be > 0 GiB, got {c.rollout_kv_cache_gib:g}",
                           "give the KV cache of each rollout GPU in GiB (e.g. 0.5), or leave it empty for the "

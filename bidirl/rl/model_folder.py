@@ -7,7 +7,9 @@ a message that names the folder, what is wrong and the fix, instead of deep insi
 
 * :func:`model_folder` — the folder exists and holds ``config.json`` and weight files;
 * :func:`causal_lm_config` — transformers can read the config and has a causal-LM class for it
-  (``AutoModelForCausalLM``); :func:`load_causal_lm` loads it;
+  (``AutoModelForCausalLM``); :func:`load_causal_lm` loads it, :func:`empty_causal_lm` builds it with its
+  parameters on the meta device and :func:`checkpoint_slices` reads parts of the stored tensors (a sharded gang's
+  rank reads only its rows: ``bidirl.cluster.engines.trainer``);
 * :func:`check_vllm_architecture` — vLLM has a model class for one of the config's ``architectures``;
 * :func:`load_tokenizer` — the tokenizer (prompts go through its chat template where the data asks for one:
   ``bidirl.rl.data``).
@@ -26,6 +28,7 @@ are refused with the names that differ rather than half-loaded.
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Union
 
@@ -130,6 +133,27 @@ def load_causal_lm(model_dir: Union[str, Path], dtype, who: str = "model_dir"):
     return AutoModelForCausalLM.from_pretrained(Path(model_dir), config=config, dtype=dtype)
 
 
+def empty_causal_lm(model_dir: Union[str, Path], dtype, who: str = "model_dir"):
+    """The checkpoint's model with its parameters on the meta device (no memory, nothing read) and its buffers as its
+    constructor computes them, on CPU: a non-persistent buffer (RoPE's ``inv_freq``) has no checkpoint entry to fill
+    it from, and a buffer is small. How a rank of a sharded gang builds the model before it reads its shard."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = causal_lm_config(model_dir, who)
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:       # the constructor's (empty) CPU tensor is dropped at once
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+    torch.nn.Module.register_parameter = on_meta          # initialisers then run on meta tensors: no work
+    try:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
 def check_vllm_architecture(model_dir: Union[str, Path], who: str = "model_dir") -> str:
     """The first of the config's ``architectures`` that vLLM implements; raises if it implements none."""
     from vllm import ModelRegistry
@@ -224,6 +248,26 @@ def checkpoint_shapes(model_dir: Union[str, Path]) -> dict:
             for k, v in torch.load(str(f), map_location="cpu", mmap=True, weights_only=True).items():
                 shapes[k] = tuple(v.shape)
     return shapes
+
+
+@contextmanager
+def checkpoint_slices(model_dir: Union[str, Path]):
+    """``{name: tensor-like}`` over every tensor stored in the checkpoint, where indexing one (``t[rows, cols]``, a
+    tuple of slices) reads only that part from the file: a safetensors slice (``safe_open(...).get_slice``), or a
+    ``.bin`` file's tensor memory-mapped. How a rank of a sharded gang reads only the rows it holds; valid inside the
+    block."""
+    import torch
+
+    with ExitStack() as files:
+        out: dict = {}
+        for f in weight_files(Path(model_dir)):
+            if f.suffix == ".safetensors":
+                from safetensors import safe_open
+                handle = files.enter_context(safe_open(str(f), framework="pt"))
+                out.update({k: handle.get_slice(k) for k in handle.keys()})
+            else:
+                out.update(torch.load(str(f), map_location="cpu", mmap=True, weights_only=True))
+        yield out
 
 
 def checkpoint_weights(model_dir: Union[str, Path], tied: bool) -> list:

@@ -228,7 +228,7 @@ class EngineDriver(PoolDriver):
                 if w not in self.gangs:
                     self.versions[w] = None
 
-    def _at(self, bundle: int, share: float = 0.5, cpus: float = 0.05) -> dict:
+    def _at(self, bundle: int, share: float = 0.5, cpus: Optional[float] = None) -> dict:
         opts = super()._at(bundle, share, cpus)
         if self._resource() == "GPU":          # Ray places GPU shares through num_gpus
             opts["num_gpus"] = opts.pop("resources")["GPU"]
@@ -286,9 +286,10 @@ class EngineDriver(PoolDriver):
         bundles = self._bundles(worker)
         if worker in self.gangs:
             gpu = self._resource() == "GPU"
+            # a gang of several ranks builds the model on the meta device; each rank reads its shards when it joins
             kwargs = dict(lr=cfg.rl.lr, seed=cfg.seed, kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
                           device="cuda" if gpu else "cpu", threads="auto", role=P.worker_role(worker),
-                          activation_checkpointing=cfg.rl.activation_checkpointing)
+                          activation_checkpointing=cfg.rl.activation_checkpointing, gang=len(bundles) > 1)
             self.gangs[worker] = [TrainerActor.options(**self._at(b)).remote(f"{worker}/{j}", self.model_dir, **kwargs)
                                   for j, b in enumerate(bundles)]
         else:

@@ -38,6 +38,14 @@ accepts either. Every call that runs the model is a collective of the gang's rep
 still joins with an empty share (:func:`forward_ranks`) — and a chunk gradient one of the whole gang
 (:func:`rank_shares` deals a chunk's samples to the ranks).
 
+**Loading.** An unsharded engine loads the checkpoint whole (``from_pretrained``). A rank of a sharded gang holds
+only its shards, from the start: built with ``gang=True`` (the engine driver builds every rank of a gang of several
+so), the engine makes the model on the meta device — parameters without storage, buffers as their constructors
+compute them — and :meth:`init_process_group` shards it with ``fully_shard``, gives it storage for this rank's shards
+(``to_empty``) and reads each parameter's rows of the checkpoint from its safetensors files (``get_slice``): the
+same bytes as a whole load, so the same weights bit for bit, and host memory for the rank's shards instead of the
+whole fp32 model on every rank (figures: ``benchmarks/trainer_scale.md``, "Loading"). :meth:`reset` reads the same.
+
 **Weights.** :meth:`state_dict` gathers the full weights under the HF checkpoint's names (every rank must
 call it; rank 0 gets them, on CPU) — the weight sync to rollouters (§6.2); :meth:`load_state_dict` copies
 full weights into this rank's shards (no communication). :meth:`offload` / :meth:`onload` move this rank's
@@ -100,14 +108,43 @@ def _local(t) -> torch.Tensor:
     return t
 
 
-def _local_slice(full: torch.Tensor, like) -> torch.Tensor:
-    """The part of the full tensor ``full`` that this rank holds of the (possibly sharded) tensor ``like``."""
+def _local_index(like) -> tuple:
+    """Where this rank's part of the (possibly sharded) tensor ``like`` lies in the full tensor: one slice per
+    dimension (FSDP2 shards dimension 0; an unsharded tensor is all of it)."""
     if not _is_dtensor(like):
-        return full
+        return tuple(slice(0, n) for n in like.shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
-    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _local_slice(full: torch.Tensor, like) -> torch.Tensor:
+    """The part of the full tensor ``full`` that this rank holds of the (possibly sharded) tensor ``like``."""
+    return full[_local_index(like)] if _is_dtensor(like) else full
+
+
+def _on_meta(model) -> bool:
+    """Whether ``model``'s parameters are still on the meta device (built, not yet loaded)."""
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+def _checkpoint_tensors(model) -> dict:
+    """``{checkpoint name: parameter or persistent buffer}`` of ``model``, each tensor once (a tied head is the
+    embedding's parameter); non-persistent buffers (RoPE's ``inv_freq``) are no checkpoint entries."""
+    modules = dict(model.named_modules())
+    out: dict = {}
+    seen = set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        key = checkpoint.hf_name(name)
+        owner, _, leaf = name.rpartition(".")
+        if id(t) in seen or key.endswith(checkpoint.NON_WEIGHT_SUFFIXES):
+            continue
+        if leaf in getattr(modules[owner], "_non_persistent_buffers_set", ()):
+            continue
+        seen.add(id(t))
+        out[key] = t
+    return out
 
 
 def _like(local: torch.Tensor, param):
@@ -178,7 +215,10 @@ class TrainerEngine:
     ``max_grad_norm``: clip the summed gradient (``None``: no clipping); ``precision``: ``"auto"``, ``"fp32"``
     or ``"bf16-mixed"``. ``seed`` seeds the (forked) torch RNG while the model loads; training itself draws no
     random numbers (the model runs in eval mode, without dropout). ``threads`` sets torch's intra-op thread
-    count for the whole process (for an engine that owns its process, e.g. inside a Ray actor).
+    count for the whole process (for an engine that owns its process, e.g. inside a Ray actor). ``gang=True``: the
+    engine will join a gang (:meth:`init_process_group`) before any work, so the model is built on the meta device
+    and each rank reads only its shards from the checkpoint once the mesh is known (module docstring, "Loading");
+    an engine built so that does work without joining loads the whole model then, as ``gang=False`` does at once.
     """
 
     def __init__(self, model_dir: Union[str, Path], lr: float = 1e-3, seed: int = 0, kl_coef: float = 0.0,
@@ -186,7 +226,8 @@ class TrainerEngine:
                  clip_eps_high: Optional[float] = None, loss_agg: str = "token-mean",
                  max_grad_norm: Optional[float] = 1.0, weight_decay: float = 0.0,
                  betas: tuple = (0.9, 0.999), precision: str = "auto", threads: Optional[int] = None,
-                 activation_checkpointing: Optional[bool] = None, logprob_chunk: int = DEFAULT_CHUNK):
+                 activation_checkpointing: Optional[bool] = None, logprob_chunk: int = DEFAULT_CHUNK,
+                 gang: bool = False):
         if role not in ROLES:
             raise ValueError(f"TrainerEngine.role must be one of {ROLES}, got {role!r}")
         if not lr > 0:
@@ -207,6 +248,8 @@ class TrainerEngine:
         if isinstance(logprob_chunk, bool) or not isinstance(logprob_chunk, int) or logprob_chunk < 1:
             raise ValueError(f"TrainerEngine.logprob_chunk must be a positive integer (response tokens per LM-head "
                              f"chunk), got {logprob_chunk!r}")
+        if not isinstance(gang, bool):
+            raise ValueError(f"TrainerEngine.gang must be True or False, got {gang!r}")
         self.activation_checkpointing, self.logprob_chunk = activation_checkpointing, logprob_chunk
         if threads == "auto":
             threads = self.host_threads(self.device)
@@ -232,17 +275,24 @@ class TrainerEngine:
         self._transport_group = None      # the gang's second group, for the weight transport's gathers
         self.accumulated: list = []       # chunk gradients accumulated into p.grad since the last step (their ids)
         self.version = 0
-        self.model = self._load_model()
+        self._pending = gang              # built on the meta device for a gang: loaded once the mesh is known
+        self.model = self._load_model(empty=gang)
         if self.kl_coef > 0:              # the reference is loaded at start (bf16 when computing in bf16)
-            self._reference = self._load_model(frozen=True)
+            self._reference = self._load_model(frozen=True, empty=gang)
         self._track_parameters()
 
     @staticmethod
     def host_threads(device) -> int:
-        """``threads="auto"``: this machine's CPUs shared evenly by its GPUs on a CUDA device (a Ray actor with a
-        fractional ``num_cpus`` is otherwise left one thread for all host work: optimizer bookkeeping, copies,
-        batching), one thread on CPU (the engine's compute then owns a core, as the CPU gangs are laid out)."""
+        """``threads="auto"``: inside a Ray actor, the whole CPUs Ray granted it (at least one) — what Ray sets
+        ``OMP_NUM_THREADS`` to; on a GPU cluster the actor's half of its GPU slot's bundle, ``cluster.cpus_per_gpu``
+        (``bidirl.cluster.pool.gpu_bundle_cpus``), so host work (optimizer bookkeeping, copies, batching) is not
+        single-threaded. Outside Ray: this machine's CPUs shared evenly by its GPUs on a CUDA device, one thread on
+        CPU (the engine's compute then owns a core, as the CPU gangs are laid out)."""
         import os
+        import sys
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            return max(1, math.floor(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         if torch.device(device).type != "cuda":
             return 1
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -262,16 +312,21 @@ class TrainerEngine:
             dev = torch.device("cuda", torch.cuda.current_device())
         return dev
 
-    def _load_model(self, frozen: bool = False):
+    def _load_model(self, frozen: bool = False, empty: bool = False):
         """The checkpoint's model on the engine's device, with its own (resizable) storage, sharded when the
         engine is: fp32 master weights, or — ``frozen``, the reference, which is never updated — held in bf16
         when the engine computes in bf16 (FSDP2 would cast it to bf16 for every forward anyway: same values,
-        half the memory and no cast). The trained model gets activation checkpointing when configured."""
+        half the memory and no cast). The trained model gets activation checkpointing when configured.
+
+        Unsharded it is loaded whole; sharded, or ``empty`` (a gang's mesh is not known yet), it is built on the
+        meta device, and a sharded one is then filled with this rank's shards (:meth:`_materialise`)."""
         dtype = torch.bfloat16 if frozen and self.precision == "bf16-mixed" else torch.float32
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            model = checkpoint.load_causal_lm(self.model_dir, dtype, "TrainerEngine.model_dir")
-        model = model.to(self.device)
+        if self.mesh is None and not empty:
+            model = self._from_pretrained(dtype).to(self.device)
+            for p in model.parameters():     # own, resizable storage (from_pretrained may map the checkpoint file)
+                p.data = p.data.clone()
+        else:
+            model = checkpoint.empty_causal_lm(self.model_dir, dtype, "TrainerEngine.model_dir")
         model.eval()             # no dropout: the same samples give the same gradient on every rank and run
         model.requires_grad_(not frozen)
         if not frozen and self.activation_checkpointing:
@@ -279,11 +334,56 @@ class TrainerEngine:
                 raise ValueError(f"TrainerEngine.activation_checkpointing: {type(model).__name__} does not support "
                                  "gradient checkpointing; set activation_checkpointing=False")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        for p in model.parameters():     # own, resizable storage (from_pretrained may map the checkpoint file)
-            p.data = p.data.clone()
         if self.mesh is not None:
             self._fully_shard(model)
+            self._materialise(model)
         return model
+
+    def _from_pretrained(self, dtype):
+        """The whole checkpoint loaded on CPU (weights it lacks drawn from the engine's seed)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            return checkpoint.load_causal_lm(self.model_dir, dtype, "TrainerEngine.model_dir")
+
+    def _materialise(self, model) -> None:
+        """Storage on the engine's device for a model built on the meta device (sharded or not), filled from the
+        checkpoint (:meth:`_fill`: a sharded rank reads its shards alone); the buffers keep the values their
+        constructors computed (``to_empty`` would leave them uninitialised), and a parameter several modules share
+        (a tied head) stays one (``to_empty`` gives each module a tensor of its own when leaving the meta device)."""
+        buffers = {name: b.clone() for name, b in model.named_buffers()}
+        places: dict = {}
+        for module in model.modules():
+            for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+                places.setdefault(id(p), []).append((module, name))
+        model.to_empty(device=self.device)
+        for (first, name), *others in places.values():
+            for module, other in others:
+                setattr(module, other, getattr(first, name))
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+            self._fill(model)
+
+    def _fill(self, model) -> None:
+        """Copy the checkpoint's weights into ``model``'s parameters and persistent buffers, each rank reading only
+        the part of each tensor it holds (:func:`_local_index`) from the files (:func:`checkpoint.checkpoint_slices`):
+        the same bytes as a whole load, so the same weights bit for bit. A checkpoint whose names or shapes are not
+        the model's (one transformers converts while loading) is loaded whole instead, with a warning."""
+        targets = _checkpoint_tensors(model)
+        params = {id(p) for p in model.parameters()}
+        stored = checkpoint.checkpoint_shapes(self.model_dir)
+        direct = all(stored.get(k) == tuple(t.shape) for k, t in targets.items() if id(t) in params)
+        with checkpoint.checkpoint_slices(self.model_dir) as files:
+            if not direct:
+                import warnings
+                warnings.warn(f"TrainerEngine: the parameters of {str(self.model_dir)!r} are not stored under the "
+                              "model's names and shapes; every rank loads the whole checkpoint to take its shards",
+                              stacklevel=2)
+                files = checkpoint.hf_weights(self._from_pretrained(next(model.parameters()).dtype).state_dict(),
+                                              self.tied)
+            for key, t in targets.items():
+                if key in files:                          # a buffer the checkpoint lacks keeps its constructor's value
+                    _local(t).copy_(files[key][_local_index(t)])
 
     def _track_parameters(self) -> None:
         """(Re)build the parameter list, shard shapes and the optimizer (primary only) after loading/sharding."""
@@ -357,6 +457,7 @@ class TrainerEngine:
     def _check_onloaded(self, what: str):
         if self._host.holding:
             raise RuntimeError(f"TrainerEngine.{what}: the engine is offloaded; call onload() first")
+        self._load_if_pending()
 
     def _ready(self, what: str) -> None:
         """Checks shared by every call that touches the model: onloaded, and sharded when bf16-mixed needs it."""
@@ -675,23 +776,8 @@ class TrainerEngine:
     def named_weights(self) -> dict:
         """``{checkpoint name: parameter or persistent buffer}`` of the trained model, each tensor once (a tied
         head is the embedding's parameter: the transport delivers it under both names)."""
-        out: dict = {}
-        seen = set()
-        for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):
-            key = checkpoint.hf_name(name)
-            if id(t) in seen or key.endswith(checkpoint.NON_WEIGHT_SUFFIXES):
-                continue
-            if name.rsplit(".", 1)[-1] in getattr(self._owner(name), "_non_persistent_buffers_set", ()):
-                continue
-            seen.add(id(t))
-            out[key] = t
-        return out
-
-    def _owner(self, name: str):
-        module = self.model
-        for part in name.split(".")[:-1]:
-            module = getattr(module, part)
-        return module
+        self._load_if_pending()
+        return _checkpoint_tensors(self.model)
 
     def publish(self, version: int, dtype: str, keep: Sequence[int] = ()) -> int:
         """Keep this rank's shards of the current weights, cast to the wire ``dtype``, as actor ``version`` — what
@@ -845,7 +931,10 @@ class TrainerEngine:
         new run on the same process (the sharding and the gang stay). Returns seconds."""
         t0 = time.perf_counter()
         self.onload()
-        self.load_state_dict(dict(checkpoint.checkpoint_weights(self.model_dir, self.tied)), 0)
+        self._ready("reset")
+        with torch.no_grad():
+            self._fill(self.model)           # a sharded rank reads its shards alone, as at start
+        self.version = 0
         self._clear_grads()
         if self.optimizer is not None:
             self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, betas=self.betas,
@@ -974,6 +1063,7 @@ class TrainerEngine:
         returns seconds."""
         if self._host.holding:
             return 0.0
+        self._load_if_pending()
         t0 = time.perf_counter()
         self._reshard(self.model)
         if self._reference is not None:
@@ -997,10 +1087,12 @@ class TrainerEngine:
         """Bytes of weights + optimizer state (+ accumulated gradients) this rank holds (what offload moves)."""
         if self._host.holding:
             return self._host.nbytes
+        self._load_if_pending()
         return sum(t.untyped_storage().nbytes() for t in self._state_tensors())
 
     def resident_bytes(self) -> int:
         """Bytes of weights + optimizer state allocated on the engine's device now (0 while offloaded)."""
+        self._load_if_pending()
         return sum(t.untyped_storage().nbytes() for t in self._state_tensors(freed=True))
 
     # ------------------------------------------------------------------------------------------
@@ -1015,7 +1107,8 @@ class TrainerEngine:
     def init_process_group(self, rank: int, world: int, addr: str, backend: Optional[str] = None,
                            replicas: int = 1) -> None:
         """Join a ``world``-rank gang rendezvousing at ``addr`` (``host:port``; gloo on CPU, NCCL on GPU) and
-        shard the model with FSDP2 over a ``(replicas, world / replicas)`` mesh (module docstring).
+        shard the model with FSDP2 over a ``(replicas, world / replicas)`` mesh (module docstring); an engine built
+        with ``gang=True`` reads only its shards from the checkpoint now.
 
         Call it before any other work (the optimizer is rebuilt over the sharded parameters).
         """
@@ -1066,12 +1159,31 @@ class TrainerEngine:
         self._shard(self._device_mesh(1, 1))
 
     def _shard(self, mesh) -> None:
+        """Shard the model (and the reference) over ``mesh``; one still on the meta device (``gang=True``) is then
+        filled with this rank's shards alone."""
         if self.optimizer is not None and self.optimizer.state:
             raise RuntimeError("TrainerEngine: shard the model before the first optimizer step")
         self.mesh = mesh
-        self._fully_shard(self.model)
-        if self._reference is not None:
-            self._fully_shard(self._reference)
+        for model in (self.model, self._reference):
+            if model is not None:
+                self._fully_shard(model)
+                if _on_meta(model):
+                    self._materialise(model)
+        self._pending = False
+        self._track_parameters()
+
+    def _load_if_pending(self) -> None:
+        """An engine built for a gang (``gang=True``) asked for work before joining one: load it as a lone engine
+        (sharded over its own one-rank group when it computes in bf16-mixed, whole otherwise)."""
+        if not self._pending:
+            return
+        if self.precision == "bf16-mixed":
+            self._shard_alone()
+            return
+        for model in (self.model, self._reference):
+            if model is not None:
+                self._materialise(model)
+        self._pending = False
         self._track_parameters()
 
     def _fully_shard(self, model) -> None:
