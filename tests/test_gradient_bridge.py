@@ -51,6 +51,13 @@ def _wait_for(paths, timeout=600.0):
         time.sleep(0.05)
 
 
+def _save(obj, path) -> None:
+    """Write ``path`` whole or not at all (a peer polls for it and reads it as soon as it exists)."""
+    tmp = f"{path}.tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
 def _share(engine, samples, adv, a, b, rank):
     from bidirl.cluster.engines.trainer import rank_shares
     mine = rank_shares(list(range(a, b)), 1, 2)[rank]
@@ -72,7 +79,7 @@ def _worker(proc, addrs, model_dir, out):
     kw = dict(lr=LR, seed=0, threads=1, max_grad_norm=None)
     eng = TrainerEngine(model_dir, role="primary" if primary else "auxiliary", **kw)
     eng.init_process_group(rank, 2, addrs["primary" if primary else "auxiliary"])
-    torch.save(eng.shard_signature(), os.path.join(out, f"sig{proc}.pt"))
+    _save(eng.shard_signature(), os.path.join(out, f"sig{proc}.pt"))
     _wait_for([os.path.join(out, "transfers.pt")])             # the driver's part: pairs and transfers
     plan = torch.load(os.path.join(out, "transfers.pt"), weights_only=False)
     result = {"pairs": plan["pairs"]}
@@ -139,7 +146,7 @@ def test_auxiliary_window_merges_shard_to_shard_and_matches_no_borrow(model_dir,
     numel = [sum(math.prod(shape) for _, shape in sig) for sig in sigs[2:]]
     transfers = {a: rendezvous.open([f"primary/{p}" for p in dsts], 0, window_layout(numel[a], BUCKET_BYTES), 120.0)
                  for a, dsts in pairs.items()}
-    torch.save({"pairs": pairs, "transfers": transfers}, tmp_path / "transfers.pt")
+    _save({"pairs": pairs, "transfers": transfers}, tmp_path / "transfers.pt")
     while not procs.join():
         pass
     rendezvous.close_all()
