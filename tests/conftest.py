@@ -33,7 +33,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 def model_dir(tmp_path_factory):
     """The built-in tiny model, created and warm-started once per session (``$BIDIRL_CACHE`` when set)."""
     from bidirl.rl.bootstrap import ensure_tiny_model
-    cache = os.environ.get("BIDIRL_CACHE") or tmp_path_factory.mktemp("bidirl-cache")
+    cache = os.environ.get("BIDIRL_CACHE")
+    if not cache:
+        # the xdist workers of one session share its temporary folder, so the model is built once (under the
+        # builder's own lock: bootstrap.ensure_tiny_model), not once per worker
+        base = tmp_path_factory.getbasetemp()
+        cache = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "bidirl-cache"
     return ensure_tiny_model(cache_dir=cache)
 
 
