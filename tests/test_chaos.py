@@ -209,7 +209,8 @@ def test_a_killed_driver_resumes_from_its_checkpoint_as_if_never_stopped(model_d
     The resumed run also carries the CLI's contract: stdout holds the JSON object only, the trace is written."""
     ref, ref_folder = fault_free
     config = tmp_path / "job.yaml"
-    config.write_text(job(0.0).to_yaml())
+    # the killed driver cannot delete its run's recovery snapshots: they go under this test's folder
+    config.write_text(job(0.0).with_overrides({"recovery.snapshot_dir": str(tmp_path / "snapshots")}).to_yaml())
     folder = tmp_path / "ck"
     env = dict(ray_head, BIDIRL_CACHE=str(model_dir.parent))
     common = ["--policy", POLICY, "--steps", "6", "--json", "--address", "auto"]
