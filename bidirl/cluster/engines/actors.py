@@ -367,21 +367,20 @@ class TrainerActor(_Timed):
     def load_train_state(self, path: str, version: int) -> Reply:
         return self._reply("checkpoint", self.engine.load_train_state, path, version, detail={"version": version})
 
-    @ray.method(num_returns=3)
-    def snapshot(self, weights: bool = True, publish: Optional[dict] = None, shard: bool = True):
-        """(Reply acknowledging the version, the full weights on rank 0 else None, this rank's training-state
-        shard if ``shard`` else None). Every rank of a sharded gang must be asked (the weight gather is a
-        collective); the caller owns the returned objects, so they outlive this actor. ``weights=False`` gathers
-        no weights (the weight transport sends them); ``publish`` (``{"dtype", "keep"}``) keeps this version for
-        it (:meth:`TrainerEngine.publish`)."""
+    @ray.method(num_returns=2)
+    def put_version(self, weights: bool = True, publish: Optional[dict] = None):
+        """Put the version an optimizer step made out for the weight loads: (Reply acknowledging it, the full
+        weights on rank 0 else None). Every rank of a sharded gang must be asked (the weight gather is a
+        collective); the caller owns the returned object, so it outlives this actor. ``weights=False`` gathers no
+        weights (the weight transport sends them); ``publish`` (``{"dtype", "keep"}``) keeps this version for it
+        (:meth:`TrainerEngine.publish`)."""
         start = time.time()
         full = (self.engine.state_dict() or None) if weights else None
         if publish is not None:
             self.engine.publish(self.engine.version, publish["dtype"], publish.get("keep", ()))
-        shard = self.engine.train_state_shard() if shard else None
-        ack = Reply({"version": self.engine.version}, ({"worker": self.name, "kind": "snapshot", "start": start,
+        ack = Reply({"version": self.engine.version}, ({"worker": self.name, "kind": "publish", "start": start,
                                                         "end": time.time(), "detail": {}},))
-        return ack, full, shard
+        return ack, full
 
     # The weight transport (bidirl.cluster.engines.weight_transport): the primary gang publishes each version and
     # sends it bucket by bucket (every rank gathers, rank 0 sends); an auxiliary gang's ranks receive.

@@ -99,6 +99,12 @@ class StepData:
     ref: list
     stats: list = field(default_factory=list)     # loss statistics of each update-chunk share
 
+    def chunk_inputs(self, share: list, kl: bool) -> tuple:
+        """``TrainerActor.chunk_gradient``'s inputs after the chunk id for the samples at positions ``share``:
+        samples, advantages, old and (with ``kl``) reference log-probs, the step's loss normaliser."""
+        return ([self.samples[k] for k in share], self.advantages[share] if share else [],
+                [self.old[k] for k in share], [self.ref[k] for k in share] if kl else None, self.normalizer)
+
 
 @dataclass
 class EngineDriver(PoolDriver):
@@ -597,8 +603,8 @@ class EngineDriver(PoolDriver):
         import torch
 
         self.aux_grads.clear()
-        if self.sync.collective:
-            self.windows.new_attempt()
+        # a rolled-back step starts over: what its lost attempt left on a living gang is dropped
+        self.windows.new_attempt(again=self.step_data is not None and self.step_data.step == cmd.step)
         samples = samples_from_groups(cmd.groups)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         self.step_data = StepData(
@@ -652,9 +658,7 @@ class EngineDriver(PoolDriver):
         refs, grad_ref = [], None
         for rank, (r, s) in enumerate(zip(ranks, shares)):
             reply_ref, flat_ref = r.chunk_gradient.remote(
-                ch.chunk_id, [data.samples[k] for k in s], data.advantages[s] if s else [],
-                [data.old[k] for k in s], [data.ref[k] for k in s] if self.config.rl.kl_coef > 0 else None,
-                data.normalizer, keep=keep, give=not keep and rank == 0)
+                ch.chunk_id, *data.chunk_inputs(s, self.config.rl.kl_coef > 0), keep=keep, give=not keep and rank == 0)
             refs.append((gang, reply_ref))
             if not keep and rank == 0:
                 grad_ref = flat_ref
@@ -713,7 +717,7 @@ class EngineDriver(PoolDriver):
         transport the ranks publish it (the weights ref is then None); on the object-store path they gather the
         full weights into the object store, owned by the driver. Only the acknowledgements are fetched."""
         publish = self.sync.snapshot_spec()
-        calls = [r.snapshot.remote(weights=publish is None, publish=publish, shard=False)   # a collective gather
+        calls = [r.put_version.remote(weights=publish is None, publish=publish)        # a collective gather
                  for r in self.gangs[PRIMARY_TRAINER]]
         return [c[0] for c in calls], calls[0][1]
 

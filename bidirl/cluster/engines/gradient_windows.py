@@ -54,18 +54,24 @@ class GradientWindows:
         self.numel = {a: sum(math.prod(shape) for _, shape in aux_signatures[a]) for a in self.pairs}
 
     # ---- a step's attempts -----------------------------------------------------------------
-    def new_attempt(self) -> None:
-        """A step (or a rolled-back step's new attempt) starts: drop what an earlier attempt left, on both gangs."""
-        d = self.driver
+    def new_attempt(self, again: bool) -> None:
+        """A step starts (``again``: a rolled-back step's new attempt): drop what an earlier attempt left — an
+        unsent window on the auxiliary gang, and on a new attempt the primary gang's accumulated gradients."""
         self.attempt += 1
         self.received, self.seconds = {}, 0.0
-        if self.held and AUX_TRAINER not in d.failed:
-            d._when_all([(AUX_TRAINER, r.discard_gradients.remote()) for r in d.gangs[AUX_TRAINER]],
-                        lambda _: None, tolerate=True)
+        if self.held:
+            self._discard(AUX_TRAINER)
         self.held = []
-        if PRIMARY_TRAINER not in d.failed:
-            d._when_all([(PRIMARY_TRAINER, r.discard_gradients.remote()) for r in d.gangs[PRIMARY_TRAINER]],
-                        lambda _: None, tolerate=True)
+        if again:
+            self._discard(PRIMARY_TRAINER)
+
+    def _discard(self, gang: str, then: Callable[[], None] = lambda: None) -> None:
+        """Have ``gang``'s ranks forget the gradients they hold (calls run in order: after their current work)."""
+        d = self.driver
+        if gang in d.failed:              # a restarted gang holds none
+            then()
+            return
+        d._when_all([(gang, r.discard_gradients.remote()) for r in d.gangs[gang]], lambda _: then(), tolerate=True)
 
     def hold(self, chunk_id: int) -> None:
         """An update chunk was sent to the auxiliary gang: its gradient stays there until the window ends."""
@@ -84,11 +90,7 @@ class GradientWindows:
             return
         if AUX_TRAINER in d.failed or PRIMARY_TRAINER in d.failed:
             # one gang is being restarted: the step rolls back (the coordinator), nothing to hand over
-            if AUX_TRAINER not in d.failed:
-                d._when_all([(AUX_TRAINER, r.discard_gradients.remote()) for r in d.gangs[AUX_TRAINER]],
-                            lambda _: then(), tolerate=True)
-            else:
-                then()
+            self._discard(AUX_TRAINER, then)
             return
         if self._rendezvous is None:
             self._rendezvous = wt.Rendezvous()

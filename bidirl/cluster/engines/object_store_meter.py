@@ -14,8 +14,8 @@ process it wraps every actor call the process makes (``ActorMethod._remote``) an
 
 The kind of a call's data comes from the method and, for several returns, the return's position
 (:data:`KINDS`): ``weights`` (weight loads, transfers and the full state dict), ``gradients`` (an auxiliary gang's
-chunk gradients, or its windows' transfer metadata), ``groups`` (generated groups, the samples and log-probs trainers take), ``snapshot`` (a
-primary rank's training-state shard, when asked for one: the recovery snapshots go to the ranks' disks), ``metrics`` (replies,
+chunk gradients, or its windows' transfer metadata), ``groups`` (generated groups, the samples and log-probs trainers take), ``snapshot`` (the
+primary gang's recovery snapshots: they go to the ranks' disks, so only the calls' folder and version count), ``metrics`` (replies,
 acknowledgements, spans and statistics) and ``result`` (the full weights a finished run's result holds, gathered
 once at its end). ``raylet_bytes`` cross-checks the total: the object store's own count
 of bytes created on every node (``cumulative_created_bytes``) over the meter's life, which includes Ray's internal
@@ -35,7 +35,9 @@ KINDS = {
     "send_weights": ("weights", ("metrics",)),
     "publish": ("weights", ("metrics",)),
     "weights": ("weights", ("result",)),
-    "snapshot": ("metrics", ("metrics", "weights", "snapshot")),
+    "put_version": ("metrics", ("metrics", "weights")),
+    "save_snapshot": ("snapshot", ("metrics",)),     # the recovery snapshot: to the rank's disk, only its name here
+    "load_snapshot": ("snapshot", ("metrics",)),
     "chunk_gradient": ("groups", ("metrics", "gradients")),
     "receive_gradient": ("gradients", ("metrics",)),
     "send_window": ("gradients", ("metrics",)),      # the transfer's metadata: the shard goes rank to rank

@@ -984,9 +984,8 @@ class TrainerEngine:
         return time.perf_counter() - t0
 
     def train_state_shard(self) -> dict:
-        """This rank's part of the training state as plain CPU tensors, with its version: handed to Ray as a
-        call's return value it is owned by the caller and outlives this process: how a restarted primary gang
-        gets its state back."""
+        """This rank's part of the training state as plain CPU tensors, with its version: what a recovery snapshot
+        writes (:meth:`save_snapshot`) and :meth:`restore_train_state_shard` takes back."""
         state = self._train_state("train_state_shard")
         return {"version": self.version,
                 "state": _tree_map(state, lambda t: _local(t).detach().to("cpu", copy=True))}

@@ -9,8 +9,8 @@ driver keeps a **recovery point** and the **steps since**:
   (:mod:`bidirl.cluster.engines.snapshot_files`: the copy taken between two calls, the write on a thread of its
   own; it becomes the recovery point once every rank's write is complete — ``flush_snapshot`` runs beside the
   calls that train);
-* the steps since are what the driver already holds for each step: its samples, advantages, loss normaliser and
-  the old / reference log-probs the step trained with (:class:`ReplayStep`; tokens, a few MB a step at most).
+* the steps since are what the driver already holds for each step (its ``StepData``): its samples, advantages,
+  loss normaliser and the old / reference log-probs the step trained with (tokens, a few MB a step at most).
 
 A restarted gang loads the recovery point and **replays** the steps since on its own ranks — each step's update
 chunks (every sample, the same per-device micro-batch) then its optimizer step — so it ends at the version the
@@ -26,23 +26,11 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
-from dataclasses import dataclass
 from typing import Optional
 
 from bidirl.core import protocol as P
 
 PRIMARY_TRAINER = P.PRIMARY_TRAINER
-
-
-@dataclass(frozen=True)
-class ReplayStep:
-    """What a step trained with, kept until a recovery point covers it."""
-    version: int                 # the version its optimizer step produced
-    samples: list
-    advantages: object           # torch tensor [n]
-    normalizer: float
-    old: list
-    ref: list
 
 
 class TrainerRecovery:
@@ -55,7 +43,7 @@ class TrainerRecovery:
         root = folder or os.path.join(tempfile.gettempdir(), "bidirl-snapshots")
         self.folder = os.path.join(root, f"run-{uuid.uuid4().hex[:12]}")
         self.point: tuple = ("model", 0)       # ("model", 0) | ("checkpoint", path, version) | ("snapshot", version)
-        self.steps: list = []                  # ReplayStep since the recovery point, in order
+        self.steps: list = []                  # (version it produced, StepData) since the recovery point, in order
         self.snapshots: list = []              # reports of the snapshots written (per rank)
         self.replayed = 0                      # steps replayed by restarted gangs
 
@@ -71,8 +59,7 @@ class TrainerRecovery:
     def stepped(self, data, version: int) -> None:
         """The optimizer step that produced ``version`` from ``data`` (a ``StepData``) is safe: keep what it trained
         with, and every ``every`` versions have the ranks write a snapshot."""
-        self.steps.append(ReplayStep(int(version), list(data.samples), data.advantages, float(data.normalizer),
-                                     list(data.old), list(data.ref)))
+        self.steps.append((int(version), data))
         if version % self.every == 0:
             self._snapshot(int(version))
 
@@ -91,7 +78,7 @@ class TrainerRecovery:
                                    "write_seconds": max(r["seconds"] for r in reports)})
             if version > self.version:
                 self.point = ("snapshot", version)
-                self.steps = [s for s in self.steps if s.version > version]
+                self.steps = [s for s in self.steps if s[0] > version]
 
         def copied(_replies):
             d._when_all([(PRIMARY_TRAINER, r.flush_snapshot.remote()) for r in ranks], written)
@@ -109,29 +96,25 @@ class TrainerRecovery:
         elif kind == "checkpoint":
             calls += [r.load_train_state.remote(self.point[1], self.version) for r in handles]
         version = self.version
-        for step in self.steps:
-            calls += self._replay(handles, step)
-            version = step.version
+        for version, data in self.steps:
+            calls += self._replay(handles, data)
         self.replayed += len(self.steps)
         return calls, version
 
-    def _replay(self, handles: list, step: ReplayStep) -> list:
+    def _replay(self, handles: list, data) -> list:
         """One step again on the restarted gang: its update chunks (every sample once, ``micro_batch_per_device``
         per rank, dealt as the run deals them), then its optimizer step."""
         from bidirl.cluster.engines.trainer import rank_shares
 
         d = self.driver
         per_device = d.config.rl.micro_batch_per_device
-        n, size = len(step.samples), per_device * len(handles)
+        n, size = len(data.samples), per_device * len(handles)
         kl = d.config.rl.kl_coef > 0
         ids = []
         for cid, first in enumerate(range(0, n, size)):
             shares = rank_shares(list(range(first, min(n, first + size))), per_device, len(handles))
             for r, share in zip(handles, shares):
-                r.chunk_gradient.remote(cid, [step.samples[k] for k in share],
-                                        step.advantages[share] if share else [], [step.old[k] for k in share],
-                                        [step.ref[k] for k in share] if kl else None, step.normalizer,
-                                        keep=True, give=False)
+                r.chunk_gradient.remote(cid, *data.chunk_inputs(share, kl), keep=True, give=False)
             ids.append(cid)
         return [r.apply_kept.remote(ids) for r in handles]
 
