@@ -87,8 +87,10 @@ def _samples(n: int, prompt: int, response: int, vocab: int, offset: int):
             for k in range(n)]
 
 
-def measure(size: str = "small", reps: int = 3, out: str = None) -> dict:
-    """The figures of one engine rank at ``size`` (see the module docstring)."""
+def measure(size: str = "small", reps: int = 3, out: str = None, report=None) -> dict:
+    """The figures of one engine rank at ``size`` (see the module docstring). ``report(name, value)``, if given, is
+    called with each figure as soon as it is measured (a run at 4B takes minutes; a failure late in it keeps what
+    came before)."""
     import torch
     from bidirl.cluster.engines.trainer import TrainerEngine
     from bidirl.rl import grpo
@@ -123,7 +125,7 @@ def measure(size: str = "small", reps: int = 3, out: str = None) -> dict:
         old = eng.logprobs(samples)
         kept_path = "accumulate" in inspect.signature(eng.chunk_gradients).parameters
         kw = {"accumulate": True} if kept_path else {}
-        fig, times = {}, {}
+        fig, times = _Figures(report), {}
 
         fig["old_logprob"], times["old_logprob"] = timed(lambda: eng.logprobs(samples))
 
@@ -176,8 +178,11 @@ def measure(size: str = "small", reps: int = 3, out: str = None) -> dict:
         with tempfile.TemporaryDirectory() as snapshots:
             fig["snapshot_copy"] = eng.save_snapshot(snapshots, eng.version)
             written = eng.flush_snapshot()
+        if "error" in written:
+            raise RuntimeError(f"trainer_scale: the recovery snapshot could not be written: {written['error']}")
         fig["snapshot_write"], fig["snapshot_gb"] = written["seconds"], written["bytes"] / 2**30
-        fig.update(_window_transfer(eng.local_numel, device))
+        for name, value in _window_transfer(eng.local_numel, device).items():
+            fig[name] = value
         nbytes = eng.state_bytes()
         fig["state_gb"] = nbytes / 2**30
         for k in range(2):           # the second switch is the steady state (buffers exist by then, if kept)
@@ -189,7 +194,20 @@ def measure(size: str = "small", reps: int = 3, out: str = None) -> dict:
         fig["params_m"] = eng.numel / 1e6
         if out:
             _write_records(out, size, device, (mb, P, R), times, eng)
-    return fig
+    return dict(fig)
+
+
+class _Figures(dict):
+    """The figures measured so far; each one is also passed to ``report`` as it is set."""
+
+    def __init__(self, report=None):
+        super().__init__()
+        self._report = report
+
+    def __setitem__(self, name, value):
+        super().__setitem__(name, value)
+        if self._report is not None:
+            self._report(name, value)
 
 
 def _window_transfer(numel: int, device: str) -> dict:
@@ -260,4 +278,5 @@ BENCHMARKS = {"trainer_scale": bench_trainer_scale}
 if __name__ == "__main__":
     import json
     import sys
-    print(json.dumps(measure(sys.argv[1] if len(sys.argv) > 1 else "small"), indent=1))
+    print(json.dumps(measure(sys.argv[1] if len(sys.argv) > 1 else "small",
+                             report=lambda k, v: print(f"{k} = {v}", file=sys.stderr, flush=True)), indent=1))
