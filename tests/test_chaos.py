@@ -20,10 +20,12 @@ workers to kill and switches to kill them in.
   loads a snapshot and replays the steps since (``bidirl.cluster.engines.trainer_recovery``); an auxiliary gang
   killed holding an unsent window rolls its step back.
 * **Driver death.** ``bidirl run --address auto`` on a ``ray start --head`` cluster is killed (SIGKILL; Ray ends
-  its job's workers) once its checkpoint after 3 of 6 steps exists; ``bidirl run --resume`` runs the other 3 on
-  the same cluster and prints the CLI's JSON contract, with the trace written. The result equals 6 steps straight (the fault-free
-  run's checkpoint after step 6): the same prompt groups per step, the same rewards, the same weights (as above), and
-  the resumed run's log, metrics and summary number the steps 0-5.
+  its job's workers) once its checkpoint after 2 of 4 steps exists; ``bidirl run --resume`` runs the other 2 on
+  the same cluster and prints the CLI's JSON contract, with the trace written. The result equals 4 steps straight
+  (the fault-free run's checkpoint after step 4): the same prompt groups per step, the same rewards, the same
+  weights (as above), and the resumed run's log, metrics and summary number the steps 0-3. Two steps on each side
+  of the kill are the fewest that still resume mid-run with a step of the first run's in the second's log and a
+  weight-update step after the resume; the two engine starts (one per CLI process) are most of its time.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ KINDS = ("primary rollouter", "auxiliary rollouter", "primary trainer rank", "au
 #: kill schedules' seeds: one in ``make test``, the full matrix (0,1,2) in ``make test-chaos``
 SEEDS = tuple(int(s) for s in os.environ.get("BIDIRL_CHAOS_SEEDS", "0").split(","))
 
+
+#: the driver-death test: the CLI run is killed after its checkpoint at step DEATH_AT and resumed to DEATH_STEPS
+DEATH_AT, DEATH_STEPS = 2, 4
 
 #: the primary gang writes a recovery snapshot every 3 steps: a restarted gang loads one and replays the steps since
 SNAPSHOT_EVERY = 3
@@ -213,21 +218,21 @@ def test_a_killed_driver_resumes_from_its_checkpoint_as_if_never_stopped(model_d
     config.write_text(job(0.0).with_overrides({"recovery.snapshot_dir": str(tmp_path / "snapshots")}).to_yaml())
     folder = tmp_path / "ck"
     env = dict(ray_head, BIDIRL_CACHE=str(model_dir.parent))
-    common = ["--policy", POLICY, "--steps", "6", "--json", "--address", "auto"]
+    common = ["--policy", POLICY, "--steps", str(DEATH_STEPS), "--json", "--address", "auto"]
 
-    first = _cli(str(config), *common, "--checkpoint-dir", str(folder), "--checkpoint-every", "3",
+    first = _cli(str(config), *common, "--checkpoint-dir", str(folder), "--checkpoint-every", str(DEATH_AT),
                  "--out", str(tmp_path / "out-1"), env=env)
     deadline = time.time() + 900
     try:
-        while not (folder / "step-000003" / checkpoints.MANIFEST).exists():
+        while not (folder / f"step-{DEATH_AT:06d}" / checkpoints.MANIFEST).exists():
             assert first.poll() is None, f"the run ended before its checkpoint: {first.communicate()[1][-3000:]}"
-            assert time.time() < deadline, "no checkpoint after 3 steps within 15 minutes"
+            assert time.time() < deadline, f"no checkpoint after {DEATH_AT} steps within 15 minutes"
             time.sleep(0.05)
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)        # the driver: Ray ends its job's actors
         first.communicate()
-    assert not (folder / "step-000006").exists(), "the driver was killed after it finished"
+    assert not (folder / f"step-{DEATH_STEPS:06d}").exists(), "the driver was killed after it finished"
 
     trace = tmp_path / "run.json"
     second = _cli(str(config), *common, "--resume", str(folder), "--out", str(tmp_path / "out-2"),
@@ -240,21 +245,22 @@ def test_a_killed_driver_resumes_from_its_checkpoint_as_if_never_stopped(model_d
     assert summary["emulated"] is False and summary["policy"] == POLICY
     events = json.loads(trace.read_text())
     assert any(e.get("name") == "generate" for e in events["traceEvents"]), "the trace holds the generation spans"
-    assert summary["resumed_from"]["step"] == 3
-    assert len(summary["step_times"]) == 6 and len(summary["reward"]) == 6
+    assert summary["resumed_from"]["step"] == DEATH_AT
+    assert len(summary["step_times"]) == DEATH_STEPS and len(summary["reward"]) == DEATH_STEPS
     assert summary["samples"]["lost"] == 0 and summary["samples"]["duplicated"] == 0
-    assert summary["reward"] == ref.summary()["reward"][:6]
+    assert summary["reward"] == ref.summary()["reward"][:DEATH_STEPS]
 
-    resumed, straight = checkpoints.find(folder), checkpoints.Checkpoint.open(ref_folder / "step-000006")
-    assert resumed.step == 6
+    resumed = checkpoints.find(folder)
+    straight = checkpoints.Checkpoint.open(ref_folder / f"step-{DEATH_STEPS:06d}")
+    assert resumed.step == DEATH_STEPS
     assert _batches(resumed.control().coordinator.view()) == _batches(straight.control().coordinator.view())
-    gap = rounding.same_weights(resumed.trainer_weights(), straight.trainer_weights(), job(0.0).rl.lr, 6)
-    print(f"3 + 3 resumed steps against 6 straight: {gap}")
+    gap = rounding.same_weights(resumed.trainer_weights(), straight.trainer_weights(), job(0.0).rl.lr, DEATH_STEPS)
+    print(f"{DEATH_AT} + {DEATH_STEPS - DEATH_AT} resumed steps against {DEATH_STEPS} straight: {gap}")
     assert gap.ok, str(gap)
-    # the resumed run's own outputs number the steps 0-5: its log continues the first run's
+    # the resumed run's own outputs number the steps 0-3: its log continues the first run's
     from bidirl.results.trace import EventLog
     from bidirl.results.tracking import EVENTS_FILE, METRICS_FILE
     log = EventLog.load(tmp_path / "out-2" / EVENTS_FILE)
-    assert [r.step for r in log.steps] == list(range(6))
+    assert [r.step for r in log.steps] == list(range(DEATH_STEPS))
     rows = [json.loads(line) for line in (tmp_path / "out-2" / METRICS_FILE).read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["step"] for r in rows] == list(range(DEATH_STEPS))

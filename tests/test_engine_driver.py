@@ -186,6 +186,10 @@ def test_a_worker_that_fails_to_start_names_itself_and_the_cause(model_dir, ray_
     shutil.copytree(model_dir, broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    driver = EngineDriver(cfgmod.load("tiny-cpu"), "bidirl", 1, 0, model_dir=str(broken))
+    # the smallest layout (one GPU slot per pool: a rollouter, a one-rank gang and their auxiliaries): what is
+    # checked is the first failure's report, and every worker of any layout loads the same files
+    small = cfgmod.load("tiny-cpu").with_overrides({"cluster.gpus": 2, "cluster.gpus_per_node": 2,
+                                                    "cluster.partition": {"rollout": 1, "trainer": 1}})
+    driver = EngineDriver(small, "bidirl", 1, 0, model_dir=str(broken))
     with pytest.raises(ClusterError, match=r"(rollouter|trainer)/\d failed to start: .*deserializing header"):
         driver.run()
