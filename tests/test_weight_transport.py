@@ -307,6 +307,64 @@ def test_a_receiver_that_never_comes_is_skipped_once_marked_gone():
         assert set(got[("done", r)][2]) == {n for n, _ in _shapes()} and all(c[2] for c in got[("done", r)][2].values())
 
 
+def _peer_that_dies_while_its_pair_forms(end: str) -> tuple:
+    """One end of a one-receiver transfer (``end``: "sender" or "receiver") runs in a thread; its peer announces
+    itself at the rendezvous as a live member does (``ready/1``, or the sender's ``go/1``) and then never forms the
+    pair — it died there — and the driver marks it gone once the thread is forming the pair. Returns what the
+    thread ended with and how long after the mark."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    timeout_s = 120.0
+    rendezvous = wt.Rendezvous("127.0.0.1")
+    transfer = rendezvous.open(["r1"], 7, wt.BucketLayout.plan(_shapes(), "float32", BUCKET_BYTES), timeout_s)
+    host, port = transfer.address.rsplit(":", 1)
+    peer = dist.PrefixStore(transfer.tid, dist.TCPStore(host, int(port), is_master=False,
+                                                        timeout=datetime.timedelta(seconds=30)))
+    box: dict = {}
+
+    def run():
+        try:
+            if end == "sender":
+                member = wt.Sender(transfer, "cpu")
+                member.connect()
+                box["value"] = dict(member.failed)
+            else:
+                wt.Receiver(transfer, 1, "cpu").connect()
+                box["value"] = "paired"
+        except Exception as exc:
+            box["error"] = exc
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    if end == "sender":
+        peer.set("ready/1", "cpu")             # the receiver announced itself ...
+        peer.wait(["go/1"])                    # ... the sender began forming the pair ...
+    else:
+        peer.wait(["ready/1"])
+        peer.set("go/1", "gloo")               # the sender said go ...
+    time.sleep(0.5)                            # ... and the thread is now blocked forming the pair
+    rendezvous.gone(transfer.tid, 1 if end == "sender" else 0)
+    t_mark = time.monotonic()
+    thread.join(timeout_s / 2)                 # finished well before the transfer's own timeout, or it waited for it
+    return box, (time.monotonic() - t_mark) if not thread.is_alive() else None
+
+
+@pytest.mark.parametrize("end", ["sender", "receiver"])
+def test_a_peer_that_dies_while_its_pair_forms_is_let_go_once_marked(end):
+    """Forming a pair blocks in the rendezvous store until the peer writes its address; the marks are polled over
+    another store client, so a peer that died between announcing itself and pairing is let go when the driver
+    marks it gone, not after ``transport.timeout_s`` (here 120 s). Seen in a chaos run: a primary rollouter killed
+    just after it announced itself held up a weight sync for the full 300 s."""
+    box, after = _peer_that_dies_while_its_pair_forms(end)
+    assert after is not None, f"the {end} was still forming its pair 60 s after its peer was marked gone"
+    if end == "sender":
+        assert set(box["value"]) == {1} and "gone" in box["value"][1], box
+    else:
+        assert isinstance(box.get("error"), wt.WeightTransferError) and "gone" in str(box["error"]), box
+
+
 def _wait_progress(q, rank, buckets, others):
     """Wait until ``rank`` has received ``buckets`` buckets; other messages are kept in ``others``."""
     while True:

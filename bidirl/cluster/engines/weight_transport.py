@@ -25,7 +25,9 @@ the rendezvous address and the version (:class:`Transfer`).
 * **Failures** (workers die at any moment, ``bidirl.cluster.recovery``). Every wait — for a peer at the rendezvous,
   for a bucket to arrive or leave — polls the operation and the rendezvous, where the driver marks members it
   knows dead (``gone/<rank>``), and gives up after ``transport.timeout_s`` at the latest (gloo itself does not
-  notice a killed peer before its own timeout). The sender drops a receiver that is gone or times out and serves
+  notice a killed peer before its own timeout). Forming a pair blocks in the store until the peer has written its
+  address, and a store client serves one call at a time, so each pair forms over a client of its own: the marks
+  stay readable while a pair forms with a peer that died after announcing itself. The sender drops a receiver that is gone or times out and serves
   the others; a receiver whose sender is gone or silent raises :class:`WeightTransferError` — its vLLM weights may
   be half-loaded, so the driver restarts it rather than let it generate. Nobody waits forever.
 
@@ -314,19 +316,24 @@ class _Member:
     """Common to both ends: the rendezvous client, marks, pair groups and the polled waits."""
 
     def __init__(self, transfer: Transfer, rank: int, device):
-        import torch.distributed as dist
-
         _forget_finished()
         self.transfer, self.rank = transfer, int(rank)
         self.device = torch.device(device)
         self.timeout = datetime.timedelta(seconds=transfer.timeout_s)
-        host, port = transfer.address.rsplit(":", 1)
+        self.store = self._client()
+
+    def _client(self):
+        """A client of the transfer's rendezvous, under its prefix. The marks are polled over the member's own
+        client; a pair forms over another (module docstring: a client is blocked while a call of it waits)."""
+        import torch.distributed as dist
+
+        host, port = self.transfer.address.rsplit(":", 1)
         try:
-            self.store = dist.PrefixStore(transfer.tid, dist.TCPStore(host, int(port), is_master=False,
-                                                                       timeout=self.timeout))
+            return dist.PrefixStore(self.transfer.tid, dist.TCPStore(host, int(port), is_master=False,
+                                                                      timeout=self.timeout))
         except Exception as exc:
-            raise WeightTransferError(f"weight transfer {transfer.tid}: cannot reach the rendezvous at "
-                                      f"{transfer.address} ({_first_line(exc)})") from None
+            raise WeightTransferError(f"weight transfer {self.transfer.tid}: cannot reach the rendezvous at "
+                                      f"{self.transfer.address} ({_first_line(exc)})") from None
 
     def _marked(self, key: str) -> bool:
         try:
@@ -345,7 +352,7 @@ class _Member:
         import torch.distributed as dist
 
         r = peer if self.rank == 0 else self.rank
-        store = dist.PrefixStore(f"pair/{r}", self.store)
+        store = dist.PrefixStore(f"pair/{r}", self._client())     # not self.store: its polls must not wait on this
         me = 0 if self.rank == 0 else 1
         if backend == "nccl":          # GPU-only branch (unverified here: no GPU)
             opts = dist.ProcessGroupNCCL.Options()
