@@ -181,6 +181,37 @@ def test_offload_reuses_one_host_buffer_and_keeps_accumulated_gradients(model_di
                                                           for v in st.values() if v.numel() > 1]))
 
 
+def test_a_gang_restored_from_its_recovery_snapshot_switches_out_and_back(model_dir, tmp_path):
+    """A restarted primary rank loads its snapshot (``torch.load`` from disk) and may be lent at once: its state
+    must be freeable in place like a fresh engine's (the chaos run at s = 0 stopped on "Trying to resize storage
+    that is not resizable" when a rank restored from a snapshot switched out)."""
+    samples = _samples(model_dir, 4)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    e = _engine(model_dir)
+    e.apply([e.chunk_gradients(samples, adv, e.logprobs(samples))])    # AdamW moments exist: the snapshot holds them
+    e.save_snapshot(tmp_path, e.version)
+    assert e.flush_snapshot()["version"] == 1
+    restored = _engine(model_dir)
+    restored.load_snapshot(tmp_path, 1)
+    moments = [v.clone() for st in restored.optimizer.state.values() for v in st.values() if v.numel() > 1]
+    assert moments and restored.offload() > 0 and restored.resident_bytes() == 0
+    restored.onload()
+    # bytes copied out and back: exactly equal, and equal to the state that was saved
+    assert all(torch.equal(a, b) for a, b in zip(moments, [v for st in restored.optimizer.state.values()
+                                                          for v in st.values() if v.numel() > 1]))
+    assert all(torch.equal(v, e.model.state_dict()[k]) for k, v in restored.model.state_dict().items())
+
+
+def test_state_whose_storage_cannot_be_freed_in_place_is_refused_before_anything_moves(tmp_path):
+    from bidirl.cluster.engines.host_buffer import HostStash
+
+    torch.save({"t": torch.ones(8)}, tmp_path / "t.pt")
+    fixed = torch.load(tmp_path / "t.pt")["t"]                          # storage owned by the file reader
+    ours = torch.zeros(8)
+    stash = HostStash()
+    with pytest.raises(RuntimeError, match="cannot be resized.*clone"):
+        stash.offload([ours, fixed])
+    assert not stash.holding and ours.untyped_storage().nbytes() == 32   # nothing was freed
 def test_reference_is_loaded_at_start_when_the_kl_term_needs_it(model_dir):
     e = _engine(model_dir, kl_coef=0.1)
     assert e._reference is not None and all(not p.requires_grad for p in e._reference.parameters())

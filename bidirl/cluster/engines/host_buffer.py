@@ -49,6 +49,11 @@ class HostStash:
             raise RuntimeError("HostStash.offload: already holding an offloaded state; restore() it first")
         layout, total = [], 0
         for t in tensors:
+            if not t.untyped_storage().resizable():
+                raise RuntimeError(f"HostStash.offload: a {tuple(t.shape)} {t.dtype} tensor's storage cannot be "
+                                   "resized (it was read from a file or wraps memory it does not own), so it cannot "
+                                   "be freed in place; copy it into storage of its own (t.clone()) when it becomes "
+                                   "engine state")
             n = t.untyped_storage().nbytes()
             layout.append((t, total, n))
             total += -(-n // ALIGN) * ALIGN

@@ -168,10 +168,14 @@ def _tree_map(obj, fn):
 
 
 def _rebuild(saved, template):
-    """``saved`` (plain local tensors) shaped like ``template``: each tensor on the template's device and, where the
-    template holds a DTensor, a DTensor with the template's sharding."""
+    """``saved`` (plain local tensors) shaped like ``template``: each tensor a copy on the template's device and, where
+    the template holds a DTensor, a DTensor with the template's sharding.
+
+    Always a copy: AdamW keeps the state tensors it is given, and a tensor ``torch.load`` read from a file (a
+    recovery snapshot) sits in storage that cannot be resized — a hot switch frees state by resizing its storages
+    (:mod:`bidirl.cluster.engines.host_buffer`), so a restored gang could not switch out."""
     if torch.is_tensor(template):
-        local = saved.to(_local(template).device)
+        local = saved.to(_local(template).device, copy=True)
         return _like(local, template) if _is_dtensor(template) else local
     if isinstance(template, dict):
         return {k: _rebuild(saved[k], v) for k, v in template.items()}
