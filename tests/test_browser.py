@@ -17,7 +17,10 @@ not used), opens each notebook, runs all cells and waits for the kernel to finis
   t = 0 and reaches the run's end with every span drawn, the readout saying "t = end of end";
 * **04 – 07** — run all cells (04 at CI size, ``BIDIRL_SMOKE=1``, as every notebook here) with no traceback and
   every figure rendered; 05's figure says it is the quick variant, 06's figures say their records are
-  synthetic (never measured), 07's says its points are medians.
+  synthetic (never measured), 07's says its points are medians. This is the only run of 04 in ``make test``
+  where chromium is installed (the notebook part leaves it out: it starts real engines, a minute of worker
+  starts), so it checks everything nbval would: every cell ran (a cell that raises stops *Run All*, so the
+  prompts never all get numbers) and no output holds a traceback.
 
 Screenshots go to the test's tmp folder and to ``results/browser/`` (``quickstart.png``,
 ``quickstart-sweep.png``, ``partition-explorer.png``, ``partition-explorer-controls.png``,

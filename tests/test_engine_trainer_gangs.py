@@ -1,17 +1,23 @@
-"""Engine runs beyond the default: the tiny Llama, and trainer gangs sharded over their replica (ρ_t = 2).
+"""Engine runs beyond the default: the tiny Llama, with trainer gangs sharded over their replica (ρ_t = 2).
 
-Integration tests (``-m integration``) on the session's Ray and kept workers, like ``tests/test_engine_driver.py``
-and with its tolerances (fp32, derived in ``tests/rounding.py``): vLLM's log-probs of sampled tokens vs the
-trainer's recomputation after every weight sync within the rounding bound, and borrowing vs no borrowing at s = 0
-ends at the same weights as two runs of one job do (``rounding.same_weights``).
+Integration tests (``-m integration``) on the session's Ray, like ``tests/test_engine_driver.py`` and with its
+tolerances (fp32, derived in ``tests/rounding.py``): vLLM's log-probs of sampled tokens vs the trainer's
+recomputation after every weight sync within the rounding bound, and borrowing vs no borrowing at s = 0 ends at
+the same weights as two runs of one job do (``rounding.same_weights``).
 
-* The tiny Llama (``bidirl.rl.tiny_model.TINY_LLAMA``: an untied output head, no biases) runs where the
-  Qwen2 model runs: every weight sync is checked by the log-prob gap.
-* With trainer replicas of two GPU slots (ρ_t = 2, as the planner picks for a model whose trainer state
-  does not fit one GPU; forced here by the planner's layout step) each trainer gang is one replica of two
-  ranks, so the model really is sharded in the run: chunks are split over a replica's ranks, forward stages
-  gather the sharded weights, the auxiliary gang's gradients are gathered once and cut to shards on the
-  primary ranks, and the weight sync gathers the shards.
+One run pair covers two departures from the default at once, since each needs workers of its own (another model,
+another layout — most of the test's time):
+
+* the tiny Llama (``bidirl.rl.tiny_model.TINY_LLAMA``: an untied output head, no biases) runs where the Qwen2
+  model runs: every weight sync is checked by the log-prob gap;
+* with trainer replicas of two GPU slots (ρ_t = 2, as the planner picks for a model whose trainer state does
+  not fit one GPU — an untied 8B model, say; forced here by the planner's layout step) each trainer gang is one
+  replica of two ranks, so the model really is sharded in the run: chunks are split over a replica's ranks,
+  forward stages gather the sharded weights, the auxiliary gang's gradients are gathered once and cut to shards
+  on the primary ranks, and the weight sync gathers the shards.
+
+The tied Qwen2 head sharded over two ranks is checked against the unsharded trainer in
+``tests/test_trainer_fsdp.py``; the Qwen2 model on one-slot replicas by every other engine run.
 """
 
 from __future__ import annotations
@@ -30,8 +36,7 @@ pytestmark = [pytest.mark.integration,
                                  reason="engine runs need vllm (pip install -e .[cpu])")]
 
 #: three steps: three optimizer steps and weight syncs per run, each sync's log-prob gap checked, and the
-#: rollout pool's trainer slots borrowed at s = 0; each test starts workers of its own (another model, another
-#: layout), which is most of its time
+#: rollout pool's trainer slots borrowed at s = 0
 STEPS = 3
 
 
@@ -72,14 +77,8 @@ def _check_equivalent_runs(cfg, model_dir, kept_workers):
     return runs["no-borrow"][0], runs["opportunistic"][0]
 
 
-def test_the_tiny_llama_trains_and_borrowing_keeps_its_weights(llama_dir, kept_workers):
-    cfg = cfgmod.load("tiny-cpu").with_overrides({"rl.staleness": 0})
-    driver, _ = _check_equivalent_runs(cfg, llama_dir, kept_workers)
-    assert set(driver.final_weights) >= {"lm_head.weight", "model.embed_tokens.weight"}
-    assert not any(k.endswith(".bias") for k in driver.final_weights)          # Llama: no biases
-
-
-def test_trainer_gangs_sharded_over_two_slot_replicas(model_dir, kept_workers, monkeypatch):
+def test_the_tiny_llama_sharded_over_two_slot_replicas_trains_and_borrowing_keeps_its_weights(
+        llama_dir, kept_workers, monkeypatch):
     from bidirl.job import planner
     real = planner.min_feasible_layouts
 
@@ -89,8 +88,11 @@ def test_trainer_gangs_sharded_over_two_slot_replicas(model_dir, kept_workers, m
     monkeypatch.setattr(planner, "min_feasible_layouts", two_slot_trainer_replicas)
     cfg = cfgmod.load("tiny-cpu").with_overrides({"rl.staleness": 0})
     assert planner.plan(cfg).envelope.trainer_layout == 2
-    base, borrow = _check_equivalent_runs(cfg, model_dir, kept_workers)
+    base, borrow = _check_equivalent_runs(cfg, llama_dir, kept_workers)
     for driver in (base, borrow):
         env, top = driver.plan.envelope, driver.topology
         assert (env.trainer_layout, top.trainer_replicas, top.aux_trainer_replicas) == (2, 1, 1)
         assert [len(driver.gangs[g]) for g in ("trainer_pool/trainer", "rollout_pool/trainer")] == [2, 2]
+    # the Llama's own weights were trained and synced: an untied head, no biases
+    assert set(borrow.final_weights) >= {"lm_head.weight", "model.embed_tokens.weight"}
+    assert not any(k.endswith(".bias") for k in borrow.final_weights)

@@ -79,3 +79,19 @@ def test_sanitizer_file_is_well_formed():
     assert parser.sections() and len(pairs) == len(parser.sections())
     for regex, _replace in pairs:
         re.compile(regex)
+
+
+def test_a_notebook_left_to_the_browser_test_has_nothing_only_nbval_would_check():
+    """The Makefile's notebook part leaves out what the browser test runs (``NBVAL_SKIP``, where chromium is
+    installed): such a notebook must be one the browser test runs, with no ``# NBVAL_CHECK_OUTPUT`` cell (whose
+    output nbval compares and the browser test does not)."""
+    makefile = (NOTEBOOKS.parent / "Makefile").read_text()
+    line = next(ln for ln in makefile.splitlines() if ln.startswith("NBVAL_SKIP :="))
+    left_out = re.findall(r"--ignore=notebooks/([\w-]+)\.ipynb", line)
+    assert left_out, line
+    browser = (NOTEBOOKS.parent / "tests" / "test_browser.py").read_text()
+    for name in left_out:
+        assert f'"{name}"' in browser, f"{name} is left out of nbval but the browser test does not run it"
+        book = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+        assert not any(c.source.lstrip().startswith(CHECK) for c in _code(book)), \
+            f"{name} has {CHECK} cells: only nbval checks them, so it cannot be left to the browser test"
