@@ -54,6 +54,7 @@ C_in / C_out), in the order vLLM intends:
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -305,7 +306,12 @@ class RolloutEngine:
             if memory_bytes is not None:
                 total = torch.cuda.get_device_properties(torch.device(device)).total_memory
                 kwargs["gpu_memory_utilization"] = min(1.0, float(memory_bytes) / total)
-        with _preserved_global_rng():     # in-process vLLM seeds random / numpy / torch globally
+        # vLLM collects garbage five times while it starts (each a walk of every object of torch, transformers and
+        # vLLM: ≈ 0.25 s of CPU) and freezes the heap when done (vllm.utils.gc_utils.freeze_gc_heap); freezing it
+        # before, after one collection, leaves those walks only the objects the engine creates: ≈ 1 s less per start
+        gc.collect()
+        gc.freeze()
+        with _preserved_global_rng(), self._eager_steps():   # in-process vLLM seeds random / numpy / torch globally
             self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         cache = self.engine.vllm_config.cache_config
@@ -329,11 +335,24 @@ class RolloutEngine:
         self.reward_fn = reward_fn
         self.start_seconds = time.perf_counter() - t0
 
+    def _eager_steps(self):
+        """A block in which an eager engine (``enforce_eager``: CPU) compiles nothing.
+
+        vLLM's sampler still wraps its count of logits above the sampled token's (the log-prob rank,
+        ``batched_count_greater_than``) in ``torch.compile`` when the engine is eager: tracing and compiling it cost
+        ≈ 1.6 s of CPU at the first step of every engine process, for an exact integer count (eager, a batch of 256
+        responses of the tiny model takes the same time). Dynamo is switched off for the block (``torch._dynamo.config.disable``; restored after), so the
+        function runs as plain torch. An engine with CUDA graphs compiles as vLLM means it to."""
+        import torch
+
+        return torch._dynamo.config.patch(disable=True) if self.enforce_eager else contextlib.nullcontext()
+
     def _warm_up(self) -> None:
         """Run one two-token request through the engine and the sampler at start-up, then forget it.
 
-        A new engine's first generation step is slow — one-time kernel and allocator set-up, ≈ 2-3 s for the
-        tiny model on a 2-core CPU against ≈ 50 ms for every later one. Paid here it counts as start-up: a fresh
+        A new engine's first generation step is slower than the later ones — one-time kernel and allocator set-up
+        (on CPU it was ≈ 2 s, most of it vLLM compiling its sampler, which :meth:`_eager_steps` now skips; a GPU's
+        first step sets up its kernels and graphs). Paid here it counts as start-up: a fresh
         engine's first busy period then costs what a kept one's does (``KeptWorkers``), so whether a
         borrowing window finds work left (§4) and what the online profiler's first rollout records say (§5.1)
         do not depend on whether the process is new."""
@@ -466,7 +485,8 @@ class RolloutEngine:
                 break
             if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
                 break
-            outputs = self.engine.step()
+            with self._eager_steps():
+                outputs = self.engine.step()
             n += 1
             self.steps += 1
             for out in outputs:
