@@ -311,7 +311,8 @@ class RolloutEngine:
         # before, after one collection, leaves those walks only the objects the engine creates: ≈ 1 s less per start
         gc.collect()
         gc.freeze()
-        with _preserved_global_rng(), self._eager_steps():   # in-process vLLM seeds random / numpy / torch globally
+        # in-process vLLM seeds random / numpy / torch globally
+        with _preserved_global_rng(), self._eager_steps():
             self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         cache = self.engine.vllm_config.cache_config
@@ -340,9 +341,10 @@ class RolloutEngine:
 
         vLLM's sampler still wraps its count of logits above the sampled token's (the log-prob rank,
         ``batched_count_greater_than``) in ``torch.compile`` when the engine is eager: tracing and compiling it cost
-        ≈ 1.6 s of CPU at the first step of every engine process, for an exact integer count (eager, a batch of 256
-        responses of the tiny model takes the same time). Dynamo is switched off for the block (``torch._dynamo.config.disable``; restored after), so the
-        function runs as plain torch. An engine with CUDA graphs compiles as vLLM means it to."""
+        ≈ 1.6 s of CPU at the first step of every engine process, for an exact integer count (run eagerly, a batch
+        of 256 responses of the tiny model takes the same time). Dynamo is switched off for the block
+        (``torch._dynamo.config.disable``, restored after), so the function runs as plain torch. An engine with CUDA
+        graphs compiles as vLLM means it to."""
         import torch
 
         return torch._dynamo.config.patch(disable=True) if self.enforce_eager else contextlib.nullcontext()
@@ -350,10 +352,9 @@ class RolloutEngine:
     def _warm_up(self) -> None:
         """Run one two-token request through the engine and the sampler at start-up, then forget it.
 
-        A new engine's first generation step is slower than the later ones — one-time kernel and allocator set-up
-        (on CPU it was ≈ 2 s, most of it vLLM compiling its sampler, which :meth:`_eager_steps` now skips; a GPU's
-        first step sets up its kernels and graphs). Paid here it counts as start-up: a fresh
-        engine's first busy period then costs what a kept one's does (``KeptWorkers``), so whether a
+        A new engine's first generation step is slower than the later ones: one-time kernel and allocator set-up
+        (and, were it not for :meth:`_eager_steps`, ≈ 1.6 s of compiling on CPU). Paid here it counts as start-up:
+        a fresh engine's first busy period then costs what a kept one's does (``KeptWorkers``), so whether a
         borrowing window finds work left (§4) and what the online profiler's first rollout records say (§5.1)
         do not depend on whether the process is new."""
         token = self.eos_id if self.eos_id is not None else 0
