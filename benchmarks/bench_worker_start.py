@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 #: run in a fresh interpreter: argv = kind, model folder, "paused" | "collecting"
 _CHILD = r"""
@@ -51,8 +50,7 @@ def _start(kind: str, model_dir: str, mode: str) -> dict:
 def bench_worker_start(quick: bool) -> dict:
     from bidirl.rl.bootstrap import ensure_tiny_model
 
-    model_dir = str(ensure_tiny_model(cache_dir=os.environ.get("BIDIRL_CACHE") or
-                                      os.path.join(tempfile.gettempdir(), "bidirl-cache")))
+    model_dir = str(ensure_tiny_model())
     out = {}
     for kind in KINDS:
         runs = {mode: _start(kind, model_dir, mode) for mode in ("paused", "collecting")}

@@ -28,8 +28,9 @@ the rendezvous address and the version (:class:`Transfer`).
   notice a killed peer before its own timeout). Forming a pair blocks in the store until the peer has written its
   address, and a store client serves one call at a time, so each pair forms over a client of its own: the marks
   stay readable while a pair forms with a peer that died after announcing itself. The sender drops a receiver
-  that is gone or times out and serves the others; a receiver whose sender is gone or silent raises :class:`WeightTransferError` — its vLLM weights may
-  be half-loaded, so the driver restarts it rather than let it generate. Nobody waits forever.
+  that is gone or times out and serves the others; a receiver whose sender is gone or silent raises
+  :class:`WeightTransferError` — its vLLM weights may be half-loaded, so the driver restarts it rather than let it
+  generate. Nobody waits forever.
 
 :func:`send_buckets` runs on every rank of the sending gang (the gathers are collectives); only rank 0 talks to
 the receivers. :class:`Receiver` runs in the receiving worker's process.
