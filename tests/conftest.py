@@ -8,14 +8,6 @@ and have no deadline (timing is never asserted in tests).
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -29,17 +21,33 @@ settings.register_profile("ci", max_examples=25, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fresh_workers: compares a run on fresh engine workers with one on kept "
+                                       "workers (runs first of the tests on the session's kept workers)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The test marked ``fresh_workers`` runs just before the first test on the session's kept workers
+    (``kept_workers``): its fresh run is what starts the shared worker shape (``tests/engine_jobs.py``), which the
+    tests after it take, instead of ending a set an earlier test started and starting another. Every other test
+    keeps its place, so a module's tests stay together. Only the time of a session depends on this order, never a
+    result: every kept run resets its workers to a fresh engine's state (the ``fresh_workers`` test checks that),
+    and the suite passes in reverse order too."""
+    kept = [i for i, item in enumerate(items) if "kept_workers" in getattr(item, "fixturenames", ())]
+    first = next((i for i in kept if items[i].get_closest_marker("fresh_workers")), None)
+    if kept and first is not None and first != kept[0]:
+        items.insert(kept[0], items.pop(first))
+
+
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    """The built-in tiny model, created and warm-started once per session (``$BIDIRL_CACHE`` when set)."""
+def model_dir():
+    """The built-in tiny model, from the project's cache root (``$BIDIRL_CACHE`` or ``~/.cache/bidirl``, where
+    ``make demo`` and the notebooks find it too): built and warm-started on first use only. Its folder is named by
+    a hash of everything that determines its weights and is renamed into place only when complete, under a lock
+    (``bootstrap.ensure_tiny_model``), so a cached folder is the model a build would write, and xdist workers and
+    the parts of ``make test`` build it once between them."""
     from bidirl.rl.bootstrap import ensure_tiny_model
-    cache = os.environ.get("BIDIRL_CACHE")
-    if not cache:
-        # the xdist workers of one session share its temporary folder, so the model is built once (under the
-        # builder's own lock: bootstrap.ensure_tiny_model), not once per worker
-        base = tmp_path_factory.getbasetemp()
-        cache = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "bidirl-cache"
-    return ensure_tiny_model(cache_dir=cache)
+    return ensure_tiny_model()
 
 
 @pytest.fixture(scope="session")
@@ -75,56 +83,9 @@ def kept_workers(ray_session):
 
 
 @pytest.fixture
-def ray_head():
-    """A cluster of ``ray start --head --block`` (4 CPUs, 4 GPU slots) for ``bidirl run --address auto``: yields
-    the environment that points ``auto`` at it (``RAY_ADDRESS``). The head runs in its own session, stopped by
-    signalling that process group only (``ray stop`` would stop every Ray instance on the machine)."""
-    ray_cli = Path(sys.executable).parent / "ray"
-    env = dict(os.environ, RAY_enable_metrics_collection="0")
-    for attempt in range(3):           # a loaded machine may miss Ray's fixed 30 s node-registration deadline
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ray_tmp = tempfile.mkdtemp(prefix="ray")      # short: Ray's socket paths must stay under 108 bytes
-        head = subprocess.Popen([str(ray_cli), "start", "--head", "--block", f"--port={port}", "--num-cpus=4",
-                                 '--resources={"gpu_slot": 4}', f"--temp-dir={ray_tmp}", "--include-dashboard=false",
-                                 "--disable-usage-stats"], env=env, start_new_session=True, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        lines, started = [], threading.Event()
-
-        def pump(out=head.stdout, lines=lines, started=started):
-            for line in out:
-                lines.append(line)
-                if "Ray runtime started" in line:
-                    started.set()
-        threading.Thread(target=pump, daemon=True).start()
-        deadline = time.time() + 300
-        while not started.wait(1) and head.poll() is None and time.time() < deadline:
-            pass
-        if started.is_set() or attempt == 2:
-            break
-        _stop_group(head, ray_tmp)
-    try:
-        assert started.is_set(), "ray start --head did not start:\n" + "".join(lines)[-3000:]
-        yield dict(env, RAY_ADDRESS=f"127.0.0.1:{port}")
-    finally:
-        _stop_group(head, ray_tmp)
-
-
-def _stop_group(head, ray_tmp: str) -> None:
-    """Stop a ``ray start --head --block`` process and its session's processes, and remove its temp folder."""
-    import shutil
-    try:
-        os.killpg(head.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    try:
-        head.wait(5)            # it stops its session's processes; the group is killed below in any case
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
-        head.wait(60)
-    try:                                              # stragglers of the group (workers that outlive the head)
-        os.killpg(head.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    shutil.rmtree(ray_tmp, ignore_errors=True)
+def ray_session_env(ray_session):
+    """The environment of a ``bidirl run --address auto`` subprocess that joins the session's Ray as a driver of its
+    own (``RAY_ADDRESS``, the session's GCS): its job's actors and placement group end when that process ends, the
+    session's kept workers are the pytest process's and stay."""
+    return dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address,
+                RAY_enable_metrics_collection="0")

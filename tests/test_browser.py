@@ -460,11 +460,11 @@ def test_live_gantt_grows_while_the_cell_runs(lab, tmp_path):
         shot = tmp_path / "live-bubbles.png"
         page.screenshot(path=str(shot))
         end = _readout(page)[1]
-        replays = {pace: _replay(page, pace, end, final) for pace in ("100 s per s", "2000 s per s")}
+        replays = {pace: _replay(page, pace, end, final) for pace in ("500 s per s", "2000 s per s")}
         replayed = tmp_path / "live-bubbles-replayed.png"
         page.screenshot(path=str(replayed))
         # ▶ alone, with the replay at its end, starts it over
-        restarted = _replay(page, "100 s per s", end, final, stop_first=False)
+        restarted = _replay(page, "500 s per s", end, final, stop_first=False)
     running = sorted({n for _, n, live in samples if live and n > 0})
     assert len(running) >= 2, f"the live Gantt was not seen growing while its run was running: {samples}"
     assert running[-1] <= final, (running, final)

@@ -19,8 +19,8 @@ workers to kill and switches to kill them in.
   gradients in other groupings). The primary gang writes a recovery snapshot every 3 steps, so a restarted one
   loads a snapshot and replays the steps since (``bidirl.cluster.engines.trainer_recovery``); an auxiliary gang
   killed holding an unsent window rolls its step back.
-* **Driver death.** ``bidirl run --address auto`` on a ``ray start --head`` cluster is killed (SIGKILL; Ray ends
-  its job's workers) once its checkpoint after 2 of 4 steps exists; ``bidirl run --resume`` runs the other 2 on
+* **Driver death.** ``bidirl run --address auto``, a driver of its own on the session's Ray, is killed (SIGKILL;
+  Ray ends its job's workers) once its checkpoint after 2 of 4 steps exists; ``bidirl run --resume`` runs the other 2 on
   the same cluster and prints the CLI's JSON contract, with the trace written. The result equals 4 steps straight
   (the fault-free run's checkpoint after step 4): the same prompt groups per step, the same rewards, the same
   weights (as above), and the resumed run's log, metrics and summary number the steps 0-3. Two steps on each side
@@ -208,16 +208,18 @@ CONTRACT = ("policy", "throughput", "step_times", "idle", "utilization", "borrow
             "train", "startup", "weight_sync")
 
 
-def test_a_killed_driver_resumes_from_its_checkpoint_as_if_never_stopped(model_dir, fault_free, ray_head, tmp_path):
-    """Both runs are ``bidirl run --address auto`` on a ``ray start --head`` cluster (``ray_head``): the killed
-    driver's job ends with it, its actors and placement group with it, and the resumed run finds the slots free.
+def test_a_killed_driver_resumes_from_its_checkpoint_as_if_never_stopped(model_dir, fault_free, ray_session_env,
+                                                                          tmp_path):
+    """Both runs are ``bidirl run --address auto`` joining the session's Ray as drivers of their own
+    (``ray_session_env``), as a user's CLI joins a running cluster: the killed driver's job ends with it, its actors
+    and placement group with it, and the resumed run finds the slots free.
     The resumed run also carries the CLI's contract: stdout holds the JSON object only, the trace is written."""
     ref, ref_folder = fault_free
     config = tmp_path / "job.yaml"
     # the killed driver cannot delete its run's recovery snapshots: they go under this test's folder
     config.write_text(job(0.0).with_overrides({"recovery.snapshot_dir": str(tmp_path / "snapshots")}).to_yaml())
     folder = tmp_path / "ck"
-    env = dict(ray_head, BIDIRL_CACHE=str(model_dir.parent))
+    env = dict(ray_session_env, BIDIRL_CACHE=str(model_dir.parent))
     common = ["--policy", POLICY, "--steps", str(DEATH_STEPS), "--json", "--address", "auto"]
 
     first = _cli(str(config), *common, "--checkpoint-dir", str(folder), "--checkpoint-every", str(DEATH_AT),

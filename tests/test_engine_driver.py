@@ -81,6 +81,7 @@ def _timing_free(res) -> dict:
             "reward": res.summary()["reward"]}
 
 
+@pytest.mark.fresh_workers
 def test_kept_workers_run_a_job_as_fresh_ones_do(model_dir, kept_workers):
     """The library's reuse (``KeptWorkers``, as notebooks and side-by-side runs use it): a run on workers an earlier
     run left, each reset, computes what a run on freshly started workers computes for the same seed — the same

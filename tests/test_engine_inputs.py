@@ -1,4 +1,4 @@
-"""Real engine runs on the user's data and reward, tracked to an output folder, and on a ``ray start`` cluster.
+"""Real engine runs on the user's data and reward, tracked to an output folder.
 
 Integration tests (``-m integration``): ``tiny-cpu`` (four vLLM engines, two trainer gangs) for one or two steps
 on the session's kept workers (``tests/engine_jobs.py``: the shared worker shape; the reward is set by the
@@ -8,7 +8,7 @@ workers' reset).
   are the per-step rewards, and the run's output folder holds JSONL and TensorBoard metrics under veRL's names;
 * a reward function that raises stops the run with a ``ClusterError`` naming it and the sample.
 
-``bidirl run --address auto`` on a ``ray start --head`` cluster, its JSON contract and trace are checked by the
+``bidirl run --address auto`` joining a running Ray, its JSON contract and trace are checked by the
 driver-death test of ``tests/test_chaos.py``; ``tests/test_run_inputs.py`` checks that ``--data-file`` and
 ``--reward`` reach the job (a bad value of either is named).
 """

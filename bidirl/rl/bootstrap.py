@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -37,6 +38,9 @@ from bidirl.rl.tasks import ArithmeticTask
 
 #: bump when the procedure changes in a way that changes the weights (invalidates caches)
 SCRIPT_VERSION = 1
+#: the modules whose code determines the warm-started weights: their source is part of the cache key, so a cached
+#: model is always the one the installed code would build (tests take it from the cache too)
+BUILD_MODULES = ("bidirl.rl.bootstrap", "bidirl.rl.tiny_model", "bidirl.rl.tasks")
 
 
 @dataclass(frozen=True)
@@ -187,15 +191,20 @@ def build(out: Union[str, Path], seed: int = 0, spec: WarmStart = WarmStart(),
 def cache_key(seed: int = 0, spec: WarmStart = WarmStart(), cfg: tiny_model.TinyConfig = tiny_model.TinyConfig()) -> str:
     """A hash of everything that determines the warm-started weights.
 
-    The default Qwen2 model's key leaves out ``architecture`` and ``tie_word_embeddings`` (they came later and
-    do not change its weights), so folders built before them stay valid.
+    That is the seed, the warm-start settings, the model's configuration and vocabulary, and the source of
+    :data:`BUILD_MODULES` (any change to them builds anew; :data:`SCRIPT_VERSION` stays for what they cannot
+    see). The default Qwen2 model's key leaves out ``architecture`` and ``tie_word_embeddings`` (they do not
+    change its weights).
     """
     config = cfg.to_dict()
     if cfg.architecture == "qwen2" and cfg.tie_word_embeddings:
         del config["architecture"], config["tie_word_embeddings"]
+    source = hashlib.sha256()
+    for name in BUILD_MODULES:
+        source.update(Path(importlib.util.find_spec(name).origin).read_bytes())
     blob = json.dumps({"seed": seed, "warm_start": asdict(spec), "config": config,
-                       "vocabulary": tiny_model.vocabulary(cfg.vocab_size), "script_version": SCRIPT_VERSION},
-                      sort_keys=True)
+                       "vocabulary": tiny_model.vocabulary(cfg.vocab_size), "script_version": SCRIPT_VERSION,
+                       "source": source.hexdigest()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
