@@ -54,8 +54,9 @@ def model_dir():
 def ray_session():
     """One local Ray for every integration test that runs on Ray in this process; each test's runs start their own
     placement group on it. 12 GPU slots: the largest job a test runs (8) beside the set of engine workers the
-    session keeps (``kept_workers``: tiny-cpu's 4), which holds its slots between runs. Tests that start
-    ``bidirl run`` in a subprocess get that process's own embedded Ray."""
+    session keeps (``kept_workers``: tiny-cpu's 4), which holds its slots between runs. A ``bidirl run`` in a
+    subprocess gets that process's own embedded Ray, or joins this one as a driver of its own
+    (``ray_session_env``)."""
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_enable_metrics_collection", "0")
     ray.shutdown()
