@@ -88,5 +88,4 @@ def ray_session_env(ray_session):
     """The environment of a ``bidirl run --address auto`` subprocess that joins the session's Ray as a driver of its
     own (``RAY_ADDRESS``, the session's GCS): its job's actors and placement group end when that process ends, the
     session's kept workers are the pytest process's and stay."""
-    return dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address,
-                RAY_enable_metrics_collection="0")
+    return dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)

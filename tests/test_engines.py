@@ -1,8 +1,9 @@
 """The real engines on CPU: vLLM rollout (in-process), torch trainer, FSDP2 gangs over gloo, Ray actor wrappers.
 
 Integration tests (``-m integration``): they load vLLM, spawn processes and start a local Ray. The tiny
-model is created and warm-started once per session into a temporary cache (or ``$BIDIRL_CACHE`` when
-set); one vLLM engine is shared by the in-process tests, which reset its weights where they change them.
+model comes from the project's cache (``$BIDIRL_CACHE`` or ``~/.cache/bidirl``, built on first use:
+``tests/conftest.py``); one vLLM engine is shared by the in-process tests, which reset its weights where they
+change them.
 Tolerances, fp32 throughout, each derived from the arithmetic in ``tests/rounding.py`` (none from one machine's
 output): vLLM's sampled-token log-probs and the trainer's recomputed ones on the same weights differ in rounding
 only, ≤ 2·2ρ·Z_max (``rounding.run_logprob_tolerance``: ≈ 4e-3 for the tiny models, whose logits are bounded by

@@ -36,7 +36,7 @@ from bidirl.rl import tiny_model
 from bidirl.rl.model_folder import TINY_MARKER
 from bidirl.rl.tasks import ArithmeticTask
 
-#: bump when the procedure changes in a way that changes the weights (invalidates caches)
+#: bump when something outside :data:`BUILD_MODULES` changes the weights (invalidates caches)
 SCRIPT_VERSION = 1
 #: the modules whose code determines the warm-started weights: their source is part of the cache key, so a cached
 #: model is always the one the installed code would build (tests take it from the cache too)
