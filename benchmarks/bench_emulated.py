@@ -4,7 +4,7 @@
   ``bidirl`` on embedded local Ray with model-timed workers, and the simulator on the same config, seed and
   policy;
 * ``emulated_256gpu``: the same job scaled to 256 virtual GPUs (128-128, batch 1,024 × 8): 256 rollout replicas
-  on 16 :class:`~bidirl.cluster.emulated.RolloutHost` processes, two trainer gangs.
+  on 16 :class:`~bidirl.cluster.emulated_workers.RolloutHost` processes, two trainer gangs.
 
 Each reports the emulated (virtual-time) throughput, the simulated one and their ratio, the wall time of the
 emulated run, and where the driver's wall time goes per event fed to the coordinator: handling replies (driver

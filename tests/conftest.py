@@ -1,4 +1,5 @@
-"""Shared test settings: deterministic hypothesis profiles.
+"""Shared test settings and fixtures: deterministic hypothesis profiles; the session's tiny model, Ray, kept engine
+workers and reference run.
 
 ``default`` is used on a developer machine, ``ci`` (fewer examples) when ``CI`` is set or when
 ``HYPOTHESIS_PROFILE=ci``. Both are derandomized (the same examples every run, so a failure reproduces)
@@ -8,6 +9,8 @@ and have no deadline (timing is never asserted in tests).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -81,6 +84,34 @@ def kept_workers(ray_session):
     from bidirl.cluster.pool import KeptWorkers
     with KeptWorkers(capacity=1) as kept:
         yield kept
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    """The result of the reference run, the folder of its checkpoints and what its driver put through Ray."""
+    result: object           # bidirl.results.run_result.RunResult
+    checkpoints: Path        # step-000001 ... step-000010, every one kept
+    meter: object            # bidirl.cluster.engines.object_store_meter.ObjectStoreMeter, polled after every call
+
+
+@pytest.fixture(scope="session")
+def reference_run(model_dir, kept_workers, tmp_path_factory):
+    """One fault-free run of the shared job (``engine_jobs.reference()``: s = 0, a recovery snapshot every 3 steps)
+    under ``opportunistic`` for 10 steps on the kept workers, checkpointed after every step, with the driver's Ray
+    traffic metered. Three tests would each run exactly this run: the chaos runs' and the killed driver's reference
+    (``test_chaos.py``) and the borrowing side of borrowing against no borrowing (``test_engine_driver.py``);
+    they share it, and the runs between them are unaffected by it: a kept run resets every worker first."""
+    import engine_jobs
+    from bidirl.cluster.engines.driver import EngineDriver
+    from bidirl.cluster.engines.object_store_meter import ObjectStoreMeter
+
+    cfg, steps = engine_jobs.reference(), engine_jobs.REFERENCE_STEPS
+    folder = tmp_path_factory.mktemp("reference-run")
+    driver = EngineDriver(cfg, engine_jobs.REFERENCE_POLICY, steps, cfg.seed, model_dir=str(model_dir),
+                          kept_workers=kept_workers, checkpoint_dir=str(folder), keep=steps)
+    with ObjectStoreMeter() as meter:
+        result = driver.run(kill=lambda d: meter.poll())
+    return ReferenceRun(result, folder, meter)
 
 
 @pytest.fixture

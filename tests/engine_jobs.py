@@ -7,6 +7,9 @@ is ``tiny-cpu`` at 32 prompts × 8 responses — generation outlasts a hot switc
 ``max_prompt_len`` 48: the longest prompt of the shipped veRL sample (46 tokens) and of the arithmetic task fit, and
 48 + ``max_response_len`` 16 is the tiny model's 64 positions. Jobs on other data or rewards with these settings
 share the workers (the reward is a per-run argument of the workers' reset).
+
+:func:`reference` is that job as the chaos runs and the reference run (``tests/conftest.py``'s ``reference_run``)
+run it: a recovery snapshot of the primary gang every :data:`SNAPSHOT_EVERY` steps.
 """
 
 from __future__ import annotations
@@ -20,3 +23,15 @@ SHARED = {"workload.prompts_per_step": 32, "workload.group_size": 8, "workload.m
 def borrowing(**overrides):
     """``tiny-cpu`` with :data:`SHARED` and ``overrides`` (dotted keys, as ``JobConfig.with_overrides``)."""
     return cfgmod.load("tiny-cpu").with_overrides({**SHARED, **overrides})
+
+
+#: the primary gang writes a recovery snapshot every 3 steps: a restarted gang loads one and replays the steps since
+SNAPSHOT_EVERY = 3
+
+#: the reference run: this many steps of :func:`reference` at s = 0 under this policy (``tests/conftest.py``)
+REFERENCE_STEPS, REFERENCE_POLICY = 10, "opportunistic"
+
+
+def reference(staleness: float = 0.0):
+    """:func:`borrowing` at ``staleness`` with a recovery snapshot every :data:`SNAPSHOT_EVERY` steps."""
+    return borrowing(**{"rl.staleness": staleness, "recovery.snapshot_every": SNAPSHOT_EVERY})

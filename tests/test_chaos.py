@@ -54,8 +54,7 @@ pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="engine runs need vllm (pip install -e .[cpu])")]
 
-STEPS = 10
-POLICY = "opportunistic"
+STEPS, POLICY = engine_jobs.REFERENCE_STEPS, engine_jobs.REFERENCE_POLICY
 KINDS = ("primary rollouter", "auxiliary rollouter", "primary trainer rank", "auxiliary trainer rank")
 #: kill schedules' seeds: one in ``make test``, the full matrix (0,1,2) in ``make test-chaos``
 SEEDS = tuple(int(s) for s in os.environ.get("BIDIRL_CHAOS_SEEDS", "0").split(","))
@@ -64,12 +63,8 @@ SEEDS = tuple(int(s) for s in os.environ.get("BIDIRL_CHAOS_SEEDS", "0").split(",
 #: the driver-death test: the CLI run is killed after its checkpoint at step DEATH_AT and resumed to DEATH_STEPS
 DEATH_AT, DEATH_STEPS = 2, 4
 
-#: the primary gang writes a recovery snapshot every 3 steps: a restarted gang loads one and replays the steps since
-SNAPSHOT_EVERY = 3
-
-
-def job(staleness: float):
-    return engine_jobs.borrowing(**{"rl.staleness": staleness, "recovery.snapshot_every": SNAPSHOT_EVERY})
+#: the module's job at a staleness: the shared job, its primary gang snapshotting every SNAPSHOT_EVERY (3) steps
+job, SNAPSHOT_EVERY = engine_jobs.reference, engine_jobs.SNAPSHOT_EVERY
 
 
 @dataclass
@@ -160,11 +155,11 @@ def _same_weights(a: dict, b: dict, cfg) -> str:
 
 
 @pytest.fixture(scope="module")
-def fault_free(model_dir, kept_workers, tmp_path_factory):
-    """The s = 0 run without faults, checkpointed after every step (all kept): the reference of both tests."""
-    folder = tmp_path_factory.mktemp("fault-free")
-    res = _run(model_dir, kept_workers, job(0.0), checkpoint_dir=str(folder), keep=STEPS)
-    return res, folder
+def fault_free(reference_run):
+    """The s = 0 run without faults, checkpointed after every step (all kept): the reference of both tests. It is
+    the session's reference run (``tests/conftest.py``): this module's job, policy and steps."""
+    assert (reference_run.result.config, reference_run.result.policy) == (job(0.0), POLICY), "another job's run"
+    return reference_run.result, reference_run.checkpoints
 
 
 @pytest.mark.parametrize("staleness", [0.0, 1.0])

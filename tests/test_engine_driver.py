@@ -105,13 +105,15 @@ def test_kept_workers_run_a_job_as_fresh_ones_do(model_dir, kept_workers):
     _check_same_weights(fresh, kept, cfg, steps)
 
 
-def test_borrowing_changes_where_work_runs_not_what_is_learned_and_the_reward_rises(model_dir, kept_workers):
-    cfg = _borrowing_job()
-    steps = 10
-    from bidirl.cluster.engines.object_store_meter import ObjectStoreMeter
+def test_borrowing_changes_where_work_runs_not_what_is_learned_and_the_reward_rises(model_dir, kept_workers,
+                                                                                  reference_run):
+    """The borrowing run is the session's reference run (``tests/conftest.py``: this job under ``opportunistic``
+    for 10 steps, its Ray traffic metered, a recovery snapshot every 3 steps and a checkpoint after every step,
+    which change no result); the no-borrow run is the same job's."""
+    cfg, steps = engine_jobs.reference(), engine_jobs.REFERENCE_STEPS
+    assert (reference_run.result.config, reference_run.result.policy) == (cfg, "opportunistic")
     base = _run(cfg, "no-borrow", model_dir, steps, kept_workers)
-    with ObjectStoreMeter() as meter:
-        borrow = _run(cfg, "opportunistic", model_dir, steps, kept_workers, kill=lambda d: meter.poll())
+    borrow, meter = reference_run.result, reference_run.meter
     a, b = _check_log(base, steps), _check_log(borrow, steps)
     # the auxiliary gang's gradients went shard to shard, once per window: nothing of them through the object store
     assert b["aux_gradients"]["path"] == "shard to shard" and b["aux_gradients"]["transfers"] > 0, b["aux_gradients"]

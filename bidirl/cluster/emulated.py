@@ -16,144 +16,15 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
-
+from bidirl.cluster.emulated_workers import EmulatedTrainer, RolloutHost
 from bidirl.cluster.pool import ClusterError, PoolDriver
 from bidirl.core import protocol as P
-from bidirl.perf.replica import BatchingEngine, EngineGroup
+from bidirl.perf.replica import EngineGroup
 from bidirl.perf.workload import GroupLengths
 from bidirl.runtime.driver import switch_lane
-from bidirl.runtime.loop import EventLoop
 
 #: rollout hosts (processes) per pool by default: replicas are spread over at most this many
 HOSTS_PER_POOL = 8
-
-
-class VirtualClock:
-    """Virtual seconds since ``t0`` (a shared wall-clock origin) at ``scale`` virtual s per wall s."""
-
-    def __init__(self, t0: float, scale: float):
-        self.t0, self.scale = t0, scale
-
-    def now(self) -> float:
-        return (time.time() - self.t0) * self.scale
-
-    def sleep_virtual(self, seconds: float) -> None:
-        if seconds > 0:
-            time.sleep(seconds / self.scale)
-
-
-class RolloutHost:
-    """Rollout replicas emulated in one process (one Ray actor): the replica model of each, on one event loop in
-    virtual time advanced to the wall clock.
-
-    One process per replica does not scale: a Ray worker process costs ~70 MB and a second of start-up, so 256
-    virtual GPUs would need 256 processes. A host runs ``names`` replicas, and one ``advance`` call reports every
-    completion on all of them, so the driver's round trips grow with hosts, not replicas. Timed state operations
-    on a replica (a weight load, an offload or onload in a switch) are events on the same loop
-    (:meth:`hold`): they run side by side with the other replicas' generation, as on separate GPUs, and are
-    reported by ``advance`` when they end.
-
-    The methods are ``async`` so that Ray runs the actor as an async actor: a ``start``, ``interrupt`` or ``hold``
-    arriving while ``advance`` waits for the next completion wakes it at once, rather than queueing behind it.
-    """
-
-    def __init__(self, names, engine_costs, t0: float, scale: float, seeds):
-        self.clock = VirtualClock(t0, scale)
-        self.loop = EventLoop()
-        self.engines, self.finished, self.spans = {}, {}, {}
-        self.holds_done: list = []
-        self._wake = None
-        for name, seed in zip(names, seeds):
-            self.finished[name], self.spans[name] = [], []
-            self.engines[name] = BatchingEngine(
-                name, engine_costs, self.loop, np.random.default_rng(seed),
-                on_group=lambda w, st, el, name=name: self.finished[name].append((self.loop.now, st)),
-                on_span=lambda w, kind, a, b, det, name=name: self.spans[name].append((kind, a, b, det)),
-                on_record=lambda *a: None)
-
-    def _catch_up(self) -> None:
-        self.loop.run(until=self.clock.now())
-
-    def _wake_advance(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
-    def _report(self, names=None, **extra) -> dict:
-        replicas = {}
-        for name in (self.engines if names is None else names):
-            finished, self.finished[name] = self.finished[name], []
-            spans, self.spans[name] = self.spans[name], []
-            replicas[name] = {"finished": finished, "spans": spans, "busy": self.engines[name].busy}
-        holds, self.holds_done = self.holds_done, []
-        return {"replicas": replicas, "holds": holds, "t": self.loop.now, **extra}
-
-    async def start(self, name: str, groups: list) -> int:
-        """Add :class:`~bidirl.perf.replica.EngineGroup` s to replica ``name`` now."""
-        self._catch_up()
-        self.engines[name].add(*groups)
-        self._wake_advance()
-        return len(groups)
-
-    async def interrupt(self, name: str, group_ids) -> dict:
-        """Stop groups on replica ``name`` now: the replica's report, with ``stopped`` (their states)."""
-        self._catch_up()
-        stopped = self.engines[name].interrupt(group_ids)
-        self._wake_advance()
-        return {**self._report([name])["replicas"][name], "t": self.loop.now, "stopped": stopped}
-
-    async def hold(self, token, seconds: float) -> float:
-        """Start a timed operation of ``seconds`` (virtual) now; ``advance`` reports ``(token, start, end)`` when
-        it ends. Returns its start."""
-        self._catch_up()
-        start = self.loop.now
-        self.loop.schedule(max(0.0, seconds), lambda: self.holds_done.append((token, start, self.loop.now)))
-        self._wake_advance()
-        return start
-
-    async def advance(self, max_wall: float) -> dict:
-        """Wait until the next completion or hold end (at most ``max_wall`` wall seconds, or until a call
-        arrives), then report what finished on every replica."""
-        import asyncio
-        self._catch_up()
-        if not self._has_news():
-            target = min(self.loop.peek(), self.loop.now + max_wall * self.clock.scale)
-            wait = max(0.0, (target - self.clock.now()) / self.clock.scale)
-            self._wake = asyncio.Event()
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=wait)
-            except asyncio.TimeoutError:
-                pass
-            finally:
-                self._wake = None
-            self._catch_up()
-        return self._report()
-
-    def _has_news(self) -> bool:
-        return bool(self.holds_done) or any(self.finished.values())
-
-    async def set_clock(self, t0: float) -> None:
-        self.clock.t0 = t0
-
-
-class EmulatedTrainer:
-    """A trainer gang emulated by sleeping for the trainer model's chunk time."""
-
-    def __init__(self, name: str, t0: float, scale: float):
-        self.name, self.clock = name, VirtualClock(t0, scale)
-
-    def run_chunk(self, chunk_id: int, seconds: float) -> dict:
-        start = self.clock.now()
-        self.clock.sleep_virtual(seconds)
-        return {"chunk_id": chunk_id, "start": start, "end": self.clock.now()}
-
-    def hold(self, seconds: float) -> float:
-        t0 = self.clock.now()
-        self.clock.sleep_virtual(seconds)
-        return self.clock.now() - t0
-
-    def set_clock(self, t0: float) -> None:
-        self.clock.t0 = t0
 
 
 @dataclass
@@ -195,6 +66,7 @@ class EmulatedDriver(PoolDriver):
         self._respawned: set = set()          # hosts started afresh in the current failure (one per host)
         self._orphaned: list = []             # tolerant holds of a failed host, finished after the failure
         self.host_down: set = set()           # hosts discarded whose successor is not started yet
+        self._actor_classes: dict = {}        # class -> ray.remote(class), made once per driver (_actor_class)
 
     def _place(self):
         import ray
@@ -210,16 +82,22 @@ class EmulatedDriver(PoolDriver):
         except Exception as exc:
             raise ClusterError(f"a worker failed to start: {exc}") from None
 
+    def _actor_class(self, cls):
+        """``ray.remote(cls)``, made once per driver: Ray exports each class ``ray.remote`` makes anew, hashing its
+        code (≈ 50 ms of the driver's CPU per worker started)."""
+        import ray
+        if cls not in self._actor_classes:
+            self._actor_classes[cls] = ray.remote(cls)
+        return self._actor_classes[cls]
+
     def _spawn(self, worker: str) -> None:
         """A trainer gang is one emulated actor on its first slot; a rollouter runs on its host (started once
         per placement or failure) on the bundle of the host's first replica."""
-        import ray
-
         env, top = self.plan.envelope, self.topology
         g_r = env.rollout_gpus
         if P.worker_kind(worker) == P.TRAINER:
             bundle = g_r if P.is_primary(worker) else 0
-            self.actors[worker] = ray.remote(EmulatedTrainer).options(**self._at(bundle)).remote(
+            self.actors[worker] = self._actor_class(EmulatedTrainer).options(**self._at(bundle)).remote(
                 worker, self.t0, self.time_scale)
             return
         h = self.host_of[worker]
@@ -234,7 +112,7 @@ class EmulatedDriver(PoolDriver):
             seeds.append([self.seed, 3, i if P.is_primary(w) else len(top.rollouters) + i])
         first = int(names[0].rsplit("/", 1)[1])
         bundle = (0 if P.is_primary(names[0]) else g_r) + first * env.rollout_layout
-        actor = ray.remote(RolloutHost).options(**self._at(bundle)).remote(
+        actor = self._actor_class(RolloutHost).options(**self._at(bundle)).remote(
             names, self.truth.engine_costs(), self.t0, self.time_scale, seeds)
         self.actors.update({w: actor for w in names})
         self.host_advancing[h], self.host_holds[h] = False, {}
