@@ -75,10 +75,12 @@ class Chaos:
     primary rollouter while it is a target of the weight sync in flight (``sync``), the others while they work
     (``work``: generating, or running a chunk) — and one of any worker taking part in a switch in flight
     (``switch``). Which directions a run borrows in, and when, is the scheduler's choice: at s = 1 the trainer
-    pool is lent to rollout only in the first steps (later the trainer never waits), so the kills that need it
-    (an auxiliary rollouter's, the switch's) are armed from a step in ``[0, early]``, the others from one in
-    ``[1, last]``. At s = 1 ``early`` is 0: on a slower machine the trainer pool may be lent only while the first
-    batch is generated. The switch kill waits until the auxiliary rollouter's kill is done: killing either side of
+    pool is lent to rollout only in the first steps (later the trainer never waits), and after kills the gate may
+    admit no more windows of a direction (once at s = 0: the primary gang killed twice in step 1, and the rollout
+    pool never lent to training again from step 3 on), so the kills that need a window (an auxiliary
+    rollouter's, an auxiliary rank's, the switch's) are armed from a step in ``[0, early]``, the others from one
+    in ``[1, last]``; a kill armed from a step may come at any step after it. At s = 1 ``early`` is 0: on a slower
+    machine the trainer pool may be lent only while the first batch is generated. The switch kill waits until the auxiliary rollouter's kill is done: killing either side of
     the trainer pool's switch (the gang switching out, or an auxiliary rollouter switching in) can close the one
     window that kill has (seen at s = 1 on warm engines: the primary gang killed as it switched out at step 0,
     and no auxiliary rollouter generated afterwards). The worker, and the rank of a gang, are seeded
@@ -93,7 +95,8 @@ class Chaos:
         self.moment = dict.fromkeys(KINDS, "work")
         self.moment["primary rollouter"] = "sync"
         self.moment["switch"] = "switch"
-        self.armed = {kind: (self.rng.randint(0, self.early) if kind in ("auxiliary rollouter", "switch")
+        needs_window = ("auxiliary rollouter", "auxiliary trainer rank", "switch")
+        self.armed = {kind: (self.rng.randint(0, self.early) if kind in needs_window
                              else self.rng.randint(1, self.last)) for kind in KINDS + ("switch",)}
 
     def __call__(self, driver) -> None:
