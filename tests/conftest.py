@@ -115,6 +115,13 @@ class ReferenceRun:
     checkpoints: Path        # step-000001 ... step-000010, every one kept
     meter: object            # bidirl.cluster.engines.object_store_meter.ObjectStoreMeter, polled after every call
 
+    def of(self, config, policy: str) -> "ReferenceRun":
+        """This run, after checking that it is the run of ``config`` under ``policy`` a test means to read (a test
+        that changed its job would otherwise compare against another job's run)."""
+        got = (self.result.config, self.result.policy)
+        assert got == (config, policy), f"the reference run is of another job or policy ({got[1]!r}, not {policy!r})"
+        return self
+
 
 @pytest.fixture(scope="session")
 def reference_run(model_dir, kept_workers, tmp_path_factory):

@@ -111,9 +111,9 @@ def test_borrowing_changes_where_work_runs_not_what_is_learned_and_the_reward_ri
     for 10 steps, its Ray traffic metered, a recovery snapshot every 3 steps and a checkpoint after every step,
     which change no result); the no-borrow run is the same job's."""
     cfg, steps = engine_jobs.reference(), engine_jobs.REFERENCE_STEPS
-    assert (reference_run.result.config, reference_run.result.policy) == (cfg, "opportunistic")
+    ref = reference_run.of(cfg, engine_jobs.REFERENCE_POLICY)
     base = _run(cfg, "no-borrow", model_dir, steps, kept_workers)
-    borrow, meter = reference_run.result, reference_run.meter
+    borrow, meter = ref.result, ref.meter
     a, b = _check_log(base, steps), _check_log(borrow, steps)
     # the auxiliary gang's gradients went shard to shard, once per window: nothing of them through the object store
     assert b["aux_gradients"]["path"] == "shard to shard" and b["aux_gradients"]["transfers"] > 0, b["aux_gradients"]
