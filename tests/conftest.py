@@ -81,7 +81,9 @@ def ray_session():
     subprocess gets that process's own embedded Ray, or joins this one as a driver of its own
     (``ray_session_env``)."""
     ray = pytest.importorskip("ray")
+    from bidirl.cluster.pool import workers_at_driver_priority
     os.environ.setdefault("RAY_enable_metrics_collection", "0")
+    workers_at_driver_priority()          # as the library's embedded Ray: engines at pytest's priority
     ray.shutdown()
     for attempt in range(3):           # a loaded machine may miss Ray's fixed 30 s node-registration deadline
         try:

@@ -1,4 +1,5 @@
 """Bad input to a real (engine) run is rejected before anything starts: no Ray, no engines (unit tests)."""
+import os
 
 import pytest
 
@@ -190,3 +191,32 @@ def test_logical_slots_keep_their_small_cpu_share_and_gpu_slots_get_the_nodes_cp
     opts = gpu._at(0)
     assert gpu.bundle_cpus() == 14 and (opts["num_cpus"], opts["num_gpus"]) == (7, 0.5)  # half a slot: half its CPUs
     assert gpu.worker_shape()["bundle_cpus"] == 14      # kept workers started with other CPUs are not reused
+
+
+def test_an_embedded_ray_runs_its_workers_at_the_drivers_priority_and_a_cluster_keeps_its_own(fresh_model,
+                                                                                               monkeypatch):
+    import ray
+
+    class Started(Exception):
+        pass
+
+    def init(*args, **kwargs):                          # what the raylet would inherit, at the moment it starts
+        raise Started(os.environ.get("RAY_worker_niceness"), kwargs.get("address"))
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}
+    monkeypatch.setattr(os, "environ", env)             # this process's own environment is left as it was
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(Started) as info:
+        _driver(fresh_model)._start_ray()
+    assert info.value.args == (str(os.nice(0)), None)   # Ray's own default, 15, starves the engines under load
+    env.pop("RAY_worker_niceness")
+    cluster = _driver(fresh_model)
+    cluster.address = "auto"
+    with pytest.raises(Started) as info:
+        cluster._start_ray()
+    assert info.value.args == (None, "auto")
+    env["RAY_worker_niceness"] = "19"                   # the user's own setting is kept
+    with pytest.raises(Started) as info:
+        _driver(fresh_model)._start_ray()
+    assert info.value.args == ("19", None)

@@ -8,7 +8,8 @@ then sharded (``gang=False``, the unsharded engine's path) and one is built on t
 (``kl_coef > 0``) is loaded the same way, and :meth:`TrainerEngine.reset` reads the shards again after the weights
 changed. Three ranks shard the tiny model's rows unevenly (32 vocabulary rows: 11, 11 and 10).
 
-Threads: a trainer in a Ray actor sets torch's thread count to the whole CPUs Ray granted it, as Ray sets OpenMP's.
+Threads: a trainer in a Ray actor sets torch's thread count to the whole CPUs Ray granted it, as Ray sets OpenMP's;
+and it runs at the driver's priority, not below it (``bidirl.cluster.pool.workers_at_driver_priority``).
 """
 
 from __future__ import annotations
@@ -139,3 +140,16 @@ def test_an_actors_torch_threads_are_the_whole_cpus_ray_granted_it(ray_session):
         probe = Probe.options(num_cpus=cpus).remote()
         assert ray.get(probe.threads.remote(), timeout=120) == (whole, whole)
         ray.kill(probe)
+
+
+@pytest.mark.integration
+def test_the_sessions_workers_run_at_the_drivers_priority(ray_session):
+    """The session's Ray is started as the library starts an embedded one: its workers at the driver's niceness
+    (Ray's own default is 15, at which the engines starve beside any other busy process)."""
+    ray = ray_session
+
+    @ray.remote
+    def niceness():
+        return os.nice(0)
+
+    assert ray.get(niceness.remote(), timeout=120) == os.nice(0)
