@@ -80,10 +80,10 @@ class Chaos:
     pool never lent to training again from step 3 on), so the kills that need a window (an auxiliary
     rollouter's, an auxiliary rank's, the switch's) are armed from a step in ``[0, early]``, the others from one
     in ``[1, last]``; a kill armed from a step may come at any step after it. At s = 1 ``early`` is 0: on a slower
-    machine the trainer pool may be lent only while the first batch is generated. The switch kill waits until the auxiliary rollouter's kill is done: killing either side of
-    the trainer pool's switch (the gang switching out, or an auxiliary rollouter switching in) can close the one
-    window that kill has (seen at s = 1 on warm engines: the primary gang killed as it switched out at step 0,
-    and no auxiliary rollouter generated afterwards). The worker, and the rank of a gang, are seeded
+    machine the trainer pool may be lent only while the first batch is generated. The switch kill waits until the
+    auxiliary rollouter's kill is done: killing either side of the trainer pool's switch (the gang switching out,
+    or an auxiliary rollouter switching in) can close the one window that kill has (seen at s = 1 on warm engines:
+    the primary gang killed as it switched out at step 0, and no auxiliary rollouter generated afterwards). The worker, and the rank of a gang, are seeded
     choices; ``ray.kill`` ends the process."""
     seed: int
     early: int = 1
