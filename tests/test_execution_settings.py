@@ -288,3 +288,39 @@ def test_bypass_removes_the_old_logprob_stage_from_the_simulated_step():
     busy = lambda chunks: sum(c[3] for c in chunks)  # noqa: E731
     old = sum(c[3] for c in with_old if c[0] == "old_logprob")
     assert busy(bypass) == pytest.approx(busy(with_old) - old, rel=1e-12)
+
+
+# --------------------------------------------------------------------------------------------------
+# response-length trend
+# --------------------------------------------------------------------------------------------------
+
+def test_length_trend_scales_each_steps_mean():
+    from bidirl.perf.workload import GroupLengths, mean_response
+    flat = small()
+    grow = small(**{"workload.response_length_trend": 0.1})
+    stats, L = flat.workload_stats, flat.workload.max_response_len
+    for k in (0, 1, 5):
+        assert mean_response(stats, L, k, 0.1) == pytest.approx(min(L, mean_response(stats, L, k) * (1 + 0.1 * k)),
+                                                               rel=1e-15)
+    assert mean_response(stats, L, 100, -0.5) == 1.0              # 1 − 0.5·100 < 0: clipped to one token
+    # every draw of step 5 is the flat draw scaled by 1 + 0.1·5 = 1.5 (a log-normal's mean scales its draws):
+    # r' = rint(1.5·x) and r = rint(x) with |x − r| ≤ 0.5, so |r' − 1.5·r| ≤ 0.5 + 1.5·0.5 = 1.25 unless clipped
+    a, b = GroupLengths.of(flat, 0), GroupLengths.of(grow, 0)
+    n = flat.workload.prompts_per_step
+    for g in range(5 * n, 6 * n):
+        pa, ra = a(g)
+        pb, rb = b(g)
+        assert pa == pb
+        for x, y in zip(ra, rb):
+            if y < L:
+                assert abs(y - 1.5 * x) <= 1.25
+    # step 0 is untouched
+    assert [a(g) for g in range(n)] == [b(g) for g in range(n)]
+
+
+def test_length_trend_grows_the_simulated_steps_work():
+    flat = run(small(), steps=4).log.steps
+    grow = run(small(**{"workload.response_length_trend": 0.2}), steps=4).log.steps
+    # later steps' groups draw longer responses (the first batch already holds some of step 1's groups)
+    assert [s.samples for s in grow] == [s.samples for s in flat]
+    assert all(g.tokens > f.tokens for g, f in zip(grow, flat))
