@@ -370,3 +370,11 @@ def test_streaming_lowers_trainer_idle():
         summary = run(small(**{"rl.updates_per_sync": u}), steps=6).summary()
         idle[u] = summary["fully_async/trainer/idle_ratio"]
     assert idle[4] < idle[1]
+
+
+def test_modelled_baselines_follow_the_jobs_layouts():
+    """veRL fully-async's in-flight cap follows the rollout replicas the job has (ρ_r), AReaL's trainer ranks the
+    sequence-parallel groups."""
+    from bidirl.sim.baselines import rollout_replicas, trainer_data_parallel
+    assert rollout_replicas(small()) == 8 and rollout_replicas(small(**{"cluster.rollout_tensor_parallel": 4})) == 2
+    assert trainer_data_parallel(small()) == 8 and trainer_data_parallel(small(**{"rl.sequence_parallel": 4})) == 2
