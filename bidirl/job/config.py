@@ -67,6 +67,11 @@ class ClusterConfig:
     each GPU node's CPUs, less ``bidirl.cluster.pool.RESERVED_CPUS`` for the driver and Ray's own processes,
     divided by its GPUs (whole CPUs; the least over the nodes). Logical GPU slots (engines on CPU) keep a small
     fixed share (``bidirl.cluster.pool.BUNDLE_CPU``) whatever it says.
+
+    ``rollout_tensor_parallel`` (veRL's ``actor_rollout_ref.rollout.tensor_model_parallel_size``): ρ_r, the GPUs of
+    one rollout replica (vLLM tensor parallelism inside one node). Empty: the planner picks the smallest layout
+    whose memory fits (§4.1). It must divide ``gpus_per_node``, the model's attention heads and a fixed
+    ``partition``'s pools, and the planner refuses it by name when a replica of that size does not fit memory.
     """
     gpus: int = 16
     gpus_per_node: int = 8
@@ -74,6 +79,7 @@ class ClusterConfig:
     partition: Optional[Partition] = None
     rollout_kv_cache_gib: Optional[float] = None
     cpus_per_gpu: Union[Literal["auto"], float] = "auto"
+    rollout_tensor_parallel: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,10 @@ class WorkloadConfig:
     tokens; a prompt the run can draw that is longer is refused before anything starts, naming its row. Empty: the
     longest prompt the run can draw. Jobs of one model and layout that set the same value can run on the same
     kept engine workers (``bidirl.cluster.pool.KeptWorkers``) whatever their data.
+
+    ``response_length_trend``: the relative change of the mean response length per training step — step ``k``'s
+    lengths are drawn with mean ``mean · (1 + trend · k)``, clipped to ``[1, max_response_len]`` (responses that
+    grow or shrink over training; ``bidirl.perf.workload``). 0: every step has the same mean (no veRL key).
     """
     dataset: str = "geo3k"
     prompts_per_step: int = 64
@@ -126,6 +136,7 @@ class WorkloadConfig:
     response_lengths: Optional[ResponseLengths] = None
     forced_lengths: bool = False
     max_prompt_len: Optional[int] = None
+    response_length_trend: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -137,7 +148,30 @@ class RLConfig:
     ``reward`` scores each response in engine runs (``bidirl.rl.rewards``): ``exact``, ``last_number``,
     ``boxed``, or a veRL-style ``compute_score`` function as ``module:function`` or ``path/to/file.py[:function]``.
     ``activation_checkpointing``: recompute the trainer's transformer blocks in the backward pass instead of
-    keeping their activations (``null``: on for trainers on CUDA, off on CPU).
+    keeping their activations (``null``: on for trainers on CUDA, off on CPU; veRL's
+    ``actor_rollout_ref.model.enable_gradient_checkpointing``).
+
+    The trainer's execution settings (each modelled in :mod:`bidirl.perf.trainer` / :mod:`bidirl.perf.memory`;
+    docs/architecture.md gives each model and its source):
+
+    * ``max_tokens_per_micro_batch`` (veRL ``actor.use_dynamic_bsz`` + ``ppo_max_token_len_per_gpu``): a trainer
+      micro-batch on one device packs samples (prompt + response tokens) up to this many tokens instead of
+      ``micro_batch_per_device`` samples; empty: micro-batches count samples. With ``sequence_parallel`` = k a
+      micro-batch's samples are split over k GPUs, so one sample may hold up to ``k ·`` this many tokens.
+    * ``mini_batch_prompts`` (veRL ``actor.ppo_mini_batch_size``): prompts (GRPO groups) per optimizer update;
+      empty: one update per local update (the whole step batch when ``updates_per_sync`` is 1). It must divide
+      the prompts of a local update.
+    * ``updates_per_sync`` (fully-async ``trigger_parameter_sync_step``): streaming consumption — a step (one
+      weight version, one weight sync) is split into this many local updates of ``prompts_per_step /
+      updates_per_sync`` prompts; the trainer starts each as soon as its prompts are ready.
+    * ``recompute_old_logprob``: false is bypass mode — the rollout's log-probs stand in for the old log-probs
+      and the ``old_logprob`` stage is not run.
+    * ``param_offload`` / ``optimizer_offload`` (veRL ``actor.fsdp_config.param_offload`` /
+      ``optimizer_offload``): the trainer's sharded parameters / optimizer state live in host memory between
+      uses, costing host↔device copies at the hardware preset's ``host_bandwidth``.
+    * ``sequence_parallel`` (veRL ``actor.ulysses_sequence_parallel_size``): Ulysses degree k — each sample's
+      tokens are split over k GPUs (activations / k, attention all-to-all per layer); data parallel = trainer
+      GPUs / k. It must divide the model's attention heads and ``cluster.gpus_per_node``.
     """
     staleness: float = 1.0
     partial_rollout: bool = True
@@ -149,6 +183,12 @@ class RLConfig:
     reward: str = "exact"
     recompute_old_logprob: bool = True
     activation_checkpointing: Optional[bool] = None
+    max_tokens_per_micro_batch: Optional[int] = None
+    mini_batch_prompts: Optional[int] = None
+    updates_per_sync: int = 1
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    sequence_parallel: int = 1
 
     @property
     def stages(self) -> tuple:
@@ -247,6 +287,19 @@ class JobConfig:
             sources=tuple(x for x in stats.sources if not x.startswith("responses"))
             + (f"responses: the job's workload.response_lengths (log-normal, mean {own.mean:g} tokens, cv {own.cv:g})",))
 
+    @property
+    def prompts_per_local_update(self) -> int:
+        """Prompts (GRPO groups) of one local update: ``prompts_per_step / rl.updates_per_sync`` (streaming
+        consumption; the whole step's batch when ``updates_per_sync`` is 1)."""
+        return self.workload.prompts_per_step // self.rl.updates_per_sync
+
+    @property
+    def optimizer_updates_per_step(self) -> int:
+        """Optimizer updates per step: ``prompts_per_step / rl.mini_batch_prompts`` (one per local update when
+        ``mini_batch_prompts`` is empty)."""
+        mini = self.rl.mini_batch_prompts or self.prompts_per_local_update
+        return self.workload.prompts_per_step // mini
+
     def switch_costs(self, direction: str) -> SwitchCosts:
         """Configured costs for ``trainer_on_rollout_pool`` / ``rollout_on_trainer_pool``, else the preset's."""
         own = getattr(self.scheduler, direction)
@@ -257,7 +310,7 @@ class JobConfig:
     def weight_sync_time(self) -> float:
         if self.scheduler.weight_sync is not None:
             return self.scheduler.weight_sync
-        return self.hardware_spec.weight_sync_time(self.model_spec)
+        return self.hardware_spec.weight_sync_time(self.model_spec, self.cluster.rollout_tensor_parallel or 1)
 
     # conversions ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -441,6 +494,80 @@ def _check_response_lengths(own: ResponseLengths, max_response_len: int) -> None
         _positive(f"{where}.step_noise", own.step_noise, allow_zero=True)
 
 
+def _check_execution_settings(cfg: JobConfig) -> None:
+    """The rollout/trainer execution settings of real jobs (issue 37): tensor and sequence parallel degrees,
+    token-budget micro-batches, mini-batches and streaming consumption, the length trend. Layout rules that need
+    the memory model (does a ρ_r replica fit?) are the planner's (``bidirl.job.planner.min_feasible_layouts``)."""
+    c, w, r, m = cfg.cluster, cfg.workload, cfg.rl, cfg.model_spec
+    tp = c.rollout_tensor_parallel
+    if tp is not None:
+        _positive("cluster.rollout_tensor_parallel", tp)
+        if c.gpus_per_node % tp:
+            raise ConfigError("cluster.rollout_tensor_parallel",
+                              f"{tp} GPUs per rollout replica does not divide cluster.gpus_per_node = "
+                              f"{c.gpus_per_node} (a tensor-parallel replica lives inside one node)",
+                              f"use a divisor of {c.gpus_per_node}, e.g. "
+                              f"{max(d for d in range(1, c.gpus_per_node + 1) if c.gpus_per_node % d == 0 and d <= tp)}"
+                              ", or leave it empty for the planner's layout")
+        if m.heads % tp:
+            raise ConfigError("cluster.rollout_tensor_parallel",
+                              f"{tp} does not divide {m.name}'s {m.heads} attention heads (vLLM splits the heads "
+                              "over the tensor-parallel GPUs)",
+                              "use a divisor of the model's attention heads, or leave it empty")
+        if c.partition is not None and c.partition.rollout % tp:
+            raise ConfigError("cluster.rollout_tensor_parallel",
+                              f"the fixed rollout pool of {c.partition.rollout} GPUs is not a whole number of "
+                              f"{tp}-GPU rollout replicas",
+                              "use a tensor-parallel degree that divides cluster.partition.rollout, or change the "
+                              "partition")
+    sp = r.sequence_parallel
+    _positive("rl.sequence_parallel", sp)
+    if sp > 1:
+        if c.gpus_per_node % sp:
+            raise ConfigError("rl.sequence_parallel",
+                              f"a sequence-parallel group of {sp} GPUs does not divide cluster.gpus_per_node = "
+                              f"{c.gpus_per_node} (its all-to-all runs inside one node)",
+                              "use a divisor of gpus_per_node, or 1")
+        if m.heads % sp:
+            raise ConfigError("rl.sequence_parallel",
+                              f"{sp} does not divide {m.name}'s {m.heads} attention heads (Ulysses gives each GPU "
+                              "of the group a share of the heads)",
+                              "use a divisor of the model's attention heads, or 1")
+        if c.partition is not None and c.partition.trainer % sp:
+            raise ConfigError("rl.sequence_parallel",
+                              f"the fixed trainer pool of {c.partition.trainer} GPUs is not a whole number of "
+                              f"{sp}-GPU sequence-parallel groups",
+                              "use a degree that divides cluster.partition.trainer, or change the partition")
+    if r.max_tokens_per_micro_batch is not None:
+        _positive("rl.max_tokens_per_micro_batch", r.max_tokens_per_micro_batch)
+        longest = cfg.workload_stats.prompt_max + w.max_response_len
+        if r.max_tokens_per_micro_batch * sp < longest:
+            raise ConfigError("rl.max_tokens_per_micro_batch",
+                              f"{r.max_tokens_per_micro_batch} tokens per device"
+                              + (f" × rl.sequence_parallel {sp}" if sp > 1 else "")
+                              + f" cannot hold the longest sample (prompt up to {cfg.workload_stats.prompt_max} + "
+                              f"workload.max_response_len {w.max_response_len} = {longest} tokens)",
+                              f"set at least {-(-longest // sp)} (veRL recommends ≥ 2× the longest sample), or "
+                              "raise rl.sequence_parallel")
+    U = r.updates_per_sync
+    _positive("rl.updates_per_sync", U)
+    if w.prompts_per_step % U:
+        raise ConfigError("rl.updates_per_sync",
+                          f"{U} local updates do not split workload.prompts_per_step = {w.prompts_per_step} prompts "
+                          "evenly",
+                          f"use a divisor of {w.prompts_per_step}, e.g. "
+                          f"{max(d for d in range(1, U + 1) if w.prompts_per_step % d == 0)}")
+    if r.mini_batch_prompts is not None:
+        _positive("rl.mini_batch_prompts", r.mini_batch_prompts)
+        local = w.prompts_per_step // U
+        if local % r.mini_batch_prompts:
+            raise ConfigError("rl.mini_batch_prompts",
+                              f"{r.mini_batch_prompts} prompts per optimizer update does not divide the "
+                              f"{local} prompts of a local update (workload.prompts_per_step {w.prompts_per_step}"
+                              f" / rl.updates_per_sync {U})",
+                              f"use a divisor of {local}, or leave it empty for one update per local update")
+
+
 def validate(cfg: JobConfig) -> None:
     """Check cross-field rules; raises :class:`ConfigError` naming the first violated field."""
     _check_types(cfg)
@@ -534,5 +661,6 @@ def validate(cfg: JobConfig) -> None:
     if cfg.recovery.snapshot_every < 1:
         raise ConfigError("recovery.snapshot_every", f"must be ≥ 1 optimizer step, got {cfg.recovery.snapshot_every}",
                           "give how many steps apart the primary trainer's recovery snapshots are, e.g. 10")
+    _check_execution_settings(cfg)
     if cfg.seed < 0:
         raise ConfigError("seed", f"must be ≥ 0, got {cfg.seed}", "use a non-negative integer seed")
