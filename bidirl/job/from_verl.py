@@ -248,7 +248,7 @@ RULES: list = [
     _mapped(f"{A}.fsdp_config.optimizer_offload", ["rl.optimizer_offload"], "optimizer state in host memory"),
     _mapped(f"{M}.enable_gradient_checkpointing", ["rl.activation_checkpointing"],
             "recompute blocks in the backward pass"),
-    _checked(f"{R}.name", "checked: the rollout engine; bidirl's decode model and engine runs are vLLM's, and "
+    _checked(f"{R}.name", "the rollout engine: bidirl's decode model and engine runs are vLLM's, and "
              "another engine is modelled as vLLM (a warning says so)"),
     _mapped("actor_rollout_ref.hybrid_engine", ["scheduler.policy"],
             "true: rollout and training share the GPUs (colocated); false: the fully-async trainer's split"),
@@ -267,7 +267,7 @@ RULES: list = [
              "modelled (bidirl's memory model keeps them on the GPU)", timing=True),
     # --- model ------------------------------------------------------------------------------------------------
     _mapped(f"{M}.path", ["model"], "matched by its last path part to a model preset (Qwen/Qwen3-8B → qwen3-8b)"),
-    _checked(f"{M}.lora_rank", "checked: 0 (full fine-tuning) is what bidirl models; LoRA is refused"),
+    _checked(f"{M}.lora_rank", "0 (full fine-tuning) is what bidirl models; LoRA is refused"),
     *_unused([f"{M}.use_remove_padding", f"{M}.use_fused_kernels", f"{M}.use_liger", f"{M}.fused_kernel_options.*",
               f"{A}.use_torch_compile", f"{F}.use_torch_compile", f"{A}.entropy_from_logits_with_chunking",
               f"{A}.entropy_checkpointing", f"{F}.entropy_from_logits_with_chunking", f"{F}.entropy_checkpointing",
@@ -293,10 +293,10 @@ RULES: list = [
     _mapped("algorithm.use_kl_in_reward", ["rl.reference_model", "rl.kl_coef"],
             "a KL penalty in the reward: needs the reference model"),
     _mapped("algorithm.kl_ctrl.kl_coef", ["rl.kl_coef"], "β of the in-reward KL (with use_kl_in_reward)"),
-    _checked("algorithm.adv_estimator", "checked: critic-free estimators (grpo, rloo, …) are what bidirl models; "
+    _checked("algorithm.adv_estimator", "critic-free estimators (grpo, rloo, …) are what bidirl models; "
              "gae (a critic) is refused"),
-    _checked(f"{A}.ppo_epochs", "checked: passes over each batch; 1 is what bidirl models, more are refused"),
-    _checked(f"{A}.strategy", "checked: fsdp or fsdp2, as bidirl's trainer model; megatron is refused"),
+    _checked(f"{A}.ppo_epochs", "passes over each batch; 1 is what bidirl models, more are refused"),
+    _checked(f"{A}.strategy", "fsdp or fsdp2, as bidirl's trainer model; megatron is refused"),
     _mapped("custom_reward_function.path", ["rl.reward"], "a veRL compute_score file: engine runs call it "
             "(rl.reward = path:name)"),
     _mapped("custom_reward_function.name", ["rl.reward"], "the function in custom_reward_function.path"),
@@ -333,7 +333,7 @@ RULES: list = [
                                                                               f"{R}.prometheus.*"],
              ENGINE, timing=True),
     *_unused([f"{R}.engine_kwargs.*"], ENGINE, timing=True, open=True),
-    _checked(f"{R}.multi_turn.enable", "checked: false (single-turn generation) is what bidirl models; "
+    _checked(f"{R}.multi_turn.enable", "false (single-turn generation) is what bidirl models; "
              "multi-turn tool use is refused"),
     *_unused([f"{R}.multi_turn.*"], "multi-turn settings, which apply only with multi_turn.enable"),
     # --- data --------------------------------------------------------------------------------------------------
@@ -347,9 +347,9 @@ RULES: list = [
              + ["data.custom_cls.*", "data.sampler.*", "data.datagen.*"], DATA),
     *_unused(["data.apply_chat_template_kwargs.*"], DATA, open=True),
     # --- critic, reward ---------------------------------------------------------------------------------------
-    _checked("critic.enable", "checked: null or false (no critic) is what bidirl models"),
+    _checked("critic.enable", "null or false (no critic) is what bidirl models"),
     *_unused(["critic.*"], CRITIC),
-    _checked("reward_model.enable", "checked: false (rule-based rewards) is what bidirl models; a reward model "
+    _checked("reward_model.enable", "false (rule-based rewards) is what bidirl models; a reward model "
              "(a GPU stage) is refused"),
     *_unused(["reward_model.reward_kwargs.*", "reward.reward_kwargs.*"], REWARD, open=True),
     *_unused(["reward_model.*", "reward_manager.*", "reward.*"], REWARD),
@@ -533,11 +533,15 @@ def trainer_kind(source: VerlInput) -> str:
 
 
 def _match_preset(kind: str, candidates: Sequence[str]) -> Optional[str]:
-    names = presets.names(kind)
-    for c in candidates:
-        if c in names:
-            return c
-    return None
+    """The preset named by a candidate (a path part or file stem): equal to the preset's name, or starting with it
+    followed by ``-``/``_``/``.`` (``dapo-math-17k`` → ``dapo-math``); the longest name wins."""
+    best = None
+    for name in presets.names(kind):
+        for c in candidates:
+            if c == name or (c.startswith(name) and c[len(name)] in "-_."):
+                if best is None or len(name) > len(best):
+                    best = name
+    return best
 
 
 def convert(source: "VerlInput | Sequence[str]", *, hardware: Optional[str] = None, model: Optional[str] = None,
@@ -641,12 +645,20 @@ def convert(source: "VerlInput | Sequence[str]", *, hardware: Optional[str] = No
         prox = r.take("async_training.compute_prox_log_prob", bool)
         bypass = r.take("algorithm.rollout_correction.bypass_mode", bool)
         rl["recompute_old_logprob"] = bool(prox or not (use_rollout or bypass))
+        result = (f"rl.recompute_old_logprob = compute_prox_log_prob or not (use_rollout_log_probs or bypass_mode) "
+                  f"= {rl['recompute_old_logprob']}")
+        for key in ("async_training.use_rollout_log_probs", f"{A}.use_rollout_log_probs",
+                    "async_training.compute_prox_log_prob", "algorithm.rollout_correction.bypass_mode"):
+            if key in r.rows:
+                r.note(key, f"{r.rows[key]['value']}: {result}")
         rl["updates_per_sync"] = trigger
     else:
         bypass = r.take("algorithm.rollout_correction.bypass_mode", bool)
         rl["staleness"] = 0.0
         rl["partial_rollout"] = False
         rl["recompute_old_logprob"] = not bypass
+        r.note("algorithm.rollout_correction.bypass_mode", f"{bypass}: rl.recompute_old_logprob = not bypass_mode = "
+               f"{not bypass}")
         rl["updates_per_sync"] = 1
         out.derived += [
             {"bidirl": "rl.staleness", "value": 0.0, "from": "the colocated trainer is synchronous: each step "
@@ -707,6 +719,8 @@ def convert(source: "VerlInput | Sequence[str]", *, hardware: Optional[str] = No
         out.derived.append({"bidirl": "hardware", "value": hw, "from": "--hardware"})
     _kv_bound(r, out, hw, model_name, tp)
 
+    order = ("dataset", "prompts_per_step", "group_size", "max_response_len", "steps", "data_file", "max_prompt_len")
+    workload = {k: workload[k] for k in order if k in workload}
     out.config = {"model": model_name, "hardware": hw,
                   "cluster": cluster, "workload": workload, "rl": rl, "scheduler": {"policy": policy}}
     _account(r, out, composed, kind)
@@ -900,7 +914,7 @@ def _map_model(r: _Reader, out: Conversion, given: Optional[str]) -> str:
     path = r.take(f"{M}.path", str)
     base = PurePosixPath(path.rstrip("/")).name
     candidates = [base.lower(), base.lower().replace("_", "-")]
-    matched = _match_preset("models", candidates)
+    matched = next((c for c in candidates if c in presets.names("models")), None)
     if given is not None:
         try:
             presets.model(given)
@@ -975,4 +989,5 @@ def _changes_default(key: str, value: Any) -> bool:
 
 def key_table() -> list:
     """The mapping table (README, docs): ``(veRL key, bidirl keys or "not used", how / why)`` per rule."""
-    return [(rule.pattern, ", ".join(rule.targets) if rule.mapped else "not used", rule.text) for rule in RULES]
+    return [(rule.pattern, ", ".join(rule.targets) or ("checked" if rule.check else "not used"), rule.text)
+            for rule in RULES]
