@@ -11,7 +11,7 @@
 ``bidirl calibrate --log FILE --config JOB --out PRESET.yaml [--what-if]``   fit a preset to a job's step log
 ``bidirl trace import FILE --format ray-timeline|verl-log|bidirl [--map MAP.yaml] --out DIR [--config JOB --what-if]``
     a run bidirl did not make, in bidirl's Gantt, idle per pool, per-step bubbles (and what-if)
-``bidirl config from-verl INPUT... --hardware NAME [--model M] [--dataset D] [--out JOB.yaml] [--json]``
+``bidirl config from-verl INPUT... --hardware NAME [--model M] [--dataset D] [--out JOB.yaml] [--lenient] [--json]``
     a veRL trainer YAML, script or Hydra overrides as a bidirl job config, every key mapped or named not used
 
 Human-readable tables by default; ``--json`` prints one JSON object on stdout (keys fixed by DESIGN.md).
@@ -565,6 +565,9 @@ def _args_config(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default=None, metavar="PRESET",
                    help="the workload preset, in place of the one matched from data.train_files")
     p.add_argument("--out", default=None, metavar="JOB.yaml", help="write the bidirl config to this file")
+    p.add_argument("--lenient", action="store_true",
+                   help="name keys that veRL's config (at the release bidirl follows) does not have as not used, "
+                        "with a warning, instead of refusing them as Hydra would (scripts of other veRL releases)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the config and tables")
 
 
@@ -594,7 +597,8 @@ def format_conversion(conv, summary: dict) -> str:
 
 def _run_config(args: argparse.Namespace) -> int:
     from bidirl.job.from_verl import convert
-    conv = convert(args.inputs, hardware=args.hardware, model=args.model, dataset=args.dataset)
+    conv = convert(args.inputs, hardware=args.hardware, model=args.model, dataset=args.dataset,
+                   lenient=args.lenient)
     summary = conv.summary()
     if args.out:
         try:

@@ -77,7 +77,8 @@ def test_the_required_keys_are_mapped_never_not_used(name):
     c = conv(name)
     given_keys = input_keys(name)
     mapped = {r["key"] for r in c.mapped if r["origin"] == "input"}
-    for key in MUST_MAP:
+    required = MUST_MAP + (("data.train_batch_size",) if c.trainer == "colocated" else ())
+    for key in required:
         if key in given_keys:
             assert key in mapped, f"{name}: {key} is not mapped"
 
@@ -90,7 +91,7 @@ def test_the_rule_table_maps_every_required_key():
     assert len({r.pattern for r in RULES}) == len(RULES), "a veRL key has two rules"
 
 
-def test_the_fully_async_batch_size_is_named_not_used_where_veril_ignores_it():
+def test_the_fully_async_batch_size_is_named_not_used_where_verl_ignores_it():
     c = conv("fully_async_dapo_7b_math_16_16.sh")
     row = next(r for r in c.not_used if r["key"] == "data.train_batch_size")
     assert "not effective in the fully-async trainer" in row["reason"]
@@ -162,7 +163,7 @@ def test_a_yaml_and_the_overrides_it_writes_down_convert_alike():
     assert from_yaml.config["cluster"]["partition"] == {"rollout": 64, "trainer": 64}
 
 
-def test_partial_rollout_follows_veril_only_with_staleness():
+def test_partial_rollout_follows_verl_only_with_staleness():
     c = conv("fully_async_dapo_7b_math_16_16.sh", "async_training.staleness_threshold=0")
     assert c.config["rl"]["partial_rollout"] is False and c.config["rl"]["staleness"] == 0.0
 
@@ -388,3 +389,22 @@ def test_cli_errors_exit_2(capsys):
     code = cli.main(["config", "from-verl", str(DATA / "grpo_qwen3-8b_gsm8k.sh"), "algorithm.adv_estimator=gae"])
     _, stderr = capsys.readouterr()
     assert code == 2 and stderr.startswith("error: algorithm.adv_estimator")
+
+
+def test_lenient_names_keys_of_other_verl_releases_instead_of_refusing_them():
+    """Scripts written for older veRL releases set keys this release lacks (``actor.use_gpg_loss``) or add with ``+``
+    keys it now declares (``+trainer.val_before_train``): refused as Hydra would, named with --lenient."""
+    items = ("grpo_qwen3-8b_gsm8k.sh", f"{A}.use_gpg_loss=True", "+trainer.val_before_train=False")
+    assert "--lenient" in error(*items[:2]).fix
+    assert "--lenient" in error(items[0], items[2]).fix
+    c = conv(*items, lenient=True)
+    row = next(r for r in c.not_used if r["key"] == f"{A}.use_gpg_loss")
+    assert "does not declare" in row["reason"]
+    assert any("use_gpg_loss" in w for w in c.warnings) and any("val_before_train" in w for w in c.warnings)
+    assert c.config == conv(items[0]).config
+
+
+def test_a_hugging_face_cache_path_names_its_model():
+    c = conv("grpo_qwen3-8b_gsm8k.sh",
+             f"{M}.path=/cache/huggingface/hub/models--Qwen--Qwen3-8B/snapshots/0123456789abcdef0123456789abcdef01234567")
+    assert c.config["model"] == "qwen3-8b" and not c.missing

@@ -545,10 +545,12 @@ def _match_preset(kind: str, candidates: Sequence[str]) -> Optional[str]:
 
 
 def convert(source: "VerlInput | Sequence[str]", *, hardware: Optional[str] = None, model: Optional[str] = None,
-            dataset: Optional[str] = None) -> Conversion:
+            dataset: Optional[str] = None, lenient: bool = False) -> Conversion:
     """Map a veRL configuration (read with :func:`bidirl.job.verl_input.read_inputs`, or the items to read) onto a
     bidirl job config. ``hardware``: the hardware preset (a veRL config does not name its accelerator);
-    ``model``/``dataset``: presets to use in place of the ones matched from the model and data paths."""
+    ``model``/``dataset``: presets to use in place of the ones matched from the model and data paths;
+    ``lenient``: keys unknown to veRL at :data:`VERL_COMMIT` (and ``+`` on keys it declares), as scripts of other
+    veRL releases have, are named not used with a warning instead of refused."""
     if not isinstance(source, VerlInput):
         source = read_inputs(list(source))
     kind = trainer_kind(source)
@@ -560,9 +562,11 @@ def convert(source: "VerlInput | Sequence[str]", *, hardware: Optional[str] = No
 
     composed = compose(source.overrides, exists=lambda k: rule_for(k, kind) is not None,
                        declared=lambda k: k in defaults or (k in _EXACT and rule_for(k, kind) is not None),
-                       open_child=open_child, default=lambda k: defaults.get(k), suggest=lambda k: _suggest(k, kind))
+                       open_child=open_child, default=lambda k: defaults.get(k), suggest=lambda k: _suggest(k, kind),
+                       lenient=lenient, version=VERL_COMMIT[:len("volcengine/verl@") + 8])
     r = _Reader(composed, kind)
-    out = Conversion(config={}, trainer=kind, entry=source.entry, sources=source.sources)
+    out = Conversion(config={}, trainer=kind, entry=source.entry, sources=source.sources,
+                     warnings=list(composed.warnings))
     _refuse_unmodelled(r, kind)
 
     # --- GPUs ---------------------------------------------------------------------------------------------
@@ -910,9 +914,19 @@ def _map_reward(r: _Reader, rl: dict) -> None:
     rl["reward"] = f"{path}:{name}"
 
 
+def _model_name(path: str) -> str:
+    """The model's name in its path: the last part, or in a Hugging Face cache path
+    (``…/models--Qwen--Qwen2-7B-Instruct/snapshots/<commit>``) the name in the ``models--`` part."""
+    parts = PurePosixPath(path.rstrip("/")).parts
+    for part in reversed(parts):
+        if part.startswith("models--"):
+            return part.split("--")[-1]
+    return parts[-1] if parts else path
+
+
 def _map_model(r: _Reader, out: Conversion, given: Optional[str]) -> str:
     path = r.take(f"{M}.path", str)
-    base = PurePosixPath(path.rstrip("/")).name
+    base = _model_name(path)
     candidates = [base.lower(), base.lower().replace("_", "-")]
     matched = next((c for c in candidates if c in presets.names("models")), None)
     if given is not None:
@@ -962,10 +976,11 @@ def _account(r: _Reader, out: Conversion, composed: Composed, kind: str) -> None
         if key in r.rows or key in unused_keys:
             continue
         rule = rule_for(key, kind)
-        if rule is None:                        # added with + and unknown to bidirl
+        if rule is None:                        # added with + (or --lenient) and unknown to bidirl
             out.not_used.append({"key": key, "value": value, "origin": "input", "timing": False,
-                                 "reason": "a key added with + that veRL's trainer config does not declare; bidirl "
-                                           "has no model of it"})
+                                 "reason": f"a key veRL's trainer config at {VERL_COMMIT[:24]} does not declare "
+                                           f"(added with +, or from another veRL release); {_suggest(key, kind)}"
+                                           "bidirl has no model of it"})
         elif rule.mapped:
             raise AssertionError(f"mapped key {key} was not read by the conversion")   # a bug in this module
         else:

@@ -82,6 +82,7 @@ class Composed:
     values: dict = field(default_factory=dict)
     where: dict = field(default_factory=dict)
     deleted: dict = field(default_factory=dict)
+    warnings: list = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -262,26 +263,37 @@ def _same(a: Any, b: Any) -> bool:
 
 def compose(overrides: Sequence[Override], *, exists: Callable[[str], bool], declared: Callable[[str], bool],
             open_child: Callable[[str], bool], default: Callable[[str], Any],
-            suggest: Callable[[str], str]) -> Composed:
+            suggest: Callable[[str], str], lenient: bool = False, version: str = "") -> Composed:
     """Apply ``overrides`` in order. ``exists(key)``: the key is one of veRL's config or lies in a section that
     takes any child; ``declared(key)``: the key is one of veRL's own (so ``+`` cannot add it); ``open_child(key)``:
     it lies in a section veRL leaves empty for the user (``override_config``: a plain ``key=value`` cannot reach
     it, ``+`` adds it, a YAML file may hold it); ``default(key)``: its value in veRL's config; ``suggest(key)``: a
-    "did you mean" sentence for an unknown key."""
+    "did you mean" sentence for an unknown key. ``lenient``: a key unknown to this veRL ``version``, or added with
+    ``+`` where this version already declares it, is taken with a warning instead of refused (scripts written for
+    another veRL release)."""
     out = Composed()
     for o in overrides:
         present = o.key in out.values or (declared(o.key) and o.key not in out.deleted)
         if o.op in ("set", "file"):
             known = exists(o.key) and (o.op == "file" or not open_child(o.key))
             if not (known or o.key in out.values):
-                add = "+" if o.op == "set" else ""
-                raise ConfigError(o.key, f"is not a key of veRL's trainer config ({o.where})",
-                                  f"{suggest(o.key)}Hydra refuses to set a key the config does not have: "
-                                  f"check the spelling{', or add a new key with ' + add + o.key + '=...' if add else ''}")
+                if lenient:
+                    out.warnings.append(f"{o.key} ({o.where}) is not a key of veRL's trainer config at {version}: "
+                                        f"{suggest(o.key)}taken as written")
+                else:
+                    add = "+" if o.op == "set" else ""
+                    raise ConfigError(o.key, f"is not a key of veRL's trainer config at {version} ({o.where})",
+                                      f"{suggest(o.key)}Hydra refuses to set a key the config does not have: check "
+                                      f"the spelling{', or add a new key with ' + add + o.key + '=...' if add else ''}"
+                                      "; for a script of another veRL release, convert with --lenient")
         elif o.op == "add":
-            if present:
-                raise ConfigError(o.key, f"is already in veRL's config; Hydra refuses to add it again ({o.where})",
-                                  f"write {o.key}=... to change it (or ++{o.key}=... to set it either way)")
+            if present and lenient:
+                out.warnings.append(f"+{o.key} ({o.where}): veRL at {version} already declares it (Hydra of this "
+                                    "release would refuse to add it); taken as a change of its value")
+            elif present:
+                raise ConfigError(o.key, f"is already in veRL's config at {version}; Hydra refuses to add it again "
+                                  f"({o.where})", f"write {o.key}=... to change it (or ++{o.key}=... to set it "
+                                  "either way); for a script of another veRL release, convert with --lenient")
         elif o.op == "delete":
             if not (present or exists(o.key)):
                 raise ConfigError(o.key, f"does not exist, so Hydra cannot delete it ({o.where})",
