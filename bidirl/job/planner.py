@@ -156,6 +156,9 @@ class Plan:
                        "dataset": cfg.workload.dataset, "prompts_per_step": cfg.workload.prompts_per_step,
                        "group_size": cfg.workload.group_size, "max_response_len": cfg.workload.max_response_len,
                        "micro_batch_per_device": cfg.rl.micro_batch_per_device, "stages": list(self.stages),
+                       "rollout_tensor_parallel": cfg.cluster.rollout_tensor_parallel,
+                       "max_tokens_per_micro_batch": cfg.rl.max_tokens_per_micro_batch,
+                       "sequence_parallel": cfg.rl.sequence_parallel, "updates_per_sync": cfg.rl.updates_per_sync,
                        "seed": cfg.seed},
             "representative_batch": {"requests": int(p.size), "mean_prompt_len": float(p.mean()),
                                      "mean_response_len": float(r.mean()),
@@ -314,6 +317,8 @@ def plan(config, *, progress: bool = False, hardware=None) -> Plan:
     g_t = np.array([c[1] for c in cands], dtype=np.int64)
     d_r, d_t = g_r // rho_r, g_t // rho_t
     ok = ((g_r % rho_r == 0) & (g_r % rho_t == 0) & (g_t % rho_r == 0) & (g_t % rho_t == 0))
+    sp = cfg.rl.sequence_parallel             # both pools host trainers: whole sequence-parallel groups in each
+    ok &= (g_r % sp == 0) & (g_t % sp == 0)
 
     # stage times per distinct (capped) replica count, shared by every candidate with that count; each model
     # evaluates all its counts in one vectorised pass (the same numbers as one count at a time)
