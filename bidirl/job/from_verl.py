@@ -567,7 +567,7 @@ def convert(source: "VerlInput | Sequence[str]", *, hardware: Optional[str] = No
     r = _Reader(composed, kind)
     out = Conversion(config={}, trainer=kind, entry=source.entry, sources=source.sources,
                      warnings=list(composed.warnings))
-    _refuse_unmodelled(r, kind)
+    _refuse_unmodelled(r)
 
     # --- GPUs ---------------------------------------------------------------------------------------------
     per_node = _positive("trainer.n_gpus_per_node", r.take("trainer.n_gpus_per_node", int))
@@ -736,7 +736,7 @@ def _unused_row(r: _Reader, key: str, reason: str, timing: bool) -> dict:
     return {"key": key, "value": r.c.values.get(key), "origin": "input", "reason": reason, "timing": timing}
 
 
-def _refuse_unmodelled(r: _Reader, kind: str) -> None:
+def _refuse_unmodelled(r: _Reader) -> None:
     """Settings that change the job's structure beyond bidirl's models: refused by name."""
     adv = r.take("algorithm.adv_estimator", str)
     critic = r.take("critic.enable", bool, nullable=True)
@@ -776,8 +776,8 @@ def _map_data(r: _Reader, out: Conversion, workload: dict, dataset: Optional[str
             raise ConfigError("--dataset", str(exc), exc.fix) from None
         workload["dataset"] = dataset
         out.derived.append({"bidirl": "workload.dataset", "value": dataset, "from": "--dataset"})
-        r.note("data.train_files", f"--dataset {dataset} names the workload preset; "
-               + ("and " if matched else "the path names none; ") + _data_file_how(files, workload),
+        r.note("data.train_files", f"the workload preset is --dataset {dataset} (the path names "
+               f"{matched or 'none'}); " + _data_file_how(files, workload),
                ("workload.data_file",) if "data_file" in workload else ("workload.dataset",))
     elif matched:
         workload["dataset"] = matched
