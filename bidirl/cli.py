@@ -11,6 +11,8 @@
 ``bidirl calibrate --log FILE --config JOB --out PRESET.yaml [--what-if]``   fit a preset to a job's step log
 ``bidirl trace import FILE --format ray-timeline|verl-log|bidirl [--map MAP.yaml] --out DIR [--config JOB --what-if]``
     a run bidirl did not make, in bidirl's Gantt, idle per pool, per-step bubbles (and what-if)
+``bidirl config from-verl INPUT... --hardware NAME [--model M] [--dataset D] [--out JOB.yaml] [--lenient] [--json]``
+    a veRL trainer YAML, script or Hydra overrides as a bidirl job config, every key mapped or named not used
 
 Human-readable tables by default; ``--json`` prints one JSON object on stdout (keys fixed by DESIGN.md).
 Configuration problems print ``error: <message>`` on stderr and exit with status 2, never a traceback.
@@ -549,6 +551,72 @@ def _run_trace(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
+# config from-verl
+# --------------------------------------------------------------------------------------------------
+
+def _args_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=("from-verl",), help="from-verl: convert a veRL job's configuration")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="in order: a veRL trainer YAML (.yaml/.yml), a veRL shell script or file of overrides (its "
+                        "`python3 -m verl.trainer.main_ppo key=value ...` command), or single Hydra overrides "
+                        "(key=value, +key=value, ++key=value, ~key); later ones win")
+    p.add_argument("--hardware", default=None, metavar="NAME",
+                   help="the hardware preset (or preset file) the job runs on; a veRL config does not say")
+    p.add_argument("--model", default=None, metavar="PRESET",
+                   help="the model preset, in place of the one matched from actor_rollout_ref.model.path")
+    p.add_argument("--dataset", default=None, metavar="PRESET",
+                   help="the workload preset, in place of the one matched from data.train_files")
+    p.add_argument("--out", default=None, metavar="JOB.yaml", help="write the bidirl config to this file")
+    p.add_argument("--lenient", action="store_true",
+                   help="name keys that veRL's config (at the release bidirl follows) does not have as not used, "
+                        "with a warning, instead of refusing them as Hydra would (scripts of other veRL releases)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the config and tables")
+
+
+def format_conversion(conv, summary: dict) -> str:
+    """The human-readable account of ``bidirl config from-verl``: the config, then every key's fate."""
+    lines = [conv.to_yaml().rstrip(), "", f"mapped ({summary['counts']['mapped']} keys of the input, "
+             f"{summary['counts']['defaults_used']} veRL defaults):"]
+    for row in conv.mapped:
+        origin = "" if row["origin"] == "input" else f" [{row['origin']}]"
+        target = ", ".join(row["bidirl"]) or "checked"
+        lines.append(f"  {row['key']} = {row['value']!r}{origin} → {target}: {row['how']}")
+    lines.append(f"not used ({len(conv.not_used)}):")
+    for row in conv.not_used:
+        flag = " [step time depends on it; not modelled]" if row["timing"] else ""
+        lines.append(f"  {row['key']} = {row['value']!r}{flag}: {row['reason']}")
+    if conv.derived:
+        lines.append("set without a veRL key:")
+        lines += [f"  {d['bidirl']} = {d['value']!r}: {d['from']}" for d in conv.derived]
+    for w in conv.warnings:
+        lines.append(f"warning: {w}")
+    for m in conv.missing:
+        lines.append(f"missing: {m['key']}: {m['problem']} — {m['fix']}")
+    lines.append("the config loads and validates" if summary["loads"]
+                 else f"the config does not load yet: {summary['load_error']}")
+    return "\n".join(lines)
+
+
+def _run_config(args: argparse.Namespace) -> int:
+    from bidirl.job.from_verl import convert
+    conv = convert(args.inputs, hardware=args.hardware, model=args.model, dataset=args.dataset,
+                   lenient=args.lenient)
+    summary = conv.summary()
+    if args.out:
+        try:
+            Path(args.out).write_text(conv.to_yaml())
+        except OSError as exc:
+            raise CommandError(f"cannot write {args.out}: {exc.strerror or exc}") from None
+    if args.json:
+        print(json.dumps({**summary, "out": args.out}, default=str))
+        return 0
+    print(format_conversion(conv, summary))
+    if args.out:
+        print(f"\nconfig written to {args.out}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
 
 COMMANDS: dict = {
     "plan": Command("static partition planner (paper §4, Algorithm 1)", _args_plan, _run_plan),
@@ -562,6 +630,7 @@ COMMANDS: dict = {
                          _args_calibrate, _run_calibrate),
     "trace": Command("import a Ray timeline, veRL step log or bidirl trace into bidirl's views", _args_trace,
                      _run_trace),
+    "config": Command("convert a veRL job's configuration into a bidirl job config", _args_config, _run_config),
 }
 
 
