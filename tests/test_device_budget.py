@@ -179,5 +179,6 @@ def test_the_budget_takes_the_largest_phase_and_names_only_terms_that_would_each
     # one byte short at the step: any term the step holds would do; the chunk's own terms would not
     assert set(tight.blocking_terms()) == {t for t in memory.BUDGET_PHASES["apply"] if getattr(b, t) > 0}
     assert "activations" not in tight.blocking_terms()
+    assert set(planner._TERM_FIXES) == set(memory.BUDGET_TERMS)          # every term has its fix
     with pytest.raises(ValueError, match="windows"):
         memory.device_budget(model, hw, 2, micro_batch_per_device=1, max_seq_len=1024, windows=-1)

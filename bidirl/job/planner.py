@@ -509,32 +509,31 @@ class DeviceMemoryError(ConfigError):
 
 #: per term of the device budget: the setting to change and the sentence that says how
 _TERM_FIXES = {
-    "weights": ("hardware", "a trainer replica of more GPUs (the weights, gradients and AdamW state are sharded "
-                "over it), a GPU with more memory, or a smaller model"),
-    "gradients": ("hardware", "a trainer replica of more GPUs (the gradient is sharded over it), a GPU with more "
-                  "memory, or a smaller model"),
-    "optimizer_state": ("hardware", "a trainer replica of more GPUs (AdamW's moments are sharded over it), a GPU "
-                        "with more memory, or a smaller model"),
-    "reference": ("rl.kl_coef", "set rl.kl_coef: 0 (no reference model is loaded), or more trainer GPUs per gang"),
+    "weights": ("hardware", "a GPU with more memory or a smaller model (the fp32 weights are sharded over the "
+                "trainer replica)"),
+    "gradients": ("hardware", "a GPU with more memory or a smaller model (the fp32 gradient is sharded over the "
+                  "trainer replica)"),
+    "optimizer_state": ("hardware", "a GPU with more memory or a smaller model (AdamW's moments are sharded over the "
+                        "trainer replica)"),
+    "reference": ("rl.kl_coef", "set rl.kl_coef: 0 and rl.reference_model: false (no reference model is loaded)"),
     "published_versions": ("transport.weights", "set transport.weights: object_store (no versions kept on the "
-                           "device; the weights go through Ray's object store), or more trainer GPUs per gang"),
+                           "device; the weights go through Ray's object store)"),
     "window_shards": ("scheduler.policy", "run a policy that does not lend the rollout pool to training (rot-only or "
-                      "no-borrow: no auxiliary windows to keep until the optimizer step), or more trainer GPUs per "
-                      "gang"),
+                      "no-borrow: no auxiliary windows to keep until the optimizer step)"),
     "apply_sum": ("scheduler.policy", "run a policy that does not lend the rollout pool to training (rot-only or "
-                  "no-borrow: apply then sums nothing beside the gradient), or more trainer GPUs per gang"),
+                  "no-borrow: the optimizer step then sums no window beside the gradient)"),
     "optimizer_step": ("hardware", "a GPU with more memory, or a model with a smaller vocabulary × hidden size "
                        "(AdamW's temporaries are two copies of the largest parameter's shard)"),
     "activations": ("rl.micro_batch_per_device", "lower rl.micro_batch_per_device or workload.max_response_len "
-                    "(activations are not sharded: more trainer GPUs do not help)"),
+                    "(activations are not sharded)"),
     "fsdp_unsharded": ("hardware", "a GPU with more memory, or a smaller model (FSDP2 unshards the embedding and two "
                        "blocks whatever the replica's size)"),
     "transport_buckets": ("transport.bucket_mb", "lower transport.bucket_mb (a bucket is gathered, cut and sent "
                           "beside training), or set transport.weights: object_store"),
-    "offload_buffer": ("hardware", "more memory for the CPU slot (hardware's memory_bytes): a CPU engine keeps its hot "
-                       "switch's host buffer, the size of its state, in the same memory"),
     "rollout_beside": ("hardware", "a GPU with more memory, or a smaller model (the trainer pool's switched-out "
                        "rollouter keeps its activation reserve on the same GPU)"),
+    "offload_buffer": ("hardware", "more memory for the CPU slot (hardware's memory_bytes): a CPU engine keeps its hot "
+                       "switch's host buffer, the size of its state, in the same memory"),
 }
 
 
@@ -585,5 +584,5 @@ def check_device_budget(plan: "Plan", *, device: str, windows: int = 1):
     if larger is not None:
         at = device_budget(plan, device=device, windows=windows, layout=larger).peak
         fix += (f" (a trainer replica of {larger} GPUs would fit, {gib(at)} per GPU; the planner sizes it at {rho} "
-                "GPUs by its §4.1 memory model)")
+                "GPUs by its §4.1 model, which counts model states and activations only)")
     raise DeviceMemoryError(_TERM_FIXES[named][0], f"{named} does not fit: {problem}", fix, budget, named, blocking)
