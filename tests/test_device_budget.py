@@ -8,6 +8,8 @@ import dataclasses
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bidirl.job import config as cfgmod
 from bidirl.job import planner, presets
@@ -182,3 +184,33 @@ def test_the_budget_takes_the_largest_phase_and_names_only_terms_that_would_each
     assert set(planner._TERM_FIXES) == set(memory.BUDGET_TERMS)          # every term has its fix
     with pytest.raises(ValueError, match="windows"):
         memory.device_budget(model, hw, 2, micro_batch_per_device=1, max_seq_len=1024, windows=-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# invariants over random shapes, layouts and settings
+# --------------------------------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(1, 64), hidden=st.sampled_from([64, 256, 1024, 4096]), vocab=st.integers(32, 200_000),
+       tied=st.booleans(), rho=st.sampled_from([1, 2, 4, 8]), windows=st.integers(0, 3),
+       device=st.sampled_from(["cuda", "cpu"]), transport=st.sampled_from(["collective", "object_store"]),
+       kl=st.sampled_from([0.0, 0.01]), micro=st.integers(1, 8), usable_gib=st.floats(0.5, 200))
+def test_budget_invariants(layers, hidden, vocab, tied, rho, windows, device, transport, kl, micro, usable_gib):
+    """More GPUs per replica never need more per GPU; more windows never less; the named terms are exactly those
+    whose removal alone makes every phase fit."""
+    base = presets.model("tiny")
+    params = layers * 12 * hidden * hidden + vocab * hidden * (1 if tied else 2)
+    model = dataclasses.replace(base, layers=layers, hidden=hidden, intermediate=4 * hidden, vocab=vocab,
+                                tie_word_embeddings=tied, params_total=float(params), dtype_bytes=2)
+    hw = dataclasses.replace(presets.hardware("h100"), memory_bytes=usable_gib * GiB / 0.85)
+    kw = dict(micro_batch_per_device=micro, max_seq_len=512, device=device, kl_coef=kl, weights_transport=transport,
+              gang_ranks=8)
+    b = memory.device_budget(model, hw, rho, windows=windows, **kw)
+    if rho < 8:
+        assert memory.device_budget(model, hw, 2 * rho, windows=windows, **kw).peak <= b.peak * (1 + 1e-12)
+    assert memory.device_budget(model, hw, rho, windows=windows + 1, **kw).peak >= b.peak
+    assert b.fits == (b.peak <= b.usable) and b.peak == max(b.phase_bytes().values())
+    named = set(b.blocking_terms())
+    for term in memory.BUDGET_TERMS:
+        without = dataclasses.replace(b, **{term: 0.0})
+        assert (not b.fits and getattr(b, term) > 0 and without.fits) == (term in named), term

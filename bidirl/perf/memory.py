@@ -40,6 +40,12 @@ cache from :func:`colocated_kv_limit`, so that what the two roles hold together 
 
 CUDA contexts, CUDA-graph pools and allocator fragmentation of the two processes live in the
 ``1 − memory_utilization`` share left out of ``usable`` (e.g. 12 GiB of an 80 GiB H100 at 0.85).
+
+Engine runs (paper §3.2, §5): the "trainer need" above counts model states and activations, as the planner's
+replica sizing does; what a primary trainer rank of the real runtime keeps on its GPU — published weight versions,
+auxiliary windows, the optimizer step's temporaries, FSDP2's unsharded blocks, the transport's buckets, the
+sleeping rollouter beside it — is :class:`DeviceBudget` (:func:`device_budget`), which an engine run checks before
+any actor starts (``bidirl.job.planner.check_device_budget``).
 """
 
 from __future__ import annotations
