@@ -66,12 +66,20 @@ def _check_rollouters_ran_free(calls):
     assert calls["steps"] > calls["advances"] > 0, calls
 
 
+#: every response generated to the full max_response_len (16 tokens, vLLM ignore_eos): the warm-started tiny model
+#: answers in 2.9 tokens (answer digits + EOS; data/presets/workloads/arithmetic.yaml), so a step's generation is
+#: three decode iterations — shorter than an auxiliary rollouter's switch-in (wake, weight load over a fresh
+#: rendezvous, Ray round trips), whose latency grows with the machine's load. Sixteen iterations are the longest
+#: generation the tiny model's 64 positions allow beside 48-token prompts (engine_jobs.SHARED); lengths are
+#: min(16, round(X)), X log-normal of mean 16 and cv 0.01, so 16 or 15 tokens (the workload model's draw, seeded)
+FULL_LENGTH = {"workload.forced_lengths": True, "workload.response_lengths": {"mean": 16, "cv": 0.01}}
+
+
 def _borrowing_job():
     """At s = 0 each pool idles every step (rollout waits for the sync, training waits for the batch), so borrowing
-    windows in both directions open at every step; 32 x 8 responses per step make generation outlast a rollouter's
-    switch-in on warm engines (16 x 4 is done in ≈ 0.1 s, before an auxiliary rollouter is in), so groups migrate
-    to the auxiliary rollouters."""
-    return engine_jobs.borrowing(**{"rl.staleness": 0})
+    windows in both directions open at every step; 32 x 8 responses of 16 tokens per step make generation outlast
+    a rollouter's switch-in (:data:`FULL_LENGTH`), so groups migrate to the auxiliary rollouters."""
+    return engine_jobs.borrowing(**{"rl.staleness": 0, **FULL_LENGTH})
 
 
 def _timing_free(res) -> dict:
@@ -85,8 +93,9 @@ def _timing_free(res) -> dict:
 def test_kept_workers_run_a_job_as_fresh_ones_do(model_dir, kept_workers):
     """The library's reuse (``KeptWorkers``, as notebooks and side-by-side runs use it): a run on workers an earlier
     run left, each reset, computes what a run on freshly started workers computes for the same seed — the same
-    prompt groups, versions and tokens per step, the same rewards, the same weights — and borrows both ways as it
-    does (a fresh engine warms up at start-up, so its first busy period is as fast as a kept one's). Path: start, reset of every kind of worker (primary and auxiliary rollouters and gangs),
+    prompt groups, versions and tokens per step, the same rewards, the same weights — and borrows as it does: the
+    auxiliary rollouters generate in both (a fresh engine warms up at start-up, so its first busy period is as fast
+    as a kept one's). Path: start, reset of every kind of worker (primary and auxiliary rollouters and gangs),
     switches both ways, weight syncs, optimizer steps."""
     cfg = _borrowing_job()
     steps = 3
@@ -97,9 +106,9 @@ def test_kept_workers_run_a_job_as_fresh_ones_do(model_dir, kept_workers):
     assert (kept_workers.started, kept_workers.reused) == (started, reused + 1), "the second run did not reuse"
     for res in (fresh, kept):
         s = _check_log(res, steps)
-        # both borrow both ways; whether an auxiliary rollouter still finds groups to generate once it is in
-        # depends on the machine's load in 3 steps (the 10-step borrowing test below asserts it)
         assert s["borrows"]["rollout_on_trainer_pool"] > 0 and s["borrows"]["trainer_on_rollout_pool"] > 0
+        # the auxiliary workers work in both runs: generation on the trainer pool, chunks on the rollout pool
+        assert any(sp.kind == "generate" and sp.worker.startswith("trainer_pool/rollouter") for sp in res.log.spans)
         assert any(sp.kind == "chunk" and sp.worker == "rollout_pool/trainer" for sp in res.log.spans)
     assert _timing_free(kept) == _timing_free(fresh)
     _check_same_weights(fresh, kept, cfg, steps)

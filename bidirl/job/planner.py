@@ -455,7 +455,7 @@ class KVBudget:
 
 
 def rollout_kv_budget(plan: Plan, *, device: str, kv_shape: tuple, dtype_bytes: int, max_prompt_len: int,
-                      max_seqs: int) -> KVBudget:
+                      max_seqs: int, windows: int = 1) -> KVBudget:
     """The KV budget of each rollout GPU of an engine run of ``plan`` (one rollout replica per GPU,
     ``plan.envelope.rollout_layout`` = 1), on ``device`` (``"cuda"`` or ``"cpu"``), for a checkpoint whose
     attention is ``kv_shape`` = (layers, KV heads, head dim) computed in ``dtype_bytes``-byte values, prompts
@@ -471,8 +471,9 @@ def rollout_kv_budget(plan: Plan, *, device: str, kv_shape: tuple, dtype_bytes: 
       ``max_prompt_len + workload.max_response_len`` tokens, each in whole blocks,
 
     rounded down to whole blocks. Raises :class:`ConfigError` when the budget cannot hold one sequence of
-    prompt + ``max_response_len`` tokens, when a configured budget does not fit beside the trainer, or when an
-    active trainer replica and a switched-out rollouter do not fit one GPU (:mod:`bidirl.perf.memory`).
+    prompt + ``max_response_len`` tokens or when a configured budget does not fit beside the trainer, and
+    :class:`DeviceMemoryError` when what an active trainer rank keeps beside its switched-out rollouter does not fit
+    one GPU (:func:`check_device_budget`, with ``windows`` auxiliary windows per step).
     """
     cfg, env = plan.config, plan.envelope
     m, hw, w = cfg.model_spec, cfg.hardware_spec, cfg.workload
@@ -495,14 +496,7 @@ def rollout_kv_budget(plan: Plan, *, device: str, kv_shape: tuple, dtype_bytes: 
     split = (f"the usable {gib(usable)} per GPU of {hw.name} ({hw.memory_bytes / GiB:g} GiB × memory_utilization "
              f"{hw.memory_utilization:g}) less {m.name}'s rollout weights {gib(weights)}, the activation reserve "
              f"{gib(reserve)} and the trainer rank beside it while it loads {gib(beside)}")
-    asleep = memory.rollout_asleep_bytes(m, tp, device)
-    trainer = plan.memory["trainer"]
-    if trainer.total + asleep > usable:
-        raise ConfigError("rl.micro_batch_per_device",
-                          f"an active trainer replica of {env.trainer_layout} GPUs needs {gib(trainer.total)} per GPU "
-                          f"and a switched-out rollouter on the same GPU keeps {gib(asleep)}, more than the usable "
-                          f"{gib(usable)} of {hw.name}",
-                          "lower rl.micro_batch_per_device or workload.max_response_len, or use a GPU with more memory")
+    check_device_budget(plan, device=device, windows=windows)     # an active trainer rank beside its sleeping rollouter
     terms = {"usable": usable, "rollout_weights": weights, "activation_reserve": reserve, "trainer_beside": beside,
              "colocated_limit": limit}
     shape = (f"{per_token:,} bytes per token ({layers} layers × {max(1, kv_heads // tp)} KV heads × {head_dim} × 2 "
@@ -535,3 +529,101 @@ def rollout_kv_budget(plan: Plan, *, device: str, kv_shape: tuple, dtype_bytes: 
                    "model, or lower workload.max_response_len")
         raise ConfigError(key, problem, fix)
     return KVBudget(int(nbytes), int(tokens), int(block), int(per_token), source, terms)
+
+
+# --------------------------------------------------------------------------------------------------
+# the engine run's device budget: everything a trainer-pool GPU slot holds (§3.2, §4.1)
+# --------------------------------------------------------------------------------------------------
+
+class DeviceMemoryError(ConfigError):
+    """A trainer-pool GPU slot of an engine run would run out of memory: ``budget`` is the
+    :class:`~bidirl.perf.memory.DeviceBudget`, ``terms`` the terms without any one of which it would fit (empty
+    when no single term is enough), ``term`` the one named first (a term a job setting changes, when one does:
+    :data:`_PREFERRED`; else the largest), ``over_by`` the bytes beyond the usable memory at the peak, ``phase`` the
+    phase of the rank's cycle that peaks."""
+
+    def __init__(self, field: str, problem: str, fix: str, budget, term: str, terms: list):
+        super().__init__(field, problem, fix)
+        self.budget, self.term, self.terms = budget, term, list(terms)
+        self.over_by, self.phase = budget.over_by, budget.peak_phase
+
+
+#: per term of the device budget: the setting to change and the sentence that says how
+_TERM_FIXES = {
+    "weights": ("hardware", "a GPU with more memory or a smaller model (the fp32 weights are sharded over the "
+                "trainer replica)"),
+    "gradients": ("hardware", "a GPU with more memory or a smaller model (the fp32 gradient is sharded over the "
+                  "trainer replica)"),
+    "optimizer_state": ("hardware", "a GPU with more memory or a smaller model (AdamW's moments are sharded over the "
+                        "trainer replica)"),
+    "reference": ("rl.kl_coef", "set rl.kl_coef: 0 and rl.reference_model: false (no reference model is loaded)"),
+    "published_versions": ("transport.weights", "set transport.weights: object_store (no versions kept on the "
+                           "device; the weights go through Ray's object store)"),
+    "window_shards": ("scheduler.policy", "run a policy that does not lend the rollout pool to training (rot-only or "
+                      "no-borrow: no auxiliary windows to keep until the optimizer step)"),
+    "apply_sum": ("scheduler.policy", "run a policy that does not lend the rollout pool to training (rot-only or "
+                  "no-borrow: the optimizer step then sums no window beside the gradient)"),
+    "optimizer_step": ("hardware", "a GPU with more memory, or a model with a smaller vocabulary × hidden size "
+                       "(AdamW's temporaries are two copies of the largest parameter's shard)"),
+    "activations": ("rl.micro_batch_per_device", "lower rl.micro_batch_per_device or workload.max_response_len "
+                    "(activations are not sharded)"),
+    "fsdp_unsharded": ("hardware", "a GPU with more memory, or a smaller model (FSDP2 unshards the embedding and two "
+                       "blocks whatever the replica's size)"),
+    "transport_buckets": ("transport.bucket_mb", "lower transport.bucket_mb (a bucket is gathered, cut and sent "
+                          "beside training), or set transport.weights: object_store"),
+    "rollout_beside": ("hardware", "a GPU with more memory, or a smaller model (the trainer pool's switched-out "
+                       "rollouter keeps its activation reserve on the same GPU)"),
+    "offload_buffer": ("hardware", "more memory for the CPU slot (hardware's memory_bytes): a CPU engine keeps its hot "
+                       "switch's host buffer, the size of its state, in the same memory"),
+}
+
+
+#: the terms a job's settings change, named first when several would each make a budget fit
+_PREFERRED = ("published_versions", "window_shards", "apply_sum", "reference", "activations", "transport_buckets")
+
+
+def device_budget(plan: "Plan", *, device: str, windows: int = 1, layout: Optional[int] = None):
+    """The :class:`~bidirl.perf.memory.DeviceBudget` of a primary trainer rank of an engine run of ``plan`` on
+    ``device`` (``"cuda"`` or ``"cpu"``), receiving ``windows`` auxiliary windows per step (0 under a policy
+    without Trainer-on-RolloutPool), at the plan's trainer layout ρ_t (or ``layout``)."""
+    cfg = plan.config
+    w = cfg.workload
+    return memory.device_budget(cfg.model_spec, cfg.hardware_spec, layout or plan.envelope.trainer_layout,
+                                micro_batch_per_device=cfg.rl.micro_batch_per_device,
+                                max_seq_len=cfg.workload_stats.prompt_max + w.max_response_len, device=device,
+                                kl_coef=cfg.rl.kl_coef, weights_transport=cfg.transport.weights,
+                                bucket_bytes=cfg.transport.bucket_mb * 2 ** 20, windows=windows,
+                                gang_ranks=plan.envelope.trainer_gpus)
+
+
+def check_device_budget(plan: "Plan", *, device: str, windows: int = 1):
+    """Refuse an engine run whose trainer-pool GPU slot cannot hold what the engines keep there
+    (:func:`device_budget`) before any actor starts: a :class:`DeviceMemoryError` naming the terms without any one
+    of which it would fit, by how much it does not, the phase that peaks and what to change. Returns the budget."""
+    budget = device_budget(plan, device=device, windows=windows)
+    if budget.fits:
+        return budget
+    cfg = plan.config
+    hw, m, rho = cfg.hardware_spec, cfg.model_spec, plan.envelope.trainer_layout
+    gib = lambda x: f"{x / GiB:.2f} GiB"  # noqa: E731
+    terms, blocking = budget.terms(), budget.blocking_terms()
+    held = ", ".join(f"{t} {gib(terms[t])}" for t in memory.BUDGET_PHASES[budget.peak_phase] if terms[t] > 0)
+    problem = (f"a trainer rank of {m.name} ({rho} GPUs per trainer replica) on {hw.name} needs {gib(budget.peak)} "
+               f"at its {budget.peak_phase} peak, {gib(budget.over_by)} more than the usable {gib(budget.usable)} "
+               f"({hw.memory_bytes / GiB:g} GiB × memory_utilization {hw.memory_utilization:g}); ")
+    if blocking:
+        named = min(blocking, key=lambda t: (_PREFERRED.index(t) if t in _PREFERRED else len(_PREFERRED), -terms[t]))
+        problem += ("it would fit without any one of "
+                    + ", ".join(f"{t} ({gib(terms[t])})" for t in blocking) + f"; it holds {held}")
+    else:
+        named = "optimizer_state"
+        problem += f"no single term is enough: it holds {held}"
+    fixes = [named] + [t for t in blocking if t != named and t in _PREFERRED]
+    fix = "; ".join(f"{t}: {_TERM_FIXES[t][1]}" for t in fixes)
+    larger = next((k for k in memory.layout_candidates(cfg.cluster.gpus_per_node, cfg.cluster.gpus) if k > rho
+                   and device_budget(plan, device=device, windows=windows, layout=k).fits), None)
+    if larger is not None:
+        at = device_budget(plan, device=device, windows=windows, layout=larger).peak
+        fix += (f" (a trainer replica of {larger} GPUs would fit, {gib(at)} per GPU; the planner sizes it at {rho} "
+                "GPUs by its §4.1 model, which counts model states and activations only)")
+    raise DeviceMemoryError(_TERM_FIXES[named][0], f"{named} does not fit: {problem}", fix, budget, named, blocking)

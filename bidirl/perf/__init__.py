@@ -8,7 +8,8 @@
   preset-derived defaults;
 * :mod:`~bidirl.perf.fit` — least-squares fit to profiling records with an error report;
 * :mod:`~bidirl.perf.costs` — hot-switch costs and weight-sync time from state sizes and bandwidths;
-* :mod:`~bidirl.perf.memory` — per-GPU memory of a replica (the planner's feasible layouts);
+* :mod:`~bidirl.perf.memory` — per-GPU memory of a replica (the planner's feasible layouts) and the device budget of
+  an engine run's trainer slot (``DeviceBudget``);
 * :mod:`~bidirl.perf.workload` — seeded prompt/response length draws from a dataset's statistics;
 * :mod:`~bidirl.perf.balance` — balanced assignment of work to replicas (replica-max semantics);
 * :mod:`~bidirl.perf.replica` — the continuous-batching replica model (simulator and emulated workers);

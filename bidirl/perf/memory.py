@@ -40,11 +40,18 @@ cache from :func:`colocated_kv_limit`, so that what the two roles hold together 
 
 CUDA contexts, CUDA-graph pools and allocator fragmentation of the two processes live in the
 ``1 − memory_utilization`` share left out of ``usable`` (e.g. 12 GiB of an 80 GiB H100 at 0.85).
+
+Engine runs (paper §3.2, §5): the "trainer need" above counts model states and activations, as the planner's
+replica sizing does; what a primary trainer rank of the real runtime keeps on its GPU — published weight versions,
+auxiliary windows, the optimizer step's temporaries, FSDP2's unsharded blocks, the transport's buckets, the
+sleeping rollouter beside it — is :class:`DeviceBudget` (:func:`device_budget`), which an engine run checks before
+any actor starts (``bidirl.job.planner.check_device_budget``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 #: tokens of one batched prefill chunk whose activations vLLM reserves (its default max_num_batched_tokens)
 PREFILL_CHUNK_TOKENS = 8192
@@ -217,3 +224,187 @@ def min_feasible_layout(need_at, candidates) -> tuple:
         if need.fits:
             return rho, need
     return None, need
+
+
+# --------------------------------------------------------------------------------------------------
+# the device budget of one trainer-pool GPU slot in an engine run (everything the engines keep there)
+# --------------------------------------------------------------------------------------------------
+
+#: bytes per parameter of the engine's trained weights: fp32 master weights (``TrainerEngine._load_model``)
+ENGINE_WEIGHT_BYTES = 4
+#: bytes per parameter of a gradient shard: fp32 (``MixedPrecisionPolicy(reduce_dtype=float32)``; ``p.grad`` has the
+#: parameter's fp32 dtype), and of a received auxiliary window's shard (``bridge.receive_shard``: fp32)
+ENGINE_GRAD_BYTES = 4
+#: bytes per parameter of AdamW's two moments, ``exp_avg`` and ``exp_avg_sq`` (``torch.optim.AdamW``: the
+#: parameter's dtype, fp32)
+ADAMW_MOMENT_BYTES = 8
+#: published versions a primary rank keeps between steps: the new one and the one it held before
+#: (``WeightSync.snapshot_spec``: ``keep=[before]``; ``TrainerEngine.publish`` drops the others)
+PUBLISHED_KEPT = 2
+#: one more published version at times: the one ``TrainerEngine.publish`` casts while the two kept ones are still
+#: held, or a dropped one a send in flight still reads (``publish`` builds a new dict; a send keeps the one it began
+#: with)
+PUBLISHED_TRANSIENT = 1
+#: FSDP2 unshards one transformer block ahead of the one computing (its default forward/backward prefetch)
+FSDP_PREFETCH_BLOCKS = 2
+
+#: the phases of a primary trainer rank's cycle and the terms each holds at once (:class:`DeviceBudget`)
+BUDGET_PHASES = {
+    # a chunk's forward + backward (``chunk_gradients(accumulate=True)``); windows may arrive beside it
+    # (``receive_window``) and a send of a published version may gather beside it (``send_weights``)
+    "chunk": ("weights", "gradients", "optimizer_state", "reference", "published_versions", "window_shards",
+              "activations", "fsdp_unsharded", "transport_buckets", "rollout_beside", "offload_buffer"),
+    # the optimizer step (``apply``): the windows and the sum's clone are alive through ``optimizer.step()``
+    "apply": ("weights", "gradients", "optimizer_state", "reference", "published_versions", "window_shards",
+              "apply_sum", "optimizer_step", "transport_buckets", "rollout_beside", "offload_buffer"),
+}
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    """What one primary trainer rank of an engine run keeps on its GPU, term by term (bytes), and the usable memory
+    it must fit (paper §3.2: the slot also holds the trainer pool's borrowing rollouter, asleep while the trainer
+    computes; §4.1's minimal feasible layouts). Each term mirrors the code that allocates it:
+
+    * ``weights`` — fp32 master weights, sharded over the replica's ρ GPUs (``TrainerEngine._load_model``, FSDP2
+      ``fully_shard``): ``4·N/ρ``;
+    * ``gradients`` — the step's accumulated gradient shard, fp32 (``chunk_gradients(accumulate=True)``): ``4·N/ρ``;
+    * ``optimizer_state`` — AdamW's ``exp_avg`` and ``exp_avg_sq`` (``torch.optim.AdamW``, fp32): ``8·N/ρ``;
+    * ``reference`` — the frozen reference model when ``kl_coef > 0``, in the compute dtype
+      (``_load_model(frozen=True)``: bf16 on a bf16-mixed engine, fp32 otherwise): ``b_c·N/ρ``;
+    * ``published_versions`` — the versions the weight transport sends from, in the wire dtype, on the device
+      (``TrainerEngine.publish``): ``(PUBLISHED_KEPT + PUBLISHED_TRANSIENT)·b_wire·N/ρ``; 0 on the object-store path;
+    * ``window_shards`` — one fp32 shard per auxiliary window received and kept until ``apply``
+      (``TrainerEngine.receive_window``): ``windows·4·N/ρ``;
+    * ``apply_sum`` — ``apply``'s ``total = flat.clone()`` of the first received window, alive through the optimizer
+      step: ``4·N/ρ`` when the step has a window, else 0; on the object-store path the auxiliary chunks' gradients
+      come from the host instead (no ``window_shards``), and the device copy of the last one (``flat``) is alive
+      beside the sum: ``2·4·N/ρ``;
+    * ``optimizer_step`` — AdamW's temporaries: on DTensors (every sharded or bf16-mixed engine) and on CPU
+      torch takes the single-tensor path (``torch.optim.adam._single_tensor_adam``), whose
+      ``(exp_avg_sq.sqrt() / c).add_(eps)`` holds two fp32 tensors of one parameter at once: ``2·4·P_max/ρ``
+      for the largest parameter ``P_max`` (the embedding or the head, ``V·H``);
+    * ``activations`` — one micro-batch (:func:`trainer_activation_bytes`; not sharded);
+    * ``fsdp_unsharded`` — what FSDP2 unshards around a micro-batch on a sharded engine (a gang of several ranks,
+      or bf16-mixed on CUDA), in the compute dtype
+      ``b_c``: the root module's parameters (the embedding and an untied head, ``R = V·H·(1 or 2)``; the root is
+      not resharded between forward and backward) and :data:`FSDP_PREFETCH_BLOCKS` blocks' parameters
+      (``B = (N − R)/L`` each), the unsharded gradients of the root and one block in ``b_c``, and one fp32
+      reduce-scatter input of the larger: ``b_c·(R + 2B) + b_c·(R + B) + 4·max(R, B)``; 0 unsharded;
+    * ``transport_buckets`` — a send of a published version (``TrainerEngine._gather_bucket`` and
+      ``weight_transport.send_buckets``) on rank 0's device: a bucket's padded shards and their concatenation
+      (``2·K/S``), the pieces gathered from every rank of the gang (``W·K/S``, W = ``gang_ranks``), the full
+      tensors cut from them (``K``), the send's flat bucket (``K``) and the previous bucket still posted (``K``),
+      with ``K = max(min(transport.bucket_mb, the model), the largest tensor)`` in the wire dtype and S = ρ:
+      ``K·(3 + (2 + W)/S)``; 0 on the object-store path;
+    * ``rollout_beside`` — the trainer pool's borrowing rollouter on the same GPU, switched out while the trainer
+      computes (:func:`rollout_asleep_bytes`: its activation reserve on CUDA; weights too on CPU);
+    * ``offload_buffer`` — on CPU only, where the device is the host: the hot switch's host buffer
+      (:class:`~bidirl.cluster.engines.host_buffer.HostStash`), allocated at the first switch and kept for the
+      engine's life, sized to the largest state it held — weights, moments, a mid-step gradient and the reference:
+      ``(4 + 8 + 4)·N/ρ + reference``; 0 on CUDA (pinned host memory, not the device's).
+
+    The rank's peak is the largest phase (:data:`BUDGET_PHASES`): a chunk (activations and FSDP2's unsharded
+    blocks) or the optimizer step (the windows, the sum and AdamW's temporaries), since ``apply`` runs between
+    chunks. The publish after the step holds less than either (its gradients and windows are freed:
+    ``_clear_grads``). An auxiliary rank holds less than a primary one: no AdamW state, no published versions, and
+    its send's flattened shard (``4·N/ρ``) is half the moments a primary holds. What is left out: the CUDA context
+    and allocator fragmentation, in the ``1 − memory_utilization`` margin of ``usable``.
+    """
+    layout: int
+    usable: float
+    weights: float
+    gradients: float
+    optimizer_state: float
+    reference: float
+    published_versions: float
+    window_shards: float
+    apply_sum: float
+    optimizer_step: float
+    activations: float
+    fsdp_unsharded: float
+    transport_buckets: float
+    rollout_beside: float
+    offload_buffer: float
+
+    def terms(self) -> dict:
+        """``{term: bytes}`` in the order of the fields."""
+        return {name: float(getattr(self, name)) for name in BUDGET_TERMS}
+
+    def phase_bytes(self) -> dict:
+        """``{phase: bytes held at once}`` (:data:`BUDGET_PHASES`)."""
+        return {phase: sum(float(getattr(self, t)) for t in names) for phase, names in BUDGET_PHASES.items()}
+
+    @property
+    def peak(self) -> float:
+        return max(self.phase_bytes().values())
+
+    @property
+    def peak_phase(self) -> str:
+        held = self.phase_bytes()
+        return max(held, key=held.get)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.usable
+
+    @property
+    def over_by(self) -> float:
+        """How far the peak exceeds the usable memory (≤ 0: it fits)."""
+        return self.peak - self.usable
+
+    def blocking_terms(self) -> list:
+        """The terms without any one of which every phase would fit, largest first: what to change. Empty when it
+        fits, or when no single term is enough (the weights, gradients and moments together are then the cause)."""
+        if self.fits:
+            return []
+        out = [t for t in BUDGET_TERMS
+               if float(getattr(self, t)) > 0 and all(held - (float(getattr(self, t)) if t in BUDGET_PHASES[p] else 0.0)
+                                                      <= self.usable for p, held in self.phase_bytes().items())]
+        return sorted(out, key=lambda t: -float(getattr(self, t)))
+
+
+BUDGET_TERMS = tuple(f for f in DeviceBudget.__dataclass_fields__ if f not in ("layout", "usable"))
+
+
+def device_budget(model, hw, layout: int, *, micro_batch_per_device: int, max_seq_len: int, device: str = "cuda",
+                  kl_coef: float = 0.0, weights_transport: str = "collective", bucket_bytes: float = 512 * 2 ** 20,
+                  windows: int = 1, gang_ranks: Optional[int] = None) -> DeviceBudget:
+    """The :class:`DeviceBudget` of one primary trainer rank of a replica of ``layout`` GPUs in an engine run on
+    ``device`` (``"cuda"``: bf16-mixed compute, bf16 on the wire; ``"cpu"``: fp32 throughout, the engines'
+    ``precision="auto"`` and the rollouters' dtype), with ``windows`` auxiliary windows received per step (0: the
+    policy never lends the rollout pool to training) and the weight transport ``weights_transport``
+    (``transport.weights``) in buckets of ``bucket_bytes``. ``gang_ranks``: the primary gang's ranks (its pool's
+    GPUs; default ``layout``) — a gang of several ranks runs FSDP2 even at ``layout`` 1 (replicated shards)."""
+    if layout < 1 or windows < 0 or micro_batch_per_device < 1 or max_seq_len < 1:
+        raise ValueError("device_budget: layout, micro_batch_per_device and max_seq_len must be ≥ 1, windows ≥ 0")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device_budget: device must be 'cuda' or 'cpu', got {device!r}")
+    n, rho = float(model.params_total), int(layout)
+    compute = 2 if device == "cuda" else 4                  # bf16-mixed on CUDA, fp32 on CPU
+    wire = compute                                          # the rollouters' dtype (WeightSync.dtype)
+    # FSDP2 on a gang of several ranks, and on CUDA even alone (bf16-mixed shards over one rank: _shard_alone)
+    sharded = device == "cuda" or rho > 1 or (gang_ranks or rho) > 1
+    root = model.vocab * model.hidden * (1 if model.tie_word_embeddings else 2)
+    block = max(0.0, n - root) / max(1, model.layers)
+    largest = max(model.vocab * model.hidden, model.intermediate * model.hidden)
+    collective = weights_transport == "collective"
+    bucket = max(min(float(bucket_bytes), wire * n), wire * largest)        # a bucket holds at least one tensor
+    return DeviceBudget(
+        layout=rho, usable=usable_bytes(hw),
+        weights=ENGINE_WEIGHT_BYTES * n / rho,
+        gradients=ENGINE_GRAD_BYTES * n / rho,
+        optimizer_state=ADAMW_MOMENT_BYTES * n / rho,
+        reference=compute * n / rho if kl_coef > 0 else 0.0,
+        published_versions=(PUBLISHED_KEPT + PUBLISHED_TRANSIENT) * wire * n / rho if collective else 0.0,
+        window_shards=windows * ENGINE_GRAD_BYTES * n / rho if collective else 0.0,
+        apply_sum=(1 if collective else 2) * ENGINE_GRAD_BYTES * n / rho if windows else 0.0,
+        optimizer_step=2 * 4 * largest / rho,
+        activations=trainer_activation_bytes(model, micro_batch_per_device * max_seq_len),
+        fsdp_unsharded=(compute * (root + FSDP_PREFETCH_BLOCKS * block) + compute * (root + block)
+                        + 4 * max(root, block)) if sharded else 0.0,
+        transport_buckets=bucket * (3 + (2 + (gang_ranks or rho)) / rho) if collective else 0.0,
+        rollout_beside=rollout_asleep_bytes(model, 1, device),
+        offload_buffer=0.0 if device == "cuda" else (
+            (ENGINE_WEIGHT_BYTES + ADAMW_MOMENT_BYTES + ENGINE_GRAD_BYTES) * n / rho
+            + (compute * n / rho if kl_coef > 0 else 0.0)))

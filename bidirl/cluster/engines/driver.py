@@ -223,7 +223,10 @@ class EngineDriver(PoolDriver):
             from bidirl.cluster.engines.rollout_setup import RolloutSetup
             gpu = ("num_gpus" in self._local_slots(self.config.cluster.gpus) if self.address is None
                    else self._resource() == "GPU")
-            self._rollout = RolloutSetup.resolve(self.plan, self.model_dir, self.prompts.max_prompt_len, gpu)
+            from bidirl.core.policies import Policy, get_policy
+            policy = self.policy_name if isinstance(self.policy_name, Policy) else get_policy(self.policy_name)
+            windows = int(policy.trainer_on_rollout_pool)          # auxiliary windows in the device budget
+            self._rollout = RolloutSetup.resolve(self.plan, self.model_dir, self.prompts.max_prompt_len, gpu, windows)
         return self._rollout
 
     def _forget_discarded(self, workers) -> None:

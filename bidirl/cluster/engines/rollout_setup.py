@@ -45,9 +45,11 @@ class RolloutSetup:
     memory_bytes: Optional[int] = None
 
     @classmethod
-    def resolve(cls, plan, model_dir: str, max_prompt_len: int, gpu: bool) -> "RolloutSetup":
+    def resolve(cls, plan, model_dir: str, max_prompt_len: int, gpu: bool, windows: int = 1) -> "RolloutSetup":
         """The settings of ``plan``'s rollouters for the checkpoint in ``model_dir``, prompts of at most
-        ``max_prompt_len`` tokens, on CUDA (``gpu``) or CPU. Raises :class:`ConfigError` (module docstring)."""
+        ``max_prompt_len`` tokens, on CUDA (``gpu``) or CPU, with ``windows`` auxiliary windows per step on the
+        primary trainer (0 under a policy without Trainer-on-RolloutPool). Raises :class:`ConfigError` (module
+        docstring), :class:`~bidirl.job.planner.DeviceMemoryError` when the trainer's slot does not fit."""
         from bidirl.job import planner
         from bidirl.perf import memory
         from bidirl.perf.predictor import MAX_SEQS
@@ -68,7 +70,7 @@ class RolloutSetup:
         device, dtype, dtype_bytes = ("cuda", "bfloat16", 2) if gpu else ("cpu", "float32", 4)
         shape = kv_cache_shape(causal_lm_config(model_dir, "EngineDriver.model_dir"))
         kv = planner.rollout_kv_budget(plan, device=device, kv_shape=shape, dtype_bytes=dtype_bytes,
-                                       max_prompt_len=max_prompt_len, max_seqs=MAX_SEQS)
+                                       max_prompt_len=max_prompt_len, max_seqs=MAX_SEQS, windows=windows)
         footprint = None
         if gpu:
             footprint = int(kv.terms["rollout_weights"] + kv.terms["activation_reserve"]) + kv.bytes
