@@ -502,6 +502,7 @@ def _args_trace(p: argparse.ArgumentParser) -> None:
 def _run_trace(args: argparse.Namespace) -> int:
     from bidirl.ingest import load_foreign
     from bidirl.ingest.bubbles import BUBBLES, bubble_breakdown, pool_idle
+    from bidirl.results.metrics import IDLE_LABEL, OVERALL, POOL_UNION_LABEL
     from bidirl.viz.imported import write_import
     if args.what_if and args.config is None:
         raise CommandError("--what-if needs --config: the imported job as a bidirl config")
@@ -529,9 +530,12 @@ def _run_trace(args: argparse.Namespace) -> int:
         print("unmapped (not drawn, not counted as busy):")
         for name, count in zip(run.unmapped["name"], run.unmapped["count"]):
             print(f"  {count:>7} × {name}")
-    print("\nidle per pool (union of busy intervals over the steps):")
+    print(f"\n{IDLE_LABEL}, over the steps:")
     for r in idle.itertuples(index=False):
-        print(f"  {r.pool:<13} {100 * r.idle_fraction:5.1f} %  ({r.idle_s:.3f} s of {r.window_s:.3f} s)")
+        union = ("" if r.pool == OVERALL else
+                 f"; {POOL_UNION_LABEL}: {100 * r.pool_union_idle_fraction:.1f} %")
+        print(f"  {r.pool:<13} {100 * r.idle_fraction:5.1f} %  ({r.idle_gpu_s:,.1f} of {r.gpus * r.window_s:,.1f} "
+              f"GPU-s on {r.gpus:g} GPUs{union})")
     if len(bubbles):
         total = float(bubbles["step_s"].sum())
         print(f"\nwhere the {len(bubbles)} steps' {total:.3f} s went:")

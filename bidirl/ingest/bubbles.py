@@ -1,8 +1,9 @@
 """Where a run's time went: idle per pool from interval unions, and a bubble breakdown of every training step.
 
-**Idle per pool** is :func:`bidirl.results.metrics.idle` (the union of every busy interval on the pool, never one
-start/stop pair per version — the reason veRL's ``idle_ratio`` reads near 0 on a training-bound run, verl issue
-#6693) and :func:`~bidirl.results.metrics.idle_gpu_seconds` (GPU-weighted), over the run's steps.
+**Idle per pool** is GPU-weighted: :func:`~bidirl.results.metrics.idle_gpu_seconds` over the pool's GPU-seconds, per
+pool and overall (each worker's busy time the union of its intervals, never one start/stop pair per version — the
+reason veRL's ``idle_ratio`` reads near 0 on a training-bound run, verl issue #6693). The pool-union figure
+(:func:`bidirl.results.metrics.idle`: no GPU of the pool busy) is kept beside it in ``pool_union_*`` columns.
 
 **Bubble breakdown** (the trainer's view of one step, ``[start, end]`` of its StepRecord): every instant of the
 step is given to the first of these that holds, so the parts partition the step and sum to its time exactly:
@@ -49,21 +50,38 @@ def run_window(run: ImportedRun) -> tuple:
     return float(spans["start"].min()), float(spans["end"].max())
 
 
+#: columns of :func:`pool_idle`
+IDLE_COLUMNS = ("pool", "gpus", "window_s", "idle_gpu_s", "idle_fraction", "pool_union_idle_s",
+                "pool_union_idle_fraction")
+
+
 def pool_idle(run: ImportedRun, t0: float = None, t1: float = None) -> pd.DataFrame:
-    """Idle per pool over ``[t0, t1]`` (default :func:`run_window`): ``pool, gpus, window_s, idle_s,
-    idle_fraction, idle_gpu_s`` — union-based (module doc). Pools with no GPUs and no spans are left out."""
+    """Idle per pool over ``[t0, t1]`` (default :func:`run_window`), one row per pool and a last row
+    :data:`~bidirl.results.metrics.OVERALL` for all GPUs: ``gpus, window_s``, ``idle_gpu_s`` (idle GPU-seconds),
+    ``idle_fraction`` (GPU-weighted: ``idle_gpu_s / (gpus · window_s)``), and the pool-union figures
+    ``pool_union_idle_s`` / ``pool_union_idle_fraction`` (seconds no GPU of the pool was busy; NaN on the overall
+    row). Pools with no GPUs and no spans are left out (module doc)."""
     a, b = run_window(run) if t0 is None or t1 is None else (float(t0), float(t1))
     spans = run.log.spans_df()
+    nan = float("nan")
     rows = []
     for pool in POOLS:
         gpus = float(run.pool_gpus.get(pool, 0.0))
         if gpus <= 0 and not (spans["pool"] == pool).any():
             continue
-        idle = metrics.idle(spans, pool, a, b)
-        gpu_idle = metrics.idle_gpu_seconds(spans, pool, run.gpus_per_worker, gpus, a, b) if gpus > 0 else float("nan")
-        rows.append({"pool": pool, "gpus": gpus, "window_s": b - a, "idle_s": idle,
-                     "idle_fraction": idle / (b - a) if b > a else float("nan"), "idle_gpu_s": gpu_idle})
-    return pd.DataFrame(rows, columns=["pool", "gpus", "window_s", "idle_s", "idle_fraction", "idle_gpu_s"])
+        union = metrics.idle(spans, pool, a, b)
+        gpu_idle = metrics.idle_gpu_seconds(spans, pool, run.gpus_per_worker, gpus, a, b) if gpus > 0 else nan
+        rows.append({"pool": pool, "gpus": gpus, "window_s": b - a, "idle_gpu_s": gpu_idle,
+                     "idle_fraction": gpu_idle / (gpus * (b - a)) if b > a and gpus > 0 else nan,
+                     "pool_union_idle_s": union,
+                     "pool_union_idle_fraction": union / (b - a) if b > a else nan})
+    gpus = sum(r["gpus"] for r in rows)
+    if gpus > 0:
+        idle_s = sum(r["idle_gpu_s"] for r in rows if r["gpus"] > 0)
+        rows.append({"pool": metrics.OVERALL, "gpus": gpus, "window_s": b - a, "idle_gpu_s": idle_s,
+                     "idle_fraction": idle_s / (gpus * (b - a)) if b > a else nan,
+                     "pool_union_idle_s": nan, "pool_union_idle_fraction": nan})
+    return pd.DataFrame(rows, columns=list(IDLE_COLUMNS))
 
 
 def _covered(starts: np.ndarray, ends: np.ndarray, t: np.ndarray) -> np.ndarray:

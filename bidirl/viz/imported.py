@@ -54,14 +54,20 @@ def imported_gantt(run: ImportedRun, title: Optional[str] = None) -> go.Figure:
 
 
 def idle_figure(run: ImportedRun, title: Optional[str] = None) -> go.Figure:
-    """Idle share of each pool over the run's steps (union of busy intervals)."""
+    """GPU-weighted idle share of each pool and of all GPUs over the run's steps (:func:`pool_idle`), with the
+    pool-union figure beside it, labelled as such."""
     idle = pool_idle(run)
-    fig = go.Figure(go.Bar(x=idle["pool"], y=100 * idle["idle_fraction"],
-                           text=[f"{100 * f:.1f} % ({s:.2f} s)" for f, s in zip(idle["idle_fraction"], idle["idle_s"])],
-                           textposition="outside", marker_color=["#1f77b4", "#ff7f0e"][:len(idle)],
-                           hovertemplate="%{x}: %{y:.1f} % idle<extra></extra>"))
+    fig = go.Figure([
+        go.Bar(name="idle (GPU-weighted)", x=idle["pool"], y=100 * idle["idle_fraction"],
+               text=[f"{100 * f:.1f} % ({s:,.1f} GPU-s)" for f, s in zip(idle["idle_fraction"], idle["idle_gpu_s"])],
+               textposition="outside", marker_color="#1f77b4",
+               hovertemplate="%{x}: %{y:.1f} % idle (GPU-weighted)<extra></extra>"),
+        go.Bar(name="pool-union idle (no GPU of the pool busy)", x=idle["pool"], y=100 * idle["pool_union_idle_fraction"],
+               marker_color="#c7c7c7",
+               hovertemplate="%{x}: %{y:.1f} % pool-union idle<extra></extra>")])
     fig.update_layout(title=f"idle per pool — {_title(run, title)}", template=TEMPLATE, width=WIDTH // 2, height=380,
-                      yaxis={"title": "idle (% of the steps' time, union of busy intervals)", "range": [0, 110]})
+                      barmode="group", legend={"orientation": "h", "y": -0.2},
+                      yaxis={"title": "idle (% of GPU-seconds over the steps)", "range": [0, 110]})
     return fig
 
 
