@@ -496,17 +496,19 @@ def _args_trace(p: argparse.ArgumentParser) -> None:
                    help="with --what-if: the job as a bidirl config (model, hardware, GPUs, split, batch)")
     p.add_argument("--what-if", action="store_true",
                    help="fit a preset to the imported run and simulate the job under no-borrow and BiDiRL")
+    p.add_argument("--policy", default=None, metavar="NAME",
+                   help="the scheduling policy the run was recorded under, where the file does not say")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
 def _run_trace(args: argparse.Namespace) -> int:
     from bidirl.ingest import load_foreign
-    from bidirl.ingest.bubbles import BUBBLES, bubble_breakdown, pool_idle
+    from bidirl.ingest.bubbles import bubble_breakdown, parts, pool_idle
     from bidirl.results.metrics import IDLE_LABEL, OVERALL, POOL_UNION_LABEL
     from bidirl.viz.imported import write_import
     if args.what_if and args.config is None:
         raise CommandError("--what-if needs --config: the imported job as a bidirl config")
-    run = load_foreign(args.file, args.format, args.map, progress=not args.json)
+    run = load_foreign(args.file, args.format, args.map, progress=not args.json, policy=args.policy)
     try:
         paths = write_import(run, args.out)
     except OSError as exc:
@@ -522,8 +524,8 @@ def _run_trace(args: argparse.Namespace) -> int:
                           "bubbles": bubbles.to_dict(orient="records"), "what_if": outcome, "files": paths},
                          default=float))
         return 0
-    print(f"imported {run.source} ({run.format}, map {run.map_name}): {len(run.log.spans)} spans on "
-          f"{len(run.workers)} lanes, {len(run.log.steps)} steps")
+    print(f"{run.provenance_text} ({run.format}, map {run.map_name}; recorded under {run.policy}): "
+          f"{len(run.log.spans)} spans on {len(run.workers)} lanes, {len(run.log.steps)} steps")
     for note in run.notes:
         print(f"note: {note}")
     if len(run.unmapped):
@@ -538,9 +540,14 @@ def _run_trace(args: argparse.Namespace) -> int:
               f"GPU-s on {r.gpus:g} GPUs{union})")
     if len(bubbles):
         total = float(bubbles["step_s"].sum())
-        print(f"\nwhere the {len(bubbles)} steps' {total:.3f} s went:")
-        for part in BUBBLES:
-            print(f"  {part:<22} {bubbles[part].sum():9.3f} s  {100 * bubbles[part].sum() / total:5.1f} %")
+        print(f"\nwhere the {len(bubbles)} steps' {total:,.3f} s went:")
+        shown = [p for p in parts(bubbles) if bubbles[p].sum() > 0]
+        for part in shown:
+            mark = "  (GPUs idle)" if part in run.gpu_idle_categories else ""
+            print(f"  {part:<38} {bubbles[part].sum():12,.3f} s  {100 * bubbles[part].sum() / total:5.1f} %{mark}")
+        absent = [p for p in parts(bubbles) if p not in shown]
+        if absent:
+            print(f"  0 s: {', '.join(absent)}")
     if outcome:
         w = outcome["what_if"]
         print(f"\nwhat if (simulated with a preset fitted to this run): the planner picks {w['planner_choice']}")

@@ -11,10 +11,11 @@ import pandas as pd
 import pytest
 import yaml
 
+from bidirl.calibrate.step_log import LogError
 from bidirl.cli import main
 from bidirl.errors import BidirlError
 from bidirl.ingest import MapError, TraceFormatError, WorkerPoolConflict, load_foreign
-from bidirl.ingest.bubbles import BUBBLES, bubble_breakdown, pool_idle
+from bidirl.ingest.bubbles import COLOCATED_NAMES, bubble_breakdown, parts, pool_idle
 from bidirl.ingest.maps import load_map, shipped_maps
 from bidirl.results import metrics
 from bidirl.results.trace import EventLog
@@ -104,11 +105,13 @@ def test_the_bubble_breakdown_sums_to_the_step_time():
     b = bubble_breakdown(run)
     # the parts are sums of elementary intervals that partition each step; float addition of a few dozen
     # terms of ≤ 100 s loses at most ~1e-13 s, so 1e-9 s is a safe bound
-    np.testing.assert_allclose(b[list(BUBBLES)].sum(axis=1), b["step_s"], rtol=0, atol=1e-9)
+    np.testing.assert_allclose(b[parts(b)].sum(axis=1), b["step_s"], rtol=0, atol=1e-9)
     # the fixture's numbers: step 0 generates for 14.0 s (longest GPU) of which 7.2 s on all four GPUs; the
-    # driver's 0.6 s reward and 0.4 s + 3 × 0.05 s gaps are trainer waiting; 1.2 + 1.0 + 3.0 s train
+    # driver's 0.6 s reward and 0.4 s + 3 × 0.05 s gaps are idle (nothing recorded runs); 1.2 + 1.0 + 3.0 s train.
+    # Colocated: every GPU generating is generation, not "waiting for the batch"
     first = b.iloc[0]
-    assert first["waiting for the batch"] == pytest.approx(7.2, abs=1e-6)
+    assert "waiting for the batch" not in b.columns and "trainer waiting" not in b.columns
+    assert first[COLOCATED_NAMES["waiting for the batch"]] == pytest.approx(7.2, abs=1e-6)
     assert first["long-tail generation"] == pytest.approx(14.0 - 7.2, abs=1e-6)
     assert first["training"] == pytest.approx(1.2 + 1.0 + 3.0, abs=1e-6)
 
@@ -186,7 +189,7 @@ def test_a_verl_step_log_is_a_coarse_timeline_whose_bubbles_sum_to_its_steps():
     run = load_foreign(log, "verl-log")
     assert run.coarse and len(run.log.steps) == len(pd.read_json(log, lines=True))
     b = bubble_breakdown(run)
-    np.testing.assert_allclose(b[list(BUBBLES)].sum(axis=1), b["step_s"], rtol=0, atol=1e-9)
+    np.testing.assert_allclose(b[parts(b)].sum(axis=1), b["step_s"], rtol=0, atol=1e-9)
     idle = pool_idle(run).set_index("pool")["idle_fraction"]
     assert 0 <= idle["rollout_pool"] <= 1 and 0 <= idle["trainer_pool"] <= 1
     assert "coarse" in imported_gantt(run).layout.annotations[0].text
@@ -320,7 +323,8 @@ def test_a_step_log_whose_stages_exceed_the_step_names_the_row(tmp_path):
     rows = [{"step": 1, "timing_s/step": 2.0, "timing_s/gen": 1.0, "timing_s/update_actor": 0.5},
             {"step": 2, "timing_s/step": 1.0, "timing_s/gen": 0.8, "timing_s/update_actor": 0.5}]
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    with pytest.raises(TraceFormatError, match=r"log\.jsonl, row 1: the stage times add up to more than"):
+    with pytest.raises(LogError, match=r"log\.jsonl, row 1: the logged stages add up to 1\.300 s, more than "
+                                       r"timing_s/step \(1\.000 s\)"):
         load_foreign(path, "verl-log")
 
 

@@ -93,6 +93,14 @@ class TraceMap:
     sources: tuple = ()
     description: str = ""
 
+    @property
+    def policy(self) -> str:
+        """What a timeline read through this map was recorded under: the framework's trainer the map describes (a
+        bidirl run's scheduling policy is not in its timeline: ``load_foreign(policy=...)`` names it)."""
+        if self.name == "bidirl":
+            return "a bidirl policy the timeline does not name (pass --policy)"
+        return self.description or f"the trainer of map {self.name}"
+
     def rule_for(self, name: str, cat: str = "") -> Optional[SpanRule]:
         """The first span rule matching an event, or None (unmapped)."""
         for rule in self.spans:

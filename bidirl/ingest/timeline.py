@@ -180,7 +180,8 @@ def import_timeline(path, tmap, *, origin_s=None, pool_gpus_override=None, progr
     return ImportedRun(log=log, source=str(path), format="ray-timeline", map_name=tmap.name,
                        pool_gpus=pool_gpus, gpus_per_worker=dict(zip(workers_df["worker"], workers_df["gpus"])),
                        unmapped=unmapped, ignored=ignored, workers=workers_df, origin_s=origin_us * US,
-                       resolution_s=US, coarse=False, colocated=tmap.colocated, notes=notes)
+                       resolution_s=US, coarse=False, colocated=tmap.colocated, notes=notes,
+                       policy=tmap.policy)
 
 
 def step_index(steps: list, starts) -> np.ndarray:
