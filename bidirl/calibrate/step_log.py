@@ -96,7 +96,8 @@ def _jsonl_rows(path: Path) -> list:
 
 
 def console_text(line: str) -> str:
-    """A console line without ANSI codes and without Ray's worker prefix (module doc)."""
+    """A console line (or a piece of one between carriage returns) without ANSI codes and without Ray's worker
+    prefix (module doc)."""
     return _RAY_PREFIX.sub("", _ANSI.sub("", line), count=1).strip()
 
 
@@ -117,14 +118,17 @@ def _console_item(item: str, where: str) -> tuple:
 
 def _console_rows(path: Path) -> tuple:
     """``(training rows, validation-only rows, notes, facts)`` of a console log (module doc)."""
-    raw = path.read_text(errors="replace")
-    lines = raw.splitlines()
+    raw = path.read_bytes().decode("utf-8", errors="replace")       # no newline translation: \r stays
+    # lines as editors and grep -n count them: split at newlines only (tqdm's carriage returns stay inside a line)
+    lines = raw.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
     ends_cut = bool(raw) and not raw.endswith("\n")
     rows, validation, texts, skipped = [], [], {}, 0
     cut_line, notes_end = None, None
     for n, line in enumerate(lines, 1):
-        text = console_text(line)
-        m = _CONSOLE.match(text)
+        # a progress bar redraws with carriage returns: the metric line may be any one of the pieces
+        m = next((x for x in (_CONSOLE.match(console_text(piece)) for piece in line.split("\r")) if x), None)
         if not m:
             skipped += 1
             continue
