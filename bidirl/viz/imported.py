@@ -103,7 +103,7 @@ def what_if_figure(outcome: dict, title: Optional[str] = None) -> go.Figure:
                            name="simulated with the fitted preset"))
     measured = outcome["measured"].get("throughput")
     if measured:
-        fig.add_hline(y=measured, line_dash="dot", annotation_text=f"measured {measured:.0f} tokens/s")
+        fig.add_hline(y=measured, line_dash="dot", annotation_text=f"as imported: {measured:.0f} tokens/s")
     fig.update_layout(title=title or "what if: the job simulated with a preset fitted to the imported run",
                       template=TEMPLATE, width=WIDTH, height=420, yaxis={"title": "tokens/s (simulated)"})
     return fig
