@@ -9,7 +9,8 @@
 ``bidirl profile CONFIG --out DIR [--grid small|full] [--seed S]``   measure the real engines' stage times
 ``bidirl calibrate RECORDS_DIR --out PRESET.yaml [--hardware NAME] [--holdout F] [--seed S]``   fit a preset
 ``bidirl calibrate --log FILE --config JOB --out PRESET.yaml [--what-if]``   fit a preset to a job's step log
-``bidirl trace import FILE --format ray-timeline|verl-log|bidirl [--map MAP.yaml] --out DIR [--config JOB --what-if]``
+``bidirl trace import FILE --format ray-timeline|verl-log|bidirl [--map MAP.yaml|auto] --out DIR [--config JOB --what-if]``,
+``bidirl trace map suggest TIMELINE [--out MAP.yaml]``
     a run bidirl did not make, in bidirl's Gantt, idle per pool, per-step bubbles (and what-if)
 
 Human-readable tables by default; ``--json`` prints one JSON object on stdout (keys fixed by DESIGN.md).
@@ -483,15 +484,22 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
 
 def _args_trace(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=("import",), help="import: read a foreign trace into bidirl's views")
-    p.add_argument("file", metavar="FILE", help="a Ray timeline (JSON), a veRL step log, or a bidirl run / event log")
-    p.add_argument("--format", required=True, choices=("ray-timeline", "verl-log", "bidirl"),
-                   help="what FILE is")
+    p.add_argument("action", choices=("import", "map"),
+                   help="import FILE: read a foreign trace into bidirl's views; map suggest FILE: draft a map for "
+                        "a Ray timeline of a framework bidirl has no map for")
+    p.add_argument("file", metavar="FILE", help="a Ray timeline (JSON), a veRL step log, or a bidirl run / event log "
+                                                "(after `map`: suggest)")
+    p.add_argument("map_file", metavar="TIMELINE", nargs="?", default=None,
+                   help="map suggest: the Ray timeline to draft a map from")
+    p.add_argument("--format", default=None, choices=("ray-timeline", "verl-log", "bidirl"),
+                   help="import: what FILE is")
     p.add_argument("--map", default=None, metavar="MAP.yaml",
-                   help="ray-timeline: which method is which span, on which pool — a YAML file or a shipped map "
-                        "(verl-colocated, verl-fully-async, openrlhf, bidirl)")
-    p.add_argument("--out", required=True, metavar="DIR",
-                   help="folder for the event log, trace.json, idle.csv, bubbles.csv, unmapped.csv and the figures")
+                   help="ray-timeline: which method is which span, on which pool — a YAML file, a shipped map "
+                        "(verl-colocated, verl-fully-async, openrlhf, bidirl), or auto (chosen from the span names, "
+                        "and said why)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="import: folder for the event log, trace.json, idle.csv, bubbles.csv, unmapped.csv and the "
+                        "figures; map suggest: the YAML file to write (default: print it)")
     p.add_argument("--config", default=None, metavar="JOB",
                    help="with --what-if: the job as a bidirl config (model, hardware, GPUs, split, batch)")
     p.add_argument("--what-if", action="store_true",
@@ -502,6 +510,23 @@ def _args_trace(p: argparse.ArgumentParser) -> None:
 
 
 def _run_trace(args: argparse.Namespace) -> int:
+    if args.action == "map":
+        if args.file != "suggest" or args.map_file is None:
+            raise CommandError("usage: bidirl trace map suggest TIMELINE [--out MAP.yaml]")
+        from bidirl.ingest.suggest import suggest_map
+        text = suggest_map(args.map_file)
+        if args.out:
+            try:
+                Path(args.out).write_text(text)
+            except OSError as exc:
+                raise CommandError(f"cannot write {args.out}: {exc.strerror or exc}") from None
+            print(f"starter map written to {args.out}: check every rule against the framework's source, then "
+                  f"`bidirl trace import {args.map_file} --format ray-timeline --map {args.out} --out DIR`")
+        else:
+            print(text, end="")
+        return 0
+    if args.format is None or args.out is None or args.map_file is not None:
+        raise CommandError("usage: bidirl trace import FILE --format ray-timeline|verl-log|bidirl --out DIR")
     from bidirl.ingest import load_foreign
     from bidirl.ingest.bubbles import bubble_breakdown, parts, pool_idle
     from bidirl.results.metrics import IDLE_LABEL, OVERALL, POOL_UNION_LABEL
