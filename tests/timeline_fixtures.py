@@ -13,6 +13,8 @@ control calls) — the truth the tests compare the importer's GPU-weighted idle 
 * **verl-fully-async** — ``verl/experimental/fully_async_policy``: 4 rollout GPUs (a ``vLLMHttpServerForPartial``
   per GPU, the rollout ``WorkerDict`` beside it) and 2 trainer GPUs; the trainer's steps, the weight sync by
   checkpoint between them, generation never stopping except for the sync.
+* **openrlhf**, **openrlhf-colocated** — OpenRLHF at :data:`OPENRLHF_COMMIT`, its default placement and
+  ``--colocate_all_models`` (engines and models on the same GPUs, ``offload_states`` / ``reload_states`` between).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import json
 from pathlib import Path
 
 VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
+#: OpenRLHF's commit the OpenRLHF fixtures' names are cited at (Aug 2026)
+OPENRLHF_COMMIT = "3c3be6234e0cb353e76bb8019947db9dfe99fca7"
 FA = "verl/experimental/fully_async_policy"
 W = "verl/workers/fsdp_workers.py"
 SERVER = "verl/workers/rollout/vllm_rollout/vllm_async_server.py"
@@ -40,6 +44,9 @@ SOURCES = {
     "WorkerDict.actor_rollout_update_actor": f"{W}:893",
     "WorkerDict.actor_rollout_update_weights": f"{W}:1987",
     "WorkerDict.actor_rollout_save_checkpoint": f"{W}:1074",
+    "WorkerDict.critic_compute_values": f"{W}:1540",
+    "WorkerDict.critic_update_critic": f"{W}:1560",
+    "WorkerDict.rm_compute_rm_score": f"{W}:1928",
     "AgentLoopWorker.generate_sequences": "verl/experimental/agent_loop/agent_loop.py:406",
     "TaskRunner.run": "verl/trainer/main_ppo.py:261",
     # fully async
@@ -54,8 +61,6 @@ SOURCES = {
     "WorkerDict.actor_compute_log_prob": f"{W}:989",
     "WorkerDict.actor_update_actor": f"{W}:893",
     "WorkerDict.actor_compute_ref_log_prob": f"{W}:1041",
-    "WorkerDict.critic_compute_values": f"{W}:1540",
-    "WorkerDict.critic_update_critic": f"{W}:1560",
     "WorkerDict.critic_save_checkpoint": f"{W}:1592",
     "WorkerDict.actor_sync_rollout_weights_by_checkpoint": f"{FA}/fsdp_workers.py:123",
     "WorkerDict.rollout_sync_rollout_weights_by_checkpoint": f"{FA}/fsdp_workers.py:123",
@@ -70,24 +75,41 @@ SOURCES = {
     "MessageQueue.put_sample": f"{FA}/message_queue.py:67",
     "FullyAsyncTaskRunner.run": f"{FA}/fully_async_main.py:142",
 }
+_E, _A, _L, _C = ("openrlhf/trainer/ray/vllm_engine.py", "openrlhf/trainer/ray/ppo_actor.py",
+                  "openrlhf/trainer/ray/launcher.py", "openrlhf/trainer/ray/ppo_critic.py")
+#: OpenRLHF name -> file:line at OPENRLHF_COMMIT
+OPENRLHF_SOURCES = {
+    "RolloutRayActor.generate_responses": f"{_E}:185", "RolloutRayActor.generate": f"{_E}:155",
+    "RolloutRayActor.update_weight": f"{_E}:117", "RolloutRayActor.update_weight_cuda_ipc": f"{_E}:123",
+    "RolloutRayActor.sleep": f"{_E}:138", "RolloutRayActor.wake_up": f"{_E}:141",
+    "RolloutRayActor.init_process_group": f"{_E}:109", "RolloutRayActor.reset_prefix_cache": f"{_E}:129",
+    "PolicyModelActor.init_model_from_pretrained": f"{_A}:494", "PolicyModelActor.forward": f"{_A}:617",
+    "PolicyModelActor.append": f"{_A}:651", "PolicyModelActor.fit": f"{_A}:597",
+    "PolicyModelActor.broadcast_to_vllm": f"{_A}:645", "PolicyModelActor.reload_states": f"{_A}:654",
+    "PolicyModelActor.offload_states": f"{_A}:657", "PolicyModelActor.save_checkpoint": f"{_A}:660",
+    "ReferenceModelActor.forward": f"{_L}:127", "RewardModelActor.forward": f"{_L}:183",
+    "CriticModelActor.forward": f"{_C}:260", "CriticModelActor.fit": f"{_C}:284",
+    "CriticModelActor.append": f"{_C}:280", "CriticModelActor.reload_states": f"{_C}:320",
+    "CriticModelActor.offload_states": f"{_C}:323",
+}
 
 
 class Trace:
     """Events of one hand-written timeline: ``call(worker, name, start_s, end_s, gpus)``."""
 
-    def __init__(self, node: str = "10.0.0.1"):
-        self.node, self.events = node, []
+    def __init__(self, node: str = "10.0.0.1", sources: dict = SOURCES, commit: str = VERL_COMMIT):
+        self.node, self.events, self.sources, self.commit = node, [], sources, commit
 
     def call(self, worker: str, name: str, start: float, end: float, gpus=()) -> None:
         cls, method = name.split(".", 1)
         self.events.append({"cat": f"task::{name}", "name": method, "pid": self.node, "tid": f"worker:{worker}",
                             "ts": T0_US + round(start * 1e6), "dur": round((end - start) * 1e6), "ph": "X",
-                            "args": {"func_or_class_name": name, "source": f"{SOURCES[name]}@{VERL_COMMIT[:7]}",
+                            "args": {"func_or_class_name": name, "source": f"{self.sources[name]}@{self.commit[:7]}",
                                      "gpus": list(gpus)}})
 
     def document(self, what: str, steps: list, gpus: int) -> dict:
         return {"traceEvents": sorted(self.events, key=lambda e: (e["ts"], e["tid"])),
-                "otherData": {"what": what, "verl_commit": VERL_COMMIT, "gpus": gpus, "steps_s": steps}}
+                "otherData": {"what": what, "commit": self.commit, "gpus": gpus, "steps_s": steps}}
 
 
 def colocated_async() -> dict:
@@ -110,12 +132,16 @@ def colocated_async() -> dict:
             for a, b in rs:
                 t.call(f"s{g}", "vLLMHttpServer.generate", a, b, [g])
             t.call(f"s{g}", "vLLMHttpServer.sleep", gen_end, gen_end + 0.5, [g])
-        # 1 s of the driver's reward and advantage work: no span
+        # the reward model's 0.5 s, then 0.5 s of the driver's advantage work (no span)
         c = gen_end + 1.5
         for g in range(4):
-            t.call(f"w{g}", "WorkerDict.actor_rollout_compute_log_prob", c, c + 2.5, [g])
+            # PPO with a reward model and a critic, all roles in each GPU's WorkerDict
+            t.call(f"w{g}", "WorkerDict.rm_compute_rm_score", c - 1.0, c - 0.5, [g])
+            t.call(f"w{g}", "WorkerDict.actor_rollout_compute_log_prob", c, c + 1.5, [g])
+            t.call(f"w{g}", "WorkerDict.critic_compute_values", c + 1.5, c + 2.5, [g])
             t.call(f"w{g}", "WorkerDict.ref_compute_ref_log_prob", c + 2.5, c + 4.5, [g])
-            t.call(f"w{g}", "WorkerDict.actor_rollout_update_actor", c + 4.5, c + 12.5, [g])
+            t.call(f"w{g}", "WorkerDict.critic_update_critic", c + 4.5, c + 6.5, [g])
+            t.call(f"w{g}", "WorkerDict.actor_rollout_update_actor", c + 6.5, c + 12.5, [g])
             if k < len(steps) - 1:
                 t.call(f"w{g}", "WorkerDict.actor_rollout_update_weights", c + 12.5, c + 14.5, [g])
         bounds.append([start, c + 12.5])
@@ -183,17 +209,96 @@ def fully_async() -> dict:
     return t.document("veRL fully-async trainer, 4 rollout GPUs (TP 1) + 2 trainer GPUs", bounds, 6)
 
 
-FIXTURES = {"verl-colocated-async.ray-timeline.json": colocated_async, "verl-fully-async.ray-timeline.json": fully_async}
+def openrlhf() -> dict:
+    """OpenRLHF's default placement: 2 vLLM engines (TP 1, GPUs 0–1), policy ranks on GPUs 2–3, the reference model
+    on 4, the critic on 5, the reward model on 6; generation, experience, critic and policy fits, the broadcast."""
+    t = Trace(sources=OPENRLHF_SOURCES, commit=OPENRLHF_COMMIT)
+    engines, policy = (0, 1), (2, 3)
+    for g in engines:
+        t.call(f"e{g}", "RolloutRayActor.init_process_group", -3.0, -2.0, [g])
+    for g in policy:
+        t.call(f"p{g}", "PolicyModelActor.init_model_from_pretrained", -10.0, -4.0, [g])
+    bounds, start = [], 0.0
+    for k, gen in enumerate(((9.0, 12.0), (8.0, 10.5), (11.0, 7.5))):
+        s0 = start
+        for g, d in zip(engines, gen):
+            t.call(f"e{g}", "RolloutRayActor.generate_responses", s0, s0 + d, [g])
+        c = s0 + max(gen)
+        for g in policy:
+            t.call(f"p{g}", "PolicyModelActor.forward", c, c + 1.5, [g])
+        t.call("ref", "ReferenceModelActor.forward", c, c + 1.2, [4])
+        t.call("critic", "CriticModelActor.forward", c, c + 1.0, [5])
+        t.call("reward", "RewardModelActor.forward", c, c + 0.8, [6])
+        c += 2.0                                     # the driver's advantages: no span
+        for g in policy:
+            t.call(f"p{g}", "PolicyModelActor.append", c, c + 0.1)
+        t.call("critic", "CriticModelActor.append", c, c + 0.1)
+        t.call("critic", "CriticModelActor.fit", c + 0.1, c + 2.5, [5])
+        for g in policy:
+            t.call(f"p{g}", "PolicyModelActor.fit", c + 0.1, c + 4.1, [g])
+            t.call(f"p{g}", "PolicyModelActor.broadcast_to_vllm", c + 4.1, c + 5.0, [g])
+        for g in engines:
+            t.call(f"e{g}", "RolloutRayActor.update_weight", c + 4.2, c + 4.9, [g])
+            t.call(f"e{g}", "RolloutRayActor.reset_prefix_cache", c + 4.95, c + 5.0)
+        bounds.append([s0, c + 5.0])
+        start = c + 5.0
+    for g in policy:
+        t.call(f"p{g}", "PolicyModelActor.save_checkpoint", start + 1.0, start + 3.0, [g])
+    return t.document("OpenRLHF PPO, default placement: 2 engines + 2 policy ranks + reference, critic, reward", bounds, 7)
 
 
-def gpu_idle_truth(doc: dict, t0: float, t1: float) -> float:
-    """GPU-weighted idle over ``[t0, t1]`` (seconds from the fixture's time 0) from the events' ``args.gpus`` alone:
-    for each GPU the union of its busy calls, then ``Σ_gpu idle / (GPUs · (t1 − t0))``."""
-    busy = {g: [] for g in range(doc["otherData"]["gpus"])}
+def openrlhf_colocated() -> dict:
+    """OpenRLHF with --colocate_all_models on 2 GPUs: per GPU an engine, a policy rank, a reference, a reward and a
+    critic rank, taking turns (engines sleep after generating, models reload before fit and offload after)."""
+    t = Trace(sources=OPENRLHF_SOURCES, commit=OPENRLHF_COMMIT)
+    gpus = (0, 1)
+    for g in gpus:
+        t.call(f"p{g}", "PolicyModelActor.init_model_from_pretrained", -10.0, -4.0, [g])
+        t.call(f"e{g}", "RolloutRayActor.init_process_group", -3.0, -2.0, [g])
+    bounds, start = [], 0.0
+    for k, gen in enumerate(((9.0, 12.0), (8.0, 10.5), (11.0, 7.5))):
+        s0 = start
+        for g, d in zip(gpus, gen):
+            t.call(f"e{g}", "RolloutRayActor.wake_up", s0, s0 + 0.5, [g])
+            t.call(f"e{g}", "RolloutRayActor.generate", s0 + 0.5, s0 + 0.5 + d, [g])
+        c = s0 + 0.5 + max(gen)
+        for g in gpus:
+            t.call(f"e{g}", "RolloutRayActor.sleep", c, c + 0.4, [g])
+        c += 0.4
+        for g in gpus:
+            t.call(f"p{g}", "PolicyModelActor.forward", c, c + 1.5, [g])
+            t.call(f"ref{g}", "ReferenceModelActor.forward", c + 1.5, c + 2.5, [g])
+            t.call(f"c{g}", "CriticModelActor.forward", c + 2.5, c + 3.0, [g])
+            t.call(f"rm{g}", "RewardModelActor.forward", c + 3.0, c + 3.3, [g])
+        c += 3.5                                     # the driver's advantages: no span
+        for g in gpus:
+            t.call(f"c{g}", "CriticModelActor.reload_states", c, c + 0.3, [g])
+            t.call(f"c{g}", "CriticModelActor.fit", c + 0.3, c + 2.3, [g])
+            t.call(f"c{g}", "CriticModelActor.offload_states", c + 2.3, c + 2.6, [g])
+            t.call(f"p{g}", "PolicyModelActor.reload_states", c + 2.6, c + 2.9, [g])
+            t.call(f"p{g}", "PolicyModelActor.fit", c + 2.9, c + 6.9, [g])
+            t.call(f"p{g}", "PolicyModelActor.offload_states", c + 6.9, c + 7.2, [g])
+            t.call(f"p{g}", "PolicyModelActor.broadcast_to_vllm", c + 7.2, c + 8.0, [g])
+            t.call(f"e{g}", "RolloutRayActor.update_weight_cuda_ipc", c + 7.3, c + 7.9, [g])
+            t.call(f"e{g}", "RolloutRayActor.reset_prefix_cache", c + 7.95, c + 8.0)
+        bounds.append([s0, c + 8.0])
+        start = c + 8.0
+    return t.document("OpenRLHF PPO with --colocate_all_models, 2 GPUs", bounds, 2)
+
+
+FIXTURES = {"verl-colocated-async.ray-timeline.json": colocated_async, "verl-fully-async.ray-timeline.json": fully_async,
+            "openrlhf.ray-timeline.json": openrlhf, "openrlhf-colocated.ray-timeline.json": openrlhf_colocated}
+
+
+def gpu_idle_truth(doc: dict, t0: float, t1: float, gpus=None) -> float:
+    """GPU-weighted idle over ``[t0, t1]`` (seconds from the fixture's time 0) of ``gpus`` (default: all) from the
+    events' ``args.gpus`` alone: for each GPU the union of its busy calls, then ``Σ_gpu idle / (GPUs · (t1 − t0))``."""
+    busy = {g: [] for g in (range(doc["otherData"]["gpus"]) if gpus is None else gpus)}
     for e in doc["traceEvents"]:
         a = (e["ts"] - T0_US) / 1e6
         for g in e["args"]["gpus"]:
-            busy[g].append((max(a, t0), min(a + e["dur"] / 1e6, t1)))
+            if g in busy:
+                busy[g].append((max(a, t0), min(a + e["dur"] / 1e6, t1)))
     idle = 0.0
     for intervals in busy.values():
         covered, reach = 0.0, t0

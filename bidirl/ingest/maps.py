@@ -252,8 +252,9 @@ AUTO_MIN_MATCHED = 0.9
 
 
 def _coverage(tmap: TraceMap, names: dict) -> tuple:
-    """``(matched names, placed names, placed events, unmatched names)`` of ``names`` (name -> (cat, count))."""
-    matched, placed, events, unmatched = 0, 0, 0, []
+    """``(matched names, placed names, placed events, unmatched names, switches)`` of ``names`` (name -> (cat,
+    count)); ``switches``: whether the map places any name as a switch (offload / onload, sleep / wake-up)."""
+    matched, placed, events, unmatched, switches = 0, 0, 0, [], False
     for name, (cat, count) in names.items():
         rule = tmap.rule_for(name, cat)
         if rule is None:
@@ -263,7 +264,8 @@ def _coverage(tmap: TraceMap, names: dict) -> tuple:
         if not rule.ignore:
             placed += 1
             events += count
-    return matched, placed, events, unmatched
+            switches |= rule.kind in ("switch_in", "switch_out")
+    return matched, placed, events, unmatched, switches
 
 
 def choose_map(labels, cats) -> tuple:
@@ -282,10 +284,13 @@ def choose_map(labels, cats) -> tuple:
     scored = []
     for name in shipped_maps():
         tmap = load_map(name)
-        matched, placed, events, unmatched = _coverage(tmap, names)
-        scored.append((matched / len(names), events, placed, tmap, unmatched))
-    scored.sort(key=lambda s: (s[0], s[1]), reverse=True)
-    share, events, placed, best, unmatched = scored[0]
+        matched, placed, events, unmatched, switches = _coverage(tmap, names)
+        # a colocated job switches its GPUs between roles; a disaggregated one need not: when two maps match the
+        # same names (a framework's colocated and separate placements), the one that agrees with the switches wins
+        agrees = switches == tmap.colocated
+        scored.append((matched / len(names), agrees, events, placed, tmap, unmatched))
+    scored.sort(key=lambda s: (s[0], s[1], s[2]), reverse=True)
+    share, agrees, events, placed, best, unmatched = scored[0]
     if share < AUTO_MIN_MATCHED or placed == 0:
         top = sorted(unmatched, key=lambda n: -names[n][1])[:8]
         raise MapError("--map auto", f"no shipped map places this timeline: the closest, {best.name}, matches "
@@ -297,7 +302,10 @@ def choose_map(labels, cats) -> tuple:
     why = (f"--map auto chose {best.name}: its rules match {share:.0%} of the timeline's {len(names)} span names "
            f"(Ray's own aside) and place {events:,} events on pools")
     if runner is not None:
-        why += f"; the next best, {runner[3].name}, matches {runner[0]:.0%}"
+        why += f"; the next best, {runner[4].name}, matches {runner[0]:.0%}"
+        if runner[0] == share:
+            why += (" too, but the timeline " + ("has" if best.colocated else "has no") + " role switches (sleep / "
+                    "offload), as a " + ("colocated" if best.colocated else "separate-pool") + " job")
     if unmatched:
         why += f"; unmatched: {', '.join(sorted(unmatched)[:5])}"
     return best, why
