@@ -156,3 +156,16 @@ def test_map_suggest_drafts_a_map_that_parses_names_every_span_and_imports(tmp_p
     assert "starter map written to" in capsys.readouterr().out
     run = load_foreign(path, "ray-timeline", str(out))
     assert run.unmapped_count == 0 and len(run.log.spans) == 40
+
+
+def test_map_auto_says_why_an_areal_timeline_cannot_be_placed(tmp_path):
+    """AReaL's Ray actors are RayRPCServer (areal/infra/rpc/ray_rpc_server.py:23 at 4aef98d); every engine call is
+    RayRPCServer.call (line 128) with the method as an argument, so the names say nothing about the work."""
+    events = [{"cat": f"task::RayRPCServer.{m}", "name": m, "pid": "n", "tid": f"w{i}", "ts": 1e15 + k * 1e6,
+               "dur": 5e5, "ph": "X", "args": {}}
+              for i in range(4) for k, m in enumerate(("configure", "create_engine", "call", "call", "call"))]
+    path = tmp_path / "areal.json"
+    path.write_text(json.dumps(events))
+    with pytest.raises(MapError, match=r"cannot be placed by its span names: AReaL on Ray runs every engine call "
+                                       r"through RayRPCServer\.call"):
+        load_foreign(path, "ray-timeline", "auto")

@@ -247,6 +247,13 @@ def load_map(source: Union[str, Path, dict, TraceMap]) -> TraceMap:
 #: span names Ray writes into every timeline (a task's phases, the driver submitting it): they say nothing about
 #: which framework ran, so choosing a map ignores them
 RAY_OWN = re.compile(r"^(task:(execute|deserialize_arguments|store_outputs)|submit_task)$")
+#: frameworks whose Ray timelines name no work a map could place, and why (said when --map auto refuses them)
+UNPLACEABLE: tuple = (
+    (re.compile(r"^RayRPCServer\.call$"),
+     "AReaL on Ray runs every engine call through RayRPCServer.call(method, …) (areal/infra/rpc/ray_rpc_server.py, "
+     "lines 23 and 128, at commit 4aef98d): the method — generation, training, weight update — is an argument, "
+     "not in the timeline, so no map can tell them apart; use AReaL's own per-step stats"),
+)
 #: a map is chosen when its rules match at least this share of a timeline's distinct span names (Ray's own aside)
 AUTO_MIN_MATCHED = 0.9
 
@@ -292,6 +299,11 @@ def choose_map(labels, cats) -> tuple:
     scored.sort(key=lambda s: (s[0], s[1], s[2]), reverse=True)
     share, agrees, events, placed, best, unmatched = scored[0]
     if share < AUTO_MIN_MATCHED or placed == 0:
+        known = [why for pattern, why in UNPLACEABLE if any(pattern.search(n) for n in names)]
+        if known:
+            raise MapError("--map auto", f"this timeline cannot be placed by its span names: {known[0]}",
+                           "import the framework's step log instead (--format verl-log reads veRL's), or write a map "
+                           "if your build names its methods (`bidirl trace map suggest FILE`)")
         top = sorted(unmatched, key=lambda n: -names[n][1])[:8]
         raise MapError("--map auto", f"no shipped map places this timeline: the closest, {best.name}, matches "
                        f"{share:.0%} of its {len(names)} span names and leaves out "
