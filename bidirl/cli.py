@@ -9,7 +9,8 @@
 ``bidirl profile CONFIG --out DIR [--grid small|full] [--seed S]``   measure the real engines' stage times
 ``bidirl calibrate RECORDS_DIR --out PRESET.yaml [--hardware NAME] [--holdout F] [--seed S]``   fit a preset
 ``bidirl calibrate --log FILE --config JOB --out PRESET.yaml [--what-if]``   fit a preset to a job's step log
-``bidirl trace import FILE --format ray-timeline|verl-log|bidirl [--map MAP.yaml] --out DIR [--config JOB --what-if]``
+``bidirl trace import FILE --format ray-timeline|verl-log|bidirl [--map MAP.yaml|auto] --out DIR [--config JOB --what-if]``,
+``bidirl trace map suggest TIMELINE [--out MAP.yaml]``
     a run bidirl did not make, in bidirl's Gantt, idle per pool, per-step bubbles (and what-if)
 ``bidirl config from-verl INPUT... --hardware NAME [--model M] [--dataset D] [--out JOB.yaml] [--lenient] [--json]``
     a veRL trainer YAML, script or Hydra overrides as a bidirl job config, every key mapped or named not used
@@ -487,29 +488,56 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
 
 def _args_trace(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=("import",), help="import: read a foreign trace into bidirl's views")
-    p.add_argument("file", metavar="FILE", help="a Ray timeline (JSON), a veRL step log, or a bidirl run / event log")
-    p.add_argument("--format", required=True, choices=("ray-timeline", "verl-log", "bidirl"),
-                   help="what FILE is")
+    p.add_argument("action", choices=("import", "map"),
+                   help="import FILE: read a foreign trace into bidirl's views; map suggest FILE: draft a map for "
+                        "a Ray timeline of a framework bidirl has no map for")
+    p.add_argument("file", metavar="FILE", help="a Ray timeline (JSON), a veRL step log, or a bidirl run / event log "
+                                                "(after `map`: suggest)")
+    p.add_argument("map_file", metavar="TIMELINE", nargs="?", default=None,
+                   help="map suggest: the Ray timeline to draft a map from")
+    p.add_argument("--format", default=None, choices=("ray-timeline", "verl-log", "bidirl"),
+                   help="import: what FILE is")
     p.add_argument("--map", default=None, metavar="MAP.yaml",
-                   help="ray-timeline: which method is which span, on which pool — a YAML file or a shipped map "
-                        "(verl-colocated, verl-fully-async, openrlhf, bidirl)")
-    p.add_argument("--out", required=True, metavar="DIR",
-                   help="folder for the event log, trace.json, idle.csv, bubbles.csv, unmapped.csv and the figures")
+                   help="ray-timeline: which method is which span, on which pool — a YAML file, a shipped map "
+                        "(verl-colocated, verl-fully-async, openrlhf, bidirl), or auto (chosen from the span names, "
+                        "and said why)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="import: folder for the event log, trace.json, idle.csv, bubbles.csv, unmapped.csv and the "
+                        "figures; map suggest: the YAML file to write (default: print it)")
     p.add_argument("--config", default=None, metavar="JOB",
                    help="with --what-if: the job as a bidirl config (model, hardware, GPUs, split, batch)")
     p.add_argument("--what-if", action="store_true",
                    help="fit a preset to the imported run and simulate the job under no-borrow and BiDiRL")
+    p.add_argument("--policy", default=None, metavar="NAME",
+                   help="the scheduling policy the run was recorded under, where the file does not say")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
 def _run_trace(args: argparse.Namespace) -> int:
+    if args.action == "map":
+        if args.file != "suggest" or args.map_file is None:
+            raise CommandError("usage: bidirl trace map suggest TIMELINE [--out MAP.yaml]")
+        from bidirl.ingest.suggest import suggest_map
+        text = suggest_map(args.map_file)
+        if args.out:
+            try:
+                Path(args.out).write_text(text)
+            except OSError as exc:
+                raise CommandError(f"cannot write {args.out}: {exc.strerror or exc}") from None
+            print(f"starter map written to {args.out}: check every rule against the framework's source, then "
+                  f"`bidirl trace import {args.map_file} --format ray-timeline --map {args.out} --out DIR`")
+        else:
+            print(text, end="")
+        return 0
+    if args.format is None or args.out is None or args.map_file is not None:
+        raise CommandError("usage: bidirl trace import FILE --format ray-timeline|verl-log|bidirl --out DIR")
     from bidirl.ingest import load_foreign
-    from bidirl.ingest.bubbles import BUBBLES, bubble_breakdown, pool_idle
+    from bidirl.ingest.bubbles import bubble_breakdown, parts, pool_idle
+    from bidirl.results.metrics import IDLE_LABEL, OVERALL, POOL_UNION_LABEL
     from bidirl.viz.imported import write_import
     if args.what_if and args.config is None:
         raise CommandError("--what-if needs --config: the imported job as a bidirl config")
-    run = load_foreign(args.file, args.format, args.map, progress=not args.json)
+    run = load_foreign(args.file, args.format, args.map, progress=not args.json, policy=args.policy)
     try:
         paths = write_import(run, args.out)
     except OSError as exc:
@@ -525,22 +553,30 @@ def _run_trace(args: argparse.Namespace) -> int:
                           "bubbles": bubbles.to_dict(orient="records"), "what_if": outcome, "files": paths},
                          default=float))
         return 0
-    print(f"imported {run.source} ({run.format}, map {run.map_name}): {len(run.log.spans)} spans on "
-          f"{len(run.workers)} lanes, {len(run.log.steps)} steps")
+    print(f"{run.provenance_text} ({run.format}, map {run.map_name}; recorded under {run.policy}): "
+          f"{len(run.log.spans)} spans on {len(run.workers)} lanes, {len(run.log.steps)} steps")
     for note in run.notes:
         print(f"note: {note}")
     if len(run.unmapped):
         print("unmapped (not drawn, not counted as busy):")
         for name, count in zip(run.unmapped["name"], run.unmapped["count"]):
             print(f"  {count:>7} × {name}")
-    print("\nidle per pool (union of busy intervals over the steps):")
+    print(f"\n{IDLE_LABEL}, over the steps:")
     for r in idle.itertuples(index=False):
-        print(f"  {r.pool:<13} {100 * r.idle_fraction:5.1f} %  ({r.idle_s:.3f} s of {r.window_s:.3f} s)")
+        union = ("" if r.pool == OVERALL else
+                 f"; {POOL_UNION_LABEL}: {100 * r.pool_union_idle_fraction:.1f} %")
+        print(f"  {r.pool:<13} {100 * r.idle_fraction:5.1f} %  ({r.idle_gpu_s:,.1f} of {r.gpus * r.window_s:,.1f} "
+              f"GPU-s on {r.gpus:g} GPUs{union})")
     if len(bubbles):
         total = float(bubbles["step_s"].sum())
-        print(f"\nwhere the {len(bubbles)} steps' {total:.3f} s went:")
-        for part in BUBBLES:
-            print(f"  {part:<22} {bubbles[part].sum():9.3f} s  {100 * bubbles[part].sum() / total:5.1f} %")
+        print(f"\nwhere the {len(bubbles)} steps' {total:,.3f} s went:")
+        shown = [p for p in parts(bubbles) if bubbles[p].sum() > 0]
+        for part in shown:
+            mark = "  (GPUs idle)" if part in run.gpu_idle_categories else ""
+            print(f"  {part:<38} {bubbles[part].sum():12,.3f} s  {100 * bubbles[part].sum() / total:5.1f} %{mark}")
+        absent = [p for p in parts(bubbles) if p not in shown]
+        if absent:
+            print(f"  0 s: {', '.join(absent)}")
     if outcome:
         w = outcome["what_if"]
         print(f"\nwhat if (simulated with a preset fitted to this run): the planner picks {w['planner_choice']}")

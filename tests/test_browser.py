@@ -1,4 +1,4 @@
-"""A real browser runs every notebook (01–07) in JupyterLab, as a new user would, and the figures answer.
+"""A real browser runs every notebook (01–08) in JupyterLab, as a new user would, and the figures answer.
 
 JupyterLab is started once for the module on 127.0.0.1 with a random free port and a random token, in a
 temporary root holding copies of the three notebooks (the repository copies are never written). Debian's
@@ -15,7 +15,7 @@ not used), opens each notebook, runs all cells and waits for the kernel to finis
   running (a screenshot is taken then), and at the end the legend names the windows and step lines. Then the
   replay: at two paces (100 and 2,000 run seconds per wall second) ▶ pressed after the end starts over from
   t = 0 and reaches the run's end with every span drawn, the readout saying "t = end of end";
-* **04 – 07** — run all cells (04 at CI size, ``BIDIRL_SMOKE=1``, as every notebook here) with no traceback and
+* **04 – 08** — run all cells (04 at CI size, ``BIDIRL_SMOKE=1``, as every notebook here) with no traceback and
   every figure rendered; 05's figure says it is the quick variant, 06's figures say their records are
   synthetic (never measured), 07's says its points are medians. This is the only run of 04 in ``make test``
   where chromium is installed (the notebook part leaves it out: it starts real engines, a minute of worker
@@ -53,7 +53,7 @@ pytestmark = [pytest.mark.integration,
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = {name: ROOT / "notebooks" / f"{name}.ipynb"
              for name in ("01-quickstart", "02-partition-explorer", "03-live-bubbles", "04-run-on-ray",
-                          "05-reproduce-paper", "06-calibrate-stage-models", "07-scaling")}
+                          "05-reproduce-paper", "06-calibrate-stage-models", "07-scaling", "08-your-run")}
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -492,7 +492,9 @@ def test_live_gantt_grows_while_the_cell_runs(lab, tmp_path):
 OTHERS = {"04-run-on-ray": (2, ("emulated", "measured"), ()),
           "05-reproduce-paper": (1, ("quick variant",), ()),
           "06-calibrate-stage-models": (2, ("synthetic",), ("measured",)),
-          "07-scaling": (1, ("median of",), ())}
+          "07-scaling": (1, ("median of",), ()),
+          # an imported file: the importer cannot know how it was made, so never "measured (real engines)"
+          "08-your-run": (7, ("imported from", "policy bidirl"), ("measured (real engines)",))}
 
 
 @pytest.mark.parametrize("name", list(OTHERS))

@@ -39,7 +39,7 @@ ENGINE_METRICS = ("timing_s/step", "timing_s/gen", "timing_s/old_log_prob", "tim
                   "timing_s/param_sync", "critic/score/mean", "response_length/mean", "response_length/max",
                   "prompt_length/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/grad_norm", "perf/throughput",
                   "fully_async/trainer/idle_ratio", "fully_async/rollouter/idle_ratio",
-                  "bidirl/idle/rollout_pool", "bidirl/idle/trainer_pool")
+                  "bidirl/idle_pool_union/rollout_pool", "bidirl/idle_pool_union/trainer_pool")
 
 # A veRL reward file: its score depends on the row only, so each step's mean reward is known in advance.
 SCORE_BY_ROW = """

@@ -241,11 +241,13 @@ def test_summary_has_the_design_keys_and_hand_computed_values():
     assert out["throughput"] == pytest.approx(2000 / 20)
     assert out["window"] == [10.0, 30.0] and out["measured_steps"] == 2
     assert out["step_times"] == [10.0, 10.0, 10.0, 10.0]
-    # rollout pool busy in [10,30]: [12,16] only -> idle 16/20; trainer pool: nothing -> 1.0
-    assert out["idle"] == {"rollout_pool": pytest.approx(0.8), "trainer_pool": pytest.approx(1.0)}
+    # pool-union: rollout pool busy in [10,30]: [12,16] only -> 16/20; trainer pool: nothing -> 1.0
+    assert out["idle_pool_union"] == {"rollout_pool": pytest.approx(0.8), "trainer_pool": pytest.approx(1.0)}
     # busy GPU-seconds: R0 [12,16] x 2 = 8 of 8 GPUs x 20 s
     assert out["utilization"] == pytest.approx(8 / 160)
-    assert out["idle_gpu"]["rollout_pool"] == pytest.approx(1 - 8 / 80)
+    # idle is GPU-weighted: the rollout pool's 4 GPUs x 20 s less R0's 8 busy GPU-seconds
+    assert out["idle"] == {"rollout_pool": pytest.approx(1 - 8 / 80), "trainer_pool": pytest.approx(1.0)}
+    assert out["idle_overall"] == pytest.approx(1 - out["utilization"])
     assert out["timing_s/step"] == 10.0 and out["timing_s/gen"] == 2.0
     assert out["fully_async/trainer/idle_ratio"] == pytest.approx(4 / 20)
     assert out["fully_async/rollouter/idle_ratio"] == pytest.approx(0.8)
@@ -265,9 +267,11 @@ def test_summary_of_a_pool_without_gpus_reports_none():
     log.add_span(span(AUX_T, "chunk", 12, 18))
     out = metrics.summary(log, policy="verl-colocated", staleness=0, pool_gpus={"rollout_pool": 4, "trainer_pool": 0},
                           gpus_per_worker={AUX_T: 4}, samples=SAMPLES)
-    assert out["idle"]["trainer_pool"] is None and out["idle_gpu"]["trainer_pool"] is None
+    assert out["idle"]["trainer_pool"] is None and out["idle_pool_union"]["trainer_pool"] is None
     assert out["utilization"] == pytest.approx(24 / 80)   # [12,18] x 4 GPUs over 4 GPUs x [10,30]
-    assert math.isclose(out["idle"]["rollout_pool"], 14 / 20)
+    assert math.isclose(out["idle_pool_union"]["rollout_pool"], 14 / 20)
+    # the auxiliary trainer holds all 4 GPUs: GPU-weighted and pool-union idle agree here
+    assert math.isclose(out["idle"]["rollout_pool"], 1 - 24 / 80)
 
 
 def test_summary_input_errors():
@@ -298,3 +302,26 @@ def test_group_rate_is_the_runs_groups_over_its_throughput_window():
     # 3 measured steps of 64 groups over the window [10, 106] s: 192 / 96 = 2 groups/s
     assert group_rate({"throughput": 1.0, "window": (10.0, 106.0), "measured_steps": 3}, 64) == 2.0
     assert group_rate({"throughput": None, "window": None, "measured_steps": 0}, 64) is None
+
+
+def four_replicas_one_busy() -> EventLog:
+    """Four rollout replicas of 1 GPU each on a 4-GPU pool; only replica 0 generates, for the whole 3 steps."""
+    log = steps_log([10, 20, 30], [100, 100, 100])
+    log.add_span(span("rollout_pool/rollouter/0", "generate", 0, 30))
+    return log
+
+
+def test_four_replicas_one_busy_is_75_percent_idle():
+    """GPU-weighted idle: 3 of 4 GPUs idle the whole window -> 3·30 / (4·30) = 0.75 (no rounding: the spans are
+    exact binary fractions); the pool-union figure is 0 since some GPU of the pool is always busy."""
+    gpus = {f"rollout_pool/rollouter/{i}": 1 for i in range(4)}
+    out = metrics.summary(four_replicas_one_busy(), policy="no-borrow", staleness=0,
+                          pool_gpus={"rollout_pool": 4, "trainer_pool": 0}, gpus_per_worker=gpus, samples=SAMPLES)
+    assert out["idle"]["rollout_pool"] == 0.75
+    assert out["idle_overall"] == 0.75
+    assert out["idle_pool_union"]["rollout_pool"] == 0.0
+    line = metrics.idle_line(out)
+    assert f"{metrics.IDLE_LABEL}: rollout_pool 75.0%" in line
+    # the pool-union 0.0 % is printed only under its own label
+    assert line.count("0.0%") == 1 and f"{metrics.POOL_UNION_LABEL}: rollout_pool 0.0%" in line
+    assert metrics.idle_line(out) in metrics.format_summary({**out, "borrows": {}, "samples": {}})

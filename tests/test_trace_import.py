@@ -11,10 +11,11 @@ import pandas as pd
 import pytest
 import yaml
 
+from bidirl.calibrate.step_log import LogError
 from bidirl.cli import main
 from bidirl.errors import BidirlError
 from bidirl.ingest import MapError, TraceFormatError, WorkerPoolConflict, load_foreign
-from bidirl.ingest.bubbles import BUBBLES, bubble_breakdown, pool_idle
+from bidirl.ingest.bubbles import COLOCATED_NAMES, bubble_breakdown, parts, pool_idle
 from bidirl.ingest.maps import load_map, shipped_maps
 from bidirl.results import metrics
 from bidirl.results.trace import EventLog
@@ -104,11 +105,13 @@ def test_the_bubble_breakdown_sums_to_the_step_time():
     b = bubble_breakdown(run)
     # the parts are sums of elementary intervals that partition each step; float addition of a few dozen
     # terms of ≤ 100 s loses at most ~1e-13 s, so 1e-9 s is a safe bound
-    np.testing.assert_allclose(b[list(BUBBLES)].sum(axis=1), b["step_s"], rtol=0, atol=1e-9)
+    np.testing.assert_allclose(b[parts(b)].sum(axis=1), b["step_s"], rtol=0, atol=1e-9)
     # the fixture's numbers: step 0 generates for 14.0 s (longest GPU) of which 7.2 s on all four GPUs; the
-    # driver's 0.6 s reward and 0.4 s + 3 × 0.05 s gaps are trainer waiting; 1.2 + 1.0 + 3.0 s train
+    # driver's 0.6 s reward and 0.4 s + 3 × 0.05 s gaps are idle (nothing recorded runs); 1.2 + 1.0 + 3.0 s train.
+    # Colocated: every GPU generating is generation, not "waiting for the batch"
     first = b.iloc[0]
-    assert first["waiting for the batch"] == pytest.approx(7.2, abs=1e-6)
+    assert "waiting for the batch" not in b.columns and "trainer waiting" not in b.columns
+    assert first[COLOCATED_NAMES["waiting for the batch"]] == pytest.approx(7.2, abs=1e-6)
     assert first["long-tail generation"] == pytest.approx(14.0 - 7.2, abs=1e-6)
     assert first["training"] == pytest.approx(1.2 + 1.0 + 3.0, abs=1e-6)
 
@@ -186,7 +189,7 @@ def test_a_verl_step_log_is_a_coarse_timeline_whose_bubbles_sum_to_its_steps():
     run = load_foreign(log, "verl-log")
     assert run.coarse and len(run.log.steps) == len(pd.read_json(log, lines=True))
     b = bubble_breakdown(run)
-    np.testing.assert_allclose(b[list(BUBBLES)].sum(axis=1), b["step_s"], rtol=0, atol=1e-9)
+    np.testing.assert_allclose(b[parts(b)].sum(axis=1), b["step_s"], rtol=0, atol=1e-9)
     idle = pool_idle(run).set_index("pool")["idle_fraction"]
     assert 0 <= idle["rollout_pool"] <= 1 and 0 <= idle["trainer_pool"] <= 1
     assert "coarse" in imported_gantt(run).layout.annotations[0].text
@@ -257,10 +260,11 @@ def _ray_events(calls) -> list:
 
 
 def test_the_fully_async_map_places_rollout_server_trainer_and_sync_on_two_pools(tmp_path):
-    calls = [("AsyncvLLMServer.generate", "server", 0.0, 3.0), ("AsyncvLLMServer.generate", "server", 0.5, 4.0),
+    calls = [("vLLMHttpServerForPartial.generate_for_partial", "server", 0.0, 3.0),
+             ("vLLMHttpServerForPartial.generate_for_partial", "server", 0.5, 4.0),
              ("WorkerDict.actor_compute_log_prob", "t0", 4.0, 0.5), ("WorkerDict.actor_update_actor", "t0", 4.6, 1.0),
              ("WorkerDict.actor_sync_rollout_weights", "t0", 5.7, 0.2),
-             ("WorkerDict.rollout_sync_rollout_weights", "r0", 5.7, 0.2), ("FullyAsyncTrainer.fit_step", "ctl", 4.0, 2.0),
+             ("WorkerDict.rollout_sync_rollout_weights", "r0", 5.7, 0.2), ("FullyAsyncTrainer.fit", "ctl", 4.0, 2.0),
              ("MessageQueue.get_sample", "mq", 3.9, 0.1)]
     path = tmp_path / "async.json"
     path.write_text(json.dumps(_ray_events(calls)))
@@ -268,14 +272,15 @@ def test_the_fully_async_map_places_rollout_server_trainer_and_sync_on_two_pools
     assert run.unmapped_count == 0
     pools = dict(zip(run.workers["source"].str.rsplit("/", n=1).str[-1], run.workers["pool"]))
     assert pools == {"server": "rollout_pool", "r0": "rollout_pool", "t0": "trainer_pool"}
-    assert run.pool_gpus == {"rollout_pool": 1.0, "trainer_pool": 1.0}     # the server holds the replica's GPU
+    # the server holds the replica's GPU; the rollout WorkerDict beside it shares that GPU (counted once)
+    assert run.pool_gpus == {"rollout_pool": 1.0, "trainer_pool": 1.0}
     assert len(run.log.steps) == 1
 
 
 def test_the_openrlhf_map_places_engines_and_models(tmp_path):
-    calls = [("LLMRayActor.generate", "e0", 0.0, 2.0), ("PolicyModelActor.forward", "a0", 2.1, 0.3),
+    calls = [("RolloutRayActor.generate", "e0", 0.0, 2.0), ("PolicyModelActor.forward", "a0", 2.1, 0.3),
              ("ReferenceModelActor.forward", "ref", 2.1, 0.3), ("PolicyModelActor.fit", "a0", 2.5, 1.0),
-             ("PolicyModelActor.broadcast_to_vllm", "a0", 3.5, 0.2), ("LLMRayActor.update_weight", "e0", 3.5, 0.2)]
+             ("PolicyModelActor.broadcast_to_vllm", "a0", 3.5, 0.2), ("RolloutRayActor.update_weight", "e0", 3.5, 0.2)]
     path = tmp_path / "openrlhf.json"
     path.write_text(json.dumps(_ray_events(calls)))
     run = load_foreign(path, "ray-timeline", "openrlhf")
@@ -290,7 +295,8 @@ def test_the_openrlhf_map_places_engines_and_models(tmp_path):
 @pytest.mark.parametrize("change, message", [
     (lambda d: d["spans"][0].update(pool="gpu_pool"), r"spans\[0\]: 'pool' must be one of rollout_pool"),
     (lambda d: d["spans"][0].update(kind="decode"), r"spans\[0\]: 'kind' must be one of"),
-    (lambda d: d["spans"][1].pop("stage"), r"spans\[1\]: 'stage' must be one of"),
+    (lambda d: next(r for r in d["spans"] if r.get("kind") == "chunk").pop("stage"),
+     r"spans\[\d+\]: 'stage' must be one of"),
     (lambda d: d["spans"][0].update(colour="red"), r"spans\[0\]: unknown key\(s\) \['colour'\]"),
     (lambda d: d.update(steps={"end": {"kind": "nap"}}), r"steps.end: 'kind' must be one of"),
 ])
@@ -320,7 +326,8 @@ def test_a_step_log_whose_stages_exceed_the_step_names_the_row(tmp_path):
     rows = [{"step": 1, "timing_s/step": 2.0, "timing_s/gen": 1.0, "timing_s/update_actor": 0.5},
             {"step": 2, "timing_s/step": 1.0, "timing_s/gen": 0.8, "timing_s/update_actor": 0.5}]
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    with pytest.raises(TraceFormatError, match=r"log\.jsonl, row 1: the stage times add up to more than"):
+    with pytest.raises(LogError, match=r"log\.jsonl, row 1: the logged stages add up to 1\.300 s, more than "
+                                       r"timing_s/step \(1\.000 s\)"):
         load_foreign(path, "verl-log")
 
 

@@ -35,8 +35,8 @@ def test_every_step_gets_one_row_with_verls_timing_names(borrowing_run):
         assert not missing, missing
         assert 0.0 <= row["fully_async/trainer/idle_ratio"] <= 1.0
         for pool in P.POOLS:
-            assert 0.0 <= row[f"bidirl/idle/{pool}"] <= 1.0 + 1e-9
-        assert row["fully_async/rollouter/idle_ratio"] >= row[f"bidirl/idle/{P.ROLLOUT_POOL}"] - 1e-9
+            assert 0.0 <= row[f"bidirl/idle_pool_union/{pool}"] <= 1.0 + 1e-9
+        assert row["fully_async/rollouter/idle_ratio"] >= row[f"bidirl/idle_pool_union/{P.ROLLOUT_POOL}"] - 1e-9
     assert np.allclose([r["timing_s/step"] for r in rows], s["step_times"])
     steps = borrowing_run.log.steps_df()
     for row, rec in zip(rows, steps.itertuples()):

@@ -2,8 +2,9 @@
 
 It shows the ``bidirl simulate --json`` summary (DESIGN.md, "Contracts others rely on"; computed by
 :func:`bidirl.results.metrics.summary`): throughput as the paper defines it (§7.1, over the throughput window that
-drops warm-up and tail steps), the whole run's time beside it, idle time per pool from the union of busy
-intervals, and the scheduler's borrowing decisions (§5.2: admitted per direction, rejected). Every row says
+drops warm-up and tail steps), the whole run's time beside it, the GPU-weighted idle share per pool and overall
+(GPU-seconds idle over GPU-seconds available; each worker's busy time is the union of its busy intervals), and the
+scheduler's borrowing decisions (§5.2: admitted per direction, rejected). Every row says
 what the run is — simulated, emulated or measured — from the summary's ``provenance``. Runs accumulate: a label
 seen before gets a number rather than replacing the earlier run. *clear* forgets them, *export CSV* writes the
 table, *export figure* writes the chart as HTML (and PNG where kaleido renders). The panel only lays the
@@ -28,21 +29,23 @@ from bidirl.results.metrics import THROUGHPUT_UNIT
 #: (summary-row column, legend name, colour, subplot column) of each trace, in trace order
 SERIES: tuple = (
     ("throughput", f"throughput ({THROUGHPUT_UNIT})", "#1f77b4", 1),
-    ("idle_rollout_pool", "idle: rollout pool", "#6baed6", 2),
-    ("idle_trainer_pool", "idle: trainer pool", "#fdae6b", 2),
+    ("idle_rollout_pool", "idle (GPU-weighted): rollout pool", "#6baed6", 2),
+    ("idle_trainer_pool", "idle (GPU-weighted): trainer pool", "#fdae6b", 2),
+    ("idle_overall", "idle (GPU-weighted): all GPUs", "#969696", 2),
     ("borrows_rollout_on_trainer_pool", "borrows: rollout on trainer pool", "#1f77b4", 3),
     ("borrows_trainer_on_rollout_pool", "borrows: trainer on rollout pool", "#ff7f0e", 3),
     ("borrows_rejected", "borrows rejected", "#969696", 3),
 )
 WIDTH = 1000          # px; a FigureWidget inside an ipywidgets box does not resize with it (plotly.py#4027)
-TITLES: tuple = (f"throughput ({THROUGHPUT_UNIT}, §7.1 window)", "idle share of the §7.1 window",
+TITLES: tuple = (f"throughput ({THROUGHPUT_UNIT}, §7.1 window)", "idle (GPU-weighted) in the §7.1 window",
                  "borrowing decisions (§5.2)")
 #: (column, heading, kind) of the HTML table, in order
 TABLE: tuple = (
     ("run", "#", None), ("label", "run (policy · split · model · GPUs · batch · max response · staleness)", None),
     ("provenance", "what", None), ("throughput", f"throughput ({THROUGHPUT_UNIT}, §7.1 window)", "number"),
-    ("run_time_s", "whole run (s)", "number"), ("idle_rollout_pool", "idle rollout pool", "share"),
-    ("idle_trainer_pool", "idle trainer pool", "share"), ("utilization", "GPU utilisation", "share"),
+    ("run_time_s", "whole run (s)", "number"), ("idle_rollout_pool", "idle rollout pool (GPU-weighted)", "share"),
+    ("idle_trainer_pool", "idle trainer pool (GPU-weighted)", "share"),
+    ("idle_overall", "idle all GPUs (GPU-weighted)", "share"), ("utilization", "GPU utilisation", "share"),
     ("borrows_rollout_on_trainer_pool", "borrows rollout → trainer pool", "count"),
     ("borrows_trainer_on_rollout_pool", "borrows trainer → rollout pool", "count"),
     ("borrows_rejected", "rejected", "count"), ("step_time_s", "median step (s)", "number"),

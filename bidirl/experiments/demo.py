@@ -99,8 +99,8 @@ def simulate_both(cfg, steps: int, out: Path) -> dict:
     results = {p: simulate(cfg, p, steps=steps, progress=True) for p in ("no-borrow", "bidirl")}
     for policy, res in results.items():
         s = res.summary()
-        print(f"  {policy:<10} throughput {s['throughput']:,.0f} tokens/s   idle rollout {s['idle']['rollout_pool']:.1%} "
-              f"trainer {s['idle']['trainer_pool']:.1%}   borrows {s['borrows']}")
+        print(f"  {policy:<10} throughput {s['throughput']:,.0f} tokens/s   idle (GPU-weighted) rollout "
+              f"{s['idle']['rollout_pool']:.1%} trainer {s['idle']['trainer_pool']:.1%}   borrows {s['borrows']}")
     ratio = results["bidirl"].summary()["throughput"] / results["no-borrow"].summary()["throughput"]
     print(f"  simulated speedup bidirl / no-borrow: {ratio:.2f}x")
     compare_gantt(results, title="no-borrow vs bidirl") \
@@ -134,8 +134,8 @@ def real_run(out_dir: Path, steps: int = 8, config: str = REAL_RUN_CONFIG) -> di
     results = sbs.run_policies(cfg, POLICIES, steps, progress=True)
     for policy, res in results.items():
         s = res.summary()
-        print(f"  {policy:<10} throughput {s['throughput']:,.0f} tokens/s   idle rollout {s['idle']['rollout_pool']:.1%} "
-              f"trainer {s['idle']['trainer_pool']:.1%}   borrows {s['borrows']}")
+        print(f"  {policy:<10} throughput {s['throughput']:,.0f} tokens/s   idle (GPU-weighted) rollout "
+              f"{s['idle']['rollout_pool']:.1%} trainer {s['idle']['trainer_pool']:.1%}   borrows {s['borrows']}")
 
     bidirl_run = results["bidirl"]
     print("\n  the gate's windows under bidirl (§5.2): a pool that idles is lent to the other role when the predicted "

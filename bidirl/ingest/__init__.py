@@ -18,7 +18,8 @@ FORMATS: tuple = ("ray-timeline", "verl-log", "bidirl")
 
 
 def load_foreign(path, format: str = "ray-timeline", map=None, *, origin_s: Optional[float] = None,
-                 pool_gpus: Optional[Mapping] = None, progress: bool = False) -> ImportedRun:
+                 pool_gpus: Optional[Mapping] = None, progress: bool = False,
+                 policy: Optional[str] = None) -> ImportedRun:
     """Import ``path`` as an :class:`ImportedRun`.
 
     * ``ray-timeline``: a Chrome trace (``ray timeline`` / ``ray.timeline(filename)``) through ``map`` (a shipped
@@ -26,7 +27,20 @@ def load_foreign(path, format: str = "ray-timeline", map=None, *, origin_s: Opti
       ``origin_s`` is the trace time that becomes 0 (default: the first mapped span);
     * ``verl-log``: a per-step metrics log (JSONL, CSV, veRL console lines) as a coarse per-pool timeline;
     * ``bidirl``: a bidirl run folder, event log (.parquet / .csv) or trace.json (``pool_gpus`` optional).
+
+    ``policy`` names the scheduling policy the run was recorded under when the file does not (a bidirl run's Ray
+    timeline); by default the run says what the file or map tells (``ImportedRun.policy``).
     """
+    run = _load(path, format, map, origin_s=origin_s, pool_gpus=pool_gpus, progress=progress)
+    if policy is not None:
+        if not isinstance(policy, str) or not policy.strip():
+            raise TraceImportError("--policy", f"policy must be a non-empty name, got {policy!r}",
+                                   "pass the policy the run was recorded under, e.g. bidirl or no-borrow")
+        run.policy = policy
+    return run
+
+
+def _load(path, format: str, map, *, origin_s, pool_gpus, progress) -> ImportedRun:
     if format not in FORMATS:
         raise TraceImportError("--format", f"unknown format {format!r}", f"use one of {', '.join(FORMATS)}")
     if format == "ray-timeline":

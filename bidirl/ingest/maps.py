@@ -21,6 +21,9 @@ A map is YAML (shipped maps: ``data/trace_maps/*.yaml``, by name; or any path)::
         role: auxiliary
         label: rollouter           # its lane's name (default: from what it ran)
         gpus: 1                    # GPUs it holds (default: `gpus_per_worker`)
+        shares_gpus: false         # true: its GPUs are those of other workers of the pool (a vLLM server actor
+                                   # beside the worker processes that hold the GPUs): counted once, in their
+                                   # pool's size, never twice
     gpus_per_worker: 1
     steps:
       end: {kind: optimizer}       # a training step ends where a union of these spans (over all workers) ends
@@ -46,7 +49,7 @@ from bidirl.ingest.errors import MapError
 MAPS_FOLDER = "trace_maps"
 #: keys a span rule may have
 SPAN_KEYS = frozenset({"name", "cat", "kind", "pool", "role", "stage", "ignore"})
-WORKER_KEYS = frozenset({"ran", "first", "pool", "role", "label", "gpus"})
+WORKER_KEYS = frozenset({"ran", "first", "pool", "role", "label", "gpus", "shares_gpus"})
 #: what a lane is called after its pool: rollout replica, trainer rank, or a process doing both (colocated)
 LABELS = ("rollouter", "trainer", "worker")
 TOP_KEYS = frozenset({"name", "description", "colocated", "sources", "spans", "workers", "gpus_per_worker", "steps"})
@@ -78,6 +81,7 @@ class WorkerRule:
     role: str = ""
     gpus: Optional[float] = None
     label: str = ""
+    shares_gpus: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,14 @@ class TraceMap:
     step_end: dict = field(default_factory=lambda: {"kind": "optimizer"})
     sources: tuple = ()
     description: str = ""
+
+    @property
+    def policy(self) -> str:
+        """What a timeline read through this map was recorded under: the framework's trainer the map describes (a
+        bidirl run's scheduling policy is not in its timeline: ``load_foreign(policy=...)`` names it)."""
+        if self.name == "bidirl":
+            return "a bidirl policy the timeline does not name (pass --policy)"
+        return self.description or f"the trainer of map {self.name}"
 
     def rule_for(self, name: str, cat: str = "") -> Optional[SpanRule]:
         """The first span rule matching an event, or None (unmapped)."""
@@ -167,7 +179,11 @@ def _worker_rule(i: int, raw, path: str) -> WorkerRule:
     role = _choice(raw["role"], ROLES, where, "role") if "role" in raw else ""
     gpus = _gpus(raw["gpus"], where, "gpus") if "gpus" in raw else None
     label = _choice(raw["label"], LABELS, where, "label") if "label" in raw else ""
-    return WorkerRule(i, ran, first, pool, role, gpus, label)
+    shares = raw.get("shares_gpus", False)
+    if not isinstance(shares, bool):
+        raise MapError(where, f"'shares_gpus' must be true or false, got {shares!r}",
+                       "true when the worker's GPUs are other workers' of the same pool")
+    return WorkerRule(i, ran, first, pool, role, gpus, label, shares)
 
 
 def parse_map(doc, path: str = "(map)") -> TraceMap:
@@ -226,3 +242,82 @@ def load_map(source: Union[str, Path, dict, TraceMap]) -> TraceMap:
         where = f"{path.name}, line {mark.line + 1}" if mark is not None else path.name
         raise MapError(where, f"not valid YAML ({getattr(exc, 'problem', exc)})", "fix the YAML syntax") from None
     return parse_map(doc, str(path))
+
+
+#: span names Ray writes into every timeline (a task's phases, the driver submitting it): they say nothing about
+#: which framework ran, so choosing a map ignores them
+RAY_OWN = re.compile(r"^(task:(execute|deserialize_arguments|store_outputs)|submit_task)$")
+#: frameworks whose Ray timelines name no work a map could place, and why (said when --map auto refuses them)
+UNPLACEABLE: tuple = (
+    (re.compile(r"^RayRPCServer\.call$"),
+     "AReaL on Ray runs every engine call through RayRPCServer.call(method, …) (areal/infra/rpc/ray_rpc_server.py, "
+     "lines 23 and 128, at commit 4aef98d): the method — generation, training, weight update — is an argument, "
+     "not in the timeline, so no map can tell them apart; use AReaL's own per-step stats"),
+)
+#: a map is chosen when its rules match at least this share of a timeline's distinct span names (Ray's own aside)
+AUTO_MIN_MATCHED = 0.9
+
+
+def _coverage(tmap: TraceMap, names: dict) -> tuple:
+    """``(matched names, placed names, placed events, unmatched names, switches)`` of ``names`` (name -> (cat,
+    count)); ``switches``: whether the map places any name as a switch (offload / onload, sleep / wake-up)."""
+    matched, placed, events, unmatched, switches = 0, 0, 0, [], False
+    for name, (cat, count) in names.items():
+        rule = tmap.rule_for(name, cat)
+        if rule is None:
+            unmatched.append(name)
+            continue
+        matched += 1
+        if not rule.ignore:
+            placed += 1
+            events += count
+            switches |= rule.kind in ("switch_in", "switch_out")
+    return matched, placed, events, unmatched, switches
+
+
+def choose_map(labels, cats) -> tuple:
+    """``(map, why)``: the shipped map whose rules match the most of a timeline's distinct span names (at least
+    :data:`AUTO_MIN_MATCHED` of them, Ray's own names aside, and placing some on a pool), ties broken by the events
+    it places; ``why`` says which map and why, beside the runner-up. Raises :class:`MapError` naming the names no
+    shipped map places when none qualifies."""
+    names: dict = {}
+    for label, cat in zip(labels, cats):
+        if not RAY_OWN.search(label):
+            c, n = names.get(label, (cat, 0))
+            names[label] = (c, n + 1)
+    if not names:
+        raise MapError("--map auto", "the timeline has no span names besides Ray's own (task phases, submit_task)",
+                       "pass --map with the map of the framework that ran")
+    scored = []
+    for name in shipped_maps():
+        tmap = load_map(name)
+        matched, placed, events, unmatched, switches = _coverage(tmap, names)
+        # a colocated job switches its GPUs between roles; a disaggregated one need not: when two maps match the
+        # same names (a framework's colocated and separate placements), the one that agrees with the switches wins
+        agrees = switches == tmap.colocated
+        scored.append((matched / len(names), agrees, events, placed, tmap, unmatched))
+    scored.sort(key=lambda s: (s[0], s[1], s[2]), reverse=True)
+    share, agrees, events, placed, best, unmatched = scored[0]
+    if share < AUTO_MIN_MATCHED or placed == 0:
+        known = [why for pattern, why in UNPLACEABLE if any(pattern.search(n) for n in names)]
+        if known:
+            raise MapError("--map auto", f"this timeline cannot be placed by its span names: {known[0]}",
+                           "import the framework's step log instead (--format verl-log reads veRL's), or write a map "
+                           "if your build names its methods (`bidirl trace map suggest FILE`)")
+        top = sorted(unmatched, key=lambda n: -names[n][1])[:8]
+        raise MapError("--map auto", f"no shipped map places this timeline: the closest, {best.name}, matches "
+                       f"{share:.0%} of its {len(names)} span names and leaves out "
+                       + ", ".join(f"{n} ({names[n][1]}×)" for n in top)
+                       + (" …" if len(unmatched) > len(top) else ""),
+                       "write a map for it: `bidirl trace map suggest FILE` drafts one from the span names")
+    runner = scored[1] if len(scored) > 1 else None
+    why = (f"--map auto chose {best.name}: its rules match {share:.0%} of the timeline's {len(names)} span names "
+           f"(Ray's own aside) and place {events:,} events on pools")
+    if runner is not None:
+        why += f"; the next best, {runner[4].name}, matches {runner[0]:.0%}"
+        if runner[0] == share:
+            why += (" too, but the timeline " + ("has" if best.colocated else "has no") + " role switches (sleep / "
+                    "offload), as a " + ("colocated" if best.colocated else "separate-pool") + " job")
+    if unmatched:
+        why += f"; unmatched: {', '.join(sorted(unmatched)[:5])}"
+    return best, why

@@ -87,4 +87,14 @@ def import_own(path, pool_gpus: Optional[Mapping] = None, gpus_per_worker: Optio
                           "gpus": [float(gpus_per_worker.get(w, 0.0)) for w in workers]})
     return ImportedRun(log=log, source=str(path), format="bidirl", map_name="(bidirl)", pool_gpus=dict(pool_gpus),
                        gpus_per_worker=dict(gpus_per_worker), workers=frame, origin_s=0.0, resolution_s=1e-9,
-                       notes=notes)
+                       notes=notes, policy=_policy(path))
+
+
+def _policy(path: Path) -> str:
+    """The policy of the run whose event log ``path`` is: the ``policy`` of the ``summary.json`` beside it."""
+    summary = path.parent / "summary.json"
+    try:
+        policy = json.loads(summary.read_text()).get("policy") if summary.is_file() else None
+    except (OSError, json.JSONDecodeError, AttributeError):
+        policy = None
+    return str(policy) if policy else "not in the event log (no summary.json beside it; pass --policy)"

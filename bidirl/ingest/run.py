@@ -14,8 +14,9 @@ import pandas as pd
 
 from bidirl.results.trace import EventLog
 
-#: what a foreign trace's times are: measured on the framework's own clock
-PROVENANCE = "measured"
+#: what a foreign trace's times are: imported from a file the importer did not make (how the file was made —
+#: real engines, emulation, a simulation — the importer cannot know)
+PROVENANCE = "imported"
 
 
 @dataclass
@@ -31,7 +32,12 @@ class ImportedRun:
     * ``origin_s`` — the trace clock's time (seconds) of the log's zero;
     * ``resolution_s`` — the finest time step the source records (Chrome traces: 1 µs; a step log: its rounding);
     * ``coarse`` — True when the source has no per-GPU detail (a step log): one lane per stage, not per worker;
-    * ``notes`` — what the reader should know (said on figures too).
+    * ``notes`` — what the reader should know (said on figures too);
+    * ``breakdown`` — a step log's per-step categories (:mod:`bidirl.ingest.step_breakdown`), ``None`` for a
+      timeline (whose breakdown :mod:`bidirl.ingest.bubbles` computes from the spans); ``gpu_idle_categories``
+      — which of its categories leave the GPUs idle; ``validation_rows`` — a log's validation-only lines;
+    * ``policy`` — the scheduling policy the run was recorded under, where the source says it (bidirl's own
+      traces), else the framework's trainer the map or format names.
     """
     log: EventLog
     source: str
@@ -48,6 +54,10 @@ class ImportedRun:
     colocated: bool = False
     notes: list = field(default_factory=list)
     provenance: str = PROVENANCE
+    breakdown: Optional[pd.DataFrame] = None
+    gpu_idle_categories: tuple = ()
+    validation_rows: list = field(default_factory=list)
+    policy: str = "not recorded"
 
     @property
     def unmapped_count(self) -> int:
@@ -61,7 +71,14 @@ class ImportedRun:
                 "unmapped": {str(n): int(c) for n, c in zip(self.unmapped["name"], self.unmapped["count"])},
                 "ignored": {str(n): int(c) for n, c in zip(self.ignored["name"], self.ignored["count"])},
                 "origin_s": self.origin_s, "resolution_s": self.resolution_s, "coarse": self.coarse,
-                "colocated": self.colocated, "notes": list(self.notes), "provenance": self.provenance}
+                "colocated": self.colocated, "notes": list(self.notes), "provenance": self.provenance,
+                "provenance_text": self.provenance_text, "policy": self.policy,
+                "validation_rows": len(self.validation_rows)}
+
+    @property
+    def provenance_text(self) -> str:
+        """What the numbers are, in words: ``imported from FILE``."""
+        return f"imported from {self.source}"
 
 
 def count_names(names, reasons: Optional[list] = None) -> pd.DataFrame:

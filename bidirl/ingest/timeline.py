@@ -20,7 +20,10 @@ from tqdm.auto import tqdm
 from bidirl.core.protocol import POOLS, StepRecord
 from bidirl.ingest.chrome import read_chrome_trace
 from bidirl.ingest.errors import WorkerPoolConflict
-from bidirl.ingest.maps import TraceMap, load_map
+from bidirl.ingest.maps import TraceMap, choose_map, load_map
+
+#: the --map value that picks a shipped map from the span names (bidirl.ingest.maps.choose_map)
+AUTO = "auto"
 from bidirl.ingest.run import ImportedRun, count_names
 from bidirl.results.metrics import union_intervals
 from bidirl.results.trace import EventLog, Span
@@ -44,7 +47,8 @@ def _rules(labels: list, cats: list, tmap: TraceMap) -> np.ndarray:
 
 
 def _worker_pools(workers: list, labels: list, pools: list, order: np.ndarray, tmap: TraceMap, where: str) -> dict:
-    """worker key -> (pool, role override or '', gpus, label override or '') for every worker with mapped spans.
+    """worker key -> (pool, role override or '', gpus, label override or '', shares its GPUs) for every worker with
+    mapped spans.
     ``order`` lists the events by start time (a worker's first span is its first in that order)."""
     names: dict = {}
     span_pools: dict = {}
@@ -74,7 +78,7 @@ def _worker_pools(workers: list, labels: list, pools: list, order: np.ndarray, t
             pool = found[0]
         gpus = chosen.gpus if chosen is not None and chosen.gpus is not None else tmap.gpus_per_worker
         out[key] = (pool, chosen.role if chosen is not None else "", float(gpus),
-                    chosen.label if chosen is not None else "")
+                    chosen.label if chosen is not None else "", bool(chosen is not None and chosen.shares_gpus))
     return out
 
 
@@ -112,10 +116,13 @@ def import_timeline(path, tmap, *, origin_s=None, pool_gpus_override=None, progr
 
     ``origin_s``: the trace time (seconds; Ray's are Unix times) that becomes 0 — default the first mapped span's
     start. ``pool_gpus_override``: GPUs per pool when the workers' sum is not the pool (default: the sum)."""
-    tmap = load_map(tmap)
     raw = read_chrome_trace(path)
     ev = raw.events
     labels, cats, workers = ev["label"].tolist(), ev["cat"].tolist(), ev["worker"].tolist()
+    why = None
+    if isinstance(tmap, str) and tmap == AUTO:
+        tmap, why = choose_map(labels, cats)
+    tmap = load_map(tmap)
     rule_idx = _rules(labels, cats, tmap)
     rules = tmap.spans
     ignored_rule = np.array([bool(r.ignore) for r in rules] + [False], dtype=bool)    # index -1: unmapped
@@ -141,13 +148,13 @@ def import_timeline(path, tmap, *, origin_s=None, pool_gpus_override=None, progr
     first_seen = list(dict.fromkeys(k_workers[i] for i in order))
     lane, count, rows = {}, {}, []
     for key in first_seen:
-        pool, _, gpus, label = pools[key]
+        pool, _, gpus, label, shares = pools[key]
         label = label or _label(kinds_of[key])
         i = count.get((pool, label), 0)
         count[(pool, label)] = i + 1
         lane[key] = f"{pool}/{label}/{i}"
-        rows.append((lane[key], key, raw.workers.get(key, key), label, pool, gpus))
-    workers_df = pd.DataFrame(rows, columns=["worker", "source", "name", "label", "pool", "gpus"])
+        rows.append((lane[key], key, raw.workers.get(key, key), label, pool, gpus, shares))
+    workers_df = pd.DataFrame(rows, columns=["worker", "source", "name", "label", "pool", "gpus", "shares_gpus"])
     origin_us = (float(start_us.min()) if len(keep) else 0.0) if origin_s is None else float(origin_s) / US
     starts = (start_us - origin_us) * US
     ends = (end_us - origin_us) * US
@@ -160,14 +167,16 @@ def import_timeline(path, tmap, *, origin_s=None, pool_gpus_override=None, progr
     cols = zip(k_workers, kept_rules, starts.tolist(), ends.tolist(), step_of, k_labels)
     for key, rule, a, b, k, label in tqdm(cols, total=len(keep), disable=not progress, desc="mapping spans",
                                           unit="span", miniters=CHUNK):
-        pool, role, _, _ = pools[key]
+        pool, role, _, _, _ = pools[key]
         detail = {"name": label, "stage": rule.stage} if rule.stage else {"name": label}
         spans.append(Span(lane[key], pool, role or rule.role, rule.kind, a, b, k, k, detail))
     log = EventLog(spans=spans, steps=steps)
-    pool_gpus = {p: float(workers_df.loc[workers_df["pool"] == p, "gpus"].sum()) for p in POOLS}
+    # a worker whose GPUs are other workers' of its pool (shares_gpus) adds none to the pool's size
+    holders = workers_df[~workers_df["shares_gpus"].astype(bool)]
+    pool_gpus = {p: float(holders.loc[holders["pool"] == p, "gpus"].sum()) for p in POOLS}
     if pool_gpus_override is not None:
         pool_gpus = {p: float(pool_gpus_override.get(p, 0.0)) for p in POOLS}
-    notes = []
+    notes = [why] if why else []
     if tmap.colocated:
         notes.append("colocated: one pool holds every GPU; training is drawn as auxiliary work on the generation "
                      "GPUs (bidirl's convention for veRL's colocated trainer)")
@@ -180,7 +189,8 @@ def import_timeline(path, tmap, *, origin_s=None, pool_gpus_override=None, progr
     return ImportedRun(log=log, source=str(path), format="ray-timeline", map_name=tmap.name,
                        pool_gpus=pool_gpus, gpus_per_worker=dict(zip(workers_df["worker"], workers_df["gpus"])),
                        unmapped=unmapped, ignored=ignored, workers=workers_df, origin_s=origin_us * US,
-                       resolution_s=US, coarse=False, colocated=tmap.colocated, notes=notes)
+                       resolution_s=US, coarse=False, colocated=tmap.colocated, notes=notes,
+                       policy=tmap.policy)
 
 
 def step_index(steps: list, starts) -> np.ndarray:

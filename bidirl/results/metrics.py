@@ -12,8 +12,13 @@ the head drop is at least one step, so that predecessor always exists and the fi
 is counted — the same quantity as summing the kept steps' ``end − start`` when each step starts where the
 previous one ended.
 
-Idle time is computed from the *union* of busy intervals on the event log, never from one start/stop pair
-per version (veRL's ``rollouter/idle_ratio`` misses pause windows that way, verl issue #6693).
+**Idle** is GPU-weighted everywhere a number is called "idle": GPU-seconds idle over GPU-seconds available, per
+pool and over all pools (:func:`idle_gpu_seconds`, :func:`idle_share`). A pool of four replicas with one busy is
+75 % idle. Busy time comes from the *union* of each worker's busy intervals on the event log, never from one
+start/stop pair per version (veRL's ``rollouter/idle_ratio`` misses pause windows that way, verl issue #6693).
+The **pool-union** idle (:func:`idle`: seconds in which *no* GPU of the pool is busy) is a different, smaller
+number — idle only when every GPU of the pool idles — and is always labelled "pool-union" where it is shown
+(:data:`POOL_UNION_LABEL`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,13 @@ from bidirl.results.provenance import provenance_text
 from bidirl.results.trace import EventLog
 
 SAMPLE_KEYS: tuple = ("generated", "consumed", "lost", "duplicated")
+
+#: how every view names the GPU-weighted idle share (module doc)
+IDLE_LABEL = "idle (GPU-weighted: GPU-seconds idle / GPU-seconds available)"
+#: how every view names the pool-union idle share (:func:`idle`), never plain "idle"
+POOL_UNION_LABEL = "pool-union idle (no GPU of the pool busy)"
+#: the ``overall`` entry of an idle table: all pools' GPUs together
+OVERALL = "overall"
 
 #: the unit of throughput (§7.1): prompt + response tokens per second
 THROUGHPUT_UNIT = "tokens/s"
@@ -211,7 +223,10 @@ def _pool_spans(spans_df: Union[pd.DataFrame, EventLog], pool: str) -> pd.DataFr
 
 
 def idle(spans_df: Union[pd.DataFrame, EventLog], pool: str, t0: float, t1: float) -> float:
-    """Seconds in ``[t0, t1]`` during which no worker on ``pool`` is busy.
+    """Pool-union idle: seconds in ``[t0, t1]`` during which no worker on ``pool`` is busy.
+
+    Not the GPU-weighted idle of :func:`idle_gpu_seconds`: a pool with one of four replicas busy is not idle here.
+    Shown only under :data:`POOL_UNION_LABEL`.
 
     A pool is busy whenever any of its workers has a span (any kind: generation, chunks, switches, syncs,
     merges, optimizer steps); the busy time is the union of those intervals, so overlapping replicas are
@@ -269,6 +284,28 @@ def idle_gpu_seconds(spans_df: Union[pd.DataFrame, EventLog], pool: str, gpus_pe
     a, b = _window(t0, t1)
     cap = _pool_gpus(pool_gpus)[pool] if isinstance(pool_gpus, Mapping) else _pool_gpus({pool: pool_gpus})[pool]
     return max(0.0, cap * (b - a) - busy_gpu_seconds(spans_df, pool, gpus_per_worker, cap, a, b))
+
+
+def idle_share(spans_df: Union[pd.DataFrame, EventLog], pool_gpus: Mapping, gpus_per_worker: Mapping,
+               t0: float, t1: float) -> dict:
+    """GPU-weighted idle share per pool with GPUs and :data:`OVERALL` (all those pools' GPUs together):
+    ``idle GPU-seconds / (GPUs · (t1 − t0))``, each in [0, 1]; ``None`` for a pool without GPUs or an empty
+    window (module doc)."""
+    a, b = _window(t0, t1)
+    caps = _pool_gpus(pool_gpus)
+    out: dict = {}
+    idle_total = 0.0
+    for pool in POOLS:
+        cap = caps.get(pool, 0.0)
+        if cap <= 0 or b <= a:
+            out[pool] = None
+            continue
+        seconds = idle_gpu_seconds(spans_df, pool, gpus_per_worker, caps, a, b)
+        idle_total += seconds
+        out[pool] = seconds / (cap * (b - a))
+    total = sum(c for p, c in caps.items() if p in POOLS) * (b - a)
+    out[OVERALL] = idle_total / total if total > 0 else None
+    return out
 
 
 def utilization(spans_df: Union[pd.DataFrame, EventLog], pool_gpus: Mapping, gpus_per_worker: Mapping,
@@ -345,10 +382,12 @@ def summary(log: EventLog, *, policy: str, staleness: float, pool_gpus: Mapping,
 
     Keys: ``policy``; ``throughput`` (tokens/s over the measured steps, §7.1, or ``None`` with a
     ``throughput_note`` when the run is too short); ``step_times`` (every step, :func:`step_times`);
-    ``idle`` (per pool, the share of the measured window in which no worker of the pool was busy, union
-    based; ``None`` for a pool without GPUs); ``utilization`` (busy GPU-seconds over all GPU-seconds);
-    ``borrows`` (:func:`borrow_counts`); ``samples`` (``generated, consumed, lost, duplicated`` plus any
-    extra counters passed in). Extras: ``idle_gpu`` (GPU-weighted idle share per pool), ``window``
+    ``idle`` (per pool, GPU-weighted: idle GPU-seconds over the pool's GPU-seconds in the measured window;
+    ``None`` for a pool without GPUs); ``idle_overall`` (the same over all GPUs, ``1 − utilization``);
+    ``utilization`` (busy GPU-seconds over all GPU-seconds); ``borrows`` (:func:`borrow_counts`); ``samples``
+    (``generated, consumed, lost, duplicated`` plus any extra counters passed in). Extras: ``idle_pool_union``
+    (per pool, the share of the window in which no worker of the pool was busy — :func:`idle`, shown only under
+    :data:`POOL_UNION_LABEL`), ``window``
     (the measured ``[t0, t1]``), ``measured_steps``, and veRL-named metrics where the meaning is the same:
     ``timing_s/step`` (median step time), ``timing_s/gen`` (median time the trainer waited for its batch),
     ``fully_async/trainer/idle_ratio`` (waiting time over step time of the measured steps) and
@@ -384,15 +423,16 @@ def summary(log: EventLog, *, policy: str, staleness: float, pool_gpus: Mapping,
     length = t1 - t0
 
     out["step_times"] = [float(x) for x in durations]
-    out["idle"] = {pool: (idle(spans, pool, t0, t1) / length if length > 0 and caps.get(pool, 0) > 0 else None)
-                   for pool in POOLS}
+    shares = idle_share(spans, caps, gpus_per_worker, t0, t1)
+    out["idle"] = {pool: shares[pool] for pool in POOLS}
+    out["idle_overall"] = shares[OVERALL]
     out["utilization"] = (utilization(spans, caps, gpus_per_worker, t0, t1)
                           if length > 0 and sum(caps.values()) > 0 else None)
     out["borrows"] = borrow_counts(decisions)
     out["samples"] = {k: int(v) for k, v in samples.items()}
 
-    out["idle_gpu"] = {pool: (idle_gpu_seconds(spans, pool, gpus_per_worker, caps, t0, t1) / (caps[pool] * length)
-                              if length > 0 and caps.get(pool, 0) > 0 else None) for pool in POOLS}
+    out["idle_pool_union"] = {pool: (idle(spans, pool, t0, t1) / length if length > 0 and caps.get(pool, 0) > 0
+                                     else None) for pool in POOLS}
     out["window"] = [t0, t1]
     out["measured_steps"] = int(len(kept))
     out["timing_s/step"] = _median(durations)
@@ -413,6 +453,7 @@ SUMMARY_ROW: tuple = (
     ("utilization", ("utilization",)),
     ("idle_rollout_pool", ("idle", ROLLOUT_POOL)),
     ("idle_trainer_pool", ("idle", TRAINER_POOL)),
+    ("idle_overall", ("idle_overall",)),
     ("borrows_rollout_on_trainer_pool", ("borrows", ROLLOUT_ON_TRAINER_POOL)),
     ("borrows_trainer_on_rollout_pool", ("borrows", TRAINER_ON_ROLLOUT_POOL)),
     ("borrows_rejected", ("borrows", "rejected")),
@@ -470,6 +511,21 @@ def calibration_line(cal: dict) -> str:
     return line
 
 
+def idle_line(s: Mapping) -> str:
+    """The idle of a run summary in one line: GPU-weighted per pool and overall (:data:`IDLE_LABEL`), then the
+    utilisation; the pool-union figures, where the summary has them, follow under :data:`POOL_UNION_LABEL`."""
+    parts = [f"{k} {v:.1%}" for k, v in (s.get("idle") or {}).items() if v is not None]
+    if s.get("idle_overall") is not None:
+        parts.append(f"{OVERALL} {s['idle_overall']:.1%}")
+    line = f"{IDLE_LABEL}: " + ", ".join(parts)
+    if s.get("utilization") is not None:
+        line += f"; utilization {s['utilization']:.1%}"
+    union = [f"{k} {v:.1%}" for k, v in (s.get("idle_pool_union") or {}).items() if v is not None]
+    if union:
+        line += f"; {POOL_UNION_LABEL}: " + ", ".join(union)
+    return line
+
+
 def format_summary(s: dict) -> str:
     """The human-readable summary of ``simulate`` / ``run`` (what ``bidirl simulate`` prints), headed by what
     the numbers are (the summary's ``provenance``: simulated, emulated or measured)."""
@@ -480,8 +536,7 @@ def format_summary(s: dict) -> str:
              + (f"{tput:,.0f} {THROUGHPUT_UNIT} over the §7.1 window" if tput is not None
                 else f"n/a ({s.get('throughput_note', 'too few steps')})"),
              "step times (s): " + " ".join(f"{t:.1f}" for t in s["step_times"]),
-             "idle share: " + ", ".join(f"{k} {v:.1%}" for k, v in s["idle"].items() if v is not None)
-             + f"; utilization {s['utilization']:.1%}",
+             idle_line(s),
              "borrows: " + ", ".join(f"{k} {v}" for k, v in s["borrows"].items()),
              "samples: " + ", ".join(f"{k} {v}" for k, v in s["samples"].items())]
     if s.get("costs"):

@@ -30,8 +30,8 @@ summary, so a simulated, an emulated and a real run are tracked by the same code
 =================================== ===========================================================================
 
 and bidirl's own: ``bidirl/throughput`` (tokens/s of the whole job, §7.1's quantity for one step),
-``bidirl/idle/<pool>`` (share of the step in which no worker of the pool was busy, union based, as
-``bidirl.results.metrics.idle``), ``bidirl/borrows/<direction>/admitted|rejected`` (the scheduler's decisions during
+``bidirl/idle_pool_union/<pool>`` (pool-union idle: share of the step in which no worker of the pool was busy,
+as ``bidirl.results.metrics.idle`` — not the GPU-weighted idle of the run summary), ``bidirl/borrows/<direction>/admitted|rejected`` (the scheduler's decisions during
 the step), ``bidirl/switch_s/<direction>/c_in|c_out`` (mean measured switch time of the switches that ended
 during the step) and ``…/trainer_on_rollout_pool/c_grad`` (the step's gradient merge),
 ``bidirl/rollout_logprob_diff_max`` (vLLM vs trainer log-prob gap), ``bidirl/samples`` and ``bidirl/version``.
@@ -142,7 +142,7 @@ def metrics_from_log(log: EventLog, *, config, train: Sequence[dict] = (), pools
             busy = covered(spans["pool"] == pool)
             for k in range(len(rows)):
                 if durations[k] > 0:
-                    put(k, f"bidirl/idle/{pool}", 1.0 - busy[k] / durations[k])
+                    put(k, f"bidirl/idle_pool_union/{pool}", 1.0 - busy[k] / durations[k])
 
     # per-step sums of chunk times per stage, the step's weight sync and gradient merge
     chunks = spans[spans["kind"] == "chunk"]

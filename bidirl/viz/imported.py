@@ -15,7 +15,7 @@ from typing import Optional
 
 import plotly.graph_objects as go
 
-from bidirl.ingest.bubbles import BUBBLES, bubble_breakdown, pool_idle
+from bidirl.ingest.bubbles import bubble_breakdown, parts, pool_idle
 from bidirl.ingest.run import ImportedRun
 from bidirl.results.trace import EventLog, Span
 from bidirl.viz.aggregate import thin
@@ -23,15 +23,25 @@ from bidirl.viz.export import export_figure
 from bidirl.viz.gantt import TEMPLATE, WIDTH, gantt_figure
 
 #: the time axis of an imported run: the trace's own clock, not bidirl's
-TIME_AXIS = "time (s, measured on the trace's clock; 0 at its origin)"
+TIME_AXIS = "time (s, on the imported file's clock; 0 at its origin)"
 #: colour of each bubble part (training as the Gantt's chunks; waits in greys and warm tones)
 BUBBLE_COLORS = {"training": "#ff7f0e", "weight sync": "#2ca02c", "hot switch": "#636363",
                  "waiting for the batch": "#1f77b4", "long-tail generation": "#9ecae1",
-                 "trainer waiting": "#d62728"}
+                 "trainer waiting": "#d62728", "generation (every GPU)": "#1f77b4",
+                 "idle (nothing the trace records runs)": "#d62728",
+                 # a step log's categories (bidirl.ingest.step_breakdown)
+                 "colocated switch": "#636363", "generation": "#1f77b4", "rest of gen (untimed)": "#9ecae1",
+                 "old log-probs": "#fdae6b", "reference log-probs": "#fdd0a2", "critic values": "#e6550d",
+                 "critic update": "#a63603", "actor update": "#ff7f0e", "validation": "#6a51a3",
+                 "checkpointing": "#9e9ac8", "other logged stages": "#bdbdbd", "driver CPU": "#fb6a4a",
+                 "idle (no stage logged)": "#d62728"}
 
 
 def _title(run: ImportedRun, title: Optional[str]) -> str:
-    return title or f"{Path(run.source).name} ({run.format}, map {run.map_name})"
+    """The figure's title, always ending in what the numbers are: ``imported from FILE`` (the importer cannot know
+    how the file was made, so never "measured")."""
+    head = title or f"{Path(run.source).name} ({run.format}, map {run.map_name})"
+    return f"{head} — {run.provenance_text.replace(run.source, Path(run.source).name)}, policy {run.policy}"
 
 
 def imported_gantt(run: ImportedRun, title: Optional[str] = None) -> go.Figure:
@@ -42,7 +52,7 @@ def imported_gantt(run: ImportedRun, title: Optional[str] = None) -> go.Figure:
         log = run.log
     else:
         log = EventLog(spans=[Span(**row) for row in drawn.spans.to_dict("records")], steps=run.log.steps)
-    fig = gantt_figure(log, _title(run, title), lanes=drawn.lanes, provenance=run.provenance, group_auxiliary=False)
+    fig = gantt_figure(log, _title(run, title), lanes=drawn.lanes, provenance=None, group_auxiliary=False)
     fig.update_yaxes(ticktext=drawn.labels)
     fig.update_xaxes(title_text=TIME_AXIS)
     notes = [n for n in [drawn.note, *run.notes] if n]
@@ -54,25 +64,32 @@ def imported_gantt(run: ImportedRun, title: Optional[str] = None) -> go.Figure:
 
 
 def idle_figure(run: ImportedRun, title: Optional[str] = None) -> go.Figure:
-    """Idle share of each pool over the run's steps (union of busy intervals)."""
+    """GPU-weighted idle share of each pool and of all GPUs over the run's steps (:func:`pool_idle`), with the
+    pool-union figure beside it, labelled as such."""
     idle = pool_idle(run)
-    fig = go.Figure(go.Bar(x=idle["pool"], y=100 * idle["idle_fraction"],
-                           text=[f"{100 * f:.1f} % ({s:.2f} s)" for f, s in zip(idle["idle_fraction"], idle["idle_s"])],
-                           textposition="outside", marker_color=["#1f77b4", "#ff7f0e"][:len(idle)],
-                           hovertemplate="%{x}: %{y:.1f} % idle<extra></extra>"))
+    fig = go.Figure([
+        go.Bar(name="idle (GPU-weighted)", x=idle["pool"], y=100 * idle["idle_fraction"],
+               text=[f"{100 * f:.1f} % ({s:,.1f} GPU-s)" for f, s in zip(idle["idle_fraction"], idle["idle_gpu_s"])],
+               textposition="outside", marker_color="#1f77b4",
+               hovertemplate="%{x}: %{y:.1f} % idle (GPU-weighted)<extra></extra>"),
+        go.Bar(name="pool-union idle (no GPU of the pool busy)", x=idle["pool"], y=100 * idle["pool_union_idle_fraction"],
+               marker_color="#c7c7c7",
+               hovertemplate="%{x}: %{y:.1f} % pool-union idle<extra></extra>")])
     fig.update_layout(title=f"idle per pool — {_title(run, title)}", template=TEMPLATE, width=WIDTH // 2, height=380,
-                      yaxis={"title": "idle (% of the steps' time, union of busy intervals)", "range": [0, 110]})
+                      barmode="group", legend={"orientation": "h", "y": -0.2},
+                      yaxis={"title": "idle (% of GPU-seconds over the steps)", "range": [0, 110]})
     return fig
 
 
 def bubble_figure(run: ImportedRun, title: Optional[str] = None) -> go.Figure:
     """Stacked bars per step: where each step's time went (the parts sum to the step's time)."""
     b = bubble_breakdown(run)
-    fig = go.Figure([go.Bar(name=part, x=b["step"], y=b[part], marker_color=BUBBLE_COLORS[part],
-                            hovertemplate=f"step %{{x}}: %{{y:.3f}} s {part}<extra></extra>") for part in BUBBLES])
+    fig = go.Figure([go.Bar(name=part, x=b["step"], y=b[part], marker_color=BUBBLE_COLORS.get(part, "#7f7f7f"),
+                            hovertemplate=f"step %{{x}}: %{{y:.3f}} s {part}<extra></extra>") for part in parts(b)])
     fig.update_layout(barmode="stack", template=TEMPLATE, width=WIDTH, height=420,
                       title=f"where each step's time went — {_title(run, title)}",
-                      xaxis={"title": "training step", "dtick": 1}, yaxis={"title": "seconds (measured)"},
+                      xaxis={"title": "training step", "dtick": 1 if len(b) <= 40 else None},
+                      yaxis={"title": "seconds (as the imported file records them)"},
                       legend={"orientation": "h", "y": -0.25})
     return fig
 
@@ -86,7 +103,7 @@ def what_if_figure(outcome: dict, title: Optional[str] = None) -> go.Figure:
                            name="simulated with the fitted preset"))
     measured = outcome["measured"].get("throughput")
     if measured:
-        fig.add_hline(y=measured, line_dash="dot", annotation_text=f"measured {measured:.0f} tokens/s")
+        fig.add_hline(y=measured, line_dash="dot", annotation_text=f"as imported: {measured:.0f} tokens/s")
     fig.update_layout(title=title or "what if: the job simulated with a preset fitted to the imported run",
                       template=TEMPLATE, width=WIDTH, height=420, yaxis={"title": "tokens/s (simulated)"})
     return fig
@@ -109,7 +126,8 @@ def write_import(run: ImportedRun, out_dir, png: bool = False) -> dict:
         export_figure(fig, out / f"{name}.html", png=png)
         paths[name] = out / f"{name}.html"
     summary = {**run.summary(), "idle": idle.to_dict(orient="records"),
-               "bubbles_total_s": {p: float(bubbles[p].sum()) for p in BUBBLES},
+               "bubbles_total_s": {p: float(bubbles[p].sum()) for p in parts(bubbles)},
+               "gpu_idle_categories": list(run.gpu_idle_categories),
                "step_s_total": float(bubbles["step_s"].sum()) if len(bubbles) else 0.0}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
     paths["summary"] = out / "summary.json"
