@@ -588,9 +588,15 @@ def device_budget(plan: "Plan", *, device: str, windows: int = 1, layout: Option
     without Trainer-on-RolloutPool), at the plan's trainer layout ρ_t (or ``layout``)."""
     cfg = plan.config
     w = cfg.workload
+    max_seq = cfg.workload_stats.prompt_max + w.max_response_len
+    # the engines' own default: checkpointing on for trainers on CUDA, off on CPU (RLConfig.activation_checkpointing)
+    checkpointing = cfg.rl.activation_checkpointing
+    if checkpointing is None:
+        checkpointing = device == "cuda"
     return memory.device_budget(cfg.model_spec, cfg.hardware_spec, layout or plan.envelope.trainer_layout,
-                                micro_batch_per_device=cfg.rl.micro_batch_per_device,
-                                max_seq_len=cfg.workload_stats.prompt_max + w.max_response_len, device=device,
+                                micro_batch_per_device=cfg.rl.micro_batch_per_device, max_seq_len=max_seq,
+                                tokens=memory.micro_batch_tokens(cfg, max_seq), checkpointing=checkpointing,
+                                device=device,
                                 kl_coef=cfg.rl.kl_coef, weights_transport=cfg.transport.weights,
                                 bucket_bytes=cfg.transport.bucket_mb * 2 ** 20, windows=windows,
                                 gang_ranks=plan.envelope.trainer_gpus)

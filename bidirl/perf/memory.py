@@ -369,13 +369,17 @@ BUDGET_TERMS = tuple(f for f in DeviceBudget.__dataclass_fields__ if f not in ("
 
 def device_budget(model, hw, layout: int, *, micro_batch_per_device: int, max_seq_len: int, device: str = "cuda",
                   kl_coef: float = 0.0, weights_transport: str = "collective", bucket_bytes: float = 512 * 2 ** 20,
-                  windows: int = 1, gang_ranks: Optional[int] = None) -> DeviceBudget:
+                  windows: int = 1, gang_ranks: Optional[int] = None, tokens: Optional[float] = None,
+                  checkpointing: Optional[bool] = None) -> DeviceBudget:
     """The :class:`DeviceBudget` of one primary trainer rank of a replica of ``layout`` GPUs in an engine run on
     ``device`` (``"cuda"``: bf16-mixed compute, bf16 on the wire; ``"cpu"``: fp32 throughout, the engines'
     ``precision="auto"`` and the rollouters' dtype), with ``windows`` auxiliary windows received per step (0: the
     policy never lends the rollout pool to training) and the weight transport ``weights_transport``
     (``transport.weights``) in buckets of ``bucket_bytes``. ``gang_ranks``: the primary gang's ranks (its pool's
-    GPUs; default ``layout``) — a gang of several ranks runs FSDP2 even at ``layout`` 1 (replicated shards)."""
+    GPUs; default ``layout``) — a gang of several ranks runs FSDP2 even at ``layout`` 1 (replicated shards).
+    ``tokens``: one micro-batch's tokens on the rank (:func:`micro_batch_tokens`; default ``micro_batch_per_device
+    · max_seq_len``); ``checkpointing``: whether the trainer recomputes its blocks (``rl.activation_checkpointing``
+    as the engine resolves it; None: the checkpointed form), both as :func:`trainer_activation_bytes` takes them."""
     if layout < 1 or windows < 0 or micro_batch_per_device < 1 or max_seq_len < 1:
         raise ValueError("device_budget: layout, micro_batch_per_device and max_seq_len must be ≥ 1, windows ≥ 0")
     if device not in ("cuda", "cpu"):
@@ -400,7 +404,8 @@ def device_budget(model, hw, layout: int, *, micro_batch_per_device: int, max_se
         window_shards=windows * ENGINE_GRAD_BYTES * n / rho if collective else 0.0,
         apply_sum=(1 if collective else 2) * ENGINE_GRAD_BYTES * n / rho if windows else 0.0,
         optimizer_step=2 * 4 * largest / rho,
-        activations=trainer_activation_bytes(model, micro_batch_per_device * max_seq_len),
+        activations=trainer_activation_bytes(
+            model, micro_batch_per_device * max_seq_len if tokens is None else tokens, checkpointing),
         fsdp_unsharded=(compute * (root + FSDP_PREFETCH_BLOCKS * block) + compute * (root + block)
                         + 4 * max(root, block)) if sharded else 0.0,
         transport_buckets=bucket * (3 + (2 + (gang_ranks or rho)) / rho) if collective else 0.0,
