@@ -16,6 +16,7 @@ from bidirl.core.coordinator import Coordinator, Settings, Topology
 from bidirl.core.policies import Policy, get_policy
 from bidirl.core.profiler import Profiler
 from bidirl.job import config as cfgmod
+from bidirl.perf.costs import first_switch_allocation
 from bidirl.perf.predictor import StagePredictor
 from bidirl.perf.workload import sample_lengths
 
@@ -69,5 +70,9 @@ def assemble(cfg: cfgmod.JobConfig, policy, *, steps: int, seed: int,
                         optimizer_seconds=predictor.optimizer_time(env.trainer_gpus))
     costs = {d: cfg.switch_costs(d) for d in P.DIRECTIONS}
     policy = policy if isinstance(policy, Policy) else get_policy(policy)
-    coordinator = Coordinator(settings, topology, policy, predictor, Profiler(costs=costs), prior)
+    first = {(d, "c_" + phase): first_switch_allocation(cfg.hardware_spec, cfg.model_spec, d, phase,
+                                                         trainer_layout=env.trainer_layout)
+             for d in P.DIRECTIONS for phase in ("in", "out")}
+    profiler = Profiler(costs=costs, first_switch={k: v for k, v in first.items() if v > 0})
+    coordinator = Coordinator(settings, topology, policy, predictor, profiler, prior)
     return Assembly(cfg, plan, topology, predictor, coordinator)
