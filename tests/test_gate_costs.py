@@ -197,3 +197,39 @@ def test_the_gantt_shows_each_cost_as_its_own_trace():
     total = sum(s.end - s.start for s in _spans(log, "reprefill"))
     drawn = sum(float(np.sum(b["x"])) for (k, _), b in bars.items() if k == "reprefill")
     assert drawn == pytest.approx(total, rel=1e-12)
+
+
+# ---- what the control plane charges ---------------------------------------------------------------
+
+def test_the_first_switch_is_expected_with_its_allocation_and_observed_without_it():
+    from bidirl.core.profiler import Profiler
+    steady = P.SwitchCosts(2.0, 3.0, 0.5)
+    prof = Profiler(costs={d: steady for d in P.DIRECTIONS}, smoothing=0.5,
+                    first_switch={(P.ROLLOUT_ON_TRAINER_POOL, "c_in"): 10.0})
+    # the gates judge the steady costs; the switch itself is expected to take the allocation once
+    assert prof.costs[P.ROLLOUT_ON_TRAINER_POOL] == steady
+    assert prof.charged(P.ROLLOUT_ON_TRAINER_POOL) == P.SwitchCosts(12.0, 3.0, 0.5)
+    assert prof.charged(P.TRAINER_ON_ROLLOUT_POOL) == steady
+    prof.observe_cost(P.ROLLOUT_ON_TRAINER_POOL, "c_in", 12.4)      # 10 s of it was the one-time allocation
+    prof.recalibrate()
+    # folded in as 2.4 s: 0.5·2.0 + 0.5·2.4 = 2.2; nothing more to allocate
+    assert prof.costs[P.ROLLOUT_ON_TRAINER_POOL].c_in == pytest.approx(2.2, abs=1e-12)
+    assert prof.charged(P.ROLLOUT_ON_TRAINER_POOL).c_in == pytest.approx(2.2, abs=1e-12)
+
+
+def test_the_tail_split_counts_the_switch_back_after_the_auxiliaries_last_chunk():
+    """The step ends at max(t_p + g, t_a + max(g, C_out)), g = C_grad + optimizer: the auxiliary side's ready
+    time carries max(0, C_out − g) in the last segment, nothing before it."""
+    from types import SimpleNamespace
+
+    from bidirl.runtime.assemble import assemble
+    cfg = cfgmod.from_dict(BASE)
+    coord = assemble(cfg, "bidirl", steps=1, seed=0).coordinator
+    costs_ = coord.profiler.charged(P.TRAINER_ON_ROLLOUT_POOL)
+    opt = coord.settings.optimizer_seconds
+    last = SimpleNamespace(segment_index=1, segments=[("old_logprob",), ("actor_update",)])
+    first = SimpleNamespace(segment_index=0, segments=last.segments)
+    assert coord._yield_lag(first) == 0.0
+    assert coord._yield_lag(last) == pytest.approx(max(0.0, costs_.c_out - costs_.c_grad - opt), abs=EXACT)
+    # on this preset the switch back outlasts the merge and the optimizer step, so the lag is what is left of it
+    assert costs_.c_out > costs_.c_grad + opt and coord._yield_lag(last) > 0

@@ -6,7 +6,7 @@ schedule the same job with the same predictor and the same coordinator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -29,6 +29,7 @@ class Assembly:
     topology: Topology
     predictor: StagePredictor
     coordinator: Coordinator
+    first_switch: dict = field(default_factory=dict)   # (direction, "in" | "out") -> the first switch's allocation
 
     @property
     def pool_gpus(self) -> dict:
@@ -70,9 +71,10 @@ def assemble(cfg: cfgmod.JobConfig, policy, *, steps: int, seed: int,
                         optimizer_seconds=predictor.optimizer_time(env.trainer_gpus))
     costs = {d: cfg.switch_costs(d) for d in P.DIRECTIONS}
     policy = policy if isinstance(policy, Policy) else get_policy(policy)
-    first = {(d, "c_" + phase): first_switch_allocation(cfg.hardware_spec, cfg.model_spec, d, phase,
-                                                         trainer_layout=env.trainer_layout)
+    first = {(d, phase): first_switch_allocation(cfg.hardware_spec, cfg.model_spec, d, phase,
+                                                 trainer_layout=env.trainer_layout)
              for d in P.DIRECTIONS for phase in ("in", "out")}
-    profiler = Profiler(costs=costs, first_switch={k: v for k, v in first.items() if v > 0})
+    first = {k: v for k, v in first.items() if v > 0}
+    profiler = Profiler(costs=costs, first_switch={(d, "c_" + phase): v for (d, phase), v in first.items()})
     coordinator = Coordinator(settings, topology, policy, predictor, profiler, prior)
-    return Assembly(cfg, plan, topology, predictor, coordinator)
+    return Assembly(cfg, plan, topology, predictor, coordinator, first)

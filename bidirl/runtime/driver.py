@@ -106,6 +106,9 @@ class Driver:
         self.finished = False         # the coordinator reported RunDone
         self.listeners: list = []     # RunListener objects (add_listener)
         self.windows: dict = {}       # pool -> its open borrowing window: switch-in span, whether guests worked
+        # (direction, phase) -> the model's first-switch allocation, marked on the first such switch where the
+        # driver times switches by the models (a measured run's switches are what they are)
+        self.first_switch = dict(a.first_switch) if self.provenance != "measured" else {}
 
     def add_listener(self, listener: RunListener) -> RunListener:
         """Tell ``listener`` of every event, command and report from now on (after the listeners added before)."""
@@ -182,11 +185,16 @@ class Driver:
                                                     "samples": len(ch.samples)}, step=ch.step)
 
     def record_switch(self, cmd: P.Switch, start: float, end: float) -> None:
-        """The switch's span; a switch out that closes a window in which the guests ran nothing (generated no
+        """The switch's span (with a ``pin_alloc`` span over its start when it is the first of its direction and
+        phase and the driver times switches by the models); a switch out that closes a window in which the guests ran nothing (generated no
         token, ran no chunk: the window closed before its switch in completed, or had nothing left for them) also
         marks both of the window's switches ``switch_no_work`` (paid for no work)."""
         lane = switch_lane(cmd.pool, cmd.to_role)
         self.span(lane, "switch_in" if cmd.phase == "in" else "switch_out", start, end, {"direction": cmd.direction})
+        alloc = self.first_switch.pop((cmd.direction, cmd.phase), 0.0)
+        if alloc > 0:                 # the first switch of its kind: the yielding trainer pins its host buffer
+            self.span(lane, "pin_alloc", start, min(end, start + alloc), {"direction": cmd.direction,
+                                                                         "phase": cmd.phase, "seconds": alloc})
         if cmd.phase == "in":
             self.windows[cmd.pool] = {"lane": lane, "start": start, "end": end, "worked": False}
             return

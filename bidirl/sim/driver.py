@@ -26,7 +26,7 @@ from bidirl.perf.costs import SwitchTimes
 from bidirl.perf.replica import BatchingEngine, EngineGroup
 from bidirl.perf.workload import GroupLengths
 from bidirl.results.run_result import RunResult
-from bidirl.runtime.driver import Driver, progress_bar, switch_lane
+from bidirl.runtime.driver import Driver, progress_bar
 from bidirl.runtime.loop import EventLoop
 
 #: seconds to move a chunk's inputs to a worker (Table 2's "queued" phase, when a chunk can still be cancelled)
@@ -160,14 +160,11 @@ class SimDriver(Driver):
 
     def do_Switch(self, cmd: P.Switch):
         """The switch takes what :attr:`switch_times` says (steady cost, plus the first switch's pinned allocation,
-        drawn as a ``pin_alloc`` span at its start), not what the coordinator expects."""
+        which :meth:`record_switch` marks), not what the coordinator expects."""
         steady, alloc = self.switch_times.take(cmd.direction, cmd.phase)
 
         def done(t0):
             self.record_switch(cmd, t0, self.loop.now)
-            if alloc > 0:
-                self.span(switch_lane(cmd.pool, cmd.to_role), "pin_alloc", t0, t0 + alloc, {"direction": cmd.direction, "phase": cmd.phase,
-                                                              "seconds": alloc})
             self.feed(P.SwitchFinished(self.loop.now, cmd.pool, cmd.to_role, self.loop.now - t0))
         self._after(self._jitter(steady) + alloc, done)
 
