@@ -105,7 +105,7 @@ class Driver:
         self.version = 0              # the primary trainer's actor version, as the events fed have told
         self.finished = False         # the coordinator reported RunDone
         self.listeners: list = []     # RunListener objects (add_listener)
-        self.windows: dict = {}       # pool -> its open borrowing window: switch-in span, whether guests worked
+        self.open_windows: dict = {}  # pool -> its open borrowing window: switch-in span, whether guests worked
         # (direction, phase) -> the model's first-switch allocation, marked on the first such switch where the
         # driver times switches by the models (a measured run's switches are what they are)
         self.first_switch = dict(a.first_switch) if self.provenance != "measured" else {}
@@ -171,7 +171,7 @@ class Driver:
              step: Optional[int] = None) -> None:
         """One span on ``worker``'s lane, tagged with the current step (or ``step``) and actor version."""
         if kind in ("generate", "chunk") and not P.is_primary(worker):
-            window = self.windows.get(P.worker_pool(worker))
+            window = self.open_windows.get(P.worker_pool(worker))
             if window is not None:
                 window["worked"] = True
         self.log.add_span(Span(worker=worker, pool=P.worker_pool(worker), role=P.worker_role(worker), kind=kind,
@@ -186,9 +186,9 @@ class Driver:
 
     def record_switch(self, cmd: P.Switch, start: float, end: float) -> None:
         """The switch's span (with a ``pin_alloc`` span over its start when it is the first of its direction and
-        phase and the driver times switches by the models); a switch out that closes a window in which the guests ran nothing (generated no
-        token, ran no chunk: the window closed before its switch in completed, or had nothing left for them) also
-        marks both of the window's switches ``switch_no_work`` (paid for no work)."""
+        phase and the driver times switches by the models); a switch out that closes a window in which the guests
+        ran nothing (generated no token, ran no chunk: the window closed before its switch in completed, or had
+        nothing left for them) also marks both of the window's switches ``switch_no_work`` (paid for no work)."""
         lane = switch_lane(cmd.pool, cmd.to_role)
         self.span(lane, "switch_in" if cmd.phase == "in" else "switch_out", start, end, {"direction": cmd.direction})
         alloc = self.first_switch.pop((cmd.direction, cmd.phase), 0.0)
@@ -196,9 +196,9 @@ class Driver:
             self.span(lane, "pin_alloc", start, min(end, start + alloc), {"direction": cmd.direction,
                                                                          "phase": cmd.phase, "seconds": alloc})
         if cmd.phase == "in":
-            self.windows[cmd.pool] = {"lane": lane, "start": start, "end": end, "worked": False}
+            self.open_windows[cmd.pool] = {"lane": lane, "start": start, "end": end, "worked": False}
             return
-        window = self.windows.pop(cmd.pool, None)
+        window = self.open_windows.pop(cmd.pool, None)
         if window is not None and not window["worked"]:
             paid = (window["end"] - window["start"]) + (end - start)
             detail = {"direction": cmd.direction, "paid": paid}
