@@ -738,7 +738,8 @@ class Coordinator:
         if aux_on and self.policy.model_split and step.in_tail_window(
                 self._gang(P.PRIMARY), self._gang(P.AUXILIARY), self.settings.tail_window):
             step.plan_tail(self._gang(P.PRIMARY), self._gang(P.AUXILIARY),
-                           self._ready_in(P.PRIMARY), self._ready_in(P.AUXILIARY), self._chunk_time,
+                           self._ready_in(P.PRIMARY), self._ready_in(P.AUXILIARY) + self._yield_lag(step),
+                           self._chunk_time,
                            self._span_times if hasattr(self.predictor, "span_times") else None,
                            self._span_bounds if hasattr(self.predictor, "span_time_bounds") else None)
         for side, worker in sides:
@@ -755,6 +756,19 @@ class Coordinator:
         if aux_on and not step.live(P.AUXILIARY) and not step.has_work(P.AUXILIARY) \
                 and step.segment_index == len(step.segments) - 1:
             self._revoke(P.ROLLOUT_POOL)
+
+    def _yield_lag(self, step) -> float:
+        """What the auxiliary side's completion costs the step beyond the primary side's, when the window ends
+        with the step (its last segment): after the auxiliaries' last chunk the rollout pool switches back (C_out)
+        before the weight sync can start, while after the primaries' last chunk the step merges the auxiliary
+        gradients and takes its optimizer step (C_grad + optimizer), overlapping that switch. The step ends at
+        ``max(t_p + g, t_a + max(g, C_out))`` with ``g = C_grad + optimizer``, so JointTailSplit minimises
+        ``max(t_p, t_a + max(0, C_out − g))``: the lag is added to the auxiliary side's ready time (the same
+        overlap :func:`bidirl.core.gates.trainer_gate` charges). 0 before the last segment (the window goes on)."""
+        if step.segment_index != len(step.segments) - 1:
+            return 0.0
+        costs = self.profiler.charged(TOR)
+        return max(0.0, costs.c_out - costs.c_grad - self.settings.optimizer_seconds)
 
     def _ready_in(self, side: str) -> float:
         """Predicted seconds from now until ``side`` has run every chunk it was sent."""
@@ -833,7 +847,7 @@ class Coordinator:
             pool = P.BORROWED_POOL[direction]
             self.leases[pool].fire("lend")
             self._out.append(P.Switch(pool, P.GUEST_ROLE[pool], direction, "in",
-                                      self.profiler.costs[direction].c_in, self._role_version(P.GUEST_ROLE[pool])))
+                                      self.profiler.charged(direction).c_in, self._role_version(P.GUEST_ROLE[pool])))
 
     def _role_version(self, role: str) -> int:
         """The actor version a role's workers run: rollouters the synced one, trainers the trainer's."""
@@ -868,7 +882,7 @@ class Coordinator:
         self.leases[pool].fire("yield")
         home = P.HOME_ROLE[pool]
         direction = P.DIRECTION_OF_POOL[pool]
-        self._out.append(P.Switch(pool, home, direction, "out", self.profiler.costs[direction].c_out,
+        self._out.append(P.Switch(pool, home, direction, "out", self.profiler.charged(direction).c_out,
                                   self._role_version(home)))
 
     def _yield_revoked(self):

@@ -43,6 +43,10 @@ class ProfileRecord:
 @dataclass
 class Profiler:
     costs: dict                                    # direction -> SwitchCosts (start: configured values)
+    # (direction, "c_in" | "c_out") -> seconds the first such switch of the run adds to the steady cost (the
+    # yielding trainer engine allocating its pinned host buffer: bidirl.perf.costs.first_switch_allocation);
+    # charged until that switch is observed
+    first_switch: dict = field(default_factory=dict)
     window: int = 512                              # responses kept for the representative workload
     smoothing: float = 0.5                         # weight of a new cost measurement
     records: list = field(default_factory=list)
@@ -74,9 +78,25 @@ class Profiler:
             self.prompt_lens.popleft()
             self.response_lens.popleft()
 
+    def charged(self, direction: str):
+        """What ``direction``'s next switches are expected to take: the steady costs, plus what a first switch still
+        ahead adds (:attr:`first_switch`). The gates judge a window on the steady costs (:attr:`costs`): the
+        one-time allocation is paid by whichever window comes first and serves every later one, so charging it
+        to the first would refuse every window of a direction whose steady gain is below it."""
+        costs = self.costs[direction]
+        first = getattr(self, "first_switch", {})       # (a checkpoint written before it existed has none)
+        extra_in = first.get((direction, "c_in"), 0.0)
+        extra_out = first.get((direction, "c_out"), 0.0)
+        if not (extra_in or extra_out):
+            return costs
+        return SwitchCosts(c_in=costs.c_in + extra_in, c_out=costs.c_out + extra_out, c_grad=costs.c_grad)
+
     def observe_cost(self, direction: str, which: str, seconds: float) -> None:
-        """A measured C_in / C_out / C_grad for ``direction``; folded in at the next recalibration."""
-        self.cost_samples.setdefault((direction, which), []).append(float(seconds))
+        """A measured C_in / C_out / C_grad for ``direction``; folded in at the next recalibration. The first switch
+        of its kind is folded in without its one-time extra (:attr:`first_switch`), so the steady cost stays
+        steady."""
+        extra = getattr(self, "first_switch", {}).pop((direction, which), 0.0)
+        self.cost_samples.setdefault((direction, which), []).append(max(0.0, float(seconds) - extra))
 
     def recalibrate(self, predictor=None) -> dict:
         """Update the models (refit, or correction factors) and the switch costs from what was measured since

@@ -43,23 +43,66 @@ On the A6000 preset the derived costs land within 2× of the paper's measured Ta
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional
 
 from bidirl.core.protocol import ROLLOUT_ON_TRAINER_POOL, TRAINER_ON_ROLLOUT_POOL
 from bidirl.perf.memory import layout_candidates, trainer_state_bytes, usable_bytes
 
+@dataclass(frozen=True)
+class CostConstant:
+    """A constant of a cost model: its value, unit, and where the number comes from (a measurement in this
+    repository, a vendor spec, or a public number with its citation). ``tests/test_cost_sources.py`` fails on
+    a module-level numeric constant of a cost module that is not registered here with a source."""
+    value: float
+    unit: str
+    source: str
+
+    def __post_init__(self):
+        if not (isinstance(self.source, str) and len(self.source.strip()) >= 10):
+            raise ValueError(f"a cost constant needs its source (a measurement, a spec or a citation), "
+                             f"got {self.source!r}")
+
+
+#: every cost constant of :mod:`bidirl.perf` and the simulator, by the name it has in its module
+COST_CONSTANTS: dict = {}
+
+
+def cost_constant(name: str, value: float, unit: str, source: str) -> float:
+    """Register ``name`` in :data:`COST_CONSTANTS` with its source; returns ``value`` (``X = cost_constant(...)``)."""
+    if name in COST_CONSTANTS and COST_CONSTANTS[name].value != value:
+        raise ValueError(f"cost constant {name} registered twice with different values")
+    COST_CONSTANTS[name] = CostConstant(float(value), unit, source)
+    return value
+
+
 #: seconds of fixed latency when a worker wakes / sleeps (vLLM sleep mode, small model; see module doc)
-WAKE_FIXED = 1.1
-SLEEP_FIXED = 0.2
+WAKE_FIXED = cost_constant("WAKE_FIXED", 1.1, "s", "vLLM PR #48337 (Qwen3-0.6B on A100, sleep level 1): wake "
+                           "1.22 s, of which ≈0.1 s is the copy of 1.2 GB of weights")
+SLEEP_FIXED = cost_constant("SLEEP_FIXED", 0.2, "s", "vLLM PR #48337 (Qwen3-0.6B on A100, sleep level 1): sleep "
+                            "0.22 s, of which ≈0.05 s is the copy")
 #: achieved share of the pinned host-link rate for pageable (non-pinned) copies: public measurements give
 #: 0.5 s pinned vs 1.5–3 s pageable for the same FSDP offload, i.e. 1/3 to 1/6; the favourable end is used
-PAGEABLE_FRACTION = 1.0 / 3.0
+PAGEABLE_FRACTION = cost_constant("PAGEABLE_FRACTION", 1.0 / 3.0, "fraction",
+                                  "FSDP offload of Qwen3-VL-2B on 2 GPUs: ≈0.5 s pinned vs 1.5–3 s unpinned "
+                                  "(reference: public numbers §4.6, derived from the PCIe rate)")
 #: bytes per parameter of the primary trainer's offloaded state (fp32 master + Adam m, v)
-PRIMARY_TRAINER_STATE = 12
+PRIMARY_TRAINER_STATE = cost_constant("PRIMARY_TRAINER_STATE", 12, "B/param",
+                                      "fp32 master weights (4 B) + AdamW m and v (4 B each): torch.optim.AdamW")
 #: bytes per parameter of an auxiliary trainer's state (fp32 params + fp32 grads)
-AUX_TRAINER_STATE = 8
+AUX_TRAINER_STATE = cost_constant("AUX_TRAINER_STATE", 8, "B/param",
+                                  "fp32 parameters (4 B) + fp32 gradient buffer (4 B): FSDP mixed precision")
 #: bytes per parameter of a gradient (fp32 reduction, veRL's FSDP default)
-GRAD_BYTES = 4
+GRAD_BYTES = cost_constant("GRAD_BYTES", 4, "B/param", "fp32 gradient reduction: veRL's FSDP mixed-precision "
+                           "default (reduce_dtype float32)")
+#: seconds per byte to allocate (page-lock) a pinned host buffer: a trainer engine's first switch out allocates
+#: the buffer its state moves through, later switches reuse it (benchmarks/trainer_scale.md, 4B on an H200: the
+#: first offload of 45.0 GB took 36.7 s, a steady one 1.00 s, so the allocation is (36.7 − 1.0) s / 45.0 GB;
+#: allocating 45 GB of pinned memory alone took 43 s on the same kind of machine)
+PINNED_ALLOC_SECONDS_PER_BYTE = cost_constant(
+    "PINNED_ALLOC_SECONDS_PER_BYTE", (36.7 - 1.00) / 45.0e9, "s/B",
+    "benchmarks/trainer_scale.md, '4b on a GPU (H200)': offload first switch 36.7 s vs steady 1.00 s for 45.0 GB "
+    "of fp32 weights + AdamW state (measured 2026-11-26)")
 
 
 def state_layout(hw, model) -> int:
@@ -157,3 +200,57 @@ def derive_weight_sync(hw, model, *, trainer_layout: Optional[int] = None, rollo
     rho, tp = _layouts(hw, model, trainer_layout, rollout_tp)
     w = model.dtype_bytes * float(model.params_total)
     return w * (rho - 1) / (rho * hw.intra_node_bandwidth) + w / (tp * hw.inter_node_bandwidth)
+
+
+# --------------------------------------------------------------------------------------------------
+# what a switch really takes: the steady cost, plus the first switch's pinned allocation
+# --------------------------------------------------------------------------------------------------
+
+def first_switch_allocation(hw, model, direction: str, phase: str, *, trainer_layout: Optional[int] = None) -> float:
+    """Seconds the first switch of ``direction``/``phase`` in a run adds to the steady cost: the trainer engine that
+    yields its pool allocates the pinned host buffer its state moves through (then reuses it, module doc):
+
+    * Rollouter-on-TrainerPool, in: the primary trainer offloads ``S_tp = 12·N/ρ_t`` bytes per GPU for the first
+      time, ``S_tp · PINNED_ALLOC_SECONDS_PER_BYTE``;
+    * Trainer-on-RolloutPool, out: the auxiliary trainer offloads ``S_ta = 8·N/ρ_t`` for the first time,
+      ``S_ta · PINNED_ALLOC_SECONDS_PER_BYTE``;
+    * any other switch: 0 (a rollout engine's weights go through vLLM's sleep mode, whose level-1 sleep allocates
+      its pinned backup at every sleep: part of the steady cost).
+
+    Every GPU of the pool pins its own share in parallel (one process each), so the per-GPU bytes count."""
+    rho, _ = _layouts(hw, model, trainer_layout, 1)
+    n = float(model.params_total)
+    if direction == ROLLOUT_ON_TRAINER_POOL and phase == "in":
+        return PRIMARY_TRAINER_STATE * n / rho * PINNED_ALLOC_SECONDS_PER_BYTE
+    if direction == TRAINER_ON_ROLLOUT_POOL and phase == "out":
+        return AUX_TRAINER_STATE * n / rho * PINNED_ALLOC_SECONDS_PER_BYTE
+    return 0.0
+
+
+@dataclass
+class SwitchTimes:
+    """What each hot switch of a run takes where a driver models it (the simulator): the steady cost of its
+    direction and phase (``steady``: the preset's measured or derived :class:`~bidirl.core.protocol.SwitchCosts`),
+    plus :func:`first_switch_allocation` the first time that switch happens. The coordinator charges what its
+    profiler has seen; this is the truth its gates estimate."""
+    steady: dict                       # direction -> SwitchCosts
+    first: dict                        # (direction, phase) -> seconds added to the first such switch
+    seen: set = field(default_factory=set)
+
+    @classmethod
+    def of(cls, cfg, trainer_layout: Optional[int] = None) -> "SwitchTimes":
+        from bidirl.core.protocol import DIRECTIONS
+        hw, model = cfg.hardware_spec, cfg.model_spec
+        return cls({d: cfg.switch_costs(d) for d in DIRECTIONS},
+                   {(d, ph): first_switch_allocation(hw, model, d, ph, trainer_layout=trainer_layout)
+                    for d in DIRECTIONS for ph in ("in", "out")})
+
+    def take(self, direction: str, phase: str) -> tuple:
+        """``(steady seconds, pinned-allocation seconds)`` of the next ``direction``/``phase`` switch (the
+        allocation is nonzero once: the first time)."""
+        costs = self.steady[direction]
+        steady = costs.c_in if phase == "in" else costs.c_out
+        key = (direction, phase)
+        alloc = 0.0 if key in self.seen else float(self.first.get(key, 0.0))
+        self.seen.add(key)
+        return float(steady), alloc

@@ -110,11 +110,12 @@ class Batch:
     run_cost: float = 0.0                              # seconds until the next completion's iterations are done
     next_t: Optional[float] = None                     # the next request completion (None: nothing runs)
     completions: int = 0                               # request completions settled (epochs of the replica)
+    reprefills: list = field(default_factory=list)     # (start, end, tokens, requests) not yet reported
 
     def copy(self) -> "Batch":
         return Batch(list(self.running), deque(self.waiting), dict(self.left), self.iterations, self.live_base,
                      self.admitted, self.iter_start, self.factor, self.draws, self.a, self.b, self.run_cost,
-                     self.next_t, self.completions)
+                     self.next_t, self.completions)    # a plan reports only the waves it runs itself
 
     def finishing(self) -> list:
         """The running requests that finish at the next completion (those with the smallest finish count)."""
@@ -184,6 +185,17 @@ class BatchingEngine:
                 start[i] = end[i] = group.generated[i]
         self._reschedule(st, now, report=True)
         self._plan_ahead()
+        self._report_reprefills()
+
+    def _report_reprefills(self) -> None:
+        """Report the re-prefill shares of the prefill waves the real state has run (``reprefill`` spans, drawn
+        over the busy period's ``generate`` span): a wave planned ahead is reported once its plan is adopted."""
+        st = self.batch
+        if st.reprefills:
+            spans, st.reprefills = st.reprefills, []
+            for start, end, tokens, requests in spans:
+                self._report(self.on_span, self.name, "reprefill", start, end,
+                             {"tokens": tokens, "requests": requests})
 
     def interrupt(self, group_ids=None) -> list:
         """Stop the listed groups (all if None) now; returns their states (prefixes kept exactly)."""
@@ -216,6 +228,7 @@ class BatchingEngine:
         st.waiting = deque(r for r in st.waiting if r[0] not in drop)
         self._reschedule(st, now, report=True)
         self._plan_ahead()
+        self._report_reprefills()
         return out
 
     def _tokens_at_end(self, group: EngineGroup) -> None:
@@ -299,11 +312,17 @@ class BatchingEngine:
                 self._tokens_at_end(grp)
                 self._report(self.on_group, self.name, grp.state(), now - start)
         c = self.costs
-        admitted = self._admit(st, c) if st.waiting else []
+        admitted, held = self._admit(st, c) if st.waiting else ([], [])
         st.factor = self._factor(st)
         start = max(now, st.iter_start)      # a prefill still in progress delays what follows it
         if admitted:
-            start += st.factor * (c.tau_pre + c.alpha_pre * c.prefill_flops(np.asarray(admitted)))
+            contexts = np.asarray(admitted)
+            wave = c.prefill_flops(contexts)
+            start += st.factor * (c.tau_pre + c.alpha_pre * wave)
+            kept = np.asarray(held)
+            if kept.any():                   # the share of the wave that recomputes kept prefixes' KV cache
+                again = st.factor * c.alpha_pre * (wave - c.prefill_flops(contexts - kept))
+                st.reprefills.append((start - again, start, int(kept.sum()), int(np.count_nonzero(kept))))
         st.iter_start = start
         if not st.running:
             st.next_t = None
@@ -319,10 +338,11 @@ class BatchingEngine:
 
     def _admit(self, st: Batch, c: EngineCosts) -> list:
         """Move waiting requests into the running set, in arrival order, while ``max_seqs`` and the KV budget
-        allow (one request always fits an empty set); returns their contexts (prompt + tokens held)."""
+        allow (one request always fits an empty set); returns their contexts (prompt + tokens held) and the tokens
+        each already held (a resumed or moved request, whose KV cache is recomputed in the prefill wave)."""
         waiting, running, groups, it = st.waiting, st.running, self.groups, st.iterations
         live = st.live_base + len(running) * it
-        admitted = []
+        admitted, held = [], []
         while waiting and len(running) < c.max_seqs:
             g, i = waiting[0]
             grp = groups[g]
@@ -335,8 +355,9 @@ class BatchingEngine:
             st.admitted += 1
             st.live_base += base
             admitted.append(context)
+            held.append(grp.generated[i])
             live += context + 1
-        return admitted
+        return admitted, held
 
     def _finish(self, st: Batch) -> list:
         """Drop the requests that reached their target from the running set; the groups now complete, in the
@@ -440,6 +461,7 @@ class BatchingEngine:
         self._held = []
         self._complete(self.batch, self.loop.now, report=True)
         self._plan_ahead()
+        self._report_reprefills()
         held, self._held = self._held, None
         for call, args in held:
             call(*args)

@@ -6,7 +6,7 @@ schedule the same job with the same predictor and the same coordinator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -16,6 +16,7 @@ from bidirl.core.coordinator import Coordinator, Settings, Topology
 from bidirl.core.policies import Policy, get_policy
 from bidirl.core.profiler import Profiler
 from bidirl.job import config as cfgmod
+from bidirl.perf.costs import first_switch_allocation
 from bidirl.perf.predictor import StagePredictor
 from bidirl.perf.workload import sample_lengths
 
@@ -28,6 +29,7 @@ class Assembly:
     topology: Topology
     predictor: StagePredictor
     coordinator: Coordinator
+    first_switch: dict = field(default_factory=dict)   # (direction, "in" | "out") -> the first switch's allocation
 
     @property
     def pool_gpus(self) -> dict:
@@ -71,5 +73,10 @@ def assemble(cfg: cfgmod.JobConfig, policy, *, steps: int, seed: int,
                         sequence_parallel=cfg.rl.sequence_parallel, updates_per_sync=cfg.rl.updates_per_sync)
     costs = {d: cfg.switch_costs(d) for d in P.DIRECTIONS}
     policy = policy if isinstance(policy, Policy) else get_policy(policy)
-    coordinator = Coordinator(settings, topology, policy, predictor, Profiler(costs=costs), prior)
-    return Assembly(cfg, plan, topology, predictor, coordinator)
+    first = {(d, phase): first_switch_allocation(cfg.hardware_spec, cfg.model_spec, d, phase,
+                                                 trainer_layout=env.trainer_layout)
+             for d in P.DIRECTIONS for phase in ("in", "out")}
+    first = {k: v for k, v in first.items() if v > 0}
+    profiler = Profiler(costs=costs, first_switch={(d, "c_" + phase): v for (d, phase), v in first.items()})
+    coordinator = Coordinator(settings, topology, policy, predictor, profiler, prior)
+    return Assembly(cfg, plan, topology, predictor, coordinator, first)

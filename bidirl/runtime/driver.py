@@ -105,6 +105,10 @@ class Driver:
         self.version = 0              # the primary trainer's actor version, as the events fed have told
         self.finished = False         # the coordinator reported RunDone
         self.listeners: list = []     # RunListener objects (add_listener)
+        self.open_windows: dict = {}  # pool -> its open borrowing window: switch-in span, whether guests worked
+        # (direction, phase) -> the model's first-switch allocation, marked on the first such switch where the
+        # driver times switches by the models (a measured run's switches are what they are)
+        self.first_switch = dict(a.first_switch) if self.provenance != "measured" else {}
 
     def add_listener(self, listener: RunListener) -> RunListener:
         """Tell ``listener`` of every event, command and report from now on (after the listeners added before)."""
@@ -166,6 +170,10 @@ class Driver:
     def span(self, worker: str, kind: str, start: float, end: float, detail: Optional[dict] = None,
              step: Optional[int] = None) -> None:
         """One span on ``worker``'s lane, tagged with the current step (or ``step``) and actor version."""
+        if kind in ("generate", "chunk") and not P.is_primary(worker):
+            window = self.open_windows.get(P.worker_pool(worker))
+            if window is not None:
+                window["worked"] = True
         self.log.add_span(Span(worker=worker, pool=P.worker_pool(worker), role=P.worker_role(worker), kind=kind,
                                start=float(start), end=float(max(start, end)),
                                step=self.steps_done if step is None else step, version=self.version,
@@ -177,8 +185,25 @@ class Driver:
                                                     "samples": len(ch.samples)}, step=ch.step)
 
     def record_switch(self, cmd: P.Switch, start: float, end: float) -> None:
-        self.span(switch_lane(cmd.pool, cmd.to_role), "switch_in" if cmd.phase == "in" else "switch_out",
-                  start, end, {"direction": cmd.direction})
+        """The switch's span (with a ``pin_alloc`` span over its start when it is the first of its direction and
+        phase and the driver times switches by the models); a switch out that closes a window in which the guests
+        ran nothing (generated no token, ran no chunk: the window closed before its switch in completed, or had
+        nothing left for them) also marks both of the window's switches ``switch_no_work`` (paid for no work)."""
+        lane = switch_lane(cmd.pool, cmd.to_role)
+        self.span(lane, "switch_in" if cmd.phase == "in" else "switch_out", start, end, {"direction": cmd.direction})
+        alloc = self.first_switch.pop((cmd.direction, cmd.phase), 0.0)
+        if alloc > 0:                 # the first switch of its kind: the yielding trainer pins its host buffer
+            self.span(lane, "pin_alloc", start, min(end, start + alloc), {"direction": cmd.direction,
+                                                                         "phase": cmd.phase, "seconds": alloc})
+        if cmd.phase == "in":
+            self.open_windows[cmd.pool] = {"lane": lane, "start": start, "end": end, "worked": False}
+            return
+        window = self.open_windows.pop(cmd.pool, None)
+        if window is not None and not window["worked"]:
+            paid = (window["end"] - window["start"]) + (end - start)
+            detail = {"direction": cmd.direction, "paid": paid}
+            self.span(window["lane"], "switch_no_work", window["start"], window["end"], {**detail, "phase": "in"})
+            self.span(lane, "switch_no_work", start, end, {**detail, "phase": "out"})
 
     def record_sync(self, cmd: P.SyncWeights, start: float, end: float, per_target: Optional[dict] = None) -> None:
         """The sync on every target's lane (its own interval when ``per_target`` gives one) and on the primary
