@@ -48,7 +48,7 @@ def _samples(model_dir, n=8):
 
 
 def _engine(model_dir, **kw):
-    from bidirl.cluster.engines.trainer import TrainerEngine
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
     return TrainerEngine(model_dir, lr=1e-3, seed=0, threads=1, **kw)
 
 
@@ -203,7 +203,7 @@ def test_a_gang_restored_from_its_recovery_snapshot_switches_out_and_back(model_
 
 
 def test_state_whose_storage_cannot_be_freed_in_place_is_refused_before_anything_moves(tmp_path):
-    from bidirl.cluster.engines.host_buffer import HostStash
+    from bidirl.cluster.engines.workers.host_buffer import HostStash
 
     torch.save({"t": torch.ones(8)}, tmp_path / "t.pt")
     fixed = torch.load(tmp_path / "t.pt")["t"]                          # storage owned by the file reader

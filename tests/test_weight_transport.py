@@ -1,4 +1,4 @@
-"""The weight transport (issue #24, ``bidirl.cluster.engines.weight_transport``): trainer gang → rollouters in buckets.
+"""The weight transport (issue #24, ``bidirl.cluster.engines.workers.weight_transport``): trainer gang → rollouters in buckets.
 
 Unit tests: the bucket layout, the settings' errors. Integration tests (``-m integration``):
 
@@ -32,7 +32,7 @@ import time
 import pytest
 import torch
 
-from bidirl.cluster.engines import weight_transport as wt
+from bidirl.cluster.engines.workers import weight_transport as wt
 from bidirl.errors import ConfigError
 
 N_TENSORS = 20
@@ -437,10 +437,10 @@ def _fused(state: dict, name: str) -> torch.Tensor:
 def test_a_sync_over_the_transport_gives_every_rollouter_the_trainers_weights_through_no_object_store(model_dir,
                                                                                                      ray_session):
     ray = ray_session
-    from bidirl.cluster.engines.actors import RolloutActor, TrainerActor
+    from bidirl.cluster.engines.workers.actors import RolloutActor, TrainerActor
     from bidirl.cluster.engines.object_store_meter import ObjectStoreMeter, inline_limit
     from bidirl.cluster.engines.sync_grpo import requests_for
-    from bidirl.cluster.engines.trainer import forward_ranks, rank_shares
+    from bidirl.cluster.engines.workers.trainer import forward_ranks, rank_shares
     from bidirl.rl import grpo
     from bidirl.rl.samples import samples_from_groups
     from bidirl.rl.tasks import ArithmeticTask

@@ -286,7 +286,7 @@ class EngineDriver(PoolDriver):
         return [(0 if P.worker_pool(worker) == P.ROLLOUT_POOL else g_r) + i * env.rollout_layout]
 
     def _spawn(self, worker: str) -> None:
-        from bidirl.cluster.engines.actors import RolloutActor, TrainerActor
+        from bidirl.cluster.engines.workers.actors import RolloutActor, TrainerActor
 
         cfg = self.config
         bundles = self._bundles(worker)
@@ -496,7 +496,7 @@ class EngineDriver(PoolDriver):
     # rollout
     # ------------------------------------------------------------------------------------------
     def _request(self, task: P.GroupTask):
-        from bidirl.cluster.engines.rollout import GroupRequest
+        from bidirl.cluster.engines.workers.rollout import GroupRequest
         w = self.config.workload
         g = task.group_id
         forced = self.forced_lengths(g)[1] if self.forced_lengths is not None else None
@@ -618,7 +618,7 @@ class EngineDriver(PoolDriver):
             ref=[None] * len(samples))
 
     def _run_chunk(self, cmd: P.RunChunk):
-        from bidirl.cluster.engines.trainer import forward_ranks, rank_shares
+        from bidirl.cluster.engines.workers.trainer import forward_ranks, rank_shares
         ch, gang = cmd.chunk, cmd.worker
         data = self.step_data
         idx = [data.index[(g, i)] for g, i in ch.samples]
