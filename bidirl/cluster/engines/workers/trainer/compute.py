@@ -257,6 +257,7 @@ class Compute:
                                "send them to the primary trainer, which applies the update")
         self._ready("apply")
         t0 = time.perf_counter()
+        self._wait_state_copy("apply")                       # the snapshot's copy reads the weights it changes
         total = None
         count = len(self.accumulated)
         for g in grads_in_chunk_order:

@@ -8,6 +8,7 @@ combines one module per concern: :mod:`.loading`, :mod:`.distribution` (FSDP2), 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Union
@@ -17,6 +18,7 @@ import torch
 from bidirl.cluster.engines.workers import snapshot_files
 from bidirl.cluster.engines.workers.host_buffer import HostStash
 from bidirl.cluster.engines.workers.logprob import DEFAULT_CHUNK
+from bidirl.cluster.engines.workers.state_copy import StateCopy
 from bidirl.cluster.engines.workers.trainer.compute import Compute
 from bidirl.cluster.engines.workers.trainer.distribution import Distribution
 from bidirl.cluster.engines.workers.trainer.loading import Loading
@@ -63,7 +65,7 @@ class TrainerEngine(Compute, Weights, Windows, Recovery, Offload, Distribution, 
                  max_grad_norm: Optional[float] = 1.0, weight_decay: float = 0.0,
                  betas: tuple = (0.9, 0.999), precision: str = "auto", threads: Optional[int] = None,
                  activation_checkpointing: Optional[bool] = None, logprob_chunk: int = DEFAULT_CHUNK,
-                 gang: bool = False):
+                 gang: bool = False, publish_dtype: Optional[str] = None):
         if role not in ROLES:
             raise ValueError(f"TrainerEngine.role must be one of {ROLES}, got {role!r}")
         if not lr > 0:
@@ -86,6 +88,11 @@ class TrainerEngine(Compute, Weights, Windows, Recovery, Offload, Distribution, 
                              f"chunk), got {logprob_chunk!r}")
         if not isinstance(gang, bool):
             raise ValueError(f"TrainerEngine.gang must be True or False, got {gang!r}")
+        from bidirl.cluster.engines.workers.weight_transport import DTYPES
+        if publish_dtype is not None and publish_dtype not in DTYPES:
+            raise ValueError(f"TrainerEngine.publish_dtype must be None (no weight transport) or one of {list(DTYPES)}, "
+                             f"got {publish_dtype!r}")
+        self.publish_dtype = publish_dtype
         self.activation_checkpointing, self.logprob_chunk = activation_checkpointing, logprob_chunk
         if threads == "auto":
             threads = self.host_threads(self.device)
@@ -107,6 +114,11 @@ class TrainerEngine(Compute, Weights, Windows, Recovery, Offload, Distribution, 
         self.windows: dict = {}           # transfer id -> an auxiliary window's gradient shard (receive_window)
         self._host = HostStash()         # offload's host buffer: allocated once, reused by every switch
         self._snapshots = snapshot_files.SnapshotWriter()    # recovery snapshots on this node's disk (save_snapshot)
+        self._state_copy = StateCopy()   # the snapshot's copy to host memory, beside the next chunks
+        self.snapshot_waits: dict = {}    # call -> seconds it last waited for the snapshot's copy
+        self._published_readers = threading.Condition()    # sends reading published shards from the host buffer
+        self._host_readers = 0
+        self._published_on_host = False
         self.published: dict = {}         # actor version -> {name: (shard in the wire dtype, rows or None)}
         self._transport_group = None      # the gang's second group, for the weight transport's gathers
         self.accumulated: list = []       # chunk gradients accumulated into p.grad since the last step (their ids)
@@ -156,6 +168,8 @@ class TrainerEngine(Compute, Weights, Windows, Recovery, Offload, Distribution, 
         self.local_numel = sum(math.prod(s) for s in self.local_shapes)
         self.optimizer = (torch.optim.AdamW(self.params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
                           if self.role == PRIMARY else None)
+        if not self._pending:            # loaded: the host buffer is allocated in the background from now on
+            self._reserve_host()
 
     def _check_onloaded(self, what: str):
         if self._host.holding:
@@ -174,6 +188,7 @@ class TrainerEngine(Compute, Weights, Windows, Recovery, Offload, Distribution, 
         t0 = time.perf_counter()
         self.onload()
         self._ready("reset")
+        self._wait_state_copy("reset")
         with torch.no_grad():
             self._fill(self.model)           # a sharded rank reads its shards alone, as at start
         self.version = 0

@@ -3,7 +3,8 @@ snapshots on the node's disk (:mod:`bidirl.cluster.engines.workers.snapshot_file
 :mod:`bidirl.cluster.engines.trainer_recovery`).
 
 A mixin of :class:`~bidirl.cluster.engines.workers.trainer.engine.TrainerEngine` (primary ranks: an auxiliary one
-holds no optimizer state).
+holds no optimizer state). The snapshot's copy runs beside the next chunks (``_state_copy``): every call that
+changes or frees the state waits for it first (``_wait_state_copy``).
 """
 
 from __future__ import annotations
@@ -53,27 +54,47 @@ class Recovery:
         import torch.distributed.checkpoint as dcp
 
         t0 = time.perf_counter()
+        self._wait_state_copy("load_train_state")
         state = self._train_state("load_train_state")          # the layout to fill, this rank's shards
         dcp.load(state, checkpoint_id=str(path), process_group=self._dcp_group())
         self._set_train_state(state, version)
         return time.perf_counter() - t0
 
+    def _local_train_state(self, what: str) -> dict:
+        """:meth:`_train_state` with this rank's local tensors in place of the DTensors (no copy)."""
+        return tree_map(self._train_state(what), lambda t: local_part(t).detach())
+
     def train_state_shard(self) -> dict:
-        """This rank's part of the training state as plain CPU tensors, with its version: what a recovery snapshot
-        writes (:meth:`save_snapshot`) and :meth:`restore_train_state_shard` takes back."""
-        state = self._train_state("train_state_shard")
-        return {"version": self.version,
-                "state": tree_map(state, lambda t: local_part(t).detach().to("cpu", copy=True))}
+        """This rank's part of the training state as plain CPU tensors of its own, with its version (what a recovery
+        snapshot holds; :meth:`restore_train_state_shard` takes it back). The copy is the snapshot's
+        (:class:`~bidirl.cluster.engines.workers.state_copy.StateCopy`), waited for and cloned out of its buffer."""
+        self._snapshots.flush()                     # a write in flight still reads the copy's buffer
+        self._state_copy.start(self._local_train_state("train_state_shard"), self.device)
+        return {"version": self.version, "state": tree_map(self._wait_state_copy("train_state_shard"),
+                                                           lambda t: t.clone())}
 
     def save_snapshot(self, folder: Union[str, Path], version: int) -> float:
-        """Copy this rank's training state (:meth:`train_state_shard`) and write it to ``folder`` on this node's disk
-        in the background (:mod:`bidirl.cluster.engines.workers.snapshot_files`); :meth:`flush_snapshot` waits for the
-        write. Returns the seconds of the copy (what the caller waits for)."""
+        """Start copying this rank's training state to host memory beside the next calls (the chunks that follow;
+        :mod:`bidirl.cluster.engines.workers.state_copy`) and write it to ``folder`` on this node's disk once copied
+        (:mod:`bidirl.cluster.engines.workers.snapshot_files`). Only a call that changes or frees the state
+        (``apply``, ``offload``, a weight or state load) waits for the copy; :meth:`flush_snapshot` waits for the
+        write. Returns the seconds the caller waited (the previous write, if still in flight, and the start)."""
         if int(version) != self.version:
             raise ValueError(f"save_snapshot: this engine holds version {self.version}, not {version}")
         t0 = time.perf_counter()
-        self._snapshots.write(folder, self.version, self.rank, self.train_state_shard())
+        self._snapshots.flush()                     # the previous write still reads the copy's buffer
+        self._state_copy.start(self._local_train_state("save_snapshot"), self.device)
+        held = int(self.version)
+        self._snapshots.write(folder, held, self.rank, lambda: {"version": held, "state": self._state_copy.wait()})
         return time.perf_counter() - t0
+
+    def _wait_state_copy(self, what: str):
+        """Wait for the snapshot's copy in flight before ``what`` changes or frees the state; the seconds waited are
+        kept in ``snapshot_waits[what]`` (the last wait of each kind). Returns the copy (``None`` if none)."""
+        t0 = time.perf_counter()
+        copied = self._state_copy.wait()
+        self.snapshot_waits[what] = time.perf_counter() - t0
+        return copied
 
     def flush_snapshot(self) -> dict:
         """Wait for the snapshot write in flight; its report (``version``, ``bytes``, ``seconds``), ``{}`` if none."""
@@ -88,6 +109,7 @@ class Recovery:
         """Take back what :meth:`train_state_shard` returned on the same rank of a gang of the same layout (the
         sharding comes from this engine's own parameters). Returns seconds."""
         t0 = time.perf_counter()
+        self._wait_state_copy("restore_train_state_shard")
         template = self._train_state("restore_train_state_shard")
         try:
             state = rebuild(shard["state"], template)

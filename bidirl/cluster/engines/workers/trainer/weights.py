@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from bidirl.cluster.engines.workers.trainer.offload import PUBLISHED_VERSIONS
 from bidirl.cluster.engines.workers.trainer.tensors import (checkpoint_tensors, is_dtensor, local_part,
                                                              local_slice)
 from bidirl.rl import model_folder as checkpoint
@@ -38,6 +39,7 @@ class Weights:
         model); a sharded rank copies its own shards (no communication). Returns the seconds spent."""
         self._ready("load_state_dict")
         t0 = time.perf_counter()
+        self._wait_state_copy("load_state_dict")
         weights = checkpoint.hf_weights(state, self.tied)
         targets = {checkpoint.hf_name(k): v for k, v in self.model.state_dict(keep_vars=True).items()}
         missing = [k for k in targets if k not in weights and not (k == "lm_head.weight" and self.tied)]
@@ -66,18 +68,22 @@ class Weights:
         :meth:`send_weights` sends whatever the engine does next (a rollouter may need a version after the next
         optimizer step changed the weights: §3.2's sync follows the step, and a restarted rollouter's load may come
         later still). Versions other than ``version`` and ``keep`` are dropped. On CPU in fp32 this is a copy of
-        the shards; on GPU a bf16 copy on the device (moved to the host while the engine is offloaded). Returns the
+        the shards; on GPU a bf16 copy on the device. While the engine is offloaded they sit in its host buffer
+        (:meth:`offload`, the same code on every device) and sends read them there. Returns the
         bytes kept for ``version``. Every rank of a gang calls it (no communication)."""
         from bidirl.cluster.engines.workers.weight_transport import DTYPES
         if dtype not in DTYPES:
             raise ValueError(f"TrainerEngine.publish: dtype must be one of {list(DTYPES)}, got {dtype!r}")
         self._check_onloaded("publish")
+        wanted = {int(v) for v in keep} | {int(version)}
+        if len(wanted) > PUBLISHED_VERSIONS:
+            raise ValueError(f"TrainerEngine.publish: at most {PUBLISHED_VERSIONS} versions are kept (the newest and "
+                             f"the one before it; the host buffer is sized for them), asked for {sorted(wanted)}")
         shards = {}
         with torch.no_grad():
             for name, t in self.named_weights().items():
                 shards[name] = (local_part(t).detach().to(DTYPES[dtype], copy=True),
                                 self._dim0_sharding(name, t) if is_dtensor(t) else None)
-        wanted = {int(v) for v in keep} | {int(version)}
         published = {v: p for v, p in self.published.items() if v in wanted}     # a new dict: a send in flight
         published[int(version)] = shards                                            # keeps what it reads
         self.published = published
@@ -102,15 +108,6 @@ class Weights:
             raise ValueError(f"publish: {name}'s shard on rank {self.rank} holds rows {offset[0]}+{shape[0]} of {n}, "
                              f"not torch.chunk's split over {shards} ranks")
         return n
-
-    def _move_published(self, device) -> None:
-        """Published shards follow the engine out of the device and back (CUDA only: on CPU they never move). New
-        dicts: a send in flight keeps reading the tensors it started with."""
-        if self.device.type != "cuda":
-            return
-        pin = torch.device(device).type == "cpu"
-        self.published = {v: {k: (t.pin_memory() if pin else t.to(device, non_blocking=True), n)
-                              for k, (t, n) in shards.items()} for v, shards in self.published.items()}
 
     def _gather_bucket(self, shards: dict, names: Sequence[str]) -> list:
         """Full tensors of ``names`` from published ``shards``: one all-gather of the bucket's row shards (each
@@ -175,7 +172,7 @@ class Weights:
                 flag = torch.tensor([n], dtype=torch.int64, device=self._comm_device())
                 dist.broadcast(flag, src=0, group=self._transport_group)
                 return int(flag.item())
-        with torch.no_grad():
+        with torch.no_grad(), self._reading_published(shards):
             return wt.send_buckets(transfer, self.rank, lambda names: self._gather_bucket(shards, names),
                                    self._comm_device(), broadcast)
 
@@ -189,6 +186,7 @@ class Weights:
         from bidirl.cluster.engines.workers import weight_transport as wt
         self._ready("receive_weights")
         t0 = time.perf_counter()
+        self._wait_state_copy("receive_weights")
         weights = self.named_weights()
         shapes = transfer.layout.shapes()
         missing = sorted(k for k in weights if k not in shapes)
