@@ -61,8 +61,9 @@ class Distribution:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if not dist.is_initialized():
+            # device_id: NCCL forms the communicator eagerly, here, not inside the first collective of a chunk
             dist.init_process_group(backend or self._backend(), init_method=f"tcp://{addr}", rank=rank,
-                                    world_size=world)
+                                    world_size=world, device_id=self.device if self.device.type == "cuda" else None)
         elif (dist.get_rank(), dist.get_world_size()) != (rank, world):
             raise RuntimeError(f"init_process_group: this process already is rank {dist.get_rank()} of "
                                f"{dist.get_world_size()}, not rank {rank} of {world}")
@@ -70,6 +71,9 @@ class Distribution:
         self.rank, self.world, self.replicas = rank, world, replicas
         # the weight transport's gathers run beside training (on another thread): a group of their own
         self._transport_group = dist.new_group(backend=backend or self._backend()) if world > 1 else None
+        for group in (self._group, self._transport_group):       # every rank forms both communicators now
+            if group is not None and world > 1:
+                torch.distributed.all_reduce(torch.zeros(1, device=self._comm_device()), group=group)
         self._shard(self._device_mesh(replicas, world // replicas))
 
     def _device_mesh(self, replicas: int, shard: int):

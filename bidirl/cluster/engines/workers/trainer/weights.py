@@ -164,7 +164,7 @@ class Weights:
             raise ValueError(f"send_weights: the layout does not fit this model (missing {missing[:5]}, shape "
                              f"mismatches {wrong[:5]}, or another dtype than {transfer.layout.dtype}); build it from "
                              "this trainer's model folder (weight_transport.model_layout)")
-        broadcast = None
+        broadcast = agree = None
         if self.world > 1:
             import torch.distributed as dist
 
@@ -172,9 +172,12 @@ class Weights:
                 flag = torch.tensor([n], dtype=torch.int64, device=self._comm_device())
                 dist.broadcast(flag, src=0, group=self._transport_group)
                 return int(flag.item())
+
+            def agree(t) -> None:
+                wt.check_same_transfer(t.tid, t.version, self.rank, self._transport_group, self._comm_device())
         with torch.no_grad(), self._reading_published(shards):
             return wt.send_buckets(transfer, self.rank, lambda names: self._gather_bucket(shards, names),
-                                   self._comm_device(), broadcast)
+                                   self._comm_device(), broadcast, agree)
 
     @staticmethod
     def _global_shape(name: str, local: torch.Tensor, rows) -> tuple:
