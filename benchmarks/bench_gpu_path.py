@@ -59,8 +59,8 @@ def _receive_window(engine, numel: int, device: str) -> dict:
 
     flat = torch.randn(numel, generator=torch.Generator().manual_seed(1)).mul_(1e-3).to(device)
     rendezvous = Rendezvous("127.0.0.1")
-    transfer = rendezvous.open(["primary/0"], engine.version, bridge.window_layout(numel, int(DEFAULT_BUCKET_MB * 2**20)),
-                               120.0)
+    layout = bridge.window_layout(numel, int(DEFAULT_BUCKET_MB * 2**20))
+    transfer = rendezvous.open(["primary/0"], engine.version, layout, 120.0)
     sender = threading.Thread(target=bridge.send_shard, args=(transfer, flat, device), daemon=True)
     sender.start()
     try:

@@ -1,4 +1,5 @@
-"""The weight transport (issue #24, ``bidirl.cluster.engines.workers.weight_transport``): trainer gang → rollouters in buckets.
+"""The weight transport (issue #24, ``bidirl.cluster.engines.workers.weight_transport``): trainer gang → rollouters
+in buckets.
 
 Unit tests: the bucket layout, the settings' errors. Integration tests (``-m integration``):
 

@@ -1,6 +1,7 @@
 """Thin Ray actor wrappers around the engines: one engine per actor, every call timed as a span.
 
-The engine driver (:mod:`bidirl.cluster.engines.driver`) hosts a :class:`~bidirl.cluster.engines.workers.rollout.RolloutEngine` in a
+The engine driver (:mod:`bidirl.cluster.engines.driver`) hosts a
+:class:`~bidirl.cluster.engines.workers.rollout.RolloutEngine` in a
 ``RolloutActor`` and a :class:`~bidirl.cluster.engines.workers.trainer.TrainerEngine` in a ``TrainerActor``. The
 wrappers add nothing but remote access and self-recorded spans: each method returns a :class:`Reply`
 whose ``spans`` list the work it did as ``{"worker", "kind", "start", "end", "detail"}`` records in
@@ -284,7 +285,8 @@ class TrainerActor(_Timed):
     # The engine driver's gradient path: a primary gang accumulates each chunk's gradient into its ranks' sharded
     # p.grad on their devices (nothing leaves the gang, nothing goes to the host). An auxiliary gang does the same
     # over its window and, when the window ends, each rank sends its shard to the primary ranks holding it
-    # (send_window / receive_window: C_grad, once per window, shard to shard; bidirl.cluster.engines.workers.bridge). With
+    # (send_window / receive_window: C_grad, once per window, shard to shard;
+    # bidirl.cluster.engines.workers.bridge). With
     # transport.weights: object_store an auxiliary gang instead gathers each chunk gradient unsharded and returns
     # it as one object, which the merge moves to the primary ranks (each adds its shard).
     @ray.method(num_returns=2)
@@ -399,7 +401,8 @@ class TrainerActor(_Timed):
                                                         "end": time.time(), "detail": {}},))
         return ack, full
 
-    # The weight transport (bidirl.cluster.engines.workers.weight_transport): the primary gang publishes each version and
+    # The weight transport (bidirl.cluster.engines.workers.weight_transport): the primary gang publishes each version
+    # and
     # sends it bucket by bucket (every rank gathers, rank 0 sends); an auxiliary gang's ranks receive.
     def publish(self, version: int, dtype: str, keep: Sequence[int] = ()) -> Reply:
         return self._reply("publish", self.engine.publish, version, dtype, keep, detail={"version": version})

@@ -16,7 +16,8 @@ that poll the rendezvous where the driver marks members it saw die. A long-lived
 been formed once, but one dead member stalls every collective on it until a timeout; a transfer per window
 confines a death to its own pairs and costs one rendezvous per window (milliseconds on gloo; NCCL's pair set-up on
 GPU is part of the measured C_grad). A primary rank keeps the received shard beside its own gradient until the
-optimizer step (:meth:`~bidirl.cluster.engines.workers.trainer.TrainerEngine.apply`), so a transfer that breaks off leaves
+optimizer step (:meth:`~bidirl.cluster.engines.workers.trainer.TrainerEngine.apply`), so a transfer that breaks off
+leaves
 its gradient untouched.
 """
 

@@ -160,7 +160,8 @@ class RolloutWeights:
                                "cached blocks would serve stale keys and values")
 
     def offload(self) -> float:
-        """Give the replica's memory up for a hot switch; returns seconds (see :mod:`bidirl.cluster.engines.workers.rollout`)."""
+        """Give the replica's memory up for a hot switch; returns seconds (see
+        :mod:`bidirl.cluster.engines.workers.rollout`)."""
         self._require_idle("offload")
         if self.offloaded:
             return 0.0
@@ -182,7 +183,8 @@ class RolloutWeights:
         """Restore what :meth:`offload` gave up: the weights, then (``kv``) the KV cache; returns seconds.
 
         A hot switch-in calls ``onload(kv=False)``, loads the current weights, then ``onload()`` — the KV cache
-        comes back only once the weights are in place (:mod:`bidirl.cluster.engines.workers.rollout`). On GPU the weights phase gives the
+        comes back only once the weights are in place (:mod:`bidirl.cluster.engines.workers.rollout`). On GPU the
+        weights phase gives the
         weights' memory back with undefined contents after a level-2 sleep: :meth:`load_weights` must follow
         before the engine generates."""
         if not self.offloaded:

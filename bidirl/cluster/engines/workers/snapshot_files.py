@@ -4,7 +4,8 @@
 A snapshot of version ``v`` is one file per rank, ``<folder>/v<v>/rank<r>.pt``: the rank's ``train_state_shard``
 (its shard of weights and AdamW state as CPU tensors). The copy to host memory runs beside the next chunks
 (:mod:`bidirl.cluster.engines.workers.state_copy`); :class:`SnapshotWriter` waits for it and writes the file on a
-thread of its own, under a temporary name renamed into place once complete, so a file that exists is whole. Each rank keeps its last two
+thread of its own, under a temporary name renamed into place once complete, so a file that exists is whole. Each
+rank keeps its last two
 versions: the newest may still be in writing on another rank while the one before is the driver's recovery point.
 """
 

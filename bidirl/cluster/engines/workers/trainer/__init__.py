@@ -30,7 +30,8 @@ block by block. Gradients are reduced as a **sum** (divide factor 1: the GRPO lo
 the step's token count), so after a chunk every rank holds its shard of the gang's chunk gradient:
 :class:`ChunkGradient` ``.flat`` is that shard (the whole gradient on an unsharded engine).
 :meth:`send_window` / :meth:`receive_window` move an auxiliary gang's accumulated window shard to shard to the
-primary gang (:mod:`bidirl.cluster.engines.workers.bridge`), where it waits beside ``p.grad`` until :meth:`apply` adds it.
+primary gang (:mod:`bidirl.cluster.engines.workers.bridge`), where it waits beside ``p.grad`` until :meth:`apply`
+adds it.
 Without the weight transport (``transport.weights: object_store``) :meth:`full_gradient` gathers a shard vector
 into the full gradient (a gang collective: how an auxiliary gang's chunk gradient leaves it) and
 :meth:`local_gradient` cuts a rank's shard out of a full one (how a primary rank keeps it); :meth:`apply`

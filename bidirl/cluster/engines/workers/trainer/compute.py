@@ -199,7 +199,8 @@ class Compute:
 
     def _local_grad_vector(self) -> torch.Tensor:
         """This rank's gradient shards, flattened in parameter order (zeros where a parameter got none)."""
-        parts = [(local_part(p.grad).reshape(-1) if p.grad is not None else torch.zeros(math.prod(s), device=self.device))
+        parts = [(local_part(p.grad).reshape(-1) if p.grad is not None
+                  else torch.zeros(math.prod(s), device=self.device))
                  for p, s in zip(self.params, self.local_shapes)]
         return torch.cat(parts).detach().to(torch.float32)
 

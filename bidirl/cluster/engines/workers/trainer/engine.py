@@ -90,8 +90,8 @@ class TrainerEngine(Compute, Weights, Windows, Recovery, Offload, Distribution, 
             raise ValueError(f"TrainerEngine.gang must be True or False, got {gang!r}")
         from bidirl.cluster.engines.workers.weight_transport import DTYPES
         if publish_dtype is not None and publish_dtype not in DTYPES:
-            raise ValueError(f"TrainerEngine.publish_dtype must be None (no weight transport) or one of {list(DTYPES)}, "
-                             f"got {publish_dtype!r}")
+            raise ValueError("TrainerEngine.publish_dtype must be None (no weight transport) or one of "
+                             f"{list(DTYPES)}, got {publish_dtype!r}")
         self.publish_dtype = publish_dtype
         self.activation_checkpointing, self.logprob_chunk = activation_checkpointing, logprob_chunk
         if threads == "auto":

@@ -61,7 +61,8 @@ class Offload:
 
     def offload(self) -> float:
         """Copy this rank's weights, optimizer state, accumulated gradients (and the reference model, if
-        loaded) — its shards when sharded — into the engine's host buffer (:mod:`bidirl.cluster.engines.workers.host_buffer`:
+        loaded) — its shards when sharded — into the engine's host buffer
+        (:mod:`bidirl.cluster.engines.workers.host_buffer`:
         allocated once, pinned where CUDA is present, reused by every switch) and free the device copy;
         returns seconds."""
         if self._host.holding:
@@ -136,7 +137,8 @@ class Offload:
         if self.publish_dtype is not None:
             from bidirl.cluster.engines.workers.weight_transport import DTYPES
             size = torch.empty(0, dtype=DTYPES[self.publish_dtype]).element_size()
-            shards = sum(aligned(math.prod(local_part(t).shape) * size) for t in checkpoint_tensors(self.model).values())
+            shards = sum(aligned(math.prod(local_part(t).shape) * size)
+                         for t in checkpoint_tensors(self.model).values())
             total += PUBLISHED_VERSIONS * shards
         return total
 

@@ -159,7 +159,8 @@ class Weights:
         wanted = transfer.layout.shapes()
         aliases = dict(transfer.layout.aliases)
         missing = sorted(k for k in wanted if k not in shards and k not in aliases)
-        wrong = sorted(k for k in wanted if k in shards and tuple(self._global_shape(k, *shards[k])) != tuple(wanted[k]))
+        wrong = sorted(k for k in wanted
+                       if k in shards and tuple(self._global_shape(k, *shards[k])) != tuple(wanted[k]))
         if missing or wrong or any(t.dtype != transfer.layout.torch_dtype for t, _ in shards.values()):
             raise ValueError(f"send_weights: the layout does not fit this model (missing {missing[:5]}, shape "
                              f"mismatches {wrong[:5]}, or another dtype than {transfer.layout.dtype}); build it from "
