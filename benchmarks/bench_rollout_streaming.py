@@ -44,7 +44,7 @@ def _actor():
     """(ray, actor, tokenizer): one rollout actor for the process (started once, on a local Ray if none)."""
     import ray
 
-    from bidirl.cluster.engines.actors import RolloutActor
+    from bidirl.cluster.engines.workers.actors import RolloutActor
     from bidirl.rl.bootstrap import ensure_tiny_model
     from bidirl.rl.tasks import ArithmeticTask
     from bidirl.rl.tiny_model import load_tokenizer
@@ -62,7 +62,7 @@ def _actor():
 def _requests(tokenizer, groups: int) -> list:
     import numpy as np
 
-    from bidirl.cluster.engines.rollout import GroupRequest
+    from bidirl.cluster.engines.workers.rollout import GroupRequest
     from bidirl.rl.tasks import ArithmeticTask
 
     task = ArithmeticTask(seed=0)

@@ -2,7 +2,7 @@
 
 Issue #24, part 5. :class:`PreviousPositionKeyedSampler` below is the previous release's implementation, kept
 here only for comparison: one ``torch.Generator`` per row per decode step (mt19937 on CPU), a Python loop over
-the rows and a device sync per row. The library's :class:`~bidirl.cluster.engines.sampler.PositionKeyedSampler`
+the rows and a device sync per row. The library's :class:`~bidirl.cluster.engines.workers.sampler.PositionKeyedSampler`
 draws counter-based noise for the whole batch in one vectorised pass. Figures (``bidirl bench --only sampler``;
 medians over the calls ``--repeats`` makes):
 
@@ -55,8 +55,8 @@ def implementations() -> dict:
     import torch
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
-    from bidirl.cluster.engines import sampler as keyed
-    from bidirl.cluster.engines.sampler import SEED_KEY, TEMPERATURE_KEY, PositionKeyedSampler, position_seed
+    from bidirl.cluster.engines.workers import sampler as keyed
+    from bidirl.cluster.engines.workers.sampler import SEED_KEY, TEMPERATURE_KEY, PositionKeyedSampler, position_seed
 
     def previous_gumbel_noise(seed: int, position: int, vocab: int, device) -> torch.Tensor:
         """The previous release's noise of one position: a ``torch.Generator`` seeded by the position key."""
@@ -171,8 +171,8 @@ def _engine():
 
         import torch
 
-        from bidirl.cluster.engines import sampler as keyed
-        from bidirl.cluster.engines.rollout import RolloutEngine
+        from bidirl.cluster.engines.workers import sampler as keyed
+        from bidirl.cluster.engines.workers.rollout import RolloutEngine
         from bidirl.rl.bootstrap import ensure_tiny_model
         env = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
         if env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind":
@@ -187,7 +187,7 @@ def _engine():
 
 
 def _requests(engine, groups: int, tokens: int):
-    from bidirl.cluster.engines.rollout import GroupRequest
+    from bidirl.cluster.engines.workers.rollout import GroupRequest
     from bidirl.rl.tasks import ArithmeticTask
     prompts = ArithmeticTask(seed=0).prompts(groups, start=0)
     return [GroupRequest(i, tuple(engine.tokenizer(p.text)["input_ids"]), GROUP_SIZE, tokens, ignore_eos=True)
@@ -242,7 +242,7 @@ def _apply_us(vocab: int, calls: int, device: str = "cpu") -> dict:
     import torch
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-    from bidirl.cluster.engines.sampler import SEED_KEY, TEMPERATURE_KEY
+    from bidirl.cluster.engines.workers.sampler import SEED_KEY, TEMPERATURE_KEY
 
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

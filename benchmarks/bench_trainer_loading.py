@@ -35,7 +35,7 @@ def _rank(rank: int, world: int, addr: str, folder: str, gang: bool, out: str) -
 
     import torch
     import transformers.models.qwen3.modeling_qwen3  # noqa: F401  (imported before the baseline)
-    from bidirl.cluster.engines.trainer import TrainerEngine
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
 
     kinds = ("RssAnon", "RssFile")
     start = {k: _status(k) for k in kinds}

@@ -21,7 +21,7 @@ CUDA, fp32 on CPU). Per micro-batch of ``MB`` samples of ``P`` prompt + ``R`` re
   the gang waits for (``snapshot_copy``), the background write to local disk (``snapshot_write``) and its size;
   nothing of it goes through Ray's object store;
 * ``window_*`` — C_grad for one rank pair: an auxiliary rank's window (its gradient shard, fp32) sent to a primary
-  rank over the transport (:func:`bidirl.cluster.engines.bridge.send_shard` / ``receive_shard``, gloo through
+  rank over the transport (:func:`bidirl.cluster.engines.workers.bridge.send_shard` / ``receive_shard``, gloo through
   the host here: both ends in this process), seconds and GB/s. The bytes a whole run puts into Ray's object store
   by kind are counted driver-level by ``bench weight_sync`` (``benchmarks/weight_sync.md``).
 
@@ -93,7 +93,7 @@ def measure(size: str = "small", reps: int = 3, out: str = None, report=None) ->
     called with each figure as soon as it is measured (a run at 4B takes minutes; a failure late in it keeps what
     came before)."""
     import torch
-    from bidirl.cluster.engines.trainer import TrainerEngine
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
     from bidirl.rl import grpo
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -226,8 +226,8 @@ def _window_transfer(numel: int, device: str) -> dict:
     import threading
 
     import torch
-    from bidirl.cluster.engines import bridge
-    from bidirl.cluster.engines.weight_transport import DEFAULT_BUCKET_MB, Rendezvous
+    from bidirl.cluster.engines.workers import bridge
+    from bidirl.cluster.engines.workers.weight_transport import DEFAULT_BUCKET_MB, Rendezvous
 
     flat = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device)
     rendezvous = Rendezvous("127.0.0.1")

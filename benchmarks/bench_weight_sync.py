@@ -97,8 +97,8 @@ def sync_by_model_size(sizes=("tiny", "small"), reps: int = 3, bucket_mb: float 
     """Sync ``reps`` times per path and model size with a two-rank gang and two rollouters (module docstring)."""
     import ray
 
-    from bidirl.cluster.engines import weight_transport as wt
-    from bidirl.cluster.engines.actors import RolloutActor, TrainerActor
+    from bidirl.cluster.engines.workers import weight_transport as wt
+    from bidirl.cluster.engines.workers.actors import RolloutActor, TrainerActor
 
     out = {}
     for size in sizes:

@@ -4,7 +4,7 @@ A run's workers start as fresh processes (Ray actors), and a start is mostly CPU
 imports (torch, transformers, vLLM), the engine's set-up, the warm-up generation. On a machine with few cores, a
 run's start-up — and most of the test suite's time (``docs/architecture.md``, "How it is tested") — is the sum of
 these. Each call starts, for each kind, a fresh Python process that does what the actor's ``__init__`` does —
-imports ``bidirl.cluster.engines.actors`` (Ray), then imports and builds a ``RolloutEngine`` (vLLM) or a
+imports ``bidirl.cluster.engines.workers.actors`` (Ray), then imports and builds a ``RolloutEngine`` (vLLM) or a
 one-rank ``TrainerEngine`` of the built-in tiny model — once with the garbage collector paused around the start
 (as the actors do, ``actors._collector_paused``) and once without, and reports the process's CPU time
 (``time.process_time``: every thread) and wall time from interpreter start to a built engine, and the ratio of the
@@ -23,14 +23,14 @@ _CHILD = r"""
 import json, sys, time
 w0 = time.perf_counter()
 kind, model_dir, mode = sys.argv[1:4]
-from bidirl.cluster.engines import actors
+from bidirl.cluster.engines.workers import actors
 import contextlib
 with (actors._collector_paused() if mode == "paused" else contextlib.nullcontext()):
     if kind == "rollouter":
-        from bidirl.cluster.engines.rollout import RolloutEngine
+        from bidirl.cluster.engines.workers.rollout import RolloutEngine
         engine = RolloutEngine(model_dir, max_model_len=64)
     else:
-        from bidirl.cluster.engines.trainer import TrainerEngine
+        from bidirl.cluster.engines.workers.trainer import TrainerEngine
         engine = TrainerEngine(model_dir, threads=1)
 print(json.dumps({"cpu_s": time.process_time(), "wall_s": time.perf_counter() - w0}))
 """

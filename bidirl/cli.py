@@ -155,7 +155,8 @@ def _args_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", metavar="TEXT", default=None,
                    help="run only the benchmarks whose name contains TEXT")
     p.add_argument("--size", metavar="SIZE", default=None,
-                   help="model size for benchmarks that take one (trainer_scale: tiny, small, 4b, 8b)")
+                   help="model size for benchmarks that take one (trainer_scale, gpu_path: tiny, small, 4b, 8b; "
+                        "gpu_path's 4b / 8b need a CUDA GPU)")
 
 
 def load_benchmarks() -> dict:

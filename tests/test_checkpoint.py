@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from bidirl.cluster.engines.trainer import TrainerEngine, forward_ranks, rank_shares, resolve_precision
+from bidirl.cluster.engines.workers.trainer import TrainerEngine, forward_ranks, rank_shares, resolve_precision
 from bidirl.rl import model_folder as checkpoint
 from bidirl.rl import tiny_model
 
@@ -98,7 +98,7 @@ def test_tokenizers_of_the_tiny_model_and_of_any_checkpoint(tmp_path, qwen_dir):
 def test_an_architecture_vllm_does_not_implement_is_named(tmp_path, qwen_dir):
     assert checkpoint.check_vllm_architecture(qwen_dir) == "Qwen2ForCausalLM"
     foreign = _copy_with_config(qwen_dir, tmp_path / "foreign", architectures=["NoSuchForCausalLM"])
-    from bidirl.cluster.engines.rollout import RolloutEngine
+    from bidirl.cluster.engines.workers.rollout import RolloutEngine
     with pytest.raises(checkpoint.ModelFolderError, match=r"vLLM implements none of the architectures "
                                                           r"\['NoSuchForCausalLM'\]"):
         RolloutEngine(foreign)

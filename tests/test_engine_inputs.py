@@ -96,7 +96,7 @@ def test_a_reward_that_raises_stops_the_run_naming_the_function_and_the_sample(m
     reward = _write(tmp_path / "bad_reward.py", RAISES)
     cfg = engine_jobs.borrowing(**{"workload.data_file": str(data), "rl.reward": reward})
     out = tmp_path / "run"
-    with pytest.raises(ClusterError, match=r"worker \S*rollouter/\d failed: reward function "
+    with pytest.raises(ClusterError, match=r"worker \S*rollouter/\d raised in \S+: reward function "
                                            r"bad_reward.py:compute_score failed on group \d+, response \d+ "
                                            r"\(data_source 'sums', ground truth '\d+', response '.*'\): "
                                            r"raised ValueError: cannot parse the answer"):

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-from bidirl.cluster.engines.rollout import GroupRequest, RolloutEngine, request_seed
+from bidirl.cluster.engines.workers.rollout import GroupRequest, RolloutEngine, request_seed
 from bidirl.cluster.engines.sync_grpo import requests_for, run_grpo
-from bidirl.cluster.engines.trainer import TrainerEngine
+from bidirl.cluster.engines.workers.trainer import TrainerEngine
 from bidirl.rl import grpo
 from bidirl.rl.bootstrap import ensure_tiny_model
 from bidirl.rl.model_folder import TINY_MARKER
@@ -265,7 +265,7 @@ def test_a_resumed_response_gets_the_tokens_it_would_have_got(fresh, model_dir, 
 
 def test_position_keyed_noise_samples_the_softmax():
     """Gumbel-max with position-keyed noise draws from softmax(logits / T) (a fixed-seed frequency check)."""
-    from bidirl.cluster.engines.sampler import gumbel_noise, position_seed
+    from bidirl.cluster.engines.workers.sampler import gumbel_noise, position_seed
 
     assert position_seed(1, 5) == position_seed(1, 5) != position_seed(1, 6) != position_seed(2, 5)
     logits = torch.tensor([1.0, 0.0, -1.0, 2.0])
@@ -284,7 +284,7 @@ def test_position_sampler_follows_the_batch_as_vllm_reorders_it():
     from vllm.v1.sample.logits_processor import BatchUpdate
     from vllm.v1.sample.logits_processor.interface import MoveDirectionality
 
-    from bidirl.cluster.engines.sampler import SEED_KEY, PositionKeyedSampler, gumbel_noise
+    from bidirl.cluster.engines.workers.sampler import SEED_KEY, PositionKeyedSampler, gumbel_noise
 
     proc = PositionKeyedSampler(None, torch.device("cpu"), False)
     params = lambda seed: SimpleNamespace(extra_args={SEED_KEY: seed})            # noqa: E731
@@ -527,7 +527,7 @@ def test_dp2_over_gloo_matches_dp1(model_dir, tmp_path):
 @needs_vllm
 def test_ray_actor_wrappers_run_a_step_and_record_spans(model_dir, ray_session):
     ray = ray_session
-    from bidirl.cluster.engines.actors import Reply, RolloutActor, TrainerActor
+    from bidirl.cluster.engines.workers.actors import Reply, RolloutActor, TrainerActor
 
     rollout = RolloutActor.remote("rollout_pool/rollouter/0", str(model_dir), seed=0, max_model_len=32,
                                   reward_fn=ArithmeticTask.reward)

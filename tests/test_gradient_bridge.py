@@ -1,4 +1,4 @@
-"""Auxiliary gradients once per window, shard to shard (issue #23, ``bidirl.cluster.engines.bridge``).
+"""Auxiliary gradients once per window, shard to shard (issue #23, ``bidirl.cluster.engines.workers.bridge``).
 
 Integration test (``-m integration``): four processes. Ranks 0–1 are a primary gang (FSDP2 over gloo, one process
 group), ranks 2–3 an auxiliary gang (its own group). A step has four update chunks of two samples (one per rank):
@@ -59,7 +59,7 @@ def _save(obj, path) -> None:
 
 
 def _share(engine, samples, adv, a, b, rank):
-    from bidirl.cluster.engines.trainer import rank_shares
+    from bidirl.cluster.engines.workers.trainer import rank_shares
     mine = rank_shares(list(range(a, b)), 1, 2)[rank]
     chunk = [samples[k] for k in mine]
     return chunk, adv[mine], engine.logprobs(chunk)
@@ -68,7 +68,7 @@ def _share(engine, samples, adv, a, b, rank):
 def _worker(proc, addrs, model_dir, out):
     from test_trainer_fsdp import _advantages, _samples
 
-    from bidirl.cluster.engines.trainer import TrainerEngine
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
     from bidirl.rl import grpo
 
     primary = proc < 2
@@ -132,8 +132,8 @@ def test_auxiliary_window_merges_shard_to_shard_and_matches_no_borrow(model_dir,
 
     import torch.multiprocessing as mp
 
-    from bidirl.cluster.engines.bridge import pair_ranks, window_layout
-    from bidirl.cluster.engines.weight_transport import Rendezvous
+    from bidirl.cluster.engines.workers.bridge import pair_ranks, window_layout
+    from bidirl.cluster.engines.workers.weight_transport import Rendezvous
 
     addrs = {k: f"127.0.0.1:{_port()}" for k in ("primary", "auxiliary")}
     procs = mp.spawn(_spawn_entry, args=(addrs, str(model_dir), str(tmp_path), os.path.dirname(__file__)),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bidirl.cluster.engines.rollout import GroupRequest
+from bidirl.cluster.engines.workers.rollout import GroupRequest
 from bidirl.core.protocol import DIRECTIONS, ROLLOUT_ON_TRAINER_POOL, TRAINER_ON_ROLLOUT_POOL
 from bidirl.experiments import side_by_side as sbs
 from bidirl.job import config as cfgmod

@@ -304,7 +304,7 @@ def _samples(n=6, seed=0):
 
 @pytest.fixture
 def trainer(model_dir):
-    from bidirl.cluster.engines.trainer import TrainerEngine
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
     return TrainerEngine(model_dir, lr=1e-3, seed=0)
 
 
@@ -347,7 +347,7 @@ def test_chunk_gradients_add_up_to_the_batch_gradient(trainer):
 
 
 def test_apply_sums_in_order_and_moves_the_weights(trainer, model_dir):
-    from bidirl.cluster.engines.trainer import TrainerEngine
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
     samples = _samples(8)
     adv = grpo.group_advantages([s.reward for s in samples], group_size=2).float()
     old = trainer.logprobs(samples)
@@ -376,7 +376,7 @@ def test_apply_sums_in_order_and_moves_the_weights(trainer, model_dir):
 
 
 def test_auxiliary_trainer_computes_but_never_applies(model_dir, trainer):
-    from bidirl.cluster.engines.trainer import TrainerEngine
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
     aux = TrainerEngine(model_dir, role="auxiliary")
     samples = _samples(4)
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
@@ -390,7 +390,7 @@ def test_auxiliary_trainer_computes_but_never_applies(model_dir, trainer):
 
 
 def test_weight_sync_between_trainers(model_dir, trainer):
-    from bidirl.cluster.engines.trainer import TrainerEngine
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
     samples = _samples(4)
     trainer.apply([trainer.chunk_gradients(samples, torch.tensor([1.0, -1, 1, -1]), trainer.logprobs(samples))])
     aux = TrainerEngine(model_dir, role="auxiliary")
@@ -435,7 +435,7 @@ def test_offload_frees_and_onload_restores_weights_and_optimizer(trainer):
 
 
 def test_trainer_rejects_bad_settings(model_dir, tmp_path):
-    from bidirl.cluster.engines.trainer import TrainerEngine
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
     with pytest.raises(ValueError, match="lr"):
         TrainerEngine(model_dir, lr=0)
     with pytest.raises(ValueError, match="loss_agg"):

@@ -196,7 +196,7 @@ class _Recorder:
 
 def _gpu_engine(model_dir):
     """A RolloutEngine's state as ``__init__`` leaves it on CUDA, around a recorder instead of vLLM."""
-    from bidirl.cluster.engines.rollout import RolloutEngine
+    from bidirl.cluster.engines.workers.rollout import RolloutEngine
     from bidirl.rl import model_folder as checkpoint
 
     eng = RolloutEngine.__new__(RolloutEngine)

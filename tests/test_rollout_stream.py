@@ -13,7 +13,7 @@ import importlib.util
 
 import pytest
 
-from bidirl.cluster.engines.rollout import GroupRequest
+from bidirl.cluster.engines.workers.rollout import GroupRequest
 from bidirl.rl.tasks import ArithmeticTask
 
 pytestmark = [pytest.mark.integration,
@@ -29,7 +29,7 @@ NAME = "rollout_pool/rollouter/0"
 def rollouter(model_dir, ray_session):
     """(ray, actor, tokenizer): one rollout actor for the module; its start numbers continue from test to test."""
     ray = ray_session
-    from bidirl.cluster.engines.actors import RolloutActor
+    from bidirl.cluster.engines.workers.actors import RolloutActor
     from bidirl.rl.tiny_model import load_tokenizer
 
     actor = RolloutActor.options(num_cpus=0.5).remote(NAME, str(model_dir), 0, max_model_len=MAX_MODEL_LEN,
@@ -178,7 +178,7 @@ def test_a_stream_waits_for_the_start_sent_before_it_and_a_killed_actor_ends_it_
     ray, actor, tok = rollouter
     from ray.exceptions import RayActorError
 
-    from bidirl.cluster.engines.actors import RolloutActor
+    from bidirl.cluster.engines.workers.actors import RolloutActor
 
     # a stream sent before its start has run waits for it (start number), then takes its groups
     seq = Starts.next()

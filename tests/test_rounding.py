@@ -35,7 +35,7 @@ def _samples(n: int, seed: int) -> list:
 
 def _train(model_dir, plan) -> dict:
     """Three steps; ``plan(step, chunks)`` returns the chunk gradients to apply, in the order to add them."""
-    from bidirl.cluster.engines.trainer import TrainerEngine
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
     engine = TrainerEngine(model_dir, lr=LR, seed=0)
     for step in range(STEPS):
         samples = _samples(4 * CHUNKS, seed=step)

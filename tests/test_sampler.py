@@ -1,6 +1,6 @@
 """The vectorised position-keyed sampler against a plain per-row reference of the same keyed draw.
 
-The reference below is written from the draw's definition (``bidirl.cluster.engines.sampler``'s module
+The reference below is written from the draw's definition (``bidirl.cluster.engines.workers.sampler``'s module
 docstring) with Python integers — SplitMix64 step by step, one token at a time, the full output including its
 final xor-shift — and torch only for the fp32 ``−log(−log u)`` and the argmax of one row. The sampler must pick
 exactly the reference's token for every row (whole batch, subsets of rows, several blocks of rows, temperatures),
@@ -49,12 +49,12 @@ def ref_token(logits_row: torch.Tensor, seed: int, position: int, temperature: f
 
 
 def _sampler():
-    from bidirl.cluster.engines.sampler import PositionKeyedSampler
+    from bidirl.cluster.engines.workers.sampler import PositionKeyedSampler
     return PositionKeyedSampler(None, torch.device("cpu"), False)
 
 
 def _params(seed=None, temperature=None):
-    from bidirl.cluster.engines.sampler import SEED_KEY, TEMPERATURE_KEY
+    from bidirl.cluster.engines.workers.sampler import SEED_KEY, TEMPERATURE_KEY
     if seed is None:
         return SimpleNamespace(extra_args=None)
     extra = {SEED_KEY: seed}
@@ -76,7 +76,7 @@ def _batch(rows, seeds, temps, rng):
 
 
 def test_vectorised_keys_match_position_seed_and_the_reference():
-    from bidirl.cluster.engines.sampler import position_seed, position_seeds
+    from bidirl.cluster.engines.workers.sampler import position_seed, position_seeds
 
     rng = random.Random(0)
     seeds = [0, 1, 2**31 - 1, 2**63 - 1, 2**63 + 5, 2**64 - 1] + [rng.randrange(2**64) for _ in range(200)]
@@ -90,7 +90,7 @@ def test_vectorised_keys_match_position_seed_and_the_reference():
 
 
 def test_noise_of_a_position_is_the_reference_noise():
-    from bidirl.cluster.engines.sampler import gumbel_noise
+    from bidirl.cluster.engines.workers.sampler import gumbel_noise
 
     for seed, position in ((0, 0), (7, 123), (2**40 + 3, 9)):
         got, want = gumbel_noise(seed, position, 700, "cpu"), ref_noise(seed, position, 700)
@@ -132,7 +132,7 @@ def test_sampler_picks_the_reference_token_for_every_row(layout):
 
 
 def test_blocks_of_rows_give_the_tokens_of_one_block():
-    from bidirl.cluster.engines.sampler import keyed_argmax, position_seeds
+    from bidirl.cluster.engines.workers.sampler import keyed_argmax, position_seeds
 
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(37, 256, generator=g) * 2.0
@@ -165,7 +165,7 @@ def test_position_moves_with_the_live_output_list():
 
 
 def test_bad_sampling_params_name_the_field():
-    from bidirl.cluster.engines.sampler import SEED_KEY, TEMPERATURE_KEY, PositionKeyedSampler
+    from bidirl.cluster.engines.workers.sampler import SEED_KEY, TEMPERATURE_KEY, PositionKeyedSampler
 
     for bad in (-1, 2**64, 1.5, True, "3"):
         with pytest.raises(ValueError, match=SEED_KEY):
@@ -178,7 +178,7 @@ def test_bad_sampling_params_name_the_field():
 
 
 def test_keyed_argmax_rejects_mismatched_inputs():
-    from bidirl.cluster.engines.sampler import keyed_argmax
+    from bidirl.cluster.engines.workers.sampler import keyed_argmax
 
     logits, keys = torch.zeros(4, 8), torch.zeros(4, dtype=torch.int64)
     with pytest.raises(ValueError, match="keys"):
@@ -197,7 +197,7 @@ def test_keyed_argmax_rejects_mismatched_inputs():
 def test_cuda_draws_the_cpu_tokens_without_a_host_sync():
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-    from bidirl.cluster.engines.sampler import PositionKeyedSampler, gumbel_noise
+    from bidirl.cluster.engines.workers.sampler import PositionKeyedSampler, gumbel_noise
 
     # uniforms are bit-identical; G differs by the two devices' fp32 log accuracy (same bound as above)
     torch.testing.assert_close(gumbel_noise(3, 9, 4096, "cuda").cpu(), gumbel_noise(3, 9, 4096, "cpu"),

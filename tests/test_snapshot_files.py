@@ -1,11 +1,11 @@
-"""A trainer rank's recovery snapshots on its node's disk (``bidirl.cluster.engines.snapshot_files``)."""
+"""A trainer rank's recovery snapshots on its node's disk (``bidirl.cluster.engines.workers.snapshot_files``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bidirl.cluster.engines import snapshot_files as sf
+from bidirl.cluster.engines.workers import snapshot_files as sf
 
 
 def _shard(version: int) -> dict:

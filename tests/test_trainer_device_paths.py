@@ -48,7 +48,7 @@ def _samples(model_dir, n=8):
 
 
 def _engine(model_dir, **kw):
-    from bidirl.cluster.engines.trainer import TrainerEngine
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
     return TrainerEngine(model_dir, lr=1e-3, seed=0, threads=1, **kw)
 
 
@@ -203,7 +203,7 @@ def test_a_gang_restored_from_its_recovery_snapshot_switches_out_and_back(model_
 
 
 def test_state_whose_storage_cannot_be_freed_in_place_is_refused_before_anything_moves(tmp_path):
-    from bidirl.cluster.engines.host_buffer import HostStash
+    from bidirl.cluster.engines.workers.host_buffer import HostStash
 
     torch.save({"t": torch.ones(8)}, tmp_path / "t.pt")
     fixed = torch.load(tmp_path / "t.pt")["t"]                          # storage owned by the file reader
@@ -216,3 +216,85 @@ def test_reference_is_loaded_at_start_when_the_kl_term_needs_it(model_dir):
     e = _engine(model_dir, kl_coef=0.1)
     assert e._reference is not None and all(not p.requires_grad for p in e._reference.parameters())
     assert _engine(model_dir)._reference is None
+
+
+def _moments(e) -> list:
+    return [v for st in e.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
+
+
+def _published(e) -> dict:
+    return {v: {k: t.clone() for k, (t, _) in shards.items()} for v, shards in e.published.items()}
+
+
+def test_published_versions_switch_out_and_back_through_the_one_host_buffer(model_dir):
+    """publish → offload → onload → publish → chunk → apply, on one engine and through the code a GPU runs (the
+    published shards go through the same host buffer as the state, issue 38): the weights, the AdamW state and the
+    published versions come back bit for bit, the step after the switches equals a twin's that never switched, and
+    the host buffer was allocated once over two switches (the first one included: it was reserved at load)."""
+    samples = _samples(model_dir, 4)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    a, b = _engine(model_dir, publish_dtype="float32"), _engine(model_dir, publish_dtype="float32")
+    old = a.logprobs(samples)
+    for e in (a, b):
+        e.apply([e.chunk_gradients(samples, adv, old)])            # AdamW moments exist from here on
+        e.publish(e.version, "float32")
+    for switch in range(2):
+        weights = {k: v.clone() for k, v in a.model.state_dict().items()}
+        moments = [v.clone() for v in _moments(a)]
+        published = _published(a)
+        assert a.offload() > 0 and a.offloaded and a.resident_bytes() == 0
+        # while offloaded the published shards are readable host copies (what a send reads during the switch)
+        buf = a._host.buffer
+        lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+        assert a.published.keys() == published.keys()
+        assert all(lo <= t.data_ptr() < hi for s in a.published.values() for t, _ in s.values()), \
+            "the published shards sit in the engine's host buffer while it is offloaded"
+        assert all(torch.equal(t, published[v][k]) for v, s in a.published.items() for k, (t, _) in s.items())
+        a.onload()
+        assert all(torch.equal(v, weights[k]) for k, v in a.model.state_dict().items())
+        assert all(torch.equal(x, y) for x, y in zip(_moments(a), moments))
+        assert _published(a).keys() == published.keys()
+        assert all(torch.equal(t, published[v][k]) for v, s in _published(a).items() for k, t in s.items())
+        if switch == 0:
+            for e in (a, b):
+                e.publish(e.version + 1, "float32", keep=[e.version])  # a second version beside the first
+    assert a.host_buffer_allocations == 1, "one host buffer, reserved at load, for every switch"
+    for e in (a, b):
+        e.apply([e.chunk_gradients(samples, adv, e.logprobs(samples))])
+    assert all(torch.equal(x, y) for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values()))
+    assert all(torch.equal(x, y) for x, y in zip(_moments(a), _moments(b)))
+
+
+def test_the_host_buffer_is_reserved_for_the_largest_state_at_load(model_dir):
+    """The capacity counts what an offload moves at most: weights, gradients, both AdamW moments and two published
+    versions; an offload with all of them present fits without a second allocation (the test above), and one
+    more published version than that is refused by name instead of growing the buffer."""
+    e = _engine(model_dir, publish_dtype="float32")
+    e._host._wait_reserved()
+    assert e.host_buffer_allocations == 1 and e._host.buffer.numel() == e.host_capacity()
+    param_bytes = sum(p.numel() * 4 for p in e.params)
+    assert e.host_capacity() >= 4 * param_bytes + 2 * param_bytes      # state ×4, two published versions
+    with pytest.raises(ValueError, match="at most 2 versions"):
+        e.publish(3, "float32", keep=[1, 2])
+
+
+def test_the_snapshot_copy_runs_beside_the_next_chunk_and_holds_the_state_it_was_taken_from(model_dir, tmp_path):
+    """save_snapshot starts the copy and returns; a chunk runs meanwhile; apply waits for the copy before it changes
+    the weights, so the file holds the version the snapshot named, bit for bit, and not the one apply made."""
+    samples = _samples(model_dir, 4)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    e = _engine(model_dir)
+    e.apply([e.chunk_gradients(samples, adv, e.logprobs(samples))])
+    weights = {k: v.clone() for k, v in e.model.state_dict().items()}
+    moments = [v.clone() for v in _moments(e)]
+    e.save_snapshot(tmp_path, 1)
+    e.chunk_gradients(samples, adv, e.logprobs(samples), accumulate=True, chunk_id=0)
+    e.apply()
+    assert "apply" in e.snapshot_waits and e.version == 2
+    assert e.flush_snapshot()["version"] == 1
+    restored = _engine(model_dir)
+    restored.load_snapshot(tmp_path, 1)
+    assert restored.version == 1
+    assert all(torch.equal(v, weights[k]) for k, v in restored.model.state_dict().items())
+    assert all(torch.equal(x, y) for x, y in zip(_moments(restored), moments))
+    assert e._state_copy.allocations == 1

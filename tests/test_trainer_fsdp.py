@@ -48,7 +48,7 @@ import socket
 import pytest
 import torch
 
-from bidirl.cluster.engines.trainer import TrainerEngine, forward_ranks, rank_shares
+from bidirl.cluster.engines.workers.trainer import TrainerEngine, forward_ranks, rank_shares
 from bidirl.rl import grpo
 from bidirl.rl.samples import Sample
 from bidirl.rl.tasks import ArithmeticTask

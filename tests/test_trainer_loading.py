@@ -20,7 +20,7 @@ import socket
 import pytest
 import torch
 
-from bidirl.cluster.engines.trainer import TrainerEngine
+from bidirl.cluster.engines.workers.trainer import TrainerEngine
 
 
 def _free_port() -> int:
@@ -133,7 +133,7 @@ def test_an_actors_torch_threads_are_the_whole_cpus_ray_granted_it(ray_session):
     @ray.remote
     class Probe:
         def threads(self):
-            from bidirl.cluster.engines.trainer import TrainerEngine
+            from bidirl.cluster.engines.workers.trainer import TrainerEngine
             return TrainerEngine.host_threads("cuda"), int(os.environ["OMP_NUM_THREADS"])
 
     for cpus, whole in ((2.5, 2), (0.05, 1)):          # ⌊granted⌋, at least one: what Ray gives OpenMP

@@ -1,4 +1,5 @@
-"""The weight transport (issue #24, ``bidirl.cluster.engines.weight_transport``): trainer gang → rollouters in buckets.
+"""The weight transport (issue #24, ``bidirl.cluster.engines.workers.weight_transport``): trainer gang → rollouters
+in buckets.
 
 Unit tests: the bucket layout, the settings' errors. Integration tests (``-m integration``):
 
@@ -32,7 +33,7 @@ import time
 import pytest
 import torch
 
-from bidirl.cluster.engines import weight_transport as wt
+from bidirl.cluster.engines.workers import weight_transport as wt
 from bidirl.errors import ConfigError
 
 N_TENSORS = 20
@@ -419,6 +420,49 @@ def test_a_sender_killed_mid_transfer_fails_its_receivers_instead_of_hanging_the
     assert time.time() - t_kill < 60
 
 
+def _gang_rank(rank: int, port: int, tids: tuple, q) -> None:
+    """One rank of a two-rank gloo gang: forms its groups as a trainer rank does (the transport group's
+    communicator eagerly), then checks a transfer before its first gather (``wt.check_same_transfer``)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group = dist.new_group(backend="gloo")
+    wt.form_eagerly(group, torch.device("cpu"))
+    out = []
+    for tid in tids[rank]:
+        try:
+            wt.check_same_transfer(tid, 5, rank, group, torch.device("cpu"))
+            out.append("same")
+        except wt.TransferOrderError as exc:
+            out.append(str(exc))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.integration
+def test_every_rank_checks_the_transfer_before_its_first_gather():
+    """Two ranks that run the same transfer pass; two that run different ones (a send ordered differently on two
+    ranks) both refuse before any bucket is gathered, naming each rank's transfer — and stay in step: the next
+    check, of the same transfer, passes on both."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tids = (("t-1", "t-2", "t-3"), ("t-1", "t-9", "t-3"))
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = {r: ctx.Process(target=_gang_rank, args=(r, port, tids, q)) for r in range(2)}
+    for p in procs.values():
+        p.start()
+    try:
+        got = dict(q.get(timeout=120) for _ in procs)
+    finally:
+        _stop(procs)
+    for rank in (0, 1):
+        same, mixed, again = got[rank]
+        assert same == "same" and again == "same", got
+        assert "run different transfers" in mixed and "rank 0: id crc" in mixed and "rank 1: id crc" in mixed
+
+
 # --------------------------------------------------------------------------------------------------
 # integration: the real engines over Ray
 # --------------------------------------------------------------------------------------------------
@@ -437,10 +481,10 @@ def _fused(state: dict, name: str) -> torch.Tensor:
 def test_a_sync_over_the_transport_gives_every_rollouter_the_trainers_weights_through_no_object_store(model_dir,
                                                                                                      ray_session):
     ray = ray_session
-    from bidirl.cluster.engines.actors import RolloutActor, TrainerActor
+    from bidirl.cluster.engines.workers.actors import RolloutActor, TrainerActor
     from bidirl.cluster.engines.object_store_meter import ObjectStoreMeter, inline_limit
     from bidirl.cluster.engines.sync_grpo import requests_for
-    from bidirl.cluster.engines.trainer import forward_ranks, rank_shares
+    from bidirl.cluster.engines.workers.trainer import forward_ranks, rank_shares
     from bidirl.rl import grpo
     from bidirl.rl.samples import samples_from_groups
     from bidirl.rl.tasks import ArithmeticTask

@@ -11,7 +11,7 @@ import torch
 
 
 def test_the_collector_is_paused_for_a_start_and_restored_whatever_happens():
-    from bidirl.cluster.engines.actors import _collector_paused
+    from bidirl.cluster.engines.workers.actors import _collector_paused
 
     assert gc.isenabled()
     with _collector_paused():
@@ -32,7 +32,7 @@ def test_the_collector_is_paused_for_a_start_and_restored_whatever_happens():
 
 
 def test_an_eager_rollout_engine_steps_without_compiling_and_leaves_compilation_on_elsewhere():
-    from bidirl.cluster.engines.rollout import RolloutEngine
+    from bidirl.cluster.engines.workers.rollout import RolloutEngine
 
     compiled = []
 

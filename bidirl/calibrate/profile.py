@@ -2,8 +2,8 @@
 
 The appendix ("Stage-Time Models") fits τ, α and r from profiling runs, and the online profiler (§5.1)
 keeps correcting them during a job. :func:`profile` produces such runs offline, in-process and without Ray:
-one :class:`~bidirl.cluster.engines.rollout.RolloutEngine` (vLLM) and one
-:class:`~bidirl.cluster.engines.trainer.TrainerEngine` (torch) on the machine it runs on, measured over a
+one :class:`~bidirl.cluster.engines.workers.rollout.RolloutEngine` (vLLM) and one
+:class:`~bidirl.cluster.engines.workers.trainer.TrainerEngine` (torch) on the machine it runs on, measured over a
 grid of
 
 * batch sizes — prompt groups per replica (each of ``workload.group_size`` responses, from the config),
@@ -242,8 +242,8 @@ def _measure(cfg, grid: ProfileGrid, seed: int, model_dir: Path, threads: int, p
     from tqdm.auto import tqdm
 
     torch.set_num_threads(threads)           # before vLLM starts: its CPU backend pins the count afterwards
-    from bidirl.cluster.engines.rollout import RolloutEngine
-    from bidirl.cluster.engines.trainer import TrainerEngine
+    from bidirl.cluster.engines.workers.rollout import RolloutEngine
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
 
     group_size = cfg.workload.group_size
     max_requests = max(grid.batches) * group_size
@@ -302,7 +302,7 @@ class _Unit:
         """Seconds of ``rollout`` and of each trainer stage for ``batch`` fresh groups at these lengths."""
         import torch
 
-        from bidirl.cluster.engines.rollout import GroupRequest
+        from bidirl.cluster.engines.workers.rollout import GroupRequest
         from bidirl.rl.samples import Sample
 
         requests = [GroupRequest(self.next_group + g, tuple(int(t) for t in self.rng.choice(self.vocab, p_len)),

@@ -21,14 +21,14 @@ _LAZY = {
     "KeptWorkers": "bidirl.cluster.pool",
     "EmulatedDriver": "bidirl.cluster.emulated",
     "EngineDriver": "bidirl.cluster.engines.driver",
-    "RolloutEngine": "bidirl.cluster.engines.rollout",
-    "GroupRequest": "bidirl.cluster.engines.rollout",
-    "request_seed": "bidirl.cluster.engines.rollout",
-    "TrainerEngine": "bidirl.cluster.engines.trainer",
-    "ChunkGradient": "bidirl.cluster.engines.trainer",
-    "RolloutActor": "bidirl.cluster.engines.actors",
-    "TrainerActor": "bidirl.cluster.engines.actors",
-    "Reply": "bidirl.cluster.engines.actors",
+    "RolloutEngine": "bidirl.cluster.engines.workers.rollout",
+    "GroupRequest": "bidirl.cluster.engines.workers.rollout",
+    "request_seed": "bidirl.cluster.engines.workers.rollout",
+    "TrainerEngine": "bidirl.cluster.engines.workers.trainer",
+    "ChunkGradient": "bidirl.cluster.engines.workers.trainer",
+    "RolloutActor": "bidirl.cluster.engines.workers.actors",
+    "TrainerActor": "bidirl.cluster.engines.workers.actors",
+    "Reply": "bidirl.cluster.engines.workers.actors",
 }
 
 __all__ = sorted(_LAZY)

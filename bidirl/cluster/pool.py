@@ -16,9 +16,10 @@ arrives (:meth:`PoolDriver._submit_stream`).
 breaks because a peer died — is reported to the coordinator as ``WorkerFailed``; the driver gives the rest of it
 up, starts it afresh on the same bundles (:meth:`PoolDriver._spawn`), brings it to the state it serves
 (:meth:`PoolDriver._restore`) and reports ``WorkerRestarted``; the coordinator re-dispatches its lost work. A worker
-is restarted at most ``max_restarts`` times in a row (no whole step completed between its failures). A rollouter
-whose call raised (an engine or reward error, not a lost process) ends the run with a :class:`ClusterError`:
-restarting would only fail again.
+is restarted at most ``max_restarts`` times in a row (no whole step completed between its failures). A worker
+whose call raised an error of its own (an engine or reward error, its process alive: not a lost process, nor a
+collective broken by a lost peer) ends the run with a :class:`WorkerError` naming the
+worker, the call and the traceback: restarting would only fail again.
 
 **Checkpoints** (:mod:`bidirl.runtime.checkpoints`). With ``checkpoint_dir`` the driver writes a checkpoint at step
 boundaries (every ``checkpoint_every`` steps and after the last, keeping ``keep``): just before a step's
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from bidirl.cluster.recovery import MAX_RESTARTS, Restarts
+from bidirl.cluster.recovery import DEATH, ERROR, MAX_RESTARTS, Restarts, call_name, failure_kind
 from bidirl.core import protocol as P
 from bidirl.errors import BidirlError, ConfigError
 from bidirl.results.run_result import RunResult
@@ -88,6 +89,17 @@ def gpu_bundle_cpus(setting, nodes) -> float:
 
 class ClusterError(BidirlError, RuntimeError):
     """The cluster cannot run the job as configured (resources, worker start-up, a failed primary)."""
+
+
+class WorkerError(ClusterError):
+    """A worker's call raised an error of its own (its process lives): the run stops and says where and why."""
+
+    fix = "fix the cause the traceback shows; a restart would replay the same inputs into the same code"
+
+    def __init__(self, worker: str, call: str, error: str, traceback: str):
+        self.worker, self.call, self.error, self.traceback = worker, call, error, traceback
+        super().__init__(f"worker {worker} raised in {call}: {error} — the run stops (an error, not a lost "
+                         f"process: a restart would raise it again).\n{traceback}")
 
 
 class WorkInFlight(RunListener):
@@ -464,12 +476,15 @@ class PoolDriver(Driver):
         return [w for w in workers if w not in self.failed]
 
     def _call_failed(self, worker: str, exc: Exception) -> None:
-        """A call on ``worker``'s current process raised: a lost process (or a trainer collective broken by a
-        lost peer) is recovered; a rollouter's own error ends the run."""
-        from ray.exceptions import RayActorError
-        if not isinstance(exc, RayActorError) and P.worker_kind(worker) == P.ROLLOUT:
-            raise ClusterError(f"worker {worker} failed: {root_cause(exc)}") from exc
-        self._worker_failed(worker, root_cause(exc))
+        """A call on ``worker``'s current process raised: a lost process, or a trainer collective broken by a lost
+        peer, is recovered; an error of the worker's own (its process alive) stops the run with a
+        :class:`WorkerError` naming the worker, the call and its traceback
+        (:func:`bidirl.cluster.recovery.failure_kind`)."""
+        kind = failure_kind(exc)
+        if kind == ERROR:
+            raise WorkerError(worker, call_name(exc), root_cause(exc),
+                              getattr(exc, "traceback_str", "") or str(exc)) from exc
+        self._worker_failed(worker, root_cause(exc) if kind == DEATH else f"a peer was lost: {root_cause(exc)}")
 
     def _worker_failed(self, worker: str, error: str) -> None:
         """``worker``'s current process failed: past the bound the run stops; otherwise its calls become void,

@@ -18,11 +18,66 @@ each restart costs an engine start. Three restarts in a row ride out a flaky nod
 itself (the fresh process dies while loading its state) and stop a crash loop after at most three engine starts.
 :class:`Restarts` also keeps each worker's *incarnation*: calls sent to an earlier process of a worker are void
 once it failed (their results are dropped), so nothing it reported after its death reaches the coordinator twice.
+
+**Deaths and errors** (issue 38). Only a death is recovered: Ray reports a lost process as ``RayActorError``
+(``ActorDiedError``) and an exception the worker's own code raised, its process alive, as ``RayTaskError``.
+:func:`failure_kind` tells them apart, with one exception on the error side: a trainer rank whose collective broke
+because a peer died raises from ``torch.distributed`` (NCCL: ``DistBackendError`` / ``DistNetworkError``; gloo: a
+``RuntimeError`` from its TCP transport, "Connection closed by peer" when the peer's process exits, measured here
+with torch 2.8) — a consequence of a death, recovered as one. Any other exception is the engine's own error: a
+restart would replay the same inputs into the same code and raise again, three times, before the restart bound
+ended the run and made a bug look like flaky hardware; instead the run stops at once with a
+:class:`~bidirl.cluster.pool.WorkerError`
+that names the worker, the call and the worker's traceback. No call is retried on an error: none is retryable
+by design (a weight transfer that broke off because its peer died is a death's consequence: its receiver is
+restarted, :meth:`bidirl.cluster.engines.weight_sync.WeightSync.is_transfer_error`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+#: the kinds :func:`failure_kind` returns
+DEATH, PEER_LOST, ERROR = "death", "peer-lost", "error"
+#: exception class names torch.distributed raises when a collective's peer is gone (torch >= 2.1: c10d's errors)
+COLLECTIVE_ERRORS = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+#: where a gloo collective's own transport errors come from (its message names the source file): a peer that
+#: exited ("Connection closed by peer"), reset its connection, or went silent past the timeout
+GLOO_TRANSPORT = "gloo/transport/"
+
+
+def _cause(exc: BaseException) -> BaseException:
+    return getattr(exc, "cause", None) or getattr(exc, "__cause__", None) or exc
+
+
+def failure_kind(exc: BaseException) -> str:
+    """:data:`DEATH` (the worker's process is lost), :data:`PEER_LOST` (a collective of the worker broke because a
+    peer's process is lost) or :data:`ERROR` (the worker's own code raised): module docstring."""
+    from ray.exceptions import RayActorError
+
+    if isinstance(exc, RayActorError):
+        return DEATH
+    cause = _cause(exc)
+    names = {k.__name__ for k in type(cause).__mro__}
+    text = f"{cause}\n{exc}"
+    if names & set(COLLECTIVE_ERRORS) or GLOO_TRANSPORT in text:
+        return PEER_LOST
+    return ERROR
+
+
+def call_name(exc: BaseException) -> str:
+    """The actor method a failed call ran: ``RayTaskError.function_name``, or — on the exception ``ray.get`` raises,
+    an instance of both ``RayTaskError`` and the cause's class, which keeps only the cause's attributes — the
+    worker's process title at the head of its message (``ray::TrainerActor.chunk_gradient()``); else the cause's
+    type."""
+    import re
+
+    name = exc.__dict__.get("function_name") if hasattr(exc, "__dict__") else None
+    if name:
+        return str(name)
+    found = re.search(r"ray::([\w.]+)\(", str(exc))
+    return found.group(1) if found else type(_cause(exc)).__name__
 
 #: restarts allowed per worker in a row (no whole step completed between its failures): the fourth ends the run
 MAX_RESTARTS = 3

@@ -219,7 +219,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class TransportConfig:
     """How engine runs move actor weights from the trainer to the rollouters (the weight sync of §3.2;
-    ``bidirl.cluster.engines.weight_transport``).
+    ``bidirl.cluster.engines.workers.weight_transport``).
 
     ``weights``: ``collective`` — the primary trainer gang sends the rollout dtype (bf16 on GPU, fp32 on CPU) in
     buckets of ``bucket_mb`` MiB over a ``torch.distributed`` group per transfer (gloo on CPU, NCCL on GPU), and Ray

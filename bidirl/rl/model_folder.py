@@ -9,7 +9,7 @@ a message that names the folder, what is wrong and the fix, instead of deep insi
 * :func:`causal_lm_config` — transformers can read the config and has a causal-LM class for it
   (``AutoModelForCausalLM``); :func:`load_causal_lm` loads it, :func:`empty_causal_lm` builds it with its
   parameters on the meta device and :func:`checkpoint_slices` reads parts of the stored tensors (a sharded gang's
-  rank reads only its rows: ``bidirl.cluster.engines.trainer``);
+  rank reads only its rows: ``bidirl.cluster.engines.workers.trainer``);
 * :func:`check_vllm_architecture` — vLLM has a model class for one of the config's ``architectures``;
 * :func:`load_tokenizer` — the tokenizer (prompts go through its chat template where the data asks for one:
   ``bidirl.rl.data``).

@@ -14,7 +14,7 @@ GRPO (paper §2.1) needs every response scored by a program. A reward is named b
   return a number or a dict with a ``"score"`` number (veRL's two forms), so an existing veRL reward file works
   unchanged.
 
-Rewards run in the rollout actors (:mod:`bidirl.cluster.engines.rollout`), which receive a :class:`Reward` —
+Rewards run in the rollout actors (:mod:`bidirl.cluster.engines.workers.rollout`), which receive a :class:`Reward` —
 the parsed spec, a file path made absolute where the run starts — and import the function there on first
 use. A file therefore has to exist at the same absolute path on every node, as with veRL's
 ``custom_reward_function.path``; a module has to be importable on every node.

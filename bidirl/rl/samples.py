@@ -57,7 +57,7 @@ def samples_from_groups(groups: Iterable) -> list:
         p = g.payload
         if not isinstance(p, GroupPayload):
             raise ValueError(f"group {g.group_id}: payload is {type(p).__name__}, expected GroupPayload "
-                             "(groups produced by bidirl.cluster.engines.rollout.RolloutEngine)")
+                             "(groups produced by bidirl.cluster.engines.workers.rollout.RolloutEngine)")
         if not all(g.done):
             raise ValueError(f"group {g.group_id} is not complete (done={g.done}); resume it before training")
         if p.rewards is None:

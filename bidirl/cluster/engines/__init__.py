@@ -1,6 +1,14 @@
 """Real engines under the coordinator: vLLM rollout replicas and torch trainer gangs on Ray.
 
-``driver`` (:class:`EngineDriver`), ``actors`` (the Ray actors), ``rollout`` (the interruptible vLLM
-engine), ``trainer`` (the torch GRPO trainer), ``sampler`` (position-keyed sampling). Imported lazily: this
-package's modules need Ray, vLLM and torch.
+Two sides, one per process:
+
+* the **driver's side** (this folder, in the driver's process): ``driver`` (:class:`EngineDriver`, the coordinator's
+  commands turned into actor calls), ``weight_sync`` and ``gradient_windows`` (transfers the driver arranges),
+  ``trainer_recovery`` (getting a lost primary gang back), ``rollout_setup`` (rollouters' settings from the plan),
+  ``object_store_meter`` (bytes through Ray) and ``sync_grpo`` (a synchronous GRPO loop without Ray);
+* the **workers' side** (:mod:`bidirl.cluster.engines.workers`, inside the Ray workers' processes): the Ray actors,
+  the vLLM rollout engine, the torch trainer engine (one module per concern) and the transports between them.
+
+The driver's side imports the workers' side (descriptors, shares), never the other way round. Imported lazily:
+these modules need Ray, vLLM and torch.
 """

@@ -274,7 +274,8 @@ class EngineDriver(PoolDriver):
         return dict(super().worker_shape(), model_dir=str(self.model_dir), **self.rollout.shape(),
                     seed=cfg.seed, lr=cfg.rl.lr,
                     kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
-                    activation_checkpointing=cfg.rl.activation_checkpointing)
+                    activation_checkpointing=cfg.rl.activation_checkpointing,
+                    publish_dtype=self._publish_dtype(P.PRIMARY_TRAINER))
 
     def _bundles(self, worker: str) -> list:
         """The placement-group bundles a worker's actors sit on: a rollouter's first slot, one per gang rank."""
@@ -289,7 +290,7 @@ class EngineDriver(PoolDriver):
         return [(0 if P.worker_pool(worker) == P.ROLLOUT_POOL else g_r) + i * env.rollout_layout]
 
     def _spawn(self, worker: str) -> None:
-        from bidirl.cluster.engines.actors import RolloutActor, TrainerActor
+        from bidirl.cluster.engines.workers.actors import RolloutActor, TrainerActor
 
         cfg = self.config
         bundles = self._bundles(worker)
@@ -298,13 +299,19 @@ class EngineDriver(PoolDriver):
             # a gang of several ranks builds the model on the meta device; each rank reads its shards when it joins
             kwargs = dict(lr=cfg.rl.lr, seed=cfg.seed, kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
                           device="cuda" if gpu else "cpu", threads="auto", role=P.worker_role(worker),
-                          activation_checkpointing=cfg.rl.activation_checkpointing, gang=len(bundles) > 1)
+                          activation_checkpointing=cfg.rl.activation_checkpointing, gang=len(bundles) > 1,
+                          publish_dtype=self._publish_dtype(worker))
             self.gangs[worker] = [TrainerActor.options(**self._at(b)).remote(f"{worker}/{j}", self.model_dir, **kwargs)
                                   for j, b in enumerate(bundles)]
         else:
             self.actors[worker] = RolloutActor.options(**self._at(bundles[0])).remote(
                 worker, self.model_dir, cfg.seed, reward_fn=self.reward, **self.rollout.engine_kwargs())
         self.versions[worker] = 0            # a fresh process holds the model folder's weights
+
+    def _publish_dtype(self, worker: str):
+        """The wire dtype a trainer gang publishes in (the primary's, with the weight transport on; else None): its
+        ranks size their host buffer for the published versions (``TrainerEngine.host_capacity``)."""
+        return self.sync.dtype if P.is_primary(worker) and self.sync.collective else None
 
     def _handles(self, worker: str) -> list:
         return list(self.gangs[worker]) if worker in self.gangs else [self.actors[worker]]
@@ -499,7 +506,7 @@ class EngineDriver(PoolDriver):
     # rollout
     # ------------------------------------------------------------------------------------------
     def _request(self, task: P.GroupTask):
-        from bidirl.cluster.engines.rollout import GroupRequest
+        from bidirl.cluster.engines.workers.rollout import GroupRequest
         w = self.config.workload
         g = task.group_id
         forced = self.forced_lengths(g)[1] if self.forced_lengths is not None else None
@@ -621,7 +628,7 @@ class EngineDriver(PoolDriver):
             ref=[None] * len(samples))
 
     def _run_chunk(self, cmd: P.RunChunk):
-        from bidirl.cluster.engines.trainer import forward_ranks, rank_shares
+        from bidirl.cluster.engines.workers.trainer import forward_ranks, rank_shares
         ch, gang = cmd.chunk, cmd.worker
         data = self.step_data
         idx = [data.index[(g, i)] for g, i in ch.samples]

@@ -4,7 +4,7 @@ With the weight transport on (``transport.weights: collective``) an auxiliary tr
 chunks of its window into its own sharded ``p.grad`` (``RunChunk`` with ``keep``), and when the window ends — when
 the rollout pool switches back to its rollouters, before the gang is offloaded, or at the step's
 ``MergeGradients`` if it is still lent then — each auxiliary rank sends its shard to the primary ranks that hold
-the same shard (:mod:`bidirl.cluster.engines.bridge`: one transfer per auxiliary rank, over a fresh rendezvous).
+the same shard (:mod:`bidirl.cluster.engines.workers.bridge`: one transfer per auxiliary rank, over a fresh rendezvous).
 Each primary rank keeps what it received beside its own gradient; the optimizer step adds exactly the windows of
 the current attempt of the step (``apply_kept``'s ``windows``). ``MergeGradients`` waits for windows in flight and
 reports their time as C_grad, which the profiler learns (``GradientsMerged``).
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from bidirl.cluster.engines import bridge
-from bidirl.cluster.engines import weight_transport as wt
+from bidirl.cluster.engines.workers import bridge
+from bidirl.cluster.engines.workers import weight_transport as wt
 from bidirl.core import protocol as P
 
 PRIMARY_TRAINER, AUX_TRAINER = P.PRIMARY_TRAINER, P.AUX_TRAINER

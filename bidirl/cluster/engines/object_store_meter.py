@@ -1,6 +1,7 @@
 """Bytes the engine driver moves through Ray, by kind: what its actor calls put into the object store.
 
-Measures the weight sync's promise (:mod:`bidirl.cluster.engines.weight_transport`: Ray carries metadata only) and
+Measures the weight sync's promise (:mod:`bidirl.cluster.engines.workers.weight_transport`: Ray carries metadata
+only) and
 the rest of the driver's Ray traffic in a real run. While an :class:`ObjectStoreMeter` is active in the driver's
 process it wraps every actor call the process makes (``ActorMethod._remote``) and counts, per kind:
 

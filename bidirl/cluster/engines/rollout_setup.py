@@ -24,11 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from bidirl.cluster.engines.workers.rollout_weights import SLEEP_LEVEL
 from bidirl.errors import ConfigError
-
-#: the switch-out sleep level on CUDA (vLLM's level 2: weights and KV cache discarded; the switch-in pushes the
-#: current weights anyway, so a host copy of the old ones would be copied for nothing)
-SLEEP_LEVEL = 2
 
 
 @dataclass(frozen=True)

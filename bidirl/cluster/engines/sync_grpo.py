@@ -53,7 +53,7 @@ def requests_for(task: ArithmeticTask, tokenizer, start: int, prompts: int, grou
 
     With ``pool``, problem indices wrap around modulo ``pool``: training cycles over a fixed prompt set.
     """
-    from bidirl.cluster.engines.rollout import GroupRequest
+    from bidirl.cluster.engines.workers.rollout import GroupRequest
 
     idx = [(start + j) % pool if pool else start + j for j in range(prompts)]
     problems = [task.problem(i) for i in idx]

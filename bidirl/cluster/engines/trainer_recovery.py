@@ -6,7 +6,7 @@ driver keeps a **recovery point** and the **steps since**:
 
 * the recovery point is the model folder (version 0), the run checkpoint a resumed run started from, or a
   snapshot the ranks wrote every ``recovery.snapshot_every`` steps to their own node's disk
-  (:mod:`bidirl.cluster.engines.snapshot_files`: the copy taken between two calls, the write on a thread of its
+  (:mod:`bidirl.cluster.engines.workers.snapshot_files`: the copy taken between two calls, the write on a thread of its
   own; it becomes the recovery point once every rank's write is complete — ``flush_snapshot`` runs beside the
   calls that train);
 * the steps since are what the driver already holds for each step (its ``StepData``): its samples, advantages,
@@ -104,7 +104,7 @@ class TrainerRecovery:
     def _replay(self, handles: list, data) -> list:
         """One step again on the restarted gang: its update chunks (every sample once, ``micro_batch_per_device``
         per rank, dealt as the run deals them), then its optimizer step."""
-        from bidirl.cluster.engines.trainer import rank_shares
+        from bidirl.cluster.engines.workers.trainer import rank_shares
 
         d = self.driver
         per_device = d.config.rl.micro_batch_per_device

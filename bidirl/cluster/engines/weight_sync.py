@@ -2,7 +2,7 @@
 
 Every weight load the engine driver needs — the ``SyncWeights`` after an optimizer step, a rollouter behind the
 version its ``Generate`` carries (one restarted, say), the workers a ``Switch`` brings in, an auxiliary gang before
-its chunk — becomes one transfer of :mod:`bidirl.cluster.engines.weight_transport` (``transport.weights:
+its chunk — becomes one transfer of :mod:`bidirl.cluster.engines.workers.weight_transport` (``transport.weights:
 collective``, the default): the primary gang *publishes* each version after its optimizer step (every rank keeps
 its shards in the wire dtype: the current version and the one before it, the oldest a worker can still be sent —
 the next optimizer step waits for the sync, so rollouters are never two versions behind), and a transfer is
@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from bidirl.cluster.engines import weight_transport as wt
+from bidirl.cluster.engines.workers import weight_transport as wt
 from bidirl.core import protocol as P
 
 PRIMARY_TRAINER = P.PRIMARY_TRAINER

@@ -1,7 +1,8 @@
 """Thin Ray actor wrappers around the engines: one engine per actor, every call timed as a span.
 
-The engine driver (:mod:`bidirl.cluster.engines.driver`) hosts a :class:`~bidirl.cluster.engines.rollout.RolloutEngine` in a
-``RolloutActor`` and a :class:`~bidirl.cluster.engines.trainer.TrainerEngine` in a ``TrainerActor``. The
+The engine driver (:mod:`bidirl.cluster.engines.driver`) hosts a
+:class:`~bidirl.cluster.engines.workers.rollout.RolloutEngine` in a
+``RolloutActor`` and a :class:`~bidirl.cluster.engines.workers.trainer.TrainerEngine` in a ``TrainerActor``. The
 wrappers add nothing but remote access and self-recorded spans: each method returns a :class:`Reply`
 whose ``spans`` list the work it did as ``{"worker", "kind", "start", "end", "detail"}`` records in
 wall-clock seconds (``time.time()``), so the driver places them on its timeline without asking Ray
@@ -92,7 +93,7 @@ class RolloutActor(_Timed):
         self._reports = 0                          # reports made (_report): numbers them in the order they were made
         start = time.time()
         with _collector_paused():
-            from bidirl.cluster.engines.rollout import RolloutEngine
+            from bidirl.cluster.engines.workers.rollout import RolloutEngine
             self.engine = RolloutEngine(model_dir, seed=seed, **engine_kwargs)
         self._start_span = {"worker": name, "kind": "start", "start": start, "end": time.time(),
                             "detail": {"kv_cache_tokens": self.engine.kv_cache_tokens}}
@@ -226,7 +227,7 @@ class RolloutActor(_Timed):
     def effective_weights(self) -> dict:
         """The weights vLLM computes with, read back through its own layers (``weight_transport.effective_weights``;
         for tests and benchmarks: a copy of the model, made only when asked)."""
-        from bidirl.cluster.engines.weight_transport import effective_weights
+        from bidirl.cluster.engines.workers.weight_transport import effective_weights
         with self._exclusive():
             return self.engine.llm.collective_rpc(effective_weights)[0]
 
@@ -249,7 +250,7 @@ class TrainerActor(_Timed):
         super().__init__(name)
         start = time.time()
         with _collector_paused():
-            from bidirl.cluster.engines.trainer import TrainerEngine
+            from bidirl.cluster.engines.workers.trainer import TrainerEngine
             self.engine = TrainerEngine(model_dir, **engine_kwargs)
         self._kept: dict = {}
         self._start_span = {"worker": name, "kind": "start", "start": start, "end": time.time(), "detail": {}}
@@ -284,7 +285,8 @@ class TrainerActor(_Timed):
     # The engine driver's gradient path: a primary gang accumulates each chunk's gradient into its ranks' sharded
     # p.grad on their devices (nothing leaves the gang, nothing goes to the host). An auxiliary gang does the same
     # over its window and, when the window ends, each rank sends its shard to the primary ranks holding it
-    # (send_window / receive_window: C_grad, once per window, shard to shard; bidirl.cluster.engines.bridge). With
+    # (send_window / receive_window: C_grad, once per window, shard to shard;
+    # bidirl.cluster.engines.workers.bridge). With
     # transport.weights: object_store an auxiliary gang instead gathers each chunk gradient unsharded and returns
     # it as one object, which the merge moves to the primary ranks (each adds its shard).
     @ray.method(num_returns=2)
@@ -333,7 +335,7 @@ class TrainerActor(_Timed):
         """A primary rank takes an auxiliary rank's window (``TrainerEngine.receive_window``) beside the chunk it
         may be running. A transfer whose sender was lost returns ``{"failed": why}`` instead of raising: this
         rank's state is intact, and the auxiliary gang's failure decides what happens to the step."""
-        from bidirl.cluster.engines.weight_transport import WeightTransferError
+        from bidirl.cluster.engines.workers.weight_transport import WeightTransferError
 
         def run():
             try:
@@ -399,7 +401,8 @@ class TrainerActor(_Timed):
                                                         "end": time.time(), "detail": {}},))
         return ack, full
 
-    # The weight transport (bidirl.cluster.engines.weight_transport): the primary gang publishes each version and
+    # The weight transport (bidirl.cluster.engines.workers.weight_transport): the primary gang publishes each version
+    # and
     # sends it bucket by bucket (every rank gathers, rank 0 sends); an auxiliary gang's ranks receive.
     def publish(self, version: int, dtype: str, keep: Sequence[int] = ()) -> Reply:
         return self._reply("publish", self.engine.publish, version, dtype, keep, detail={"version": version})

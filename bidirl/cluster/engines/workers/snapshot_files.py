@@ -2,9 +2,10 @@
 :mod:`bidirl.cluster.engines.trainer_recovery`).
 
 A snapshot of version ``v`` is one file per rank, ``<folder>/v<v>/rank<r>.pt``: the rank's ``train_state_shard``
-(its shard of weights and AdamW state as CPU tensors). :class:`SnapshotWriter` takes the copy on the caller's
-thread — the state is consistent between two calls of the actor — and writes it on a thread of its own, under a
-temporary name renamed into place once complete, so a file that exists is whole. Each rank keeps its last two
+(its shard of weights and AdamW state as CPU tensors). The copy to host memory runs beside the next chunks
+(:mod:`bidirl.cluster.engines.workers.state_copy`); :class:`SnapshotWriter` waits for it and writes the file on a
+thread of its own, under a temporary name renamed into place once complete, so a file that exists is whole. Each
+rank keeps its last two
 versions: the newest may still be in writing on another rank while the one before is the driver's recovery point.
 """
 
@@ -44,9 +45,10 @@ class SnapshotWriter:
         self._result: dict = {}
         self._lock = threading.Lock()           # flush may be called from the actor's snapshot thread too
 
-    def write(self, folder, version: int, rank: int, shard: dict) -> None:
-        """Write ``shard`` (plain CPU tensors) as ``version`` of ``rank`` in the background (the previous write is
-        waited for first); older versions of this rank beyond the last two are deleted once it is written."""
+    def write(self, folder, version: int, rank: int, shard) -> None:
+        """Write ``shard`` (plain CPU tensors, or a function returning them: called on the writing thread, e.g. the
+        wait for a copy in flight) as ``version`` of ``rank`` in the background (the previous write is waited for
+        first); older versions of this rank beyond the last two are deleted once it is written."""
         self.flush()
         path = snapshot_file(folder, version, rank)
         result = self._result = {"version": int(version), "path": str(path)}
@@ -56,7 +58,7 @@ class SnapshotWriter:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(".tmp")
-                torch.save(shard, tmp)
+                torch.save(shard() if callable(shard) else shard, tmp)
                 os.replace(tmp, path)
                 result["bytes"] = path.stat().st_size
                 for old in versions_on_disk(folder)[:-2]:
@@ -64,7 +66,7 @@ class SnapshotWriter:
                     stale.unlink(missing_ok=True)
                     if stale.parent.is_dir() and not any(stale.parent.iterdir()):
                         shutil.rmtree(stale.parent, ignore_errors=True)
-            except OSError as exc:
+            except (OSError, RuntimeError) as exc:          # RuntimeError: the copy it waited for failed
                 result["error"] = f"{type(exc).__name__}: {exc}"
             result["seconds"] = time.perf_counter() - t0
         self._thread = threading.Thread(target=run, name="bidirl-snapshot-write", daemon=True)

@@ -12,7 +12,7 @@ steps:
 
 * :meth:`start` adds the requests of prompt-level groups (``group_size`` responses each). Response ``i``
   of group ``g`` samples with its own seed ``request_seed(seed, g, i)``, and the token at each position is
-  drawn with noise keyed by (that seed, the position) (``bidirl.cluster.engines.sampler``): the same seeds
+  drawn with noise keyed by (that seed, the position) (``bidirl.cluster.engines.workers.sampler``): the same seeds
   give the same tokens, whichever replica generated them, in whatever batch, and however often the
   response was interrupted and resumed.
 * :meth:`step_until` runs engine steps until a stop condition, a step or time budget, or until nothing is
@@ -32,7 +32,7 @@ steps:
 the tied ``lm_head``, under the HF checkpoint's names, checked against the checkpoint's names and shapes
 first) — the actor→rollout weight sync (§6.2) — and resets the prefix cache (cached blocks hold the old
 weights' keys and values); :meth:`receive_weights` does the same from the trainer gang over the weight transport
-(:mod:`bidirl.cluster.engines.weight_transport`), bucket by bucket as they arrive. The engine keeps no copy of
+(:mod:`bidirl.cluster.engines.workers.weight_transport`), bucket by bucket as they arrive. The engine keeps no copy of
 the weights it loads. :meth:`offload` / :meth:`onload` are the rollout half of a hot switch (§3.2,
 C_in / C_out), in the order vLLM intends:
 
@@ -64,6 +64,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import numpy as np
 
 from bidirl.core.protocol import GroupState
+from bidirl.cluster.engines.workers.rollout_weights import RolloutWeights
 from bidirl.rl.samples import GroupPayload
 
 
@@ -136,52 +137,6 @@ class _Group:
         return all(r.done for r in self.responses)
 
 
-# functions run on the vLLM worker through collective_rpc (module level so they pickle by reference)
-def _worker_reload(worker, weights) -> None:
-    worker.reload_weights(weights_iterator=iter(weights))
-
-
-def _kv_tensors(worker) -> list:
-    seen, out = set(), []
-    for t in worker.model_runner.kv_caches:
-        tensors = t if isinstance(t, (list, tuple)) else [t]
-        for x in tensors:
-            ptr = x.untyped_storage().data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
-                out.append(x)
-    return out
-
-
-def _worker_release_kv(worker) -> int:
-    released = 0
-    sizes = []
-    for t in _kv_tensors(worker):
-        storage = t.untyped_storage()
-        sizes.append(storage.nbytes())
-        released += storage.nbytes()
-        storage.resize_(0)
-    worker._bidirl_kv_sizes = sizes
-    return released
-
-
-def _worker_restore_kv(worker) -> int:
-    sizes = getattr(worker, "_bidirl_kv_sizes", None)
-    if sizes is None:
-        return 0
-    restored = 0
-    for t, n in zip(_kv_tensors(worker), sizes):
-        t.untyped_storage().resize_(n)
-        t.zero_()
-        restored += n
-    worker._bidirl_kv_sizes = None
-    return restored
-
-
-def _worker_kv_bytes(worker) -> int:
-    return sum(t.untyped_storage().nbytes() for t in _kv_tensors(worker))
-
-
 @contextlib.contextmanager
 def _preserved_global_rng():
     """Restore Python's, numpy's and torch's global RNG states after the block."""
@@ -198,20 +153,7 @@ def _preserved_global_rng():
         torch.random.set_rng_state(states[2])
 
 
-def _as_items(weights) -> list:
-    import torch
-
-    items = weights.items() if hasattr(weights, "items") else weights
-    out = []
-    for name, value in items:
-        t = value if torch.is_tensor(value) else torch.as_tensor(np.asarray(value))
-        out.append((str(name), t.detach().to("cpu")))
-    if not out:
-        raise ValueError("load_weights: got no weights; pass the trainer's state_dict() (items)")
-    return out
-
-
-class RolloutEngine:
+class RolloutEngine(RolloutWeights):
     """An interruptible vLLM rollout replica (see the module docstring)."""
 
     def __init__(self, model_dir: Union[str, Path], seed: int = 0, max_model_len: int = 64,
@@ -253,7 +195,7 @@ class RolloutEngine:
             raise ValueError(f"RolloutEngine.temperature must be > 0 (sampling), got {temperature!r}")
         if top_p != 1.0:
             raise ValueError(f"RolloutEngine.top_p must be 1.0, got {top_p!r}: responses are sampled from the "
-                             "full distribution by position-keyed Gumbel-max (bidirl.cluster.engines.sampler)")
+                             "full distribution by position-keyed Gumbel-max (bidirl.cluster.engines.workers.sampler)")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # in-process engine (no __main__ guard needed)
         if quiet:
             os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -261,7 +203,7 @@ class RolloutEngine:
         import torch
         from vllm import LLM
 
-        from bidirl.cluster.engines.sampler import PositionKeyedSampler
+        from bidirl.cluster.engines.workers.sampler import PositionKeyedSampler
 
         checkpoint.check_vllm_architecture(path, "RolloutEngine.model_dir")
         self.tied = checkpoint.tied_embeddings(config)
@@ -380,7 +322,7 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        from bidirl.cluster.engines.sampler import SEED_KEY, TEMPERATURE_KEY
+        from bidirl.cluster.engines.workers.sampler import SEED_KEY, TEMPERATURE_KEY
 
         # The processor picks the token; vLLM's sampler (seeded, so it never touches the global RNG) only
         # returns it, and the reported log-probs are the raw policy log-probs.
@@ -579,156 +521,6 @@ class RolloutEngine:
         """Start ``requests`` and run until all complete; returns their states in group-id order."""
         self.start(requests)
         return sorted(self.step_until(), key=lambda s: s.group_id)
-
-    # ------------------------------------------------------------------------------------------
-    # weights and hot switching
-    # ------------------------------------------------------------------------------------------
-    def _require_idle(self, what: str) -> None:
-        if self._by_request:
-            raise RuntimeError(f"RolloutEngine.{what}: {len(self._by_request)} requests are in flight; "
-                               "interrupt() them first (partial rollout resumes them afterwards)")
-
-    def load_weights(self, state_dict_items, version: Optional[int] = None) -> float:
-        """Reload the weights in place from ``(name, tensor)`` items or a dict; returns seconds.
-
-        Pass the trainer's full ``state_dict()`` (the tied ``lm_head.weight`` included). Names are the HF
-        checkpoint's (wrapper prefixes are removed); names or shapes that differ from the checkpoint's raise
-        before anything is loaded. ``version`` becomes the engine's actor version (the staleness tag of tokens
-        generated from now on). ``None``: the checkpoint's weights (a driver's version 0).
-        """
-        from bidirl.rl import model_folder as checkpoint
-
-        if state_dict_items is None:
-            state_dict_items = self._checkpoint_items()
-        self._require_idle("load_weights")
-        if self._offloaded:
-            raise RuntimeError("RolloutEngine.load_weights: the engine is offloaded; call onload() first")
-        weights = checkpoint.hf_weights(_as_items(state_dict_items), self.tied)
-        checkpoint.check_weights(weights, self.checkpoint_shapes, self.tied, f"load_weights ({self.model_dir})",
-                                 "pass the state_dict() of a trainer of this model (TrainerEngine(model_dir))")
-        items = list(weights.items())
-        t0 = time.perf_counter()
-        self.llm.collective_rpc(_worker_reload, args=(items,))
-        self._weights_stale = False
-        self._reset_prefix_cache("load_weights")        # cached blocks hold the old weights' keys and values
-        seconds = time.perf_counter() - t0
-        if version is not None:
-            self.version = int(version)
-        return seconds
-
-    def receive_weights(self, transfer, rank: int) -> dict:
-        """Load actor ``transfer.version`` in place from the trainer gang over the weight transport, as receiver
-        ``rank`` of ``transfer`` (:mod:`bidirl.cluster.engines.weight_transport`): each bucket goes into vLLM's
-        layerwise reload (``model.load_weights``) as it arrives, and nothing is kept. The names and shapes are
-        checked against the checkpoint before anything is loaded (a refused transfer loads nothing). If the
-        sender fails mid-way this raises ``WeightTransferError`` and the weights are partly the new version's:
-        the engine must not generate before it loads a version again (the driver restarts it). Returns the
-        receiver's report with ``seconds``."""
-        import torch
-
-        from bidirl.cluster.engines.weight_transport import Receiver
-        from bidirl.rl import model_folder as checkpoint
-
-        self._require_idle("receive_weights")
-        if self._offloaded:
-            raise RuntimeError("RolloutEngine.receive_weights: the engine is offloaded; call onload() first")
-        receiver = Receiver(transfer, rank, self.device)
-        try:
-            sent = {k: torch.empty(shape, device="meta") for k, shape in transfer.layout.shapes().items()}
-            checkpoint.check_weights(sent, self.checkpoint_shapes, self.tied, f"receive_weights ({self.model_dir})",
-                                     "send the weights of a trainer of this model (weight_transport.model_layout)")
-        except ValueError as exc:
-            receiver.abandon(str(exc))
-            raise
-        t0 = time.perf_counter()
-        receiver.connect()
-        self.version = None               # partly loaded until the last bucket is in
-        self.llm.collective_rpc(_worker_reload, args=(receiver.items(),))
-        self._weights_stale = False
-        self._reset_prefix_cache("receive_weights")     # cached blocks hold the old weights' keys and values
-        self.version = int(transfer.version)
-        return dict(receiver.close(), seconds=time.perf_counter() - t0)
-
-    @property
-    def offloaded(self) -> bool:
-        """Whether anything is switched out (the weights, the KV cache, or both)."""
-        return self._offloaded or self._kv_released
-
-    def _reset_prefix_cache(self, where: str) -> None:
-        """Forget every cached block (their keys and values are no longer the current weights' or were freed)."""
-        if not self.engine.reset_prefix_cache():
-            raise RuntimeError(f"RolloutEngine.{where}: vLLM could not reset its prefix cache (blocks still in use); "
-                               "cached blocks would serve stale keys and values")
-
-    def offload(self) -> float:
-        """Give the replica's memory up for a hot switch; returns seconds (see the module docstring)."""
-        self._require_idle("offload")
-        if self.offloaded:
-            return 0.0
-        t0 = time.perf_counter()
-        if self.gpu:
-            from bidirl.cluster.engines.rollout_setup import SLEEP_LEVEL
-            self.llm.sleep(level=SLEEP_LEVEL)              # clears the prefix cache; weights and KV discarded
-            self._weights_stale = True
-            self.last_switch = {"mode": f"vllm-sleep-{SLEEP_LEVEL}", "weights_discarded": True}
-        else:
-            self._reset_prefix_cache("offload")
-            released = sum(self.llm.collective_rpc(_worker_release_kv))
-            self.last_switch = {"mode": "cpu", "kv_bytes_released": int(released), "weights_released": False}
-        self._offloaded = self._kv_released = True
-        seconds = time.perf_counter() - t0
-        self.last_switch["offload_seconds"] = seconds
-        return seconds
-
-    def onload(self, kv: bool = True) -> float:
-        """Restore what :meth:`offload` gave up: the weights, then (``kv``) the KV cache; returns seconds.
-
-        A hot switch-in calls ``onload(kv=False)``, loads the current weights, then ``onload()`` — the KV cache
-        comes back only once the weights are in place (module docstring). On GPU the weights phase gives the
-        weights' memory back with undefined contents after a level-2 sleep: :meth:`load_weights` must follow
-        before the engine generates."""
-        if not self.offloaded:
-            return 0.0
-        t0 = time.perf_counter()
-        if self._offloaded:
-            t = time.perf_counter()
-            if self.gpu:
-                self.llm.wake_up(tags=["weights"])
-            self._offloaded = False
-            self.last_switch["wake_weights_seconds"] = time.perf_counter() - t
-        if kv and self._kv_released:
-            t = time.perf_counter()
-            if self.gpu:
-                self.llm.wake_up(tags=["kv_cache"])       # fully awake: vLLM resumes scheduling
-            else:
-                self.last_switch["kv_bytes_restored"] = int(sum(self.llm.collective_rpc(_worker_restore_kv)))
-            self._reset_prefix_cache("onload")          # the restored blocks hold nothing a hash may point to
-            self._kv_released = False
-            self.last_switch["wake_kv_seconds"] = time.perf_counter() - t
-        seconds = time.perf_counter() - t0
-        self.last_switch["onload_seconds"] = self.last_switch.get("onload_seconds", 0.0) + seconds
-        return seconds
-
-    def reset(self, reward_fn: Optional[Callable[[Any, str], float]] = None) -> float:
-        """Back to what a fresh engine holds — no groups, the model folder's weights, version 0, onloaded — for
-        a new run on the same process, whose responses ``reward_fn`` scores (as the constructor's). Returns
-        seconds."""
-        t0 = time.perf_counter()
-        self.reward_fn = reward_fn
-        self.interrupt(None)
-        self.onload()
-        self.load_weights(self._checkpoint_items(), 0)
-        return time.perf_counter() - t0
-
-    def kv_cache_bytes(self) -> int:
-        """Bytes the KV cache currently holds (0 while offloaded on CPU)."""
-        return int(sum(self.llm.collective_rpc(_worker_kv_bytes)))
-
-    def _checkpoint_items(self) -> list:
-        """The checkpoint's weights as sent by a trainer (the tied head, stored once, added as ``lm_head``)."""
-        from bidirl.rl import model_folder as checkpoint
-
-        return checkpoint.checkpoint_weights(self.model_dir, self.tied)
 
     def shutdown(self) -> None:
         """Abort everything and drop the engine (frees its memory once garbage-collected)."""

@@ -10,13 +10,14 @@ every parameter the same way on the rank with the same index within a replica. :
 from each rank's :func:`shard_signature`; a mismatch is a clear error, never a wrong sum.
 
 Each window is one transfer per auxiliary rank over the weight transport's machinery
-(:mod:`bidirl.cluster.engines.weight_transport`): a fresh rendezvous with the live primary ranks it serves, a
+(:mod:`bidirl.cluster.engines.workers.weight_transport`): a fresh rendezvous with the live primary ranks it serves, a
 two-rank group per pair (gloo on CPU, NCCL between GPUs), the shard in buckets (:func:`window_layout`), and waits
 that poll the rendezvous where the driver marks members it saw die. A long-lived group of both gangs would have
 been formed once, but one dead member stalls every collective on it until a timeout; a transfer per window
 confines a death to its own pairs and costs one rendezvous per window (milliseconds on gloo; NCCL's pair set-up on
 GPU is part of the measured C_grad). A primary rank keeps the received shard beside its own gradient until the
-optimizer step (:meth:`~bidirl.cluster.engines.trainer.TrainerEngine.apply`), so a transfer that breaks off leaves
+optimizer step (:meth:`~bidirl.cluster.engines.workers.trainer.TrainerEngine.apply`), so a transfer that breaks off
+leaves
 its gradient untouched.
 """
 
@@ -27,7 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from bidirl.cluster.engines import weight_transport as wt
+from bidirl.cluster.engines.workers import weight_transport as wt
 from bidirl.errors import BidirlError
 
 

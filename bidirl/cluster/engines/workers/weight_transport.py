@@ -79,6 +79,32 @@ class WeightTransferError(BidirlError, RuntimeError):
     fix = "the driver restarts the worker and sends it the version again"
 
 
+class TransferOrderError(BidirlError, RuntimeError):
+    """The ranks of a sending gang were running different transfers at once: their gathers would have mixed the
+    buckets of two versions. An error of the driver's ordering, not a lost peer: the run stops."""
+
+    fix = "every rank of the sending gang must run the same transfers in the same order (one send call per rank)"
+
+
+def check_same_transfer(tid: str, version: int, rank: int, group, device) -> None:
+    """Before the first collective of a transfer, every rank of the sending gang checks that all of them run the
+    same one: one all-gather of (a CRC-32 of the transfer id, the version) over the gang's transport ``group``;
+    raises :class:`TransferOrderError` on every rank if they differ (all ranks take part, so the gang stays in
+    step). Gathers carry no id of their own: without this check two transfers run in different orders on two ranks
+    would mix versions silently."""
+    import zlib
+
+    import torch.distributed as dist
+    key = torch.tensor([zlib.crc32(str(tid).encode()), int(version)], dtype=torch.int64, device=device)
+    keys = [torch.empty_like(key) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(keys, key, group=group)
+    seen = [tuple(int(v) for v in k.tolist()) for k in keys]
+    if len(set(seen)) > 1:
+        ranks = ", ".join(f"rank {r}: id crc {c:08x} version {v}" for r, (c, v) in enumerate(seen))
+        raise TransferOrderError(f"weight transfer {tid} (version {version}) on rank {rank}: the sending gang's "
+                                 f"ranks run different transfers ({ranks}); {TransferOrderError.fix}")
+
+
 def wire_dtype(gpu: bool) -> str:
     """The dtype weights travel in: the rollouter's (bf16 on GPU, fp32 on CPU)."""
     return "bfloat16" if gpu else "float32"
@@ -302,6 +328,34 @@ def _in_thread(fn, name: str):
     return thread, box
 
 
+def form_eagerly(group, device) -> None:
+    """Form ``group``'s communicator now, with a one-element all-reduce, instead of inside its first send or gather
+    (NCCL forms a communicator lazily, on the thread of its first operation, where nothing polls the driver's marks
+    of dead peers). The caller runs it where a wait is polled (a pair: :func:`_in_thread` under
+    :meth:`_Member._wait`; a gang's groups: right after they are made, every rank at once). The same code on gloo
+    (whose pairs connect when the group is made: the all-reduce then only checks the pair works)."""
+    work = group.allreduce([torch.zeros(1, device=device)])
+    while not work.is_completed():             # a non-blocking NCCL communicator reports its progress so
+        time.sleep(_POLL_S)
+    work.wait()
+
+
+def _abandon(group, thread, backend: str) -> None:
+    """Give a pair group up: keep it (and the thread waiting on it) in :data:`_ABANDONED` until the thread ends, and
+    abort an NCCL communicator at once, so the pending operation is released instead of timing out in NCCL's
+    watchdog, which ends the process (``ProcessGroupNCCL`` abort; unrun here: no GPU). Gloo's ``abort`` does not
+    release a pending ``wait`` (measured with torch 2.13: a ``recv`` still blocked 10 s after it), so a gloo group
+    is only kept until gloo's own timeout ends its thread."""
+    if isinstance(group, dict):                # a pair still forming: its group, once made (``_Member._pair``)
+        group = group.get("group")
+    _ABANDONED.append((group, thread))
+    if backend == "nccl" and group is not None:
+        try:
+            group.abort()
+        except Exception:
+            pass
+
+
 def _first_line(exc: Exception) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0][:200]
 
@@ -348,8 +402,10 @@ class _Member:
         except Exception:
             pass
 
-    def _pair(self, peer: int, backend: str):
-        """The two-rank group of this member and ``peer`` (the sender is rank 0 of every pair)."""
+    def _pair(self, peer: int, backend: str, holder: Optional[dict] = None):
+        """The two-rank group of this member and ``peer`` (the sender is rank 0 of every pair), its communicator
+        formed (:func:`form_eagerly`); ``holder["group"]`` is the group as soon as it is made, so a wait that gives
+        up on the forming can abort it."""
         import torch.distributed as dist
 
         r = peer if self.rank == 0 else self.rank
@@ -358,13 +414,20 @@ class _Member:
         if backend == "nccl":          # GPU-only branch (unverified here: no GPU)
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
-            return dist.ProcessGroupNCCL(store, me, 2, opts)
-        return dist.ProcessGroupGloo(store, me, 2, self.timeout)
+            opts.config.blocking = 0   # a non-blocking communicator: its forming can be polled and aborted
+            group = dist.ProcessGroupNCCL(store, me, 2, opts)
+        else:
+            group = dist.ProcessGroupGloo(store, me, 2, self.timeout)
+        if holder is not None:
+            holder["group"] = group
+        form_eagerly(group, self.device if backend == "nccl" else torch.device("cpu"))
+        return group
 
-    def _wait(self, thread, box, gone: Sequence[str], limit: float, what: str, group=None) -> Optional[str]:
+    def _wait(self, thread, box, gone: Sequence[str], limit: float, what: str, group=None,
+              backend: str = "gloo") -> Optional[str]:
         """Wait for a thread of :func:`_in_thread` (forming a pair, or waiting on an operation); ``None`` when it
         finished without error, else why not — an error, a mark in ``gone``, or ``limit`` seconds. A thread
-        given up on stays in :data:`_ABANDONED` with its group until it ends."""
+        given up on stays in :data:`_ABANDONED` with its group until it ends (:func:`_abandon`)."""
         deadline = time.monotonic() + limit
         while thread.is_alive():
             thread.join(_MARK_POLL_S)
@@ -372,7 +435,7 @@ class _Member:
                 break
             marked = [k for k in gone if self._marked(k)]
             if marked or time.monotonic() > deadline:
-                _ABANDONED.append((group, thread))
+                _abandon(group, thread, backend)
                 return f"{what}: {marked[0].replace('gone/', 'rank ')} is gone" if marked else \
                     f"{what}: no progress for {limit:g} s"
         if "error" in box:
@@ -385,7 +448,7 @@ class _Member:
         limit = patience * self.transfer.timeout_s
         if backend != "nccl":
             thread, box = _in_thread(work.wait, "bidirl-weight-transfer-wait")
-            return self._wait(thread, box, [f"gone/{peer}"], limit, what, group)
+            return self._wait(thread, box, [f"gone/{peer}"], limit, what, group, backend)
         # GPU-only branch (unverified here): NCCL work reports completion itself, and wait() would not block
         deadline = time.monotonic() + limit
         next_mark = time.monotonic() + _MARK_POLL_S
@@ -393,11 +456,11 @@ class _Member:
             now = time.monotonic()
             if now >= next_mark:
                 if self._marked(f"gone/{peer}"):
-                    _ABANDONED.append((group, None))
+                    _abandon(group, None, backend)
                     return f"{what}: rank {peer} is gone"
                 next_mark = now + _MARK_POLL_S
             if now > deadline:
-                _ABANDONED.append((group, None))
+                _abandon(group, None, backend)
                 return f"{what}: no progress for {limit:g} s"
             time.sleep(_POLL_S)
         try:
@@ -446,9 +509,11 @@ class Sender(_Member):
             # NCCL between two GPUs; gloo on CPU, and through the host for a receiver on this very GPU
             backend = "nccl" if self.device.type == "cuda" and theirs not in ("cpu", mine) else "gloo"
             self._mark(f"go/{r}", backend)
-            forming[r] = (backend, *_in_thread(lambda r=r, b=backend: self._pair(r, b), "bidirl-weight-pair"))
-        for r, (backend, thread, box) in forming.items():
-            why = self._wait(thread, box, [f"gone/{r}"], self.transfer.timeout_s, "forming its pair")
+            holder: dict = {}
+            forming[r] = (backend, holder, *_in_thread(lambda r=r, b=backend, h=holder: self._pair(r, b, h),
+                                                       "bidirl-weight-pair"))
+        for r, (backend, holder, thread, box) in forming.items():
+            why = self._wait(thread, box, [f"gone/{r}"], self.transfer.timeout_s, "forming its pair", holder, backend)
             if why is None:
                 self.pairs[r] = (box["value"], backend)
             else:
@@ -516,7 +581,7 @@ class Receiver(_Member):
     def _fail(self, why: str):
         self._mark(f"gone/{self.rank}", why[:200])          # the sender stops waiting for this member
         if self.group is not None:                           # it may hold a posted receive: never destroyed here
-            _ABANDONED.append((self.group, None))
+            _abandon(self.group, None, self.backend)
         self.group = None
         return WeightTransferError(f"weight transfer {self.transfer.tid} (version {self.transfer.version}), "
                                    f"receiver {self.rank}: {why}")
@@ -543,9 +608,10 @@ class Receiver(_Member):
                    else f"the sender did not begin within {self.transfer.timeout_s:g} s")
             raise self._fail(why + " (nothing was loaded)")
         self.backend = self.store.get(f"go/{self.rank}").decode()
-        thread, box = _in_thread(lambda: self._pair(0, self.backend), "bidirl-weight-pair")
+        holder: dict = {}
+        thread, box = _in_thread(lambda: self._pair(0, self.backend, holder), "bidirl-weight-pair")
         why = self._wait(thread, box, ["gone/0", f"gone/{self.rank}"], self.transfer.timeout_s,
-                         "forming the pair with the sender")
+                         "forming the pair with the sender", holder, self.backend)
         if why is not None:
             raise self._fail(why + " (nothing was loaded)")
         self.group = box["value"]
@@ -593,14 +659,19 @@ class Receiver(_Member):
                 "backend": self.backend}
 
 
-def send_buckets(transfer: Transfer, rank: int, gather: Callable, device, broadcast: Optional[Callable] = None) -> dict:
+def send_buckets(transfer: Transfer, rank: int, gather: Callable, device, broadcast: Optional[Callable] = None,
+                 agree: Optional[Callable] = None) -> dict:
     """Send ``transfer`` from a gang: every rank of the gang calls this with its ``rank`` in the gang.
 
     ``gather(names) -> [full tensor]`` returns the full tensors of those names in the layout's dtype (a collective on
     a sharded gang: every rank calls it, bucket by bucket, in the layout's order); ``broadcast(n) -> n`` shares
-    rank 0's count of live receivers with the gang (``None``: a gang of one). Rank 0 runs the rendezvous and
-    sends; the others only gather. Returns rank 0's report (bytes sent, receivers dropped and why, seconds)."""
+    rank 0's count of live receivers with the gang (``None``: a gang of one); ``agree(transfer)``, the gang's first
+    collective of the transfer, checks every rank runs this one (:func:`check_same_transfer`; ``None``: a gang of
+    one). Rank 0 runs the rendezvous and sends; the others only gather. Returns rank 0's report (bytes sent,
+    receivers dropped and why, seconds)."""
     t0 = time.monotonic()
+    if agree is not None:
+        agree(transfer)
     sender = None
     error = None
     live = 0
