@@ -17,8 +17,7 @@ both ends on this one device) → ``apply`` (the chunks and the window) → ``pu
 Figures: ``<step>_s`` (seconds), ``<step>_peak_gb`` (the device's peak allocated memory during the step, CUDA
 only), ``cycle_peak_gb`` (over the whole cycle), ``snapshot_wait_s`` (what the first call that changes or frees the
 state waited for the snapshot's copy), ``host_buffer_allocations`` (once per engine: it is reserved when the engine
-is loaded) and, when this checkout's device budget can predict the cycle (:func:`budget_prediction`),
-``budget_peak_gb``.
+is loaded) and ``budget_peak_gb``, the device budget's prediction of the cycle's peak (:func:`budget_prediction`).
 
 ``--size``: ``4b`` / ``8b`` (Qwen3-4B / -8B shapes) need a CUDA device and are skipped elsewhere with a message;
 ``tiny`` / ``small`` run anywhere (a test runs ``tiny`` on CPU: the same code path).
@@ -31,7 +30,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 from benchmarks.bench_trainer_scale import MICRO_BATCH, SIZES, _samples, make_model
 
@@ -41,12 +39,29 @@ GPU_SIZES = ("4b", "8b")
 WINDOW_CHUNKS = (100, 101)
 
 
-def budget_prediction(size: str, device: str, micro_batch: tuple) -> Optional[float]:
-    """HOOK for the device budget (issue 38: ``bidirl.perf.memory``'s budget of a trainer slot, built beside this
-    benchmark and not in this checkout yet): the predicted peak bytes of this cycle, from the budget of a primary
-    rank of one GPU at ``size``'s shape and ``micro_batch``. Returns ``None`` (and ``budget_peak_gb`` is left out)
-    until the budget is wired here."""
-    return None
+def budget_prediction(size: str, device: str, micro_batch: tuple, numel: int) -> float:
+    """The device budget's prediction of this cycle's peak bytes (``bidirl.perf.memory.device_budget``): a primary
+    rank of one GPU at ``size``'s shape (``numel`` parameters, the engine's own count) and ``micro_batch``
+    (samples, prompt tokens, response tokens), receiving one window, on the collective path, with checkpointing as
+    the engine resolves it (on for CUDA, off on CPU). The benchmark runs the rank alone: no rollouter shares its
+    device and no send runs during the cycle's peaks, so ``rollout_beside`` and ``transport_buckets`` are left out
+    of the prediction (the budget counts both for a run's trainer slot)."""
+    from bidirl.job.presets import ModelSpec, hardware
+    from bidirl.perf import memory
+
+    v, h, i, n, heads, kv, hd, tied = SIZES[size]
+    embed = v * h * (1 if tied else 2)
+    spec = ModelSpec(name=f"bench-{size}", layers=n, hidden=h, intermediate=i, heads=heads, kv_heads=kv,
+                     head_dim=hd, vocab=v, tie_word_embeddings=tied, params_total=float(numel),
+                     params_nonembedding=float(numel - embed), dtype_bytes=2 if device == "cuda" else 4)
+    samples, prompt, response = micro_batch
+    budget = memory.device_budget(spec, hardware("h100"), 1, micro_batch_per_device=samples,
+                                  max_seq_len=prompt + response, device=device, windows=1, gang_ranks=1,
+                                  checkpointing=device == "cuda")
+    phases = {}
+    for phase, terms in memory.BUDGET_PHASES.items():
+        phases[phase] = sum(getattr(budget, t) for t in terms if t not in ("rollout_beside", "transport_buckets"))
+    return max(phases.values())
 
 
 def _receive_window(engine, numel: int, device: str) -> dict:
@@ -132,9 +147,7 @@ def cycle(size: str = "tiny") -> dict:
             raise RuntimeError(f"gpu_path: the recovery snapshot could not be written: {written['error']}")
         fig["state_gb"] = eng.state_bytes() / 2**30
         fig["host_buffer_allocations"] = eng.host_buffer_allocations
-        predicted = budget_prediction(size, device, (mb, P, R))
-        if predicted is not None:
-            fig["budget_peak_gb"] = predicted / 2**30
+        fig["budget_peak_gb"] = budget_prediction(size, device, (mb, P, R), eng.numel) / 2**30
     return fig
 
 

@@ -41,7 +41,7 @@ def test_the_terms_are_what_a_trainer_engine_holds(fresh_model):
     tiny preset's params_total is the checkpoint's parameter count)."""
     import torch
 
-    from bidirl.cluster.engines.trainer import TrainerEngine
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
     from bidirl.rl import grpo
     from bidirl.rl.samples import Sample
     from bidirl.rl.tasks import ArithmeticTask
@@ -49,7 +49,7 @@ def test_the_terms_are_what_a_trainer_engine_holds(fresh_model):
 
     cfg = cfgmod.load("tiny-cpu").with_overrides(TINY_ALL_TERMS)
     b = planner.device_budget(planner.plan(cfg), device="cpu", windows=1, layout=1)
-    eng = TrainerEngine(fresh_model, lr=1e-3, device="cpu", threads=1)
+    eng = TrainerEngine(fresh_model, lr=1e-3, device="cpu", threads=1, publish_dtype="float32")  # as the driver
     assert eng.numel == cfg.model_spec.params_total
     n = eng.numel
     weights = sum(p.untyped_storage().nbytes() for p in eng.params)
@@ -71,10 +71,13 @@ def test_the_terms_are_what_a_trainer_engine_holds(fresh_model):
     eng.publish(2, "float32", keep=[1])
     assert sorted(eng.published) == [1, 2] and memory.PUBLISHED_KEPT == 2
     assert (memory.PUBLISHED_KEPT + memory.PUBLISHED_TRANSIENT) * one == b.published_versions
-    # the host buffer a CPU engine keeps after its first switch: weights + moments (+ a mid-step gradient)
+    # the host buffer a CPU engine keeps for its life: weights + moments (+ a mid-step gradient) and the two
+    # published versions an offload moves beside them (this engine has no reference model)
     eng.chunk_gradients(samples, adv, old, accumulate=True, chunk_id=1)
     eng.offload()
-    assert eng._host.nbytes == b.offload_buffer - b.reference == b.weights + b.optimizer_state + b.gradients
+    kept = memory.PUBLISHED_KEPT * one
+    assert eng._host.nbytes == b.offload_buffer - b.reference == b.weights + b.optimizer_state + b.gradients + kept
+    assert eng.host_capacity() == b.offload_buffer - b.reference
     eng.onload()
     # AdamW's single-tensor path holds two fp32 copies of one parameter at once; the largest is the embedding
     # or an MLP matrix (tiny: 384 × 128)

@@ -22,6 +22,8 @@ def test_the_cycle_runs_every_step_of_a_run_on_this_device():
     assert all(fig[f"{s}_s"] >= 0 for s in STEPS)
     assert fig["host_buffer_allocations"] == 1, "the host buffer is reserved once, at load, for both switches"
     assert fig["window_gb"] > 0 and fig["state_gb"] > 0
+    # the budget's peak holds the state and, beside it, at least the received window (perf.memory.device_budget)
+    assert fig["budget_peak_gb"] > fig["state_gb"] + fig["window_gb"]
     assert ("cycle_peak_gb" in fig) == torch.cuda.is_available()
 
 

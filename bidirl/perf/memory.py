@@ -300,9 +300,11 @@ class DeviceBudget:
     * ``rollout_beside`` — the trainer pool's borrowing rollouter on the same GPU, switched out while the trainer
       computes (:func:`rollout_asleep_bytes`: its activation reserve on CUDA; weights too on CPU);
     * ``offload_buffer`` — on CPU only, where the device is the host: the hot switch's host buffer
-      (:class:`~bidirl.cluster.engines.host_buffer.HostStash`), allocated at the first switch and kept for the
-      engine's life, sized to the largest state it held — weights, moments, a mid-step gradient and the reference:
-      ``(4 + 8 + 4)·N/ρ + reference``; 0 on CUDA (pinned host memory, not the device's).
+      (:class:`~bidirl.cluster.engines.workers.host_buffer.HostStash`), reserved once the engine is loaded and kept
+      for its life, sized for the largest state it holds (``TrainerEngine.host_capacity``) — weights, moments, a
+      mid-step gradient, the reference and, on the collective path, the ``PUBLISHED_KEPT`` published versions that
+      an offload moves beside them: ``(4 + 8 + 4)·N/ρ + reference + 2·b_w·N/ρ``; 0 on CUDA (pinned host memory,
+      not the device's).
 
     The rank's peak is the largest phase (:data:`BUDGET_PHASES`): a chunk (activations and FSDP2's unsharded
     blocks) or the optimizer step (the windows, the sum and AdamW's temporaries), since ``apply`` runs between
@@ -412,4 +414,5 @@ def device_budget(model, hw, layout: int, *, micro_batch_per_device: int, max_se
         rollout_beside=rollout_asleep_bytes(model, 1, device),
         offload_buffer=0.0 if device == "cuda" else (
             (ENGINE_WEIGHT_BYTES + ADAMW_MOMENT_BYTES + ENGINE_GRAD_BYTES) * n / rho
-            + (compute * n / rho if kl_coef > 0 else 0.0)))
+            + (compute * n / rho if kl_coef > 0 else 0.0)
+            + (PUBLISHED_KEPT * wire * n / rho if collective else 0.0)))
