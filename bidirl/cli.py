@@ -320,7 +320,7 @@ def _run_run(args: argparse.Namespace) -> int:
                  if value is not None}
     cfg = cfgmod.load(args.config).with_overrides(overrides)
     if not args.emulate:
-        cfgmod.check_engine_run(cfg)
+        cfgmod.check_engine_run(cfg)          # before the output folder is made (run() checks again)
     out = args.out or str(default_out_dir())
     for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--keep", args.keep)):
         if value < 1:

@@ -115,6 +115,17 @@ def test_engine_runs_refuse_settings_they_do_not_carry_out(key, value):
     C.check_engine_run(C.load(base()))              # the defaults run
 
 
+def test_the_run_api_refuses_them_before_ray_starts(monkeypatch):
+    """``bidirl.cluster.run.run`` (the library's entry, not only the CLI) refuses by name before it touches Ray."""
+    import ray
+
+    from bidirl.cluster.run import run
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init called before the refusal"))
+    with pytest.raises(C.ConfigError) as info:
+        run(C.load(base()).with_overrides({"rl.sequence_parallel": 2}))
+    assert info.value.field == "rl.sequence_parallel" and "--emulate" in info.value.fix
+
+
 def test_cli_run_refuses_them_before_anything_starts(tmp_path, capsys):
     from bidirl.cli import main
     job = tmp_path / "job.yaml"

@@ -32,6 +32,8 @@ def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, se
     left, reset to a fresh engine's state, instead of starting its own.
     """
     cfg = cfgmod.load(config)
+    if not emulate:
+        cfgmod.check_engine_run(cfg)          # a setting engine workers would not carry out is refused by name
     policy = policy or cfg.scheduler.policy
     from bidirl.core.policies import get_policy
     try:
