@@ -84,7 +84,7 @@ def test_the_fully_async_rollout_is_placed_not_lost():
 
 def _bidirl_actor_methods() -> set:
     """``Class.method`` of bidirl's engine actors, read from their source (what a bidirl timeline can name)."""
-    tree = ast.parse((ROOT / "bidirl" / "cluster" / "engines" / "actors.py").read_text())
+    tree = ast.parse((ROOT / "bidirl" / "cluster" / "engines" / "workers" / "actors.py").read_text())
     return {f"{c.name}.{f.name}" for c in tree.body if isinstance(c, ast.ClassDef)
             for f in c.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
