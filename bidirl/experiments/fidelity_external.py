@@ -281,6 +281,7 @@ def fit(fs: FidelitySet, rows, folder: "str | Path", quick: bool = False) -> Fit
     generation time. ``rows`` are :meth:`FidelitySet.for_fit`'s: a predicted row's published numbers are sealed
     and reading one raises :class:`SealedRowError`."""
     folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     calibrating = [r for r in rows if r.calibrating]
     if len(calibrating) != 1:
         raise FidelityDataError("rows.role", f"{len(calibrating)} calibrating rows", "mark exactly one")
