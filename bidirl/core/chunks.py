@@ -6,7 +6,9 @@ segment: it needs the first segment's log-probs of every sample, so the segments
 A segment is an ordered list of *units* ``(stage, sample)``. A chunk is a contiguous run of units of one
 stage executed by one trainer gang of ``d`` replicas of ``rho`` devices: one micro-batch of at most
 ``micro_batch_per_device`` (s_max) units on every device, ``per_device`` units each; the smallest chunk is one unit
-per device (§5.2).
+per device (§5.2). With a token budget (``max_tokens_per_micro_batch``, veRL's dynamic batch size) a chunk is
+instead the samples that pack first-fit, in order, into one micro-batch of at most that many tokens on every
+device (:func:`~bidirl.core.protocol.packed_chunk_len`): the chunk length depends on where it starts.
 
 Chunk states follow Table 2: ``queued`` (sent, not started: recoverable), ``running`` (finishes),
 ``finished`` (merged in original order), ``cancelled`` (terminal; its units go back to the queue).
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from bidirl.core.gates import joint_tail_split
-from bidirl.core.protocol import AUXILIARY, FORWARD_STAGES, PRIMARY, UPDATE_STAGES, Chunk, chunk_size
+from bidirl.core.protocol import AUXILIARY, FORWARD_STAGES, PRIMARY, UPDATE_STAGES, Chunk, chunk_size, packed_chunk_len
 
 
 #: a tail side whose chunks hold at most this many samples in all is timed in one vectorised pass
@@ -71,6 +73,7 @@ class TrainerStep:
     micro_batch_per_device: int               # s_max, units per device (the per-device micro-batch)
     next_chunk_id: Callable[[], int]
     rho: int = 1                 # devices per trainer replica
+    max_tokens_per_micro_batch: Optional[int] = None   # token-budget micro-batches (None: s_max samples)
     segment_index: int = 0
     pending: list = field(default_factory=list)       # sorted unit indices not yet in a live chunk
     tail_plan: dict = field(default_factory=dict)     # side -> list of unit tuples (after JointTailSplit)
@@ -89,6 +92,7 @@ class TrainerStep:
         self.prompt_lens = [g.prompt_len for g in self.groups for _ in g.generated]
         self.response_lens = [int(r) for g in self.groups for r in g.generated]
         self.sample_refs = [(g.group_id, i) for g in self.groups for i in range(len(g.generated))]
+        self.tokens = [p + r for p, r in zip(self.prompt_lens, self.response_lens)]
         self.segments = [tuple(s for s in seg if s in self.stages) for seg in (FORWARD_STAGES, UPDATE_STAGES)]
         self.segments = [s for s in self.segments if s]
         self._open_segment()
@@ -194,7 +198,7 @@ class TrainerStep:
         elif self.tail_plan:
             return None          # after the tail split each side runs only its own plan
         else:
-            units = self._take_run(self.chunk_units(d))
+            units = self._take_run(self.chunk_units_at(self.pending[0], d)) if self.pending else ()
         if not units:
             return None
         return self._make_chunk(units, side, d, worker)
@@ -202,6 +206,15 @@ class TrainerStep:
     def chunk_units(self, d: int) -> int:
         """Units in a full chunk on a gang of ``d`` replicas: s_max on each of its ``d · rho`` devices."""
         return chunk_size(self.micro_batch_per_device, self.rho, d)
+
+    def chunk_units_at(self, u: int, d: int) -> int:
+        """Units in the full chunk that starts at unit ``u`` on a gang of ``d`` replicas: :meth:`chunk_units`, or
+        with a token budget the samples from ``u``'s on (within its stage) that pack into one micro-batch per
+        device (:func:`~bidirl.core.protocol.packed_chunk_len`)."""
+        if self.max_tokens_per_micro_batch is None:
+            return self.chunk_units(d)
+        i = u % self.n_samples
+        return packed_chunk_len(self.tokens, i, self.n_samples, d * self.rho, self.max_tokens_per_micro_batch)
 
     def _make_chunk(self, units: tuple, side: str, d: int, worker: str) -> ChunkRecord:
         """A chunk of ``units``: consecutive units of one stage (as :meth:`_take_run` and :meth:`split_runs` cut
@@ -220,8 +233,10 @@ class TrainerStep:
     def in_tail_window(self, d_p: int, d_a: int, tail_window: int) -> bool:
         """TailWindow(Q): the pending work fits in ``tail_window`` rounds of full chunks on both sides (one
         combined primary-and-auxiliary window, as the paper fires it, when ``tail_window`` is 1)."""
-        return (not self.tail_plan and 0 < len(self.pending)
-                <= tail_window * (self.chunk_units(d_p) + self.chunk_units(d_a)))
+        if self.tail_plan or not self.pending:
+            return False
+        u = self.pending[0]
+        return len(self.pending) <= tail_window * (self.chunk_units_at(u, d_p) + self.chunk_units_at(u, d_a))
 
     def split_runs(self, units: list, d: int) -> list:
         """Full chunks of s_max·d units plus at most one remainder per stage (never across stages)."""
@@ -230,6 +245,8 @@ class TrainerStep:
             if cur and (u // n != cur[-1] // n or len(cur) == size or u != cur[-1] + 1):
                 runs.append(tuple(cur))
                 cur = []
+            if not cur:
+                size = self.chunk_units_at(u, d)
             cur.append(u)
         if cur:
             runs.append(tuple(cur))
@@ -376,13 +393,12 @@ class TailSide:
         self.step, self.d, self.side, self.chunk_time, self.from_end = step, d, side, chunk_time, from_end
         self.n = n = len(units)
         if from_end:
-            size = step.chunk_units(d)
             brk = [n] * (n + 1)            # brk[i]: the first position after i where a run must start anew
             ns = step.n_samples
             for i in range(n - 2, -1, -1):
                 a, b = units[i], units[i + 1]
                 brk[i] = i + 1 if a // ns != b // ns or b != a + 1 else brk[i + 1]
-            self.end = [min(i + size, brk[i]) for i in range(n)]
+            self.end = [min(i + step.chunk_units_at(units[i], d), brk[i]) for i in range(n)]
         else:
             self.runs = step.split_runs(units, d)
             self.run_starts = list(itertools.accumulate((len(r) for r in self.runs[:-1]), initial=0))

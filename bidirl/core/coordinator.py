@@ -104,6 +104,7 @@ class Settings:
     steps: int
     chunks_in_flight: int = 1      # chunks kept sent to each gang (the asynchronous chunk pipeline, §6)
     optimizer_seconds: float = 0.0 # predicted optimizer step (overlaps C_out when a window ends with the step)
+    max_tokens_per_micro_batch: Optional[int] = None  # token-budget micro-batches (None: s_max samples per device)
 
 
 @dataclass(frozen=True)
@@ -668,7 +669,8 @@ class Coordinator:
         self.step = self._trainer_step(self.steps_done, groups)
         self._out.append(P.StartStep(self.step.step, self.trainer_version, tuple(groups)))
         warm = getattr(self.predictor, "warm_chunk_times", None)
-        if warm is not None:      # the chunks lazy pull cuts on the primaries, predicted in one pass
+        s_budget = self.settings.max_tokens_per_micro_batch
+        if warm is not None and s_budget is None:  # the chunks lazy pull cuts on the primaries, in one pass
             d = self._gang(P.PRIMARY)
             for stage in self.step.stages:
                 warm(stage, self.step.prompt_lens, self.step.response_lens, d, self.step.chunk_units(d))
@@ -681,7 +683,8 @@ class Coordinator:
         s = self.settings
         return TrainerStep(step=index, version=self.trainer_version, groups=groups, stages=s.stages,
                            micro_batch_per_device=s.micro_batch_per_device,
-                           next_chunk_id=functools.partial(next, self._chunk_ids), rho=self.topology.trainer_layout)
+                           next_chunk_id=functools.partial(next, self._chunk_ids), rho=self.topology.trainer_layout,
+                           max_tokens_per_micro_batch=s.max_tokens_per_micro_batch)
 
     def _schedule_chunks(self):
         step = self.step
@@ -760,9 +763,17 @@ class Coordinator:
             return self._chunk_time(stages[first], [step.prompt_lens[k] for k in idx],
                                     [step.response_lens[k] for k in idx], d, P.PRIMARY)
 
+        budget = self.settings.max_tokens_per_micro_batch
+        chunk_len = None
+        if budget is not None:
+            tokens = [step.tokens[k] for k in samples]
+
+            def chunk_len(first, end, d):
+                return P.packed_chunk_len(tokens, first, end, d * self.topology.trainer_layout, budget)
         gate = gates.trainer_gate(stages, run_time, self._gang(P.PRIMARY), self._gang(P.AUXILIARY),
                                   self.settings.micro_batch_per_device, self.profiler.costs[TOR], self.policy.gated,
-                                  rho=self.topology.trainer_layout, optimizer=self.settings.optimizer_seconds)
+                                  rho=self.topology.trainer_layout, optimizer=self.settings.optimizer_seconds,
+                                  chunk_len=chunk_len)
         self._decide(TOR, gate.admitted, gate.gain, gate.cost,
                      {"t_no": gate.t_no, "t_borrow": gate.t_borrow, "units": len(stages),
                       "drained": gate.drained, "step": self.trainer_version})

@@ -184,28 +184,40 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
 # Trainer-on-RolloutPool
 # --------------------------------------------------------------------------------------------------
 
-def chunk_runs(stages: Sequence[str], size: int) -> list:
+def chunk_runs(stages: Sequence[str], size: int, chunk_len: Optional[Callable[[int, int], int]] = None) -> list:
     """``[(first, end)]`` index ranges cutting a stage-ordered unit list into chunks of at most ``size`` units
-    that never cross a stage boundary (how lazy pull cuts it)."""
+    that never cross a stage boundary (how lazy pull cuts it). ``chunk_len(first, end)``, when given, is the
+    length of the chunk starting at ``first`` in a stage run ending at ``end`` (token-budget micro-batches,
+    :func:`~bidirl.core.protocol.packed_chunk_len`) instead of ``size``."""
     runs, i = [], 0
     for _, same in itertools.groupby(stages):
         end = i + len(list(same))
-        runs += ((a, min(a + size, end)) for a in range(i, end, size))
+        if chunk_len is None:
+            runs += ((a, min(a + size, end)) for a in range(i, end, size))
+        else:
+            a = i
+            while a < end:
+                b = min(end, a + chunk_len(a, end))
+                runs.append((a, b))
+                a = b
         i = end
     return runs
 
 
 def workload_time(stages: Sequence[str], run_time: Callable[[int, int, int], float], d: int,
-                  micro_batch_per_device: int, drain: Optional[float] = None, rho: int = 1) -> tuple:
+                  micro_batch_per_device: int, drain: Optional[float] = None, rho: int = 1,
+                  chunk_len: Optional[Callable[[int, int, int], int]] = None) -> tuple:
     """M_t(U, d) of units with these ``stages``: chunks of :func:`~bidirl.core.protocol.chunk_size` units (one
     micro-batch on each device of ``d`` replicas of ``rho`` devices), summed.
 
     ``run_time(first, end, d)`` predicts the chunk of units ``[first, end)`` on ``d`` replicas. Returns
     ``(seconds, drained)``; with ``drain``, ``drained`` counts the leading units the ``d`` replicas finish
     within ``drain`` seconds (DrainPrefix: the work primaries do while auxiliaries are prepared).
+    ``chunk_len(first, end, d)``: token-budget chunk lengths (:func:`chunk_runs`).
     """
     total, drained = 0.0, 0
-    for first, end in chunk_runs(stages, chunk_size(micro_batch_per_device, rho, d)):
+    cut = None if chunk_len is None else (lambda a, b: chunk_len(a, b, d))
+    for first, end in chunk_runs(stages, chunk_size(micro_batch_per_device, rho, d), cut):
         total += run_time(first, end, d)
         if drain is not None and total <= drain:
             drained = end
@@ -229,7 +241,7 @@ class TrainerGate:
 
 def trainer_gate(stages: Sequence[str], run_time: Callable[[int, int, int], float], d_p: int, d_a: int,
                  micro_batch_per_device: int, costs: SwitchCosts, gated: bool = True, rho: int = 1,
-                 optimizer: float = 0.0) -> TrainerGate:
+                 optimizer: float = 0.0, chunk_len: Optional[Callable[[int, int, int], int]] = None) -> TrainerGate:
     """Algorithm 2, lines 1-6: ``U' = DrainPrefix(U, C_in)``, ``T_no = M_t(U, d_p)``,
     ``T_borrow = C_in + M_t(U', d_p + d_a) + C_out + C_grad``; admitted when ``T_borrow < T_no`` (always when
     there is work left, when not ``gated``). C_grad is charged only if U' holds actor-update work.
@@ -241,10 +253,12 @@ def trainer_gate(stages: Sequence[str], run_time: Callable[[int, int, int], floa
     ``optimizer`` is 0 and one of them is). ``stages`` is the stage of each remaining unit in order;
     ``run_time(first, end, d)`` as in :func:`workload_time`.
     """
-    t_no, drained = workload_time(stages, run_time, d_p, micro_batch_per_device, drain=costs.c_in, rho=rho)
+    t_no, drained = workload_time(stages, run_time, d_p, micro_batch_per_device, drain=costs.c_in, rho=rho,
+                                  chunk_len=chunk_len)
     rest = stages[drained:]
+    shifted = None if chunk_len is None else (lambda a, b, d: chunk_len(a + drained, b + drained, d))
     t_joint, _ = workload_time(rest, lambda a, b, d: run_time(a + drained, b + drained, d), d_p + d_a,
-                               micro_batch_per_device, rho=rho)
+                               micro_batch_per_device, rho=rho, chunk_len=shifted)
     c_grad = costs.c_grad if any(s in UPDATE_STAGES for s in rest) else 0.0
     tail = max(costs.c_out, c_grad + optimizer) - optimizer if optimizer > 0 else costs.c_out + c_grad
     t_borrow = costs.c_in + t_joint + tail

@@ -73,6 +73,29 @@ def chunk_size(micro_batch_per_device: int, rho: int, d: int) -> int:
     return int(micro_batch_per_device) * int(rho) * int(d)
 
 
+def packed_chunk_len(tokens, start: int, stop: int, devices: int, budget: int) -> int:
+    """Samples in the token-budget chunk that starts at sample ``start`` (``rl.max_tokens_per_micro_batch``, veRL's
+    dynamic batch size): the samples ``tokens[start:stop]`` (prompt + response tokens each), in order, are packed
+    first-fit into ``devices`` micro-batches of at most ``budget`` tokens — a sample goes to the first
+    micro-batch it fits, and the chunk ends before the first sample that fits none. A chunk holds at least one
+    sample (validation guarantees every sample fits a budget: the config refuses a budget below the longest
+    sample). The planner's M_t, the coordinator's chunk queue and gates and the drivers cut chunks with this."""
+    free = []
+    i = start
+    while i < stop:
+        need = int(tokens[i])
+        for k, room in enumerate(free):
+            if need <= room:
+                free[k] = room - need
+                break
+        else:
+            if len(free) == int(devices):
+                break
+            free.append(int(budget) - need)
+        i += 1
+    return max(1, i - start)
+
+
 def trainer_stages(reference_model: bool, recompute_old_logprob: bool = True) -> tuple:
     """The stages a trainer step runs: ``ref_logprob`` only with a reference model, ``old_logprob`` unless the
     rollout's own log-probs stand in for it (veRL's ``bypass_mode``)."""

@@ -310,7 +310,7 @@ class JobConfig:
     def weight_sync_time(self) -> float:
         if self.scheduler.weight_sync is not None:
             return self.scheduler.weight_sync
-        return self.hardware_spec.weight_sync_time(self.model_spec)
+        return self.hardware_spec.weight_sync_time(self.model_spec, self.cluster.rollout_tensor_parallel or 1)
 
     # conversions ------------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -6,7 +6,9 @@ sweep behind it:
 1. **MinFeasibleLayouts** (§4.1): the smallest rollout and trainer replica sizes ρ_r, ρ_t (GPUs per replica;
    powers of two up to a node, then whole nodes) whose per-GPU memory fits — model states, activations and
    KV cache as documented in :mod:`bidirl.perf.memory`, for the workload's longest sequence
-   (``prompt_max + max_response_len``).
+   (``prompt_max + max_response_len``). A job that fixes ``cluster.rollout_tensor_parallel`` keeps its ρ_r
+   (refused by name when a replica of that size does not fit); the replica counts, and with them the rollouters'
+   in-flight cap, follow the replicas the job has.
 2. **BuildStageModels**: the runtime's own stage-time predictor (:class:`~bidirl.perf.predictor.StagePredictor`:
    :class:`~bidirl.perf.rollout.RolloutModel` with tp = ρ_r and the engines' concurrency cap,
    :class:`~bidirl.perf.trainer.TrainerModel` with layout ρ_t), built once.
@@ -213,17 +215,39 @@ def min_feasible_layouts(cfg, hardware=None) -> tuple:
     mb = cfg.rl.micro_batch_per_device
     cands = memory.layout_candidates(cfg.cluster.gpus_per_node, cfg.cluster.gpus)
     gib = lambda x: f"{x / GiB:.1f} GiB"  # noqa: E731
-    act = memory.trainer_activation_bytes(m, mb * max_seq)
+    tokens = memory.micro_batch_tokens(cfg, max_seq)
+    act = memory.trainer_activation_bytes(m, tokens, cfg.rl.activation_checkpointing)
     if act > memory.usable_bytes(hw):
-        raise ConfigError("rl.micro_batch_per_device",
-                          f"a micro-batch of {mb} samples × {max_seq} tokens needs {gib(act)} of activations per "
-                          f"GPU, more than the {gib(memory.usable_bytes(hw))} usable on {hw.name}; activations are "
-                          "not sharded, so a bigger trainer replica does not help",
-                          "lower rl.micro_batch_per_device or workload.max_response_len, or use a GPU with more "
-                          "memory")
-    rho_t, need_t = memory.min_feasible_layout(lambda k: memory.trainer_need(m, hw, k, mb, max_seq), cands)
-    rho_r, need_r = memory.min_feasible_layout(lambda k: memory.rollout_need(m, hw, k, w.group_size, max_seq),
-                                               cands)
+        budget = cfg.rl.max_tokens_per_micro_batch
+        what = (f"a token-budget micro-batch of {budget} tokens" if budget is not None else
+                f"a micro-batch of {mb} samples × {max_seq} tokens"
+                + (f" / rl.sequence_parallel {cfg.rl.sequence_parallel}" if cfg.rl.sequence_parallel > 1 else ""))
+        raise ConfigError("rl.max_tokens_per_micro_batch" if budget is not None else "rl.micro_batch_per_device",
+                          f"{what} needs {gib(act)} of activations per GPU, more than the "
+                          f"{gib(memory.usable_bytes(hw))} usable on {hw.name}; activations are not sharded by "
+                          "FSDP, so a bigger trainer replica does not help",
+                          "lower it, set rl.max_tokens_per_micro_batch (veRL's use_dynamic_bsz) or raise "
+                          "rl.sequence_parallel, lower workload.max_response_len, or use a GPU with more memory")
+    rho_t, need_t = memory.min_feasible_layout(
+        lambda k: memory.trainer_need(m, hw, k, mb, max_seq, tokens=tokens,
+                                      checkpointing=cfg.rl.activation_checkpointing), cands)
+    fixed_tp = cfg.cluster.rollout_tensor_parallel
+    if fixed_tp is None:
+        rho_r, need_r = memory.min_feasible_layout(lambda k: memory.rollout_need(m, hw, k, w.group_size, max_seq),
+                                                   cands)
+    else:                                 # the job's own ρ_r: it must fit, it is never replaced
+        need_r = memory.rollout_need(m, hw, fixed_tp, w.group_size, max_seq)
+        if not need_r.fits:
+            raise ConfigError("cluster.rollout_tensor_parallel",
+                              f"a {fixed_tp}-GPU rollout replica of {m.name} needs {gib(need_r.total)} per GPU "
+                              f"(weights {gib(need_r.parts['weights'])}, activation reserve "
+                              f"{gib(need_r.parts['activation_reserve'])}, one group of {w.group_size} sequences of "
+                              f"{max_seq} tokens {gib(need_r.parts['min_kv_cache'])}), more than the "
+                              f"{gib(need_r.usable)} usable on {hw.name}",
+                              "raise cluster.rollout_tensor_parallel (more GPUs per replica), lower "
+                              "workload.group_size or max_response_len, or leave it empty for the smallest layout "
+                              "that fits")
+        rho_r = fixed_tp
     for role, rho, need in (("trainer", rho_t, need_t), ("rollout", rho_r, need_r)):
         if rho is None:
             raise ConfigError("cluster.gpus",
@@ -301,7 +325,7 @@ def plan(config, *, progress: bool = False, hardware=None) -> Plan:
     with _progress(progress, 2) as tick:
         times_r = rollout.stage_times(p, r, uniq_r.tolist(), g)
         tick()
-        times_t = trainer.stage_times(p[order], r[order], uniq_t.tolist(), cfg.rl.micro_batch_per_device, stages)
+        times_t = trainer_stage_times(cfg, trainer, p[order], r[order], uniq_t.tolist(), stages)
         tick()
     t_r = _per_candidate(cap_r, uniq_r, times_r)
     t_t = _per_candidate(cap_t, uniq_t, times_t)
@@ -353,6 +377,16 @@ def plan(config, *, progress: bool = False, hardware=None) -> Plan:
     return Plan(cfg, env, sweep, needs, (p, r), stages, fixed)
 
 
+def trainer_stage_times(cfg, trainer: TrainerModel, prompt_lens, response_lens, ds, stages) -> np.ndarray:
+    """M_t of samples in consumption order on gangs of each size in ``ds``: micro-batches of
+    ``rl.micro_batch_per_device`` samples per device, or with ``rl.max_tokens_per_micro_batch`` token-budget
+    micro-batches (:meth:`~bidirl.perf.trainer.TrainerModel.packed_stage_time`)."""
+    budget = cfg.rl.max_tokens_per_micro_batch
+    if budget is None:
+        return trainer.stage_times(prompt_lens, response_lens, ds, cfg.rl.micro_batch_per_device, stages)
+    return np.array([trainer.packed_stage_time(prompt_lens, response_lens, d, budget, stages) for d in ds])
+
+
 def _per_candidate(caps: np.ndarray, distinct: np.ndarray, times: np.ndarray) -> np.ndarray:
     """Each candidate's stage time from the times of the distinct replica counts (inf with no replica)."""
     out = np.full(caps.size, math.inf)
@@ -382,8 +416,8 @@ def predict_stage_times(plan: Plan, prompt_lens, response_lens, consumed=None) -
     p, r = np.asarray(prompt_lens), np.asarray(response_lens)
     order = consumption_order(p, r, cfg.workload.group_size) if consumed is None else np.asarray(consumed)
     t_r = env.rollout_model.stage_time(p, r, env.rollout_replicas, cfg.workload.group_size)
-    t_t = env.trainer_model.stage_time(p[order], r[order], env.trainer_replicas, cfg.rl.micro_batch_per_device,
-                                       plan.stages)
+    t_t = float(trainer_stage_times(cfg, env.trainer_model, p[order], r[order], [env.trainer_replicas],
+                                    plan.stages)[0])
     return float(t_r), float(t_t)
 
 

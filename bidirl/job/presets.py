@@ -122,11 +122,13 @@ class HardwareSpec:
         from bidirl.perf.costs import derive_switch_costs
         return derive_switch_costs(self, model)[direction]
 
-    def weight_sync_time(self, model: ModelSpec) -> float:
+    def weight_sync_time(self, model: ModelSpec, rollout_tp: int = 1) -> float:
+        """The measured sync of ``model`` when the preset has one (measured at its own layout), else the derived
+        one for rollout replicas of ``rollout_tp`` GPUs (:func:`bidirl.perf.costs.derive_weight_sync`)."""
         if model.name in self.measured_weight_sync:
             return float(self.measured_weight_sync[model.name])
         from bidirl.perf.costs import derive_weight_sync
-        return derive_weight_sync(self, model)
+        return derive_weight_sync(self, model, rollout_tp=rollout_tp)
 
 
 @dataclass(frozen=True)

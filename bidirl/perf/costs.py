@@ -150,8 +150,10 @@ def trainer_offload_reload_time(hw, model, *, trainer_layout: Optional[int] = No
     return c["sleep_fixed"] + c["wake_fixed"] + 2 * size / pageable
 
 
-def derive_weight_sync(hw, model, *, trainer_layout: Optional[int] = None) -> float:
-    """Seconds to push a new actor version from the trainer pool to the rollout pool (module doc)."""
-    rho, _ = _layouts(hw, model, trainer_layout, 1)
+def derive_weight_sync(hw, model, *, trainer_layout: Optional[int] = None, rollout_tp: int = 1) -> float:
+    """Seconds to push a new actor version from the trainer pool to the rollout pool (module doc). A rollout
+    replica of ``rollout_tp`` GPUs takes its tensor-parallel shard on each GPU, ``b·N/tp`` bytes (vLLM loads each
+    rank's slice of the weights), so the broadcast delivers ``b·N / (tp · inter)`` per receiving GPU."""
+    rho, tp = _layouts(hw, model, trainer_layout, rollout_tp)
     w = model.dtype_bytes * float(model.params_total)
-    return w * (rho - 1) / (rho * hw.intra_node_bandwidth) + w / hw.inter_node_bandwidth
+    return w * (rho - 1) / (rho * hw.intra_node_bandwidth) + w / (tp * hw.inter_node_bandwidth)

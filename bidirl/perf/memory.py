@@ -85,8 +85,32 @@ def trainer_state_bytes(model, layout: int = 1) -> float:
     return model.params_total * (model.dtype_bytes + TRAIN_STATE_EXTRA_BYTES) / layout
 
 
-def trainer_activation_bytes(model, tokens: int) -> float:
-    """Activations of a ``tokens``-token micro-batch on one GPU (checkpointed layers + one layer + logits)."""
+#: bytes of activations per token per transformer layer kept for the backward pass without checkpointing, in
+#: units of the hidden size: ``34·H`` (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+#: Transformer Models", arXiv:2205.05198 §4.1, Eq. 1: ``sbh(34 + 5as/h)`` bytes per layer in 16-bit, whose
+#: ``5as/h`` attention-score term FlashAttention removes)
+UNCHECKPOINTED_BYTES_PER_HIDDEN = 34
+
+
+def micro_batch_tokens(cfg, max_seq_len: int) -> float:
+    """Tokens of one trainer micro-batch on one GPU: ``rl.max_tokens_per_micro_batch`` when the job packs by
+    tokens (veRL's ``ppo_max_token_len_per_gpu``: the budget is per GPU, with or without sequence parallelism), else
+    ``micro_batch_per_device · max_seq_len / rl.sequence_parallel`` (Ulysses splits each sample's tokens over the
+    group's GPUs)."""
+    r = cfg.rl
+    if r.max_tokens_per_micro_batch is not None:
+        return float(r.max_tokens_per_micro_batch)
+    return r.micro_batch_per_device * max_seq_len / r.sequence_parallel
+
+
+def trainer_activation_bytes(model, tokens: int, checkpointing=None) -> float:
+    """Activations of a ``tokens``-token micro-batch on one GPU (checkpointed layers + one layer + logits).
+    ``checkpointing`` False (``rl.activation_checkpointing: false``): every layer keeps its activations,
+    :data:`UNCHECKPOINTED_BYTES_PER_HIDDEN` · H bytes per token per layer, plus the fp32 logits; None or True: the
+    checkpointed form above (today's budget)."""
+    if checkpointing is False:
+        per_token = UNCHECKPOINTED_BYTES_PER_HIDDEN * model.layers * model.hidden + 4 * model.vocab
+        return float(tokens) * per_token
     per_token = (model.dtype_bytes * (model.layers * model.hidden + 8 * model.hidden + 4 * model.intermediate)
                  + 4 * model.vocab)
     return float(tokens) * per_token
@@ -164,10 +188,16 @@ class MemoryNeed:
         return self.total <= self.usable
 
 
-def trainer_need(model, hw, layout: int, micro_batch_per_device: int, max_seq_len: int) -> MemoryNeed:
+def trainer_need(model, hw, layout: int, micro_batch_per_device: int, max_seq_len: int, *, tokens=None,
+                 checkpointing=None) -> MemoryNeed:
+    """A trainer GPU's memory: sharded model states and one micro-batch's activations (``tokens`` per GPU when
+    given, else ``micro_batch_per_device · max_seq_len``). Parameter / optimizer offload (``rl.param_offload``,
+    ``rl.optimizer_offload``) does not lower this peak: veRL loads the states onto the GPU before a stage computes
+    and offloads them after, so they are all there while it runs; offload frees the GPU between stages."""
+    tokens = micro_batch_per_device * max_seq_len if tokens is None else tokens
     return MemoryNeed("trainer", layout, {
         "model_states": trainer_state_bytes(model, layout),
-        "activations": trainer_activation_bytes(model, micro_batch_per_device * max_seq_len),
+        "activations": trainer_activation_bytes(model, tokens, checkpointing),
     }, usable_bytes(hw))
 
 

@@ -131,6 +131,11 @@ SCHEDULER_OVERHEAD = 1.0e-3
 #: latency of one NCCL collective inside a node / across nodes (seconds)
 COLLECTIVE_LATENCY_INTRA = 3.0e-5
 COLLECTIVE_LATENCY_INTER = 1.0e-4
+#: tensor-parallel all-reduces per transformer layer per forward pass: one after attention's output projection,
+#: one after the MLP's down projection (Megatron-LM's layout, Shoeybi et al. 2019, arXiv:1909.08053 §3, Fig. 3:
+#: "two all-reduce operations in the forward path"; vLLM's RowParallelLinear does the same). Each costs
+#: :func:`collective_latency` per prefill wave / decode iteration on top of its bytes (``c_pre``/``c_dec``).
+TP_ALLREDUCES_PER_LAYER = 2
 #: FSDP collectives per layer per micro-batch: forward all-gather; update adds the backward all-gather and
 #: the gradient reduce-scatter
 COLLECTIVES_PER_LAYER = {"old_logprob": 1, "ref_logprob": 1, "actor_update": 3}
@@ -161,6 +166,15 @@ def link_bandwidth(hw, gpus: int) -> float:
 
 def collective_latency(hw, gpus: int) -> float:
     return COLLECTIVE_LATENCY_INTRA if gpus <= hw.gpus_per_node else COLLECTIVE_LATENCY_INTER
+
+
+def tp_allreduce_latency(model, hw, tp: int) -> float:
+    """Seconds of all-reduce latency per prefill wave or decode iteration of a ``tp``-way rollout replica:
+    :data:`TP_ALLREDUCES_PER_LAYER` · L · :func:`collective_latency` (0 at tp = 1). The bytes of those all-reduces
+    are ``c_pre``/``c_dec`` (per token); this is the fixed cost a small decode batch pays whatever its size."""
+    if int(tp) <= 1:
+        return 0.0
+    return TP_ALLREDUCES_PER_LAYER * model.layers * collective_latency(hw, int(tp))
 
 
 def knob(hw, name: str) -> float:
@@ -233,10 +247,11 @@ def knob_rollout_params(model, hw, tp: int = 1):
     else:
         c_tok = 0.0
     sched = knob(hw, "scheduler_overhead")
+    allreduce = tp_allreduce_latency(model, hw, tp)
     return RolloutParams(
-        tau_pre=model.layers * knob(hw, "kernel_overhead_per_layer") + sched,
+        tau_pre=model.layers * knob(hw, "kernel_overhead_per_layer") + sched + allreduce,
         alpha_pre=1.0 / compute,
-        tau_dec=decoder_params * model.dtype_bytes / (tp * hw.memory_bandwidth * hw.decode_mbu) + sched,
+        tau_dec=decoder_params * model.dtype_bytes / (tp * hw.memory_bandwidth * hw.decode_mbu) + sched + allreduce,
         beta_tok=((2.0 * decoder_nonemb + 2.0 * model.hidden * model.vocab) / compute
                   + knob(hw, "decode_token_overhead")),
         beta_hist=(model.kv_bytes_per_token(tp) / (hw.memory_bandwidth * hw.decode_mbu)

@@ -46,7 +46,7 @@ from typing import Iterable, Mapping, Optional
 
 import numpy as np
 
-from bidirl.core.protocol import chunk_size
+from bidirl.core.protocol import chunk_size, packed_chunk_len
 from bidirl.perf.balance import check_replicas, grouped_order, runs_of, stable_order
 from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_stage, lengths, sample_forward_flops
 from bidirl.perf.overlap import combine, overlap
@@ -289,6 +289,33 @@ class TrainerModel:
         size = check_replicas(chunk_size, "chunk_size (samples per chunk)")
         return self._deal_chunks(sample_forward_flops(self.model, p, r), _token_ranks(p, r),
                                  np.arange(p.size) // size, d)
+
+    def packed_chunk_ids(self, prompt_lens, response_lens, d: int, max_tokens: int) -> np.ndarray:
+        """Each sample's chunk when these samples, in this order, are cut into token-budget chunks on a gang of
+        ``d`` replicas: first-fit into one micro-batch of at most ``max_tokens`` tokens on each of its
+        ``layout · d`` devices (:func:`bidirl.core.protocol.packed_chunk_len`, as the chunk queue cuts them)."""
+        p, r = lengths(prompt_lens, response_lens)
+        tokens = (p + r).tolist()
+        ids = np.empty(p.size, dtype=np.int64)
+        start, k, devices = 0, 0, self.layout * check_replicas(d)
+        while start < p.size:
+            n = packed_chunk_len(tokens, start, p.size, devices, int(max_tokens))
+            ids[start:start + n] = k
+            start, k = start + n, k + 1
+        return ids
+
+    def packed_stage_time(self, prompt_lens, response_lens, d: int, max_tokens: int, stages=STAGES) -> float:
+        """M_t(U, d) with token-budget micro-batches (``rl.max_tokens_per_micro_batch``): the samples in
+        consumption order cut by :meth:`packed_chunk_ids`, each chunk's samples dealt serpentine to the gang's
+        replicas as :meth:`stage_time` deals a chunk; chunk times (replica-max) summed over the stages."""
+        stages = tuple(check_stage(s) for s in stages)
+        p, r = lengths(prompt_lens, response_lens)
+        if p.size == 0:
+            return 0.0
+        d = check_replicas(d)
+        cut = self._deal_chunks(sample_forward_flops(self.model, p, r), _token_ranks(p, r),
+                                self.packed_chunk_ids(p, r, d, max_tokens), d)
+        return float(sum(self._chunk_maxima(s, cut).sum() for s in stages))
 
     def _deal_chunks(self, flops: np.ndarray, rank: np.ndarray, chunk: np.ndarray, d: int) -> "_Busiest":
         """The replica micro-batches of chunks of samples — their FLOPs ``flops``, their places ``rank`` in the

@@ -66,7 +66,8 @@ def assemble(cfg: cfgmod.JobConfig, policy, *, steps: int, seed: int,
                         partial_rollout=cfg.rl.partial_rollout, stages=cfg.rl.stages,
                         micro_batch_per_device=cfg.rl.micro_batch_per_device, tail_window=cfg.scheduler.tail_window,
                         steps=steps, chunks_in_flight=cfg.scheduler.chunks_in_flight,
-                        optimizer_seconds=predictor.optimizer_time(env.trainer_gpus))
+                        optimizer_seconds=predictor.optimizer_time(env.trainer_gpus),
+                        max_tokens_per_micro_batch=cfg.rl.max_tokens_per_micro_batch)
     costs = {d: cfg.switch_costs(d) for d in P.DIRECTIONS}
     policy = policy if isinstance(policy, Policy) else get_policy(policy)
     coordinator = Coordinator(settings, topology, policy, predictor, Profiler(costs=costs), prior)
