@@ -227,9 +227,12 @@ def simulate_row(fs: FidelitySet, row: PublishedRow, hardware: Optional[str] = N
     stage = sp["detail"].map(lambda d: d.get("stage") if isinstance(d, dict) else None)
     trainer = sp["role"].ne("primary") | sp["pool"].eq("trainer_pool")
     olp = float(dur[(sp["kind"] == "chunk") & (stage == "old_logprob")].sum()) / n
-    upd = float(dur[((sp["kind"] == "chunk") & (stage == "actor_update"))
-                    | sp["kind"].isin(["optimizer", "offload"]) & trainer].sum()) / n
-    switches = float(dur[sp["kind"].isin(["switch_in", "switch_out"])].sum()) / n
+    switch = sp["kind"].isin(["switch_in", "switch_out"])
+    offload = switch & sp["detail"].map(lambda d: isinstance(d, dict) and d.get("direction") == "offload")
+    olp += float(dur[offload & (stage == "old_logprob")].sum()) / n
+    upd = float(dur[((sp["kind"] == "chunk") & (stage == "actor_update")) | (sp["kind"] == "optimizer") & trainer
+                    | offload & (stage == "actor_update")].sum()) / n
+    switches = float(dur[switch & ~offload].sum()) / n
     gen = float(kept["wait"].mean()) if len(kept) else math.nan
     out = {"step": float(summary["timing_s/step"]), "gen": gen + (switches if _kind(row) == "colocated" else 0.0),
            "old_log_prob": olp, "update_actor": upd,
