@@ -163,3 +163,164 @@ def test_token_budget_chunks_follow_the_packing_in_plan_and_simulation():
     got = [d["samples"] for d in spans[(spans.kind == "chunk") & (spans.step == 0)].detail
            if d["stage"] == "old_logprob"]
     assert got == want
+
+
+# --------------------------------------------------------------------------------------------------
+# trainer execution settings: checkpointing, offload, sequence parallelism, mini-batches, bypass
+# --------------------------------------------------------------------------------------------------
+
+def step0_chunks(cfg) -> list:
+    """``(stage, prompt_lens, response_lens, seconds)`` of every trainer chunk of step 0 of a noiseless no-borrow
+    run, its samples read back from the consumed batch (chunks are contiguous runs of it, in order, per stage)."""
+    drv = SimDriver(cfg, "no-borrow", 1, cfg.seed, jitter=0.0)
+    drv.run()
+    _, _, gids = drv.assembly.coordinator.view().batches[0]
+    p = [pl for pl, targets in map(drv.lengths, gids) for _ in targets]
+    r = [n for _, targets in map(drv.lengths, gids) for n in targets]
+    spans = drv.result().events
+    out, at = [], {}
+    for row in spans[(spans.kind == "chunk") & (spans.step == 0)].itertuples():
+        stage, n = row.detail["stage"], row.detail["samples"]
+        a = at.get(stage, 0)
+        out.append((stage, p[a:a + n], r[a:a + n], row.end - row.start))
+        at[stage] = a + n
+    return out, drv
+
+
+def test_activation_checkpointing_charges_one_more_forward_in_the_update():
+    from bidirl.perf.execution import RECOMPUTE_FORWARDS, with_recompute
+    from bidirl.perf.params import default_trainer_params
+    from bidirl.perf.trainer import TrainerModel
+    cfg = small(**{"rl.activation_checkpointing": True})
+    m, hw, rho = cfg.model_spec, cfg.hardware_spec, plan(cfg).envelope.trainer_layout
+    base = default_trainer_params(m, hw, rho)
+    ckpt = with_recompute(base, m, hw)
+    assert RECOMPUTE_FORWARDS == 4
+    assert ckpt.alpha["actor_update"] == pytest.approx(base.alpha["actor_update"] * 4 / 3, rel=1e-15)
+    assert ckpt.alpha["old_logprob"] == base.alpha["old_logprob"]
+    with_ckpt = TrainerModel(m, hw, rho, ckpt)
+    without = TrainerModel(m, hw, rho, base)
+    chunks, drv = step0_chunks(cfg)
+    d = drv.topology.trainer_replicas
+    updates = [c for c in chunks if c[0] == "actor_update"]
+    assert updates
+    for stage, p, r, seconds in chunks:   # every simulated chunk takes the recompute model's time
+        assert seconds == pytest.approx(with_ckpt.chunk_time(stage, p, r, d), rel=1e-9)
+    extra = sum(s for *_, s in updates) - sum(without.chunk_time(*c[:3], d) for c in updates)
+    assert extra > 0
+    # ``null`` (the default) keeps today's model: no recompute charged
+    assert plan(small()).envelope.trainer_time < plan(cfg).envelope.trainer_time
+
+
+def test_offload_copies_the_shards_over_the_host_link_with_the_optimizer_step():
+    from bidirl.perf.costs import PAGEABLE_FRACTION
+    from bidirl.perf.predictor import optimizer_time
+    cfg = small()
+    m, hw = cfg.model_spec, cfg.hardware_spec
+    rho, g_t = plan(cfg).envelope.trainer_layout, plan(cfg).envelope.trainer_gpus
+    rate = hw.host_bandwidth * PAGEABLE_FRACTION
+    adamw = optimizer_time(m, hw, g_t)
+    # parameters: in and out around old_logprob and actor_update, 4 bytes per parameter of a ρ_t shard
+    params = 2 * 2 * 4 * m.params_total / rho / rate
+    # optimizer state: in and out around the one update, Adam's two fp32 moments
+    optim = 2 * 8 * m.params_total / rho / rate
+    for overrides, want in (({}, adamw), ({"rl.param_offload": True}, adamw + params),
+                            ({"rl.optimizer_offload": True}, adamw + optim),
+                            ({"rl.param_offload": True, "rl.optimizer_offload": True}, adamw + params + optim)):
+        spans = run(small(**overrides), steps=1).events
+        seconds = (spans[spans.kind == "optimizer"].end - spans[spans.kind == "optimizer"].start).tolist()
+        assert seconds == [pytest.approx(want, rel=1e-12)]
+
+
+def test_mini_batches_take_one_optimizer_step_each():
+    from bidirl.perf.predictor import optimizer_time
+    cfg = small(**{"rl.mini_batch_prompts": 8})     # 32 prompts: 4 updates
+    env = plan(cfg).envelope
+    spans = run(cfg, steps=1).events
+    opt = spans[spans.kind == "optimizer"]
+    assert (opt.end - opt.start).tolist() == [pytest.approx(4 * optimizer_time(cfg.model_spec, cfg.hardware_spec,
+                                                                               env.trainer_gpus), rel=1e-12)]
+
+
+def test_sequence_parallel_splits_chunks_memory_and_charges_the_all_to_all():
+    from bidirl.perf.execution import all_to_all_seconds_per_token, with_sequence_parallel
+    from bidirl.perf.params import default_trainer_params
+    cfg = small(**{"rl.sequence_parallel": 2})
+    m, hw = cfg.model_spec, cfg.hardware_spec
+    pl = plan(cfg)
+    env = pl.envelope
+    # a chunk is one micro-batch (4 samples) per sequence-parallel group: data parallel = devices / 2
+    chunks, _ = step0_chunks(cfg)
+    devices = env.trainer_layout * env.trainer_replicas
+    assert max(len(c[1]) for c in chunks) == 4 * devices // 2
+    # activations per GPU: half a micro-batch's tokens
+    max_seq = cfg.workload_stats.prompt_max + cfg.workload.max_response_len
+    assert pl.memory["trainer"].parts["activations"] == memory.trainer_activation_bytes(m, 4 * max_seq / 2)
+    # the all-to-all: 4 hidden-size tensors per token per layer per pass, half of them leave the GPU, over NVLink
+    per_token = 4 * m.layers * m.hidden * m.dtype_bytes * (2 - 1) / 2 / hw.intra_node_bandwidth
+    assert all_to_all_seconds_per_token(m, hw, 2, "old_logprob") == pytest.approx(per_token, rel=1e-12)
+    assert all_to_all_seconds_per_token(m, hw, 2, "actor_update") == pytest.approx(2 * per_token, rel=1e-12)
+    base = default_trainer_params(m, hw, env.trainer_layout)
+    sp = with_sequence_parallel(base, m, hw, 2, env.trainer_layout)
+    assert sp.alpha["old_logprob"] - base.alpha["old_logprob"] == pytest.approx(
+        per_token / (env.trainer_layout * 2 * m.params_nonembedding), rel=1e-12)
+    assert pl.envelope.trainer_time > plan(small()).envelope.trainer_time   # same FLOPs, plus the all-to-all
+
+
+def test_sequence_parallel_needs_whole_groups_in_both_pools():
+    # a fixed 4-8 split: the rollout pool (it hosts the borrowing trainer gang) is not whole groups of 8
+    with pytest.raises(ConfigError, match="rollout pool of 4 GPUs"):
+        small(**{"rl.sequence_parallel": 8, "cluster.gpus": 12, "cluster.placement": "any",
+                 "cluster.partition": [4, 8]})
+    # left to the planner: only splits into whole groups of 4 on both sides are compatible
+    pl = plan(small(**{"cluster.gpus": 12, "cluster.placement": "any", "cluster.partition": None,
+                       "rl.sequence_parallel": 4}))
+    ok = pl.sweep[pl.sweep.compatible]
+    assert len(ok) and all(a % 4 == 0 and b % 4 == 0 for a, b in zip(ok.rollout_gpus, ok.trainer_gpus))
+
+
+def test_bypass_removes_the_old_logprob_stage_from_the_simulated_step():
+    with_old, _ = step0_chunks(small())
+    bypass, _ = step0_chunks(small(**{"rl.recompute_old_logprob": False}))
+    assert {c[0] for c in with_old} == {"old_logprob", "ref_logprob", "actor_update"}
+    assert {c[0] for c in bypass} == {"ref_logprob", "actor_update"}
+    # the step's trainer work falls by exactly its old-log-prob chunks (the other chunks are the same)
+    busy = lambda chunks: sum(c[3] for c in chunks)  # noqa: E731
+    old = sum(c[3] for c in with_old if c[0] == "old_logprob")
+    assert busy(bypass) == pytest.approx(busy(with_old) - old, rel=1e-12)
+
+
+# --------------------------------------------------------------------------------------------------
+# response-length trend
+# --------------------------------------------------------------------------------------------------
+
+def test_length_trend_scales_each_steps_mean():
+    from bidirl.perf.workload import GroupLengths, mean_response
+    flat = small()
+    grow = small(**{"workload.response_length_trend": 0.1})
+    stats, L = flat.workload_stats, flat.workload.max_response_len
+    for k in (0, 1, 5):
+        assert mean_response(stats, L, k, 0.1) == pytest.approx(min(L, mean_response(stats, L, k) * (1 + 0.1 * k)),
+                                                               rel=1e-15)
+    assert mean_response(stats, L, 100, -0.5) == 1.0              # 1 − 0.5·100 < 0: clipped to one token
+    # every draw of step 5 is the flat draw scaled by 1 + 0.1·5 = 1.5 (a log-normal's mean scales its draws):
+    # r' = rint(1.5·x) and r = rint(x) with |x − r| ≤ 0.5, so |r' − 1.5·r| ≤ 0.5 + 1.5·0.5 = 1.25 unless clipped
+    a, b = GroupLengths.of(flat, 0), GroupLengths.of(grow, 0)
+    n = flat.workload.prompts_per_step
+    for g in range(5 * n, 6 * n):
+        pa, ra = a(g)
+        pb, rb = b(g)
+        assert pa == pb
+        for x, y in zip(ra, rb):
+            if y < L:
+                assert abs(y - 1.5 * x) <= 1.25
+    # step 0 is untouched
+    assert [a(g) for g in range(n)] == [b(g) for g in range(n)]
+
+
+def test_length_trend_grows_the_simulated_steps_work():
+    flat = run(small(), steps=4).log.steps
+    grow = run(small(**{"workload.response_length_trend": 0.2}), steps=4).log.steps
+    # later steps' groups draw longer responses (the first batch already holds some of step 1's groups)
+    assert [s.samples for s in grow] == [s.samples for s in flat]
+    assert all(g.tokens > f.tokens for g, f in zip(grow, flat))

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from bidirl.core.gates import joint_tail_split
-from bidirl.core.protocol import AUXILIARY, FORWARD_STAGES, PRIMARY, UPDATE_STAGES, Chunk, chunk_size, packed_chunk_len
+from bidirl.core.protocol import (AUXILIARY, FORWARD_STAGES, PRIMARY, UPDATE_STAGES, Chunk, chunk_size,
+                                  packed_chunk_len, packed_groups)
 
 
 #: a tail side whose chunks hold at most this many samples in all is timed in one vectorised pass
@@ -74,6 +75,7 @@ class TrainerStep:
     next_chunk_id: Callable[[], int]
     rho: int = 1                 # devices per trainer replica
     max_tokens_per_micro_batch: Optional[int] = None   # token-budget micro-batches (None: s_max samples)
+    sequence_parallel: int = 1   # Ulysses degree k: a chunk has one micro-batch per k devices
     segment_index: int = 0
     pending: list = field(default_factory=list)       # sorted unit indices not yet in a live chunk
     tail_plan: dict = field(default_factory=dict)     # side -> list of unit tuples (after JointTailSplit)
@@ -205,7 +207,7 @@ class TrainerStep:
 
     def chunk_units(self, d: int) -> int:
         """Units in a full chunk on a gang of ``d`` replicas: s_max on each of its ``d · rho`` devices."""
-        return chunk_size(self.micro_batch_per_device, self.rho, d)
+        return chunk_size(self.micro_batch_per_device, self.rho, d, self.sequence_parallel)
 
     def chunk_units_at(self, u: int, d: int) -> int:
         """Units in the full chunk that starts at unit ``u`` on a gang of ``d`` replicas: :meth:`chunk_units`, or
@@ -214,7 +216,8 @@ class TrainerStep:
         if self.max_tokens_per_micro_batch is None:
             return self.chunk_units(d)
         i = u % self.n_samples
-        return packed_chunk_len(self.tokens, i, self.n_samples, d * self.rho, self.max_tokens_per_micro_batch)
+        groups, budget = packed_groups(d * self.rho, self.max_tokens_per_micro_batch, self.sequence_parallel)
+        return packed_chunk_len(self.tokens, i, self.n_samples, groups, budget)
 
     def _make_chunk(self, units: tuple, side: str, d: int, worker: str) -> ChunkRecord:
         """A chunk of ``units``: consecutive units of one stage (as :meth:`_take_run` and :meth:`split_runs` cut

@@ -105,6 +105,7 @@ class Settings:
     chunks_in_flight: int = 1      # chunks kept sent to each gang (the asynchronous chunk pipeline, §6)
     optimizer_seconds: float = 0.0 # predicted optimizer step (overlaps C_out when a window ends with the step)
     max_tokens_per_micro_batch: Optional[int] = None  # token-budget micro-batches (None: s_max samples per device)
+    sequence_parallel: int = 1     # Ulysses degree: a chunk holds one micro-batch per sequence-parallel group
 
 
 @dataclass(frozen=True)
@@ -684,7 +685,8 @@ class Coordinator:
         return TrainerStep(step=index, version=self.trainer_version, groups=groups, stages=s.stages,
                            micro_batch_per_device=s.micro_batch_per_device,
                            next_chunk_id=functools.partial(next, self._chunk_ids), rho=self.topology.trainer_layout,
-                           max_tokens_per_micro_batch=s.max_tokens_per_micro_batch)
+                           max_tokens_per_micro_batch=s.max_tokens_per_micro_batch,
+                           sequence_parallel=s.sequence_parallel)
 
     def _schedule_chunks(self):
         step = self.step
@@ -769,11 +771,12 @@ class Coordinator:
             tokens = [step.tokens[k] for k in samples]
 
             def chunk_len(first, end, d):
-                return P.packed_chunk_len(tokens, first, end, d * self.topology.trainer_layout, budget)
+                return P.packed_chunk_len(tokens, first, end, *P.packed_groups(
+                    d * self.topology.trainer_layout, budget, self.settings.sequence_parallel))
         gate = gates.trainer_gate(stages, run_time, self._gang(P.PRIMARY), self._gang(P.AUXILIARY),
                                   self.settings.micro_batch_per_device, self.profiler.costs[TOR], self.policy.gated,
                                   rho=self.topology.trainer_layout, optimizer=self.settings.optimizer_seconds,
-                                  chunk_len=chunk_len)
+                                  chunk_len=chunk_len, sequence_parallel=self.settings.sequence_parallel)
         self._decide(TOR, gate.admitted, gate.gain, gate.cost,
                      {"t_no": gate.t_no, "t_borrow": gate.t_borrow, "units": len(stages),
                       "drained": gate.drained, "step": self.trainer_version})

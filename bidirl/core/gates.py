@@ -206,7 +206,7 @@ def chunk_runs(stages: Sequence[str], size: int, chunk_len: Optional[Callable[[i
 
 def workload_time(stages: Sequence[str], run_time: Callable[[int, int, int], float], d: int,
                   micro_batch_per_device: int, drain: Optional[float] = None, rho: int = 1,
-                  chunk_len: Optional[Callable[[int, int, int], int]] = None) -> tuple:
+                  chunk_len: Optional[Callable[[int, int, int], int]] = None, sequence_parallel: int = 1) -> tuple:
     """M_t(U, d) of units with these ``stages``: chunks of :func:`~bidirl.core.protocol.chunk_size` units (one
     micro-batch on each device of ``d`` replicas of ``rho`` devices), summed.
 
@@ -217,7 +217,7 @@ def workload_time(stages: Sequence[str], run_time: Callable[[int, int, int], flo
     """
     total, drained = 0.0, 0
     cut = None if chunk_len is None else (lambda a, b: chunk_len(a, b, d))
-    for first, end in chunk_runs(stages, chunk_size(micro_batch_per_device, rho, d), cut):
+    for first, end in chunk_runs(stages, chunk_size(micro_batch_per_device, rho, d, sequence_parallel), cut):
         total += run_time(first, end, d)
         if drain is not None and total <= drain:
             drained = end
@@ -241,7 +241,8 @@ class TrainerGate:
 
 def trainer_gate(stages: Sequence[str], run_time: Callable[[int, int, int], float], d_p: int, d_a: int,
                  micro_batch_per_device: int, costs: SwitchCosts, gated: bool = True, rho: int = 1,
-                 optimizer: float = 0.0, chunk_len: Optional[Callable[[int, int, int], int]] = None) -> TrainerGate:
+                 optimizer: float = 0.0, chunk_len: Optional[Callable[[int, int, int], int]] = None,
+                 sequence_parallel: int = 1) -> TrainerGate:
     """Algorithm 2, lines 1-6: ``U' = DrainPrefix(U, C_in)``, ``T_no = M_t(U, d_p)``,
     ``T_borrow = C_in + M_t(U', d_p + d_a) + C_out + C_grad``; admitted when ``T_borrow < T_no`` (always when
     there is work left, when not ``gated``). C_grad is charged only if U' holds actor-update work.
@@ -254,11 +255,12 @@ def trainer_gate(stages: Sequence[str], run_time: Callable[[int, int, int], floa
     ``run_time(first, end, d)`` as in :func:`workload_time`.
     """
     t_no, drained = workload_time(stages, run_time, d_p, micro_batch_per_device, drain=costs.c_in, rho=rho,
-                                  chunk_len=chunk_len)
+                                  chunk_len=chunk_len, sequence_parallel=sequence_parallel)
     rest = stages[drained:]
     shifted = None if chunk_len is None else (lambda a, b, d: chunk_len(a + drained, b + drained, d))
     t_joint, _ = workload_time(rest, lambda a, b, d: run_time(a + drained, b + drained, d), d_p + d_a,
-                               micro_batch_per_device, rho=rho, chunk_len=shifted)
+                               micro_batch_per_device, rho=rho, chunk_len=shifted,
+                               sequence_parallel=sequence_parallel)
     c_grad = costs.c_grad if any(s in UPDATE_STAGES for s in rest) else 0.0
     tail = max(costs.c_out, c_grad + optimizer) - optimizer if optimizer > 0 else costs.c_out + c_grad
     t_borrow = costs.c_in + t_joint + tail

@@ -66,11 +66,22 @@ PRIMARY_TRAINER = f"{TRAINER_POOL}/trainer"
 AUX_TRAINER = f"{ROLLOUT_POOL}/trainer"
 
 
-def chunk_size(micro_batch_per_device: int, rho: int, d: int) -> int:
+def chunk_size(micro_batch_per_device: int, rho: int, d: int, sequence_parallel: int = 1) -> int:
     """Samples (units) in one full trainer chunk: one micro-batch of ``micro_batch_per_device`` samples on each of
-    the ``rho · d`` devices of a gang of ``d`` replicas of ``rho`` devices (§5.2; ``rl.micro_batch_per_device``).
-    The planner's M_t, the coordinator's gates and chunk queue and the drivers all cut chunks with this."""
-    return int(micro_batch_per_device) * int(rho) * int(d)
+    the ``rho · d`` devices of a gang of ``d`` replicas of ``rho`` devices (§5.2; ``rl.micro_batch_per_device``),
+    or with Ulysses sequence parallelism of degree k (``rl.sequence_parallel``) on each of its ``rho · d / k``
+    sequence-parallel groups (data parallel = devices / k; at least one micro-batch). The planner's M_t, the
+    coordinator's gates and chunk queue and the drivers all cut chunks with this."""
+    return max(int(micro_batch_per_device),
+               int(micro_batch_per_device) * int(rho) * int(d) // int(sequence_parallel))
+
+
+def packed_groups(devices: int, budget: int, sequence_parallel: int = 1) -> tuple:
+    """``(micro-batches, tokens each)`` of one token-budget chunk on ``devices`` devices: one per
+    sequence-parallel group of k devices, of k · ``budget`` tokens (veRL scales ``ppo_max_token_len_per_gpu`` by
+    the Ulysses degree: the group's GPUs share each sample's tokens)."""
+    k = int(sequence_parallel)
+    return max(1, int(devices) // k), int(budget) * k
 
 
 def packed_chunk_len(tokens, start: int, stop: int, devices: int, budget: int) -> int:

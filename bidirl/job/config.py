@@ -533,11 +533,13 @@ def _check_execution_settings(cfg: JobConfig) -> None:
                               f"{sp} does not divide {m.name}'s {m.heads} attention heads (Ulysses gives each GPU "
                               "of the group a share of the heads)",
                               "use a divisor of the model's attention heads, or 1")
-        if c.partition is not None and c.partition.trainer % sp:
-            raise ConfigError("rl.sequence_parallel",
-                              f"the fixed trainer pool of {c.partition.trainer} GPUs is not a whole number of "
-                              f"{sp}-GPU sequence-parallel groups",
-                              "use a degree that divides cluster.partition.trainer, or change the partition")
+        for pool in ("trainer", "rollout"):   # both pools host trainers (the rollout pool's borrowing gang, §3.2)
+            gpus = getattr(c.partition, pool) if c.partition is not None else 0
+            if gpus % sp:
+                raise ConfigError("rl.sequence_parallel",
+                                  f"the fixed {pool} pool of {gpus} GPUs is not a whole number of {sp}-GPU "
+                                  "sequence-parallel groups (both pools host trainer gangs)",
+                                  f"use a degree that divides cluster.partition.{pool}, or change the partition")
     if r.max_tokens_per_micro_batch is not None:
         _positive("rl.max_tokens_per_micro_batch", r.max_tokens_per_micro_batch)
         longest = cfg.workload_stats.prompt_max + w.max_response_len

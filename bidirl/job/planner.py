@@ -314,6 +314,8 @@ def plan(config, *, progress: bool = False, hardware=None) -> Plan:
     g_t = np.array([c[1] for c in cands], dtype=np.int64)
     d_r, d_t = g_r // rho_r, g_t // rho_t
     ok = ((g_r % rho_r == 0) & (g_r % rho_t == 0) & (g_t % rho_r == 0) & (g_t % rho_t == 0))
+    sp = cfg.rl.sequence_parallel             # both pools host trainers: whole sequence-parallel groups in each
+    ok &= (g_r % sp == 0) & (g_t % sp == 0)
 
     # stage times per distinct (capped) replica count, shared by every candidate with that count; each model
     # evaluates all its counts in one vectorised pass (the same numbers as one count at a time)

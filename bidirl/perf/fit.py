@@ -279,7 +279,8 @@ def calibrate_trainer(records, model: TrainerModel) -> CalibrationResult:
         return np.maximum.reduceat(microbatch_times(params, idx, flops, msg), starts)
 
     params, pred, err, prior_err, ok, message = _fit(space, predict, observed, setter)
-    fitted = TrainerModel(model.model, model.hardware, layout=model.layout, params=params)
+    fitted = TrainerModel(model.model, model.hardware, layout=model.layout, params=params,
+                          sequence_parallel=getattr(model, "sequence_parallel", 1))
     return CalibrationResult("trainer", params, fitted, err, prior_err, tuple(space.names), ok, message, pred)
 
 

@@ -39,15 +39,30 @@ class StagePredictor:
     trainer: TrainerModel
     group_size: int
     typical_context: float = 1.0     # mean prompt + half the mean response: the live length the KV cache holds
+    #: seconds per step the trainer spends besides its chunks and AdamW steps: offload copies
+    #: (:func:`bidirl.perf.execution.offload_seconds`), charged with the optimizer step
+    step_overhead: float = 0.0
+    #: optimizer updates per step (``rl.mini_batch_prompts``: one AdamW step per mini-batch)
+    optimizer_updates: int = 1
 
     @classmethod
     def from_config(cls, cfg, rollout_layout: int, trainer_layout: int, hardware=None) -> "StagePredictor":
         """The presets' models for ``cfg`` (``hardware``: another :class:`~bidirl.job.presets.HardwareSpec` to use)."""
+        from bidirl.perf import execution
+        from bidirl.perf.params import default_trainer_params
         m, hw = cfg.model_spec, hardware or cfg.hardware_spec
-        stats, w = cfg.workload_stats, cfg.workload
+        stats, w, rl = cfg.workload_stats, cfg.workload, cfg.rl
         context = stats.prompt_mean + 0.5 * stats.response_mean_fraction * w.max_response_len
+        params, recompute = default_trainer_params(m, hw, trainer_layout), rl.activation_checkpointing is True
+        if recompute:
+            params = execution.with_recompute(params, m, hw)
+        params = execution.with_sequence_parallel(params, m, hw, rl.sequence_parallel, trainer_layout, recompute)
+        updates = cfg.optimizer_updates_per_step
+        overhead = execution.offload_seconds(m, hw, trainer_layout, rl.stages, rl.param_offload, rl.optimizer_offload,
+                                             updates)
         return cls(RolloutModel(m, hw, tp=rollout_layout, max_seqs=MAX_SEQS),
-                   TrainerModel(m, hw, layout=trainer_layout), w.group_size, context)
+                   TrainerModel(m, hw, layout=trainer_layout, params=params, sequence_parallel=rl.sequence_parallel),
+                   w.group_size, context, overhead, updates)
 
     def refit(self, records) -> dict:
         """Refit the rollout and trainer models' parameters to profiling records (the online profiler's, §5.1:
@@ -90,7 +105,8 @@ class StagePredictor:
     def sharing_models(self) -> "StagePredictor":
         """Another predictor on the same (immutable) models and their memo: a driver's ``truth`` when the
         coordinator starts from the presets' models too. A refit replaces this one's models, not the other's."""
-        return StagePredictor(self.rollout, self.trainer, self.group_size, self.typical_context)
+        return StagePredictor(self.rollout, self.trainer, self.group_size, self.typical_context, self.step_overhead,
+                              self.optimizer_updates)
 
     def rollout_time(self, prompt_lens, response_lens, d) -> float:
         """M_r of a request set on ``d`` replicas (whole groups dealt when it is made of whole groups)."""
@@ -146,7 +162,10 @@ class StagePredictor:
         return max(1, int(self.rollout.n_max(self.typical_context)) // self.group_size)
 
     def optimizer_time(self, trainer_gpus: int) -> float:
-        return optimizer_time(self.trainer.model, self.trainer.hardware, trainer_gpus)
+        """The trainer's work per step besides its chunks: one AdamW step per optimizer update (mini-batch) and
+        the offload copies (:attr:`step_overhead`)."""
+        return (self.optimizer_updates * optimizer_time(self.trainer.model, self.trainer.hardware, trainer_gpus)
+                + self.step_overhead)
 
     def engine_costs(self) -> EngineCosts:
         p = self.rollout.params

@@ -46,7 +46,7 @@ from typing import Iterable, Mapping, Optional
 
 import numpy as np
 
-from bidirl.core.protocol import chunk_size, packed_chunk_len
+from bidirl.core.protocol import chunk_size, packed_chunk_len, packed_groups
 from bidirl.perf.balance import check_replicas, grouped_order, runs_of, stable_order
 from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_stage, lengths, sample_forward_flops
 from bidirl.perf.overlap import combine, overlap
@@ -215,9 +215,12 @@ class TrainerModel:
     """M_t for ``model`` on ``hardware`` with ρ = ``layout`` GPUs per replica (``params``: preset-derived
     defaults of :func:`bidirl.perf.params.default_trainer_params` when omitted)."""
 
-    def __init__(self, model, hardware, layout: int = 1, params: Optional[TrainerParams] = None):
+    def __init__(self, model, hardware, layout: int = 1, params: Optional[TrainerParams] = None,
+                 sequence_parallel: int = 1):
         self.model, self.hardware = model, hardware
         self.layout = check_replicas(layout, "layout (GPUs per trainer replica)")
+        #: Ulysses degree k (``rl.sequence_parallel``): a chunk holds 1/k of the samples (data parallel = GPUs / k)
+        self.sequence_parallel = check_replicas(sequence_parallel, "sequence_parallel")
         self.params = params if params is not None else default_trainer_params(model, hardware, self.layout)
         if not isinstance(self.params, TrainerParams):
             raise ValueError(f"params must be a TrainerParams, got {type(self.params).__name__}")
@@ -245,7 +248,7 @@ class TrainerModel:
         if isinstance(micro_batch_per_device, bool) or int(micro_batch_per_device) != micro_batch_per_device \
                 or micro_batch_per_device < 1:
             raise ValueError(f"micro_batch_per_device must be a whole number ≥ 1, got {micro_batch_per_device!r}")
-        return chunk_size(int(micro_batch_per_device), self.layout, check_replicas(d))
+        return chunk_size(int(micro_batch_per_device), self.layout, check_replicas(d), self.sequence_parallel)
 
     def microbatch_time(self, stage: str, prompt_lens, response_lens) -> float:
         """t_s(b) of one micro-batch (0 for an empty one)."""
@@ -297,9 +300,10 @@ class TrainerModel:
         p, r = lengths(prompt_lens, response_lens)
         tokens = (p + r).tolist()
         ids = np.empty(p.size, dtype=np.int64)
-        start, k, devices = 0, 0, self.layout * check_replicas(d)
+        start, k = 0, 0
+        groups, budget = packed_groups(self.layout * check_replicas(d), int(max_tokens), self.sequence_parallel)
         while start < p.size:
-            n = packed_chunk_len(tokens, start, p.size, devices, int(max_tokens))
+            n = packed_chunk_len(tokens, start, p.size, groups, budget)
             ids[start:start + n] = k
             start, k = start + n, k + 1
         return ids
@@ -413,6 +417,8 @@ class TrainerModel:
         stages = tuple(check_stage(s) for s in stages)
         p, r = lengths(prompt_lens, response_lens)
         ds = [check_replicas(d) for d in ds]
+        if self.sequence_parallel > 1:        # a replica may hold a fraction of a group's micro-batch: one by one
+            return np.array([self.stage_time(p, r, d, micro_batch_per_device, stages) for d in ds])
         per_replica = self.chunk_size(micro_batch_per_device, 1)       # samples per replica micro-batch
         f = sample_forward_flops(self.model, p, r)
         # a replica never holds more than ``per_replica`` samples of a chunk, so its sums stay below this bound

@@ -10,7 +10,9 @@ runs. The distribution is the one documented on :class:`bidirl.job.presets.Workl
 * ``j_k = exp(step_noise · z_k)`` is the per-step jitter of the mean: ``z_k`` is a standard normal that depends
   only on (dataset name, k) — the same for every request of step ``k`` and every run — and ``z_0 = 0``, so
   step 0 has exactly the preset's mean;
-* prompt length ``round(N(prompt_mean, prompt_std))`` clipped to ``[prompt_min, prompt_max]``.
+* prompt length ``round(N(prompt_mean, prompt_std))`` clipped to ``[prompt_min, prompt_max]``;
+* a job's ``workload.response_length_trend`` τ scales step ``k``'s mean to ``m_k · (1 + τ·k)``, clipped to
+  ``[1, max_response_len]`` (responses that grow or shrink over training; τ = 0 leaves ``m_k`` untouched).
 """
 
 from __future__ import annotations
@@ -37,10 +39,14 @@ def step_jitter(stats, step: int) -> float:
     return float(math.exp(stats.step_noise * z))
 
 
-def mean_response(stats, max_response_len: int, step: int = 0) -> float:
-    """m_k, the (unclipped) mean response length at training step ``step``."""
-    return (stats.response_mean_fraction * max_response_len
-            * (1.0 + stats.response_drift_per_step) ** step * step_jitter(stats, step))
+def mean_response(stats, max_response_len: int, step: int = 0, trend: float = 0.0) -> float:
+    """m_k, the (unclipped) mean response length at training step ``step``; with a length ``trend`` τ
+    (``workload.response_length_trend``) ``m_k · (1 + τ·k)`` clipped to ``[1, max_response_len]``."""
+    m = (stats.response_mean_fraction * max_response_len
+         * (1.0 + stats.response_drift_per_step) ** step * step_jitter(stats, step))
+    if trend:
+        m = min(float(max_response_len), max(1.0, m * (1.0 + trend * step)))
+    return m
 
 
 def _check(max_response_len, n, step):
@@ -185,16 +191,19 @@ class GroupLengths:
     the ones the per-group draw gives.
     """
 
-    def __init__(self, stats, max_response_len: int, group_size: int, prompts_per_step: int, seed: int):
+    def __init__(self, stats, max_response_len: int, group_size: int, prompts_per_step: int, seed: int,
+                 trend: float = 0.0):
         self.stats, self.max_response_len, self.group_size = stats, int(max_response_len), int(group_size)
         self.prompts_per_step, self.seed = int(prompts_per_step), int(seed)
+        self.trend = float(trend)     # workload.response_length_trend: relative change of the mean per step
         _check(self.max_response_len, self.group_size, 0)
         self._cache: dict = {}
 
     @classmethod
     def of(cls, config, seed: int) -> "GroupLengths":
         w = config.workload
-        return cls(config.workload_stats, w.max_response_len, w.group_size, w.prompts_per_step, seed)
+        return cls(config.workload_stats, w.max_response_len, w.group_size, w.prompts_per_step, seed,
+                   w.response_length_trend)
 
     def __call__(self, group_id: int) -> tuple:
         out = self._cache.get(group_id)
@@ -225,7 +234,7 @@ class GroupLengths:
         # NumPy's normal is loc + scale·z and its log-normal exp(μ + σ·z) with the C library's exp (math.exp)
         prompts = np.clip(np.rint(stats.prompt_mean + stats.prompt_std * z[:, 0]), stats.prompt_min,
                           stats.prompt_max).astype(np.int64).tolist()
-        m = mean_response(stats, self.max_response_len, step)
+        m = mean_response(stats, self.max_response_len, step, self.trend)
         sigma2 = math.log1p(stats.response_cv ** 2)
         x = (math.log(m) - sigma2 / 2) + math.sqrt(sigma2) * z[:, n:]
         r = np.array([math.exp(v) for v in x.ravel().tolist()]).reshape(x.shape)
