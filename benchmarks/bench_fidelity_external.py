@@ -2,8 +2,8 @@
 
 The rows are veRL's own measurements of its colocated synchronous trainer and its disaggregated fully-async
 trainer (Qwen2.5-Math-7B, DAPO math, 28K-token responses, H20, 32 to 128 GPUs; ``data/fidelity/
-verl_fully_async.yaml`` cites each). :func:`bidirl.experiments.fidelity_external.evaluate` fits two efficiency
-knobs of the H20 preset on the one calibrating row, then simulates every row with the fitted preset. ``bidirl
+verl_fully_async.yaml`` cites each). :func:`bidirl.experiments.fidelity_external.evaluate` fits two knobs
+of the H20 preset on the one calibrating row, then simulates every row with the fitted preset. ``bidirl
 bench --only fidelity_external`` reports the predicted rows' median and worst |step-time error| and each
 published speedup with its predicted value; ``python -m benchmarks.bench_fidelity_external --write
 benchmarks/fidelity_external.md`` regenerates the page with the full table.
@@ -80,6 +80,19 @@ def page(quick: bool = False) -> str:
     for s in ev.speedups:
         lines.append(f"| {s['label']} | {s['published']:.2f}× | {s['predicted']:.2f}× | {s['error_pct']:+.1f} % | "
                      f"{'yes' if s['checked'] else 'no'} | {'yes' if s['reproduced'] else 'no'} |")
+    lines += ["", "## Which row calibrates", "",
+              "The calibrating row is a choice. The median |step-time error| of the predicted rows when each "
+              "colocated row calibrates instead (the same model, the same rows):", "",
+              "| calibrating row | fitted knobs | median | worst | checked speedups reproduced |", "|---|---|---|---|---|"]
+    for r in fs.rows:
+        if r.system != "colocated":
+            continue
+        alt = ev if r.calibrating else evaluate(fs.calibrated_on(r.id), quick=quick)
+        checked = [s for s in alt.speedups if s["checked"]]
+        lines.append(f"| {r.id}{' (the table above)' if r.calibrating else ''} | "
+                     + ", ".join(f"{k} {v:.4g}" for k, v in alt.fit.knobs.items())
+                     + f" | {alt.median_error:.1f} % | {alt.worst_error:.1f} % | "
+                     f"{sum(s['reproduced'] for s in checked)} of {len(checked)} |")
     return "\n".join(lines) + "\n"
 
 

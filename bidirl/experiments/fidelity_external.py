@@ -6,9 +6,9 @@ breakdown (``gen``, ``old_log_prob``, ``update_actor``, veRL's timing names) —
 produced it, written as bidirl config keys, and its source. Exactly one row per model × hardware has
 ``role: calibrate``; every other row has ``role: predict``.
 
-:func:`fit` reads the calibrating row only: it solves for the two efficiency knobs of the hardware preset
-(``train_mfu`` from the row's trainer stages, ``decode_mbu`` from its ``gen``) so that the simulator reproduces
-that row. :func:`evaluate` then simulates every row with the fitted preset and sets the predicted numbers beside
+:func:`fit` reads the calibrating row only: it solves for two knobs of the hardware preset (:data:`FIT_KNOBS`:
+``train_mfu`` from the row's trainer stages, ``scheduler_overhead`` from its ``gen``) so that the simulator
+reproduces that row. :func:`evaluate` then simulates every row with the fitted preset and sets the predicted numbers beside
 the published ones; predicted rows are never read before the fit is done. The fit receives the rows *sealed*
 (:meth:`PublishedRow.sealed`): reading a predicted row's published numbers during the fit raises
 :class:`SealedRowError`, which is how ``tests/test_fidelity_external.py`` checks that the fit reads only the
@@ -34,10 +34,14 @@ from bidirl.job import presets
 
 ROLES = ("calibrate", "predict")
 METRICS = ("step", "gen", "old_log_prob", "update_actor")
-#: knobs the fit solves for, each from the published figure(s) it must reproduce on the calibrating row
-FIT_KNOBS = {"train_mfu": ("old_log_prob", "update_actor"), "decode_mbu": ("gen",)}
-#: knob search bounds (efficiency factors are fractions of peak: bidirl.perf.params.check_knob)
-KNOB_BOUNDS = (0.02, 1.0)
+#: knobs the fit solves for, each from the published figure(s) it must reproduce on the calibrating row:
+#: the trainer's achieved FLOP share from its stages, and the rollout engine's fixed cost per decode iteration
+#: (scheduling, sampling, output handling) from the generation time — the term that sets a long response's
+#: per-token latency once the batch has drained, which is what a step's generation waits for
+FIT_KNOBS = {"train_mfu": ("old_log_prob", "update_actor"), "scheduler_overhead": ("gen",)}
+#: knob search bounds: efficiency factors are fractions of peak (bidirl.perf.params.check_knob); the per-iteration
+#: overhead between 0.1 ms and 50 ms (a CUDA-graphed decode step's launch cost to ten times a slow Python step)
+KNOB_BOUNDS = {"train_mfu": (0.02, 1.0), "scheduler_overhead": (1e-4, 5e-2)}
 #: simulated steps per row (full run / --quick); the first async steps fill the pipeline and are outside the
 #: summary's measured window
 STEPS = {"colocated": (3, 2), "async": (10, 6)}
@@ -106,6 +110,13 @@ class FidelitySet:
             if r.id == row_id:
                 return r
         raise KeyError(f"no row {row_id!r} in {self.path.name}")
+
+    def calibrated_on(self, row_id: str) -> "FidelitySet":
+        """This set with ``row_id`` as its calibrating row and every other row predicted (a sensitivity check:
+        which row calibrates is a choice, and the page shows what each choice gives)."""
+        self.row(row_id)
+        rows = tuple(dataclasses.replace(r, role="calibrate" if r.id == row_id else "predict") for r in self.rows)
+        return dataclasses.replace(self, rows=rows)
 
     def for_fit(self) -> tuple:
         """The rows as :func:`fit` receives them: calibrating rows open, predicted rows sealed."""
@@ -280,8 +291,8 @@ def _solve(f, lo: float, hi: float) -> tuple:
 
 
 def fit(fs: FidelitySet, rows, folder: "str | Path", quick: bool = False) -> Fit:
-    """Solve ``train_mfu`` and ``decode_mbu`` so the simulator reproduces the calibrating row's trainer stages and
-    generation time. ``rows`` are :meth:`FidelitySet.for_fit`'s: a predicted row's published numbers are sealed
+    """Solve :data:`FIT_KNOBS` so the simulator reproduces the calibrating row's trainer stages and generation time
+    (each knob by scipy's brentq on the log ratio of simulated to published seconds, the others held). ``rows`` are :meth:`FidelitySet.for_fit`'s: a predicted row's published numbers are sealed
     and reading one raises :class:`SealedRowError`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -302,7 +313,7 @@ def fit(fs: FidelitySet, rows, folder: "str | Path", quick: bool = False) -> Fit
             sim = simulate_row(fs, row, _write_preset(base, trial, folder), quick=quick)
             return math.log(sum(sim[m] for m in metrics) / target)
 
-        knobs[knob], hit = _solve(err, *KNOB_BOUNDS)
+        knobs[knob], hit = _solve(err, *KNOB_BOUNDS[knob])
         if hit:
             bounds.append(knob)
     return Fit(dict(knobs), _write_preset(base, knobs, folder), (row.id,), tuple(bounds))

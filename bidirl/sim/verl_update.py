@@ -19,7 +19,8 @@ offload — veRL's hybrid engine runs a stage like this (veRL ``verl/trainer/ppo
   Without a budget, micro-batches of ``micro_batch_per_device · k`` samples.
 * **timing.** FSDP's collectives synchronise the ranks at every micro-batch, so a micro-batch round takes its
   slowest rank: ``Σ_rounds max_rank t_s(b)``, with t_s(b) the appendix's trainer model (:mod:`bidirl.perf.trainer`)
-  on a replica of k GPUs.
+  on a replica of k GPUs, with the shared execution-setting terms of :mod:`bidirl.perf.execution` (activation
+  checkpointing's recompute, Ulysses' all-to-alls).
 * **offload.** ``param_offload`` loads the FSDP shard of fp32 parameters (``4·N/ρ_t`` bytes per GPU) before each
   stage and offloads it after; ``optimizer_offload`` does the same with the two fp32 Adam moments (``8·N/ρ_t``)
   around the update (``load_fsdp_model_to_gpu`` / ``offload_fsdp_model_to_cpu``, ``load_fsdp_optimizer`` /
@@ -77,8 +78,15 @@ class VerlUpdate:
 
     @classmethod
     def of(cls, cfg, trainer_layout: int) -> "VerlUpdate":
-        r, hw = cfg.rl, cfg.hardware_spec
-        return cls(TrainerModel(cfg.model_spec, hw, layout=r.sequence_parallel), cfg.cluster.gpus,
+        from bidirl.perf import execution
+        from bidirl.perf.params import default_trainer_params
+        r, hw, m = cfg.rl, cfg.hardware_spec, cfg.model_spec
+        recompute = r.activation_checkpointing is True
+        params = default_trainer_params(m, hw, r.sequence_parallel)
+        if recompute:
+            params = execution.with_recompute(params, m, hw)
+        params = execution.with_sequence_parallel(params, m, hw, r.sequence_parallel, r.sequence_parallel, recompute)
+        return cls(TrainerModel(m, hw, layout=r.sequence_parallel, params=params), cfg.cluster.gpus,
                    r.sequence_parallel, cfg.workload.group_size, cfg.workload.prompts_per_step, r.mini_batch_prompts,
                    r.max_tokens_per_micro_batch, r.micro_batch_per_device, int(trainer_layout), r.param_offload,
                    r.optimizer_offload,
