@@ -418,7 +418,7 @@ def _args_calibrate(p: argparse.ArgumentParser) -> None:
                    help="a grid point's time from its repetitions: the fastest (default; slower ones measure "
                         "interference from other work) or the median")
     p.add_argument("--knobs-only", action="store_true",
-                   help="fit the hardware knobs only; write no per-model stage_params")
+                   help="fit the hardware knobs only; write no per-model stage_params (with RECORDS_DIR or --log)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -432,7 +432,7 @@ def _run_calibrate_log(args: argparse.Namespace) -> int:
                  else [k.strip() for k in args.knobs.split(",") if k])
         cal = job_log.calibrate_from_log(args.log, args.config, knobs=knobs,
                                          hardware=args.hardware, colocated=args.colocated, holdout=args.holdout,
-                                         seed=args.seed, skip=args.skip)
+                                         seed=args.seed, skip=args.skip, model_params=not args.knobs_only)
         job_log.write_preset(cal, args.out)
         outcome = job_log.what_if(args.config, args.out, colocated=args.colocated, log=args.log) \
             if args.what_if else None

@@ -324,3 +324,48 @@ def test_length_trend_grows_the_simulated_steps_work():
     # later steps' groups draw longer responses (the first batch already holds some of step 1's groups)
     assert [s.samples for s in grow] == [s.samples for s in flat]
     assert all(g.tokens > f.tokens for g, f in zip(grow, flat))
+
+
+# --------------------------------------------------------------------------------------------------
+# streaming consumption
+# --------------------------------------------------------------------------------------------------
+
+def _first_chunk_and_completions(cfg):
+    """Step 0's first chunk start and the times groups finished, from a noiseless no-borrow run of two steps."""
+    from bidirl.core import protocol as P
+    from bidirl.sim.driver import CHUNK_TRANSFER
+    finished = []
+    drv = SimDriver(cfg, "no-borrow", 2, cfg.seed, jitter=0.0)
+    drv.on_event = lambda ev: finished.append(ev.t) if isinstance(ev, P.GroupFinished) else None
+    drv.run()
+    spans = drv.result().events
+    first = spans[(spans.kind == "chunk") & (spans.step == 0)].start.min()
+    return first, sorted(finished), CHUNK_TRANSFER, drv
+
+
+def test_streaming_starts_each_local_update_when_its_prompts_are_ready():
+    B = 32
+    whole, done, transfer, _ = _first_chunk_and_completions(small())
+    assert whole == pytest.approx(done[B - 1] + transfer, abs=1e-9)         # the B-th group, then its inputs move
+    streamed, done4, transfer, drv = _first_chunk_and_completions(small(**{"rl.updates_per_sync": 4}))
+    assert done4[:B // 4] == done[:B // 4]                                # the same rollouts until then
+    assert streamed == pytest.approx(done4[B // 4 - 1] + transfer, abs=1e-9)   # after B/4 groups: 8 prompts
+    # four local batches of 8 groups per step, four optimizer steps, one weight sync
+    view = drv.assembly.coordinator.view()
+    assert [len(ids) for s, _, ids in view.batches if s == 0] == [8, 8, 8, 8]
+    spans = drv.result().events
+    assert (spans[spans.kind == "optimizer"].step == 0).sum() == 4
+    syncs = spans[(spans.kind == "sync") & (spans.worker == "trainer_pool/trainer")]
+    assert syncs.step.tolist() == [0, 1]
+    # the step's four local batches together are one batch of the staleness rule (checked as the run went:
+    # enforce_staleness), and every group was consumed once
+    ids = [g for s, _, b in view.batches for g in b]
+    assert len(ids) == len(set(ids)) == 2 * B
+
+
+def test_streaming_lowers_trainer_idle():
+    idle = {}
+    for u in (1, 4):
+        summary = run(small(**{"rl.updates_per_sync": u}), steps=6).summary()
+        idle[u] = summary["fully_async/trainer/idle_ratio"]
+    assert idle[4] < idle[1]

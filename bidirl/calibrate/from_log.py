@@ -27,6 +27,7 @@ this job); other models' entries are kept.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -171,10 +172,22 @@ class JobShape:
         return cls(rho_r, rho_t, max(1, g_r // rho_r), max(1, g_t // rho_t), bool(colocated))
 
 
+def trainer_order(prompt_lens, response_lens, group_size: int, colocated: bool) -> np.ndarray:
+    """The order in which the logged job's trainer saw a step's samples: a colocated (synchronous) job trains on
+    the batch as it was submitted, group-id order, once every response is done — as ``bidirl.sim.colocated``
+    simulates it; a split (asynchronous) job consumes the groups in the order they complete
+    (:func:`bidirl.job.planner.consumption_order`), as the planner and the coordinator do. One order per job
+    shape, so a fitted preset reproduces the simulator's trainer times for the same lengths."""
+    if colocated:
+        return np.arange(np.asarray(prompt_lens).size)
+    from bidirl.job.planner import consumption_order
+    return consumption_order(prompt_lens, response_lens, group_size)
+
+
 def predict(obs: Sequence[Observation], cfg, hardware, shape: JobShape) -> np.ndarray:
     """Each observation's time under ``hardware``'s models: M_r of the batch on the job's rollout replicas, or
-    one trainer stage's chunk times summed over the batch in consumption order."""
-    from bidirl.job.planner import consumption_order
+    one trainer stage's chunk times summed over the batch in the order the job's trainer saw it
+    (:func:`trainer_order`)."""
     from bidirl.perf.predictor import StagePredictor
     pred = StagePredictor.from_config(cfg, shape.rollout_layout, shape.trainer_layout, hardware)
     g, mb = cfg.workload.group_size, cfg.rl.micro_batch_per_device
@@ -183,7 +196,7 @@ def predict(obs: Sequence[Observation], cfg, hardware, shape: JobShape) -> np.nd
         if o.kind == "rollout":
             out[i] = pred.rollout.stage_time(o.prompt_lens, o.response_lens, shape.rollout_replicas, g)
         else:
-            order = consumption_order(o.prompt_lens, o.response_lens, g)
+            order = trainer_order(o.prompt_lens, o.response_lens, g, shape.colocated)
             out[i] = pred.trainer.stage_time(o.prompt_lens[order], o.response_lens[order], shape.trainer_replicas,
                                              mb, (o.stage,))
     return out
@@ -279,6 +292,8 @@ def calibrate_from_log(log, config, *, knobs: Sequence[str] = DEFAULT_KNOBS, har
     notes = [*notes, *(f"{k} not fitted: the log has no {KNOB_SIDE[k]} times" for k in knobs if k not in usable)]
     fit_steps, held_steps = split_steps([o.step for o in obs], holdout, seed)
     fit_obs = [o for o in obs if o.step in fit_steps]
+    note = warn_underdetermined("the hardware knobs " + ", ".join(usable), len(usable), operating_points(fit_obs))
+    notes += [note] if note else []
 
     # the model's own stage_params would override the knobs: the fit describes this job with knobs alone
     kept = {m: v for m, v in (base.stage_params or {}).items() if m != cfg.model}
@@ -307,7 +322,8 @@ def calibrate_from_log(log, config, *, knobs: Sequence[str] = DEFAULT_KNOBS, har
     fitted_hw = dataclasses.replace(knob_hardware(start, fitted), stage_params=kept)
     entry: dict = {}
     if model_params:
-        entry = _fit_stage_params(fit_obs, cfg, fitted_hw, shape)
+        with warnings_as_notes(notes):
+            entry = _fit_stage_params(fit_obs, cfg, fitted_hw, shape)
         if entry:
             fitted_hw = dataclasses.replace(fitted_hw, stage_params={**kept, cfg.model: entry})
 
@@ -320,6 +336,20 @@ def calibrate_from_log(log, config, *, knobs: Sequence[str] = DEFAULT_KNOBS, har
         notes.append(_unexplained(frame, table, skip))
     return LogCalibration(cfg, base, fitted_hw, fitted, prior, table, shape, tuple(notes), str(path),
                           float(holdout), int(seed), int(skip), bool(sol.success), entry)
+
+
+@contextlib.contextmanager
+def warnings_as_notes(notes: list):
+    """Record :class:`UnderdeterminedFit` warnings raised inside as notes of the calibration too (the report and
+    ``--json`` show them), and re-raise each for the caller's warning filters."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnderdeterminedFit)
+        yield
+    for w in caught:
+        if issubclass(w.category, UnderdeterminedFit):
+            notes.append(str(w.message))
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _unexplained(frame: pd.DataFrame, table: pd.DataFrame, skip: int) -> str:
@@ -341,7 +371,6 @@ def _fit_stage_params(obs: Sequence[Observation], cfg, hardware, shape: JobShape
     one rollout record per step (the batch on the job's rollout replicas) and, per trainer stage, one record per
     chunk, the stage's time shared among its chunks as the knob-fitted model predicts."""
     from bidirl.calibrate.from_records import stage_params_entry
-    from bidirl.job.planner import consumption_order
     from bidirl.perf.fit import calibrate_rollout, calibrate_trainer
     from bidirl.perf.predictor import StagePredictor
     pred = StagePredictor.from_config(cfg, shape.rollout_layout, shape.trainer_layout, hardware)
@@ -353,7 +382,7 @@ def _fit_stage_params(obs: Sequence[Observation], cfg, hardware, shape: JobShape
             rollout.append({"prompt_lens": o.prompt_lens, "response_lens": o.response_lens,
                             "d": shape.rollout_replicas, "group_size": g, "observed": o.observed})
             continue
-        order = consumption_order(o.prompt_lens, o.response_lens, g)
+        order = trainer_order(o.prompt_lens, o.response_lens, g, shape.colocated)
         p, r = o.prompt_lens[order], o.response_lens[order]
         share = pred.trainer.chunk_times(o.stage, p, r, d_t, size)
         share = share / share.sum() if share.sum() > 0 else np.full(share.size, 1.0 / share.size)
@@ -363,7 +392,35 @@ def _fit_stage_params(obs: Sequence[Observation], cfg, hardware, shape: JobShape
                             "observed": o.observed * float(w)})
     r_fit = calibrate_rollout(rollout, pred.rollout) if rollout else None
     t_fit = calibrate_trainer(trainer, pred.trainer) if trainer else None
+    for fit, points in ((r_fit, operating_points(o for o in obs if o.kind == "rollout")),
+                        (t_fit, operating_points(o for o in obs if o.kind == "trainer"))):
+        if fit is not None:
+            warn_underdetermined(f"the {fit.kind} model's appendix parameters", len(fit.fitted), points)
     return stage_params_entry(r_fit, t_fit, tp=shape.rollout_layout, layout=shape.trainer_layout)
+
+
+class UnderdeterminedFit(UserWarning):
+    """A fit has fewer operating points than free parameters: the data cannot pin them all (any of many
+    parameter sets reproduces it), so what the fitted model predicts away from the logged job is not measured."""
+
+
+def operating_points(obs) -> int:
+    """Distinct operating points among observations: one per (kind, stage) of a log — every step of one job runs
+    the same model on the same replicas with the same batch size; only its lengths vary, which moves all stage
+    times together rather than separating the parameters that scale with FLOPs, bytes and per-step overheads."""
+    return len({(o.kind, o.stage) for o in obs})
+
+
+def warn_underdetermined(what: str, parameters: int, points: int) -> Optional[str]:
+    """Warn (:class:`UnderdeterminedFit`) and return the note when ``points`` < ``parameters``."""
+    if points >= parameters:
+        return None
+    note = (f"{what}: {parameters} parameters fitted to {points} operating point{'s' * (points != 1)} — "
+            "underdetermined; predictions away from the logged job are extrapolations (fit the knobs only, "
+            "--knobs-only, or calibrate from profiling records that vary batch and replicas)")
+    import warnings
+    warnings.warn(note, UnderdeterminedFit, stacklevel=3)
+    return note
 
 
 # --------------------------------------------------------------------------------------------------

@@ -187,13 +187,20 @@ class RolloutBuffer:
         return not self.busy.isdisjoint(workers)
 
     # consumption ---------------------------------------------------------------------------------
-    def select_batch(self, trainer_version: int, rule: str = "lookahead") -> Optional[list[int]]:
-        """The batch for ``trainer_version`` under batch-formation ``rule`` (see :data:`BATCH_RULES`)."""
-        B = self.rule.batch
+    def select_batch(self, trainer_version: int, rule: str = "lookahead", size: Optional[int] = None,
+                     room: int = 0) -> Optional[list[int]]:
+        """The batch for ``trainer_version`` under batch-formation ``rule`` (see :data:`BATCH_RULES`).
+
+        Streaming consumption (``rl.updates_per_sync``) takes a step's batch as several local batches: ``size``
+        groups now (default: the whole batch ``B``), with ``room`` more groups of the same version still to be taken
+        by the step's later local updates — which the look-ahead counts as places the groups left behind can still
+        go (:meth:`_select_lookahead`). The last local batch of a step has no room left: the rule as for a whole
+        batch."""
+        B = self.rule.batch if size is None else int(size)
         if rule == "lookahead":
-            return self._select_lookahead(trainer_version)
+            return self._select_lookahead(trainer_version, B, room)
         if rule == "oldest-first":
-            live = self._oldest() if len(self.complete) >= B else []
+            live = self._oldest(B) if len(self.complete) >= B else []
             return [r.group_id for r in live] if len(live) == B and all(r.status == "complete" for r in live) \
                 else None
         key = {"completion": lambda r: r.commit_seq, "submission": lambda r: r.group_id}[rule]
@@ -202,15 +209,16 @@ class RolloutBuffer:
         complete = sorted((self.groups[g] for g in self.complete), key=key)
         return [r.group_id for r in complete[:B]] if len(complete) >= B else None
 
-    def _select_lookahead(self, trainer_version: int) -> Optional[list[int]]:
+    def _select_lookahead(self, trainer_version: int, B: Optional[int] = None, room: int = 0) -> Optional[list[int]]:
         """The batch for ``trainer_version`` if it can be formed now, else None.
 
         Takes the ``B`` oldest complete groups (by tag, then commit order) and accepts them only if what
         stays behind can still be consumed in time: after this batch, at most ``k·B`` live groups may carry
         a tag ``≤ v_t + k − ceil(s)`` for every ``k = 0 … ceil(s)`` (k = 0: nothing too stale for the next
-        batch may be left). Otherwise the trainer waits for the older groups still generating.
+        batch may be left). Otherwise the trainer waits for the older groups still generating. A local batch of a
+        streamed step (``B`` below the rule's batch) counts the ``room`` its step still has for this version too.
         """
-        B = self.rule.batch
+        B = self.rule.batch if B is None else B
         if len(self.complete) < B:
             return None
         # the tags the B oldest complete groups take, and the tags of every live group left behind (counts: the
@@ -222,7 +230,7 @@ class RolloutBuffer:
             need -= take
             if not need:
                 break
-        if not self.rule.leaves_consumable_counts(left, trainer_version):
+        if not self.rule.leaves_consumable_counts(left, trainer_version, room):
             return None
         # the B oldest complete groups by (tag, commit order): each tag's groups are kept in commit order
         chosen = []
@@ -243,9 +251,10 @@ class RolloutBuffer:
         """The records of the groups the next batch waits for: not complete among the ``B`` oldest live ones."""
         return [r for r in self._oldest() if r.status != "complete"]
 
-    def _oldest(self) -> list:
-        """The ``B`` oldest live groups, by tag then id."""
-        return heapq.nsmallest(self.rule.batch, self.groups.values(), key=lambda r: (r.version, r.group_id))
+    def _oldest(self, n: Optional[int] = None) -> list:
+        """The ``n`` (default ``B``) oldest live groups, by tag then id."""
+        return heapq.nsmallest(self.rule.batch if n is None else n, self.groups.values(),
+                               key=lambda r: (r.version, r.group_id))
 
     def consume(self, group_ids: list[int]) -> list[GroupState]:
         out = []

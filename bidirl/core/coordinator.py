@@ -106,6 +106,7 @@ class Settings:
     optimizer_seconds: float = 0.0 # predicted optimizer step (overlaps C_out when a window ends with the step)
     max_tokens_per_micro_batch: Optional[int] = None  # token-budget micro-batches (None: s_max samples per device)
     sequence_parallel: int = 1     # Ulysses degree: a chunk holds one micro-batch per sequence-parallel group
+    updates_per_sync: int = 1      # streaming consumption: local updates of batch / updates_per_sync groups per step
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,8 @@ class Coordinator:
     step: Optional[TrainerStep] = None
     step_start: float = 0.0
     consume_start: float = 0.0
+    local_update: int = 0                             # streaming: the step's local update under way (0-based)
+    step_groups: list = field(default_factory=list)   # streaming: the groups the step's local updates consumed
     evaluated: set = field(default_factory=set)       # (direction, step, idle window) opportunities decided
     idle_windows: dict = field(default_factory=lambda: {P.ROLLOUT_POOL: 0, P.TRAINER_POOL: 0})  # per pool
     stopping: set = field(default_factory=set)        # rollout workers with an Interrupt in flight
@@ -290,9 +293,15 @@ class Coordinator:
             return                                    # a merge of an attempt rolled back meanwhile
         self.step.aux_unsent.clear()
         self.profiler.observe_cost(TOR, "c_grad", ev.elapsed)
-        self._out.append(P.OptimizerStep(self.step.step, self.trainer_version + 1, self.step.update_merge_order()))
+        self._out.append(P.OptimizerStep(self.step.step, self._update_version(), self.step.update_merge_order()))
 
     def _on_OptimizerStepped(self, ev: P.OptimizerStepped):
+        if not self._last_local():         # a streamed step's local update: on to the next one, no sync yet
+            self.local_update += 1
+            self.step = None
+            self.phase = Phase.WAITING
+            self._try_start_step()
+            return
         self.trainer_version = ev.version
         self.sync_wanted = True
         self.phase = Phase.SYNCING
@@ -325,12 +334,12 @@ class Coordinator:
     def _on_SyncFinished(self, ev: P.SyncFinished):
         self.rollout_version = ev.version
         self.profiler.recalibrate(self.predictor)
-        st = self.step
+        st, groups = self.step, self.step_groups
         self._out.append(P.StepDone(P.StepRecord(
-            step=st.step, start=self.step_start, end=ev.t, tokens=sum(g.tokens for g in st.groups),
-            samples=st.n_samples, wait=self.consume_start - self.step_start, consume=ev.t - self.consume_start,
-            version=ev.version)))
-        self.step = None
+            step=st.step, start=self.step_start, end=ev.t, tokens=sum(g.tokens for g in groups),
+            samples=sum(len(g.generated) for g in groups), wait=self.consume_start - self.step_start,
+            consume=ev.t - self.consume_start, version=ev.version)))
+        self.step, self.step_groups, self.local_update = None, [], 0
         self.steps_done += 1
         if self.steps_done >= self.settings.steps:
             self.phase = Phase.DONE
@@ -648,7 +657,24 @@ class Coordinator:
                                                                   d)]
 
     def _batch(self) -> Optional[list]:
-        return self.buffer.select_batch(self.trainer_version, self.policy.batch_rule)
+        """The next batch: the step's whole batch, or with streaming consumption (``updates_per_sync`` = U) the
+        next local update's ``B/U`` groups, the step still having room for the rest of its local batches."""
+        s = self.settings
+        if s.updates_per_sync == 1:
+            return self.buffer.select_batch(self.trainer_version, self.policy.batch_rule)
+        size = s.batch // s.updates_per_sync
+        return self.buffer.select_batch(self.trainer_version, self.policy.batch_rule, size=size,
+                                        room=s.batch - size * (self.local_update + 1))
+
+    def _last_local(self) -> bool:
+        """Whether the local update under way is the step's last (always, without streaming consumption)."""
+        return self.local_update + 1 >= self.settings.updates_per_sync
+
+    def _update_version(self) -> int:
+        """The version the optimizer step produces: the next one at the step's last local update; a streamed
+        step's earlier local updates change the trainer's weights without a new version (no sync until the
+        step ends: veRL fully-async's ``trigger_parameter_sync_step``)."""
+        return self.trainer_version + 1 if self._last_local() else self.trainer_version
 
     def _try_start_step(self):
         if self.phase is not Phase.WAITING:
@@ -662,10 +688,13 @@ class Coordinator:
             self._revoke(P.TRAINER_POOL)
             return
         groups = self.buffer.consume(batch)
-        if self.policy.enforce_staleness:
-            check_batch(self.rule, [g.version for g in groups], self.trainer_version)
+        first = self.local_update == 0
+        self.step_groups = list(groups) if first else self.step_groups + list(groups)
+        if self.policy.enforce_staleness and self._last_local():     # the step's whole batch obeys the rule
+            check_batch(self.rule, [g.version for g in self.step_groups], self.trainer_version)
         self.batches.append((self.steps_done, self.trainer_version, [g.group_id for g in groups]))
-        self.consume_start = self._now
+        if first:
+            self.consume_start = self._now
         self.phase = Phase.CONSUMING
         self.step = self._trainer_step(self.steps_done, groups)
         self._out.append(P.StartStep(self.step.step, self.trainer_version, tuple(groups)))
@@ -744,7 +773,7 @@ class Coordinator:
             aux_ids = tuple(c for c in step.merge_order if c in aux)
             self._out.append(P.MergeGradients(step.step, aux_ids, self.profiler.costs[TOR].c_grad))
         else:
-            self._out.append(P.OptimizerStep(step.step, self.trainer_version + 1, step.update_merge_order()))
+            self._out.append(P.OptimizerStep(step.step, self._update_version(), step.update_merge_order()))
 
     # ---- Trainer-on-RolloutPool --------------------------------------------------------------
     def _consider_trainer_on_rollout_pool(self):

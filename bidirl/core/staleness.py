@@ -81,12 +81,13 @@ class StalenessRule:
         return True
 
 
-    def leaves_consumable_counts(self, left_counts: dict, trainer_version: int) -> bool:
+    def leaves_consumable_counts(self, left_counts: dict, trainer_version: int, room: int = 0) -> bool:
         """:meth:`leaves_consumable` with the tags left given as counts ``{tag: groups}`` (the same answer,
-        in O(tags) instead of O(groups))."""
+        in O(tags) instead of O(groups)). ``room``: groups this version's step may still take after this batch (a
+        streamed step's later local batches; 0 for a whole batch)."""
         for k in range(self.max_lag + 1):
             limit = trainer_version + k - self.max_lag
-            if sum(n for tag, n in left_counts.items() if tag <= limit) > k * self.batch:
+            if sum(n for tag, n in left_counts.items() if tag <= limit) > k * self.batch + room:
                 return False
         return True
 

@@ -39,10 +39,11 @@ class StagePredictor:
     trainer: TrainerModel
     group_size: int
     typical_context: float = 1.0     # mean prompt + half the mean response: the live length the KV cache holds
-    #: seconds per step the trainer spends besides its chunks and AdamW steps: offload copies
+    #: seconds per local update the trainer spends besides its chunks and AdamW steps: offload copies
     #: (:func:`bidirl.perf.execution.offload_seconds`), charged with the optimizer step
     step_overhead: float = 0.0
-    #: optimizer updates per step (``rl.mini_batch_prompts``: one AdamW step per mini-batch)
+    #: optimizer updates per local update (``rl.mini_batch_prompts``: one AdamW step per mini-batch; a step is one
+    #: local update unless ``rl.updates_per_sync`` streams it)
     optimizer_updates: int = 1
 
     @classmethod
@@ -57,7 +58,7 @@ class StagePredictor:
         if recompute:
             params = execution.with_recompute(params, m, hw)
         params = execution.with_sequence_parallel(params, m, hw, rl.sequence_parallel, trainer_layout, recompute)
-        updates = cfg.optimizer_updates_per_step
+        updates = cfg.optimizer_updates_per_step // rl.updates_per_sync     # per local update
         overhead = execution.offload_seconds(m, hw, trainer_layout, rl.stages, rl.param_offload, rl.optimizer_offload,
                                              updates)
         return cls(RolloutModel(m, hw, tp=rollout_layout, max_seqs=MAX_SEQS),
@@ -162,8 +163,8 @@ class StagePredictor:
         return max(1, int(self.rollout.n_max(self.typical_context)) // self.group_size)
 
     def optimizer_time(self, trainer_gpus: int) -> float:
-        """The trainer's work per step besides its chunks: one AdamW step per optimizer update (mini-batch) and
-        the offload copies (:attr:`step_overhead`)."""
+        """The trainer's work per local update (per step without streaming) besides its chunks: one AdamW step
+        per optimizer update (mini-batch) and the offload copies (:attr:`step_overhead`)."""
         return (self.optimizer_updates * optimizer_time(self.trainer.model, self.trainer.hardware, trainer_gpus)
                 + self.step_overhead)
 

@@ -68,7 +68,7 @@ def assemble(cfg: cfgmod.JobConfig, policy, *, steps: int, seed: int,
                         steps=steps, chunks_in_flight=cfg.scheduler.chunks_in_flight,
                         optimizer_seconds=predictor.optimizer_time(env.trainer_gpus),
                         max_tokens_per_micro_batch=cfg.rl.max_tokens_per_micro_batch,
-                        sequence_parallel=cfg.rl.sequence_parallel)
+                        sequence_parallel=cfg.rl.sequence_parallel, updates_per_sync=cfg.rl.updates_per_sync)
     costs = {d: cfg.switch_costs(d) for d in P.DIRECTIONS}
     policy = policy if isinstance(policy, Policy) else get_policy(policy)
     coordinator = Coordinator(settings, topology, policy, predictor, Profiler(costs=costs), prior)
