@@ -44,7 +44,7 @@ FIT_KNOBS = {"train_mfu": ("old_log_prob", "update_actor"), "scheduler_overhead"
 KNOB_BOUNDS = {"train_mfu": (0.02, 1.0), "scheduler_overhead": (1e-4, 5e-2)}
 #: simulated steps per row (full run / --quick); the first async steps fill the pipeline and are outside the
 #: summary's measured window
-STEPS = {"colocated": (3, 2), "async": (10, 6)}
+STEPS = {"colocated": (8, 2), "async": (16, 6)}
 
 
 class FidelityDataError(BidirlError, ValueError):
