@@ -315,6 +315,8 @@ def _run_run(args: argparse.Namespace) -> int:
                                                ("cluster.rollout_kv_cache_gib", args.kv_cache_gib))
                  if value is not None}
     cfg = cfgmod.load(args.config).with_overrides(overrides)
+    if not args.emulate:
+        cfgmod.check_engine_run(cfg)
     out = args.out or str(default_out_dir())
     for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--keep", args.keep)):
         if value < 1:

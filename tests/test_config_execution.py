@@ -101,3 +101,24 @@ def test_length_trend_is_a_number():
 def test_settings_built_from_dataclasses_get_the_same_checks():
     with pytest.raises(C.ConfigError, match="rl.updates_per_sync"):
         C.JobConfig(rl=C.RLConfig(updates_per_sync=3))
+
+
+@pytest.mark.parametrize("key, value", [("cluster.rollout_tensor_parallel", 2), ("rl.max_tokens_per_micro_batch", 8192),
+                                        ("rl.mini_batch_prompts", 16), ("rl.updates_per_sync", 2),
+                                        ("rl.param_offload", True), ("rl.optimizer_offload", True),
+                                        ("rl.sequence_parallel", 2)])
+def test_engine_runs_refuse_settings_they_do_not_carry_out(key, value):
+    cfg = C.load(base()).with_overrides({key: value})
+    with pytest.raises(C.ConfigError) as info:
+        C.check_engine_run(cfg)
+    assert info.value.field == key and "--emulate" in info.value.fix
+    C.check_engine_run(C.load(base()))              # the defaults run
+
+
+def test_cli_run_refuses_them_before_anything_starts(tmp_path, capsys):
+    from bidirl.cli import main
+    job = tmp_path / "job.yaml"
+    job.write_text(C.load("tiny-cpu").with_overrides({"rl.updates_per_sync": 2}).to_yaml())
+    assert main(["run", str(job), "--steps", "1", "--out", str(tmp_path / "out")]) == 2
+    assert "rl.updates_per_sync" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -304,7 +304,8 @@ def test_length_trend_scales_each_steps_mean():
                                                                rel=1e-15)
     assert mean_response(stats, L, 100, -0.5) == 1.0              # 1 − 0.5·100 < 0: clipped to one token
     # every draw of step 5 is the flat draw scaled by 1 + 0.1·5 = 1.5 (a log-normal's mean scales its draws):
-    # r' = rint(1.5·x) and r = rint(x) with |x − r| ≤ 0.5, so |r' − 1.5·r| ≤ 0.5 + 1.5·0.5 = 1.25 unless clipped
+    # r' = rint(1.5·x) and r = rint(x) with |x − r| ≤ 0.5, so |r' − 1.5·r| ≤ 0.5 + 1.5·0.5 = 1.25
+    # unless clipped
     a, b = GroupLengths.of(flat, 0), GroupLengths.of(grow, 0)
     n = flat.workload.prompts_per_step
     for g in range(5 * n, 6 * n):
@@ -369,3 +370,11 @@ def test_streaming_lowers_trainer_idle():
         summary = run(small(**{"rl.updates_per_sync": u}), steps=6).summary()
         idle[u] = summary["fully_async/trainer/idle_ratio"]
     assert idle[4] < idle[1]
+
+
+def test_modelled_baselines_follow_the_jobs_layouts():
+    """veRL fully-async's in-flight cap follows the rollout replicas the job has (ρ_r), AReaL's trainer ranks the
+    sequence-parallel groups."""
+    from bidirl.sim.baselines import rollout_replicas, trainer_data_parallel
+    assert rollout_replicas(small()) == 8 and rollout_replicas(small(**{"cluster.rollout_tensor_parallel": 4})) == 2
+    assert trainer_data_parallel(small()) == 8 and trainer_data_parallel(small(**{"rl.sequence_parallel": 4})) == 2

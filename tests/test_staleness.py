@@ -112,3 +112,35 @@ def test_parked_group_keeps_its_oldest_version_and_resumes():
     assert buf.groups[g].worker == "b" and buf.groups[g].status == "running"
     with pytest.raises(ValueError, match="never admitted"):
         buf.commit(_state(99, 0))
+
+
+@settings(max_examples=150)
+@given(staleness=st.sampled_from([0, 0.25, 0.5, 1, 1.5, 2, 4]), local=st.integers(1, 3), updates=st.integers(1, 4),
+       data=st.data())
+def test_streamed_local_batches_keep_the_rule_and_lose_nothing(staleness, local, updates, data):
+    """Streaming consumption (rl.updates_per_sync): each version's batch is taken as ``updates`` local batches of
+    ``local`` groups, each as soon as the look-ahead accepts it with the step's remaining room; the union of a
+    version's local batches satisfies the rule as a whole batch, and nothing is lost or consumed twice."""
+    batch = local * updates
+    rule = StalenessRule(staleness, batch)
+    buf = RolloutBuffer(rule)
+    version, taken, step_versions, consumed = 0, 0, [], []
+    for _ in range(60):
+        for _ in range(buf.admissible(version)):
+            buf.admit(version, "w")
+        running = [g for g, r in buf.groups.items() if r.status == "running"]
+        if running:
+            gid = data.draw(st.sampled_from(sorted(running)))
+            buf.commit(_state(gid, buf.groups[gid].version))
+        ids = buf.select_batch(version, size=local, room=batch - taken - local)
+        if ids is not None:
+            step_versions += [buf.groups[g].version for g in ids]
+            buf.consume(ids)
+            consumed += ids
+            taken += local
+            if taken == batch:
+                check_batch(rule, step_versions, version)
+                version, taken, step_versions = version + 1, 0, []
+    assert len(consumed) == len(set(consumed))
+    live = set(buf.groups)
+    assert set(consumed) | live == set(range(buf.next_group_id))

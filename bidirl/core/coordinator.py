@@ -334,7 +334,10 @@ class Coordinator:
     def _on_SyncFinished(self, ev: P.SyncFinished):
         self.rollout_version = ev.version
         self.profiler.recalibrate(self.predictor)
-        st, groups = self.step, self.step_groups
+        st = self.step
+        # the step's groups: a streamed step's local batches together; without streaming the step's own (so a
+        # checkpoint written before streaming consumption existed resumes too)
+        groups = self.step_groups if self.settings.updates_per_sync > 1 else st.groups
         self._out.append(P.StepDone(P.StepRecord(
             step=st.step, start=self.step_start, end=ev.t, tokens=sum(g.tokens for g in groups),
             samples=sum(len(g.generated) for g in groups), wait=self.consume_start - self.step_start,

@@ -570,6 +570,26 @@ def _check_execution_settings(cfg: JobConfig) -> None:
                               f"use a divisor of {local}, or leave it empty for one update per local update")
 
 
+#: execution settings the models, the planner and the simulator (and emulated runs) honour but engine runs do not
+#: carry out yet (their runtime parts follow the engine split of ``bidirl.cluster.engines``): key -> its default
+ENGINE_PENDING = {"cluster.rollout_tensor_parallel": (None, 1), "rl.max_tokens_per_micro_batch": (None,),
+                  "rl.mini_batch_prompts": (None,), "rl.updates_per_sync": (1,), "rl.param_offload": (False,),
+                  "rl.optimizer_offload": (False,), "rl.sequence_parallel": (1,)}
+
+
+def check_engine_run(cfg: JobConfig) -> None:
+    """Refuse, naming the key, a setting an engine run would not carry out (:data:`ENGINE_PENDING`): a run that
+    ignored it would measure another job than the one configured."""
+    data = cfg.to_dict()
+    for key, defaults in ENGINE_PENDING.items():
+        section, name = key.split(".")
+        value = data[section][name]
+        if value not in defaults:
+            raise ConfigError(key, f"is {value!r}, which engine runs do not carry out yet (the planner, the stage "
+                              "models, `bidirl simulate` and `bidirl run --emulate` do)",
+                              f"leave it at {defaults[0]!r} for an engine run, or use --emulate / bidirl simulate")
+
+
 def validate(cfg: JobConfig) -> None:
     """Check cross-field rules; raises :class:`ConfigError` naming the first violated field."""
     _check_types(cfg)

@@ -156,6 +156,9 @@ class Plan:
                        "dataset": cfg.workload.dataset, "prompts_per_step": cfg.workload.prompts_per_step,
                        "group_size": cfg.workload.group_size, "max_response_len": cfg.workload.max_response_len,
                        "micro_batch_per_device": cfg.rl.micro_batch_per_device, "stages": list(self.stages),
+                       "rollout_tensor_parallel": cfg.cluster.rollout_tensor_parallel,
+                       "max_tokens_per_micro_batch": cfg.rl.max_tokens_per_micro_batch,
+                       "sequence_parallel": cfg.rl.sequence_parallel, "updates_per_sync": cfg.rl.updates_per_sync,
                        "seed": cfg.seed},
             "representative_batch": {"requests": int(p.size), "mean_prompt_len": float(p.mean()),
                                      "mean_response_len": float(r.mean()),
@@ -222,12 +225,14 @@ def min_feasible_layouts(cfg, hardware=None) -> tuple:
         what = (f"a token-budget micro-batch of {budget} tokens" if budget is not None else
                 f"a micro-batch of {mb} samples × {max_seq} tokens"
                 + (f" / rl.sequence_parallel {cfg.rl.sequence_parallel}" if cfg.rl.sequence_parallel > 1 else ""))
-        raise ConfigError("rl.max_tokens_per_micro_batch" if budget is not None else "rl.micro_batch_per_device",
-                          f"{what} needs {gib(act)} of activations per GPU, more than the "
+        key = "rl.max_tokens_per_micro_batch" if budget is not None else "rl.micro_batch_per_device"
+        fix = ("lower rl.max_tokens_per_micro_batch (it must still hold the longest sample) or raise "
+               "rl.sequence_parallel" if budget is not None else
+               "lower rl.micro_batch_per_device, set rl.max_tokens_per_micro_batch (veRL's use_dynamic_bsz: a "
+               "token budget per GPU) or raise rl.sequence_parallel, lower workload.max_response_len")
+        raise ConfigError(key, f"{what} needs {gib(act)} of activations per GPU, more than the "
                           f"{gib(memory.usable_bytes(hw))} usable on {hw.name}; activations are not sharded by "
-                          "FSDP, so a bigger trainer replica does not help",
-                          "lower it, set rl.max_tokens_per_micro_batch (veRL's use_dynamic_bsz) or raise "
-                          "rl.sequence_parallel, lower workload.max_response_len, or use a GPU with more memory")
+                          "FSDP, so a bigger trainer replica does not help", fix + ", or use a GPU with more memory")
     rho_t, need_t = memory.min_feasible_layout(
         lambda k: memory.trainer_need(m, hw, k, mb, max_seq, tokens=tokens,
                                       checkpointing=cfg.rl.activation_checkpointing), cands)

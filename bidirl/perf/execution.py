@@ -15,9 +15,9 @@ host copies. Each term is the setting's mechanism over the hardware preset's num
   ``offload_fsdp_model_to_cpu``), and the optimizer state around each update (``load_fsdp_optimizer`` /
   ``offload_fsdp_optimizer``). Each GPU copies its shard both ways over its host link at the pageable rate
   (``host_bandwidth · PAGEABLE_FRACTION`` of :mod:`bidirl.perf.costs`): parameters
-  ``2 · (actor stages) · 4·N/ρ_t`` bytes (fp32 sharded master weights), optimizer ``2 · 8·N/ρ_t`` bytes (Adam's two
-  fp32 moments) per update. The copies sit on the trainer's critical path; the simulator charges them with the
-  optimizer step (:func:`offload_seconds`).
+  ``2 · (actor stages) · 4·N/ρ_t`` bytes (fp32 sharded master weights), optimizer ``2 · 8·N/ρ_t`` bytes
+  (Adam's two fp32 moments) per update. The copies sit on the trainer's critical path; the simulator charges them
+  with the optimizer step (:func:`offload_seconds`).
 * **Sequence parallelism** (``rl.sequence_parallel`` = k; veRL ``ulysses_sequence_parallel_size``): k GPUs share
   each sample's tokens, so data parallel is trainer GPUs / k and a chunk holds ``1/k`` of the samples
   (``bidirl.core.protocol.chunk_size``); activations per GPU are divided by k (:mod:`bidirl.perf.memory`). Each
@@ -51,7 +51,8 @@ ULYSSES_PASSES = {"old_logprob": 1, "ref_logprob": 1, "actor_update": 2}
 
 def with_recompute(params: TrainerParams, model, hardware) -> TrainerParams:
     """``params`` with ``actor_update`` doing one more forward (activation checkpointing): α scaled by
-    :data:`RECOMPUTE_FORWARDS` / m, and one more forward's kernel launches on τ (L · ``kernel_overhead_per_layer``)."""
+    :data:`RECOMPUTE_FORWARDS` / m, and one more forward's kernel launches on τ
+    (L · ``kernel_overhead_per_layer``)."""
     m = STAGE_MULTIPLIER["actor_update"]
     alpha, tau = dict(params.alpha), dict(params.tau)
     alpha["actor_update"] *= RECOMPUTE_FORWARDS / m

@@ -79,9 +79,11 @@ def rollout_replicas(config: JobConfig) -> int:
 
 
 def trainer_data_parallel(config: JobConfig) -> int:
-    """The trainer's data parallelism under FSDP over the whole trainer pool: one rank per trainer GPU."""
+    """The trainer's data parallelism under FSDP over the whole trainer pool: one rank per trainer GPU, or one per
+    sequence-parallel group of ``rl.sequence_parallel`` GPUs."""
     env = _envelope(config)
-    return config.cluster.partition.trainer if config.cluster.partition is not None else env.trainer_gpus
+    gpus = config.cluster.partition.trainer if config.cluster.partition is not None else env.trainer_gpus
+    return gpus // config.rl.sequence_parallel
 
 
 def _no_borrow(name: str, **rules) -> Policy:
