@@ -1,0 +1,360 @@
+"""Predictions checked against a real system's published per-step measurements (paper §7.4's question, asked of
+a system outside bidirl).
+
+A *row file* (``data/fidelity/<name>.yaml``) holds published measurements of real RL jobs — step time and its
+breakdown (``gen``, ``old_log_prob``, ``update_actor``, veRL's timing names) — each with the job settings that
+produced it, written as bidirl config keys, and its source. Exactly one row per model × hardware has
+``role: calibrate``; every other row has ``role: predict``.
+
+:func:`fit` reads the calibrating row only: it solves for two knobs of the hardware preset (:data:`FIT_KNOBS`:
+``train_mfu`` from the row's trainer stages, ``scheduler_overhead`` from its ``gen``) so that the simulator
+reproduces that row. :func:`evaluate` then simulates every row with the fitted preset and sets the predicted numbers beside
+the published ones; predicted rows are never read before the fit is done. The fit receives the rows *sealed*
+(:meth:`PublishedRow.sealed`): reading a predicted row's published numbers during the fit raises
+:class:`SealedRowError`, which is how ``tests/test_fidelity_external.py`` checks that the fit reads only the
+calibrating row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional
+
+import yaml
+
+from bidirl.errors import BidirlError
+from bidirl.job import config as cfgmod
+from bidirl.job import presets
+
+ROLES = ("calibrate", "predict")
+METRICS = ("step", "gen", "old_log_prob", "update_actor")
+#: knobs the fit solves for, each from the published figure(s) it must reproduce on the calibrating row:
+#: the trainer's achieved FLOP share from its stages, and the rollout engine's fixed cost per decode iteration
+#: (scheduling, sampling, output handling) from the generation time — the term that sets a long response's
+#: per-token latency once the batch has drained, which is what a step's generation waits for
+FIT_KNOBS = {"train_mfu": ("old_log_prob", "update_actor"), "scheduler_overhead": ("gen",)}
+#: knob search bounds: efficiency factors are fractions of peak (bidirl.perf.params.check_knob); the per-iteration
+#: overhead between 0.1 ms and 50 ms (a CUDA-graphed decode step's launch cost to ten times a slow Python step)
+KNOB_BOUNDS = {"train_mfu": (0.02, 1.0), "scheduler_overhead": (1e-4, 5e-2)}
+#: simulated steps per row (full run / --quick); the first async steps fill the pipeline and are outside the
+#: summary's measured window
+STEPS = {"colocated": (8, 2), "async": (16, 6)}
+
+
+class FidelityDataError(BidirlError, ValueError):
+    """A malformed row file: ``field`` names what is wrong, ``fix`` what to do."""
+
+    def __init__(self, field_name: str, message: str, fix: str = ""):
+        self.field, self.fix = field_name, fix
+        super().__init__(f"{field_name}: {message}" + (f" ({fix})" if fix else ""))
+
+
+class SealedRowError(BidirlError, RuntimeError):
+    """A predicted row's published numbers were read where only calibrating rows may be (the fit)."""
+
+
+@dataclass(frozen=True)
+class PublishedRow:
+    """One published measurement and the settings of the job that produced it."""
+    id: str
+    system: str
+    policy: str
+    role: str
+    overrides: Mapping
+    averaged_steps: Optional[int]
+    _published: Mapping = field(repr=False)
+    _sealed: bool = field(default=False, repr=False)
+
+    @property
+    def calibrating(self) -> bool:
+        return self.role == "calibrate"
+
+    def has(self, metric: str) -> bool:
+        """Whether the source publishes ``metric`` for this row (not a number: allowed on a sealed row)."""
+        return metric in self._published
+
+    def published(self, metric: str) -> float:
+        """The published value of ``metric`` (seconds); raises :class:`SealedRowError` on a sealed row."""
+        if self._sealed:
+            raise SealedRowError(f"row {self.id!r} is a predicted row: its published {metric!r} may not be read "
+                                 "while fitting (only the calibrating row may)")
+        if metric not in self._published:
+            raise KeyError(f"row {self.id!r} publishes no {metric!r}")
+        return float(self._published[metric])
+
+    def sealed(self) -> "PublishedRow":
+        """This row with its published numbers locked (what :func:`fit` sees of a predicted row)."""
+        return dataclasses.replace(self, _sealed=True)
+
+
+@dataclass(frozen=True)
+class FidelitySet:
+    """A row file: the model and hardware presets, the settings shared by all rows, and the rows."""
+    path: Path
+    source: str
+    model: str
+    hardware: str
+    common: Mapping
+    systems: Mapping
+    rows: tuple
+    speedups: tuple
+
+    def row(self, row_id: str) -> PublishedRow:
+        for r in self.rows:
+            if r.id == row_id:
+                return r
+        raise KeyError(f"no row {row_id!r} in {self.path.name}")
+
+    def calibrated_on(self, row_id: str) -> "FidelitySet":
+        """This set with ``row_id`` as its calibrating row and every other row predicted (a sensitivity check:
+        which row calibrates is a choice, and the page shows what each choice gives)."""
+        self.row(row_id)
+        rows = tuple(dataclasses.replace(r, role="calibrate" if r.id == row_id else "predict") for r in self.rows)
+        return dataclasses.replace(self, rows=rows)
+
+    def for_fit(self) -> tuple:
+        """The rows as :func:`fit` receives them: calibrating rows open, predicted rows sealed."""
+        return tuple(r if r.calibrating else r.sealed() for r in self.rows)
+
+    def config(self, row: PublishedRow, hardware: Optional[str] = None, steps: int = 4,
+               seed: int = 0) -> cfgmod.JobConfig:
+        """The bidirl job config of ``row`` (``hardware``: a preset name or file replacing the set's)."""
+        data = {"model": self.model, "hardware": hardware or self.hardware, "seed": int(seed),
+                "scheduler": {"policy": "no-borrow"}, "workload": {"steps": int(steps)}}
+        cfg = cfgmod.from_dict(data)
+        overrides = {**self.common, **self.systems[row.system]["overrides"], **row.overrides}
+        try:
+            return cfg.with_overrides(overrides)
+        except cfgmod.ConfigError as exc:
+            raise FidelityDataError(f"rows[{row.id}].overrides", str(exc),
+                                    "the row's settings must be valid bidirl config keys") from None
+
+
+def default_path() -> Path:
+    return presets.data_dir() / "fidelity" / "verl_fully_async.yaml"
+
+
+def _need(raw: Mapping, key: str, where: str):
+    if key not in raw:
+        raise FidelityDataError(f"{where}.{key}", "missing", f"add {key} to {where}")
+    return raw[key]
+
+
+def load(path: "str | Path | None" = None) -> FidelitySet:
+    """Read and check a row file (:class:`FidelityDataError` naming the field on bad input)."""
+    path = Path(path) if path is not None else default_path()
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise FidelityDataError(str(path), f"cannot be read ({exc})", "pass the path of a row file") from None
+    if not isinstance(raw, dict):
+        raise FidelityDataError(path.name, "must be a mapping", "see data/fidelity/verl_fully_async.yaml")
+    systems = _need(raw, "systems", path.name)
+    if not isinstance(systems, dict) or not systems:
+        raise FidelityDataError("systems", "must map system names to {policy, overrides}")
+    from bidirl.sim.baselines import BASELINES
+    for name, sys_ in systems.items():
+        pol = _need(sys_, "policy", f"systems.{name}")
+        if pol not in BASELINES:
+            raise FidelityDataError(f"systems.{name}.policy", f"unknown policy {pol!r}",
+                                    f"use one of {', '.join(BASELINES)}")
+    rows, seen = [], set()
+    for i, r in enumerate(_need(raw, "rows", path.name) or []):
+        where = f"rows[{i}]"
+        rid = str(_need(r, "id", where))
+        if rid in seen:
+            raise FidelityDataError(f"{where}.id", f"{rid!r} appears twice", "give every row its own id")
+        seen.add(rid)
+        system = _need(r, "system", where)
+        if system not in systems:
+            raise FidelityDataError(f"{where}.system", f"unknown system {system!r}",
+                                    f"use one of {', '.join(systems)}")
+        role = r.get("role", "predict")
+        if role not in ROLES:
+            raise FidelityDataError(f"{where}.role", f"unknown role {role!r}", f"use one of {', '.join(ROLES)}")
+        pub = _need(r, "published", where)
+        if not isinstance(pub, dict) or "step" not in pub:
+            raise FidelityDataError(f"{where}.published", "must give at least the step time",
+                                    f"write published: {{step: seconds, ...}} with keys from {', '.join(METRICS)}")
+        bad = [k for k, v in pub.items() if k not in METRICS or not isinstance(v, (int, float)) or v <= 0]
+        if bad:
+            raise FidelityDataError(f"{where}.published", f"bad entries {bad}",
+                                    f"keys from {', '.join(METRICS)}, values in seconds > 0")
+        rows.append(PublishedRow(rid, system, systems[system]["policy"], role, dict(r.get("overrides") or {}),
+                                 r.get("averaged_steps"), dict(pub)))
+    calibrating = [r.id for r in rows if r.calibrating]
+    if len(calibrating) != 1:
+        raise FidelityDataError("rows.role", f"{len(calibrating)} calibrating rows ({calibrating}) for "
+                                f"{raw.get('model')} on {raw.get('hardware')}",
+                                "mark exactly one row per model and hardware role: calibrate")
+    speedups = []
+    for i, s in enumerate(raw.get("speedups") or []):
+        for key in ("faster", "slower"):
+            if _need(s, key, f"speedups[{i}]") not in seen:
+                raise FidelityDataError(f"speedups[{i}].{key}", f"no row {s[key]!r}", "name a row id")
+        speedups.append(dict(s))
+    fs = FidelitySet(path, str(raw.get("source", "")), str(_need(raw, "model", path.name)),
+                     str(_need(raw, "hardware", path.name)), dict(raw.get("common") or {}),
+                     {k: {"policy": v["policy"], "overrides": dict(v.get("overrides") or {})}
+                      for k, v in systems.items()}, tuple(rows), tuple(speedups))
+    for r in fs.rows:
+        fs.config(r)            # every row's settings are a valid job
+    return fs
+
+
+# --------------------------------------------------------------------------------------------------
+# simulating a row
+# --------------------------------------------------------------------------------------------------
+
+def _kind(row: PublishedRow) -> str:
+    from bidirl.sim.baselines import BASELINES
+    return "colocated" if BASELINES[row.policy].colocated else "async"
+
+
+def simulate_row(fs: FidelitySet, row: PublishedRow, hardware: Optional[str] = None, quick: bool = False,
+                 seed: int = 0) -> dict:
+    """The simulated step time and veRL-named breakdown of ``row`` (seconds, mean per measured step):
+    ``step`` (median step time of the measured window), ``gen`` (time the trainer waited for its batch;
+    colocated: generation plus the switches into and out of it), ``old_log_prob`` and ``update_actor`` (the
+    trainer's chunk time of those stages; the update with its optimizer and offload copies), ``trainer_idle``."""
+    from bidirl.sim import simulate
+    steps = STEPS[_kind(row)][1 if quick else 0]
+    cfg = fs.config(row, hardware, steps=steps, seed=seed)
+    res = simulate(cfg, row.policy, steps=steps, seed=seed)
+    summary = res.summary()
+    lo, hi = summary["window"]
+    spans = res.log.spans_df()
+    steps_df = res.log.steps_df()
+    kept = steps_df[(steps_df["start"] >= lo - 1e-9) & (steps_df["end"] <= hi + 1e-9)]
+    n = max(1, len(kept))
+    sp = spans[(spans["start"] >= lo - 1e-9) & (spans["end"] <= hi + 1e-9)]
+    dur = sp["end"] - sp["start"]
+    stage = sp["detail"].map(lambda d: d.get("stage") if isinstance(d, dict) else None)
+    trainer = sp["role"].ne("primary") | sp["pool"].eq("trainer_pool")
+    olp = float(dur[(sp["kind"] == "chunk") & (stage == "old_logprob")].sum()) / n
+    switch = sp["kind"].isin(["switch_in", "switch_out"])
+    offload = switch & sp["detail"].map(lambda d: isinstance(d, dict) and d.get("direction") == "offload")
+    olp += float(dur[offload & (stage == "old_logprob")].sum()) / n
+    upd = float(dur[((sp["kind"] == "chunk") & (stage == "actor_update")) | (sp["kind"] == "optimizer") & trainer
+                    | offload & (stage == "actor_update")].sum()) / n
+    switches = float(dur[switch & ~offload].sum()) / n
+    gen = float(kept["wait"].mean()) if len(kept) else math.nan
+    out = {"step": float(summary["timing_s/step"]), "gen": gen + (switches if _kind(row) == "colocated" else 0.0),
+           "old_log_prob": olp, "update_actor": upd,
+           "trainer_idle": summary.get("fully_async/trainer/idle_ratio")}
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# the fit: the calibrating row only
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Fit:
+    """The fitted knobs, the preset file holding them, and the calibrating row(s) they came from."""
+    knobs: Mapping
+    hardware_file: str
+    rows: tuple
+    at_bound: tuple
+
+
+def _write_preset(base: presets.HardwareSpec, knobs: Mapping, folder: Path) -> str:
+    data = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name != "name"}
+    data.update({k: float(v) for k, v in knobs.items()})
+    data["sources"] = list(base.sources) + [f"{', '.join(knobs)} fitted to one published row "
+                                            "(bidirl.experiments.fidelity_external.fit)"]
+    for key in ("measured_switch_costs", "measured_weight_sync", "stage_params", "switch_model"):
+        if not data.get(key):
+            data.pop(key, None)
+    tag = hashlib.sha1(repr(sorted(knobs.items())).encode()).hexdigest()[:12]
+    path = folder / f"{base.name}-fitted-{tag}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+def _solve(f, lo: float, hi: float) -> tuple:
+    """Root of the increasing-or-decreasing ``f`` on [lo, hi] by scipy's brentq; the nearer bound when ``f`` keeps
+    one sign there (``(x, at_bound)``)."""
+    from scipy.optimize import brentq
+    f_lo, f_hi = f(lo), f(hi)
+    if f_lo == 0:
+        return lo, False
+    if f_lo * f_hi > 0:
+        return (lo if abs(f_lo) < abs(f_hi) else hi), True
+    return brentq(f, lo, hi, xtol=1e-4, rtol=1e-4, maxiter=40), False
+
+
+def fit(fs: FidelitySet, rows, folder: "str | Path", quick: bool = False) -> Fit:
+    """Solve :data:`FIT_KNOBS` so the simulator reproduces the calibrating row's trainer stages and generation time
+    (each knob by scipy's brentq on the log ratio of simulated to published seconds, the others held). ``rows`` are :meth:`FidelitySet.for_fit`'s: a predicted row's published numbers are sealed
+    and reading one raises :class:`SealedRowError`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    calibrating = [r for r in rows if r.calibrating]
+    if len(calibrating) != 1:
+        raise FidelityDataError("rows.role", f"{len(calibrating)} calibrating rows", "mark exactly one")
+    row = calibrating[0]
+    base = presets.hardware(fs.hardware)
+    knobs = {k: getattr(base, k) for k in FIT_KNOBS}
+    bounds = []
+    for knob, metrics in FIT_KNOBS.items():
+        if not all(row.has(m) for m in metrics):
+            continue
+        target = sum(row.published(m) for m in metrics)
+
+        def err(x, knob=knob, metrics=metrics, target=target):
+            trial = {**knobs, knob: x}
+            sim = simulate_row(fs, row, _write_preset(base, trial, folder), quick=quick)
+            return math.log(sum(sim[m] for m in metrics) / target)
+
+        knobs[knob], hit = _solve(err, *KNOB_BOUNDS[knob])
+        if hit:
+            bounds.append(knob)
+    return Fit(dict(knobs), _write_preset(base, knobs, folder), (row.id,), tuple(bounds))
+
+
+# --------------------------------------------------------------------------------------------------
+# the evaluation
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Evaluation:
+    fit: Fit
+    table: list            # one dict per row: id, role, published and predicted metrics, step error
+    speedups: list         # one dict per published pair
+    median_error: float    # |error| of the predicted rows' step times, %
+    worst_error: float
+
+
+def evaluate(fs: Optional[FidelitySet] = None, quick: bool = False) -> Evaluation:
+    """Fit on the calibrating row, then predict every row (module doc)."""
+    fs = fs or load()
+    with tempfile.TemporaryDirectory(prefix="bidirl-fidelity-") as tmp:
+        fitted = fit(fs, fs.for_fit(), tmp, quick=quick)
+        table = []
+        for row in fs.rows:          # the fit is done: the published numbers may now be read
+            sim = simulate_row(fs, row, fitted.hardware_file, quick=quick)
+            pub_step = row.published("step")
+            entry = {"id": row.id, "system": row.system, "role": row.role, "averaged_steps": row.averaged_steps,
+                     "error_pct": 100.0 * (sim["step"] - pub_step) / pub_step,
+                     "trainer_idle": sim["trainer_idle"]}
+            for m in METRICS:
+                entry[f"published_{m}"] = row.published(m) if row.has(m) else None
+                entry[f"predicted_{m}"] = sim[m]
+            table.append(entry)
+    by_id = {e["id"]: e for e in table}
+    speedups = []
+    for s in fs.speedups:
+        f, sl = by_id[s["faster"]], by_id[s["slower"]]
+        pub = sl["published_step"] / f["published_step"]
+        pred = sl["predicted_step"] / f["predicted_step"]
+        speedups.append({**s, "published": pub, "predicted": pred, "error_pct": 100.0 * (pred - pub) / pub,
+                         "checked": pub > 1.2, "reproduced": pred > 1.0 and abs(pred - pub) / pub <= 0.2})
+    errors = [abs(e["error_pct"]) for e in table if e["role"] == "predict"]
+    return Evaluation(fitted, table, speedups, statistics.median(errors), max(errors))
