@@ -10,6 +10,7 @@ import pytest
 from bidirl.experiments import figures as F
 from bidirl.experiments.run import RESULT_COLUMNS, speedups
 from bidirl.experiments.specs import SPECS, get
+from bidirl.results.figure_text import plain_text
 from bidirl.results.provenance import mark_records
 from bidirl.sim.baselines import BASELINES, unsupported_reason
 
@@ -52,7 +53,7 @@ def test_panel_axes_are_words_with_units(staleness):
     fig = F.panel_figure(spec, results, sp)
     assert fig.layout.xaxis2.title.text == "staleness bound s (actor versions a sample may lag)"
     assert fig.layout.yaxis.title.text == "throughput<br>(tokens/s, §7.1 window)"      # two lines: no overlap
-    assert "simulated (model prediction)" in fig.layout.title.text
+    assert "simulated (model prediction)" in plain_text(fig.layout.title.text)
 
 
 def test_the_papers_range_and_points_sit_beside_the_reproduced_speedups(staleness):
@@ -63,7 +64,7 @@ def test_the_papers_range_and_points_sit_beside_the_reproduced_speedups(stalenes
     reproduced = next(t for t in fig.data if t.name == "BiDiRL speedup, reproduced")
     want = dict(zip(sp["point"], sp["speedup"]))
     assert [want[x] for x in reproduced.x] == pytest.approx(list(reproduced.y))
-    assert "paper 1.45x–1.68x" in fig.layout.title.text
+    assert "paper 1.45x–1.68x" in plain_text(fig.layout.title.text)
     response = get("e2e-a6000-response", quick=True)
     res = fake_results(response)
     fig = F.panel_figure(response, res, speedups(res, {response.id: response}))
@@ -113,20 +114,20 @@ def test_static_and_stage_panels_show_the_papers_numbers():
     fig = F.static_figure(spec, results, sweep)
     star = next(t for t in fig.data if "paper's measured best" in t.name)
     assert list(star.x) == ["8-24"] and fig.layout.xaxis.type == "category"
-    assert "paper 2.09x" in fig.layout.title.text and "predicted 2.00x" in fig.layout.title.text
+    assert "paper 2.09x" in plain_text(fig.layout.title.text) and "predicted 2.00x" in plain_text(fig.layout.title.text)
     stage = get("stage-rollout")
     records = pd.DataFrame({"x": [1, 2, 1, 2], "max_response_len": [8, 8, 16, 16],
                             "observed": [1.0, 2.0, 2.0, 4.0], "predicted": [1.1, 2.0, 2.0, 4.0]})
     fig = F.stage_figure(stage, mark_records(records, "measured", "measured on CPU, tiny model"))
-    assert "paper: median 3.12 %, p90 5.77 %" in fig.layout.title.text
-    assert "median 0.00 %" in fig.layout.title.text and fig.layout.xaxis.title.text == "prompt groups per GPU"
+    assert "paper: median 3.12 %, p90 5.77 %" in plain_text(fig.layout.title.text)
+    assert "median 0.00 %" in plain_text(fig.layout.title.text) and fig.layout.xaxis.title.text == "prompt groups per GPU"
 
 
 def test_a_quick_panel_says_so_and_its_speedup_axis_shows_the_papers_band_with_room():
     spec = get("abl-staleness", quick=True)
     fig = F.panel_figure(spec, fake_results(spec))
-    assert f"quick variant: 2 of the {len(get('abl-staleness').points)} points (s=0, s=1)" in fig.layout.title.text
-    assert "quick variant" not in F.panel_figure(get("abl-staleness"), fake_results(get("abl-staleness"))).layout.title.text
+    assert f"quick variant: 2 of the {len(get('abl-staleness').points)} points (s=0, s=1)" in plain_text(fig.layout.title.text)
+    assert "quick variant" not in plain_text(F.panel_figure(get("abl-staleness"), fake_results(get("abl-staleness"))).layout.title.text)
     lo, hi = fig.layout.yaxis2.range
     band = next(sh for sh in fig.layout.shapes if sh.name == "paper_range")
     # the span [1.0, 1.12] (1× and the paper's top) widened by 25 % of itself: 0.03 room on each side

@@ -29,6 +29,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from bidirl.experiments.specs import PanelSpec
+from bidirl.results.figure_text import title_height, wrapped_title
 
 POLICY_COLORS = {"bidirl": "#d62728", "verl-colocated": "#7f7f7f", "verl-async": "#1f77b4", "areal": "#2ca02c",
                  "roll": "#9467bd", "no-borrow": "#8c564b", "rot-only": "#17becf", "tor-only": "#bcbd22",
@@ -223,10 +224,11 @@ def panel_figure(spec: PanelSpec, results: pd.DataFrame, speedup_table: Optional
     sub = f"BiDiRL speedup over the strongest of the {compared}: reproduced {_range_text(got.values())}"
     if paper["range"]:
         sub += f"; paper {paper['range'][0]:.2f}x–{paper['range'][1]:.2f}x"
-    fig.update_layout(title={"text": f"{title}<br><sup>{sub}</sup>"}, barmode="group",
-                      template="plotly_white", legend_title="", shapes=shapes, height=680, width=1000,
-                      legend={"orientation": "h", "yref": "container", "y": 0.0, "yanchor": "bottom"},
-                      margin={"t": 90, "b": 170, "l": 90})
+    heading = wrapped_title(title, sub, width_px=1000)
+    fig.update_layout(title=heading, barmode="group",
+                      template="plotly_white", legend_title="", shapes=shapes, height=590 + title_height(heading),
+                      width=1000, legend={"orientation": "h", "yref": "container", "y": 0.0, "yanchor": "bottom"},
+                      margin={"t": title_height(heading) + 20, "b": 170, "l": 90})
     fig.update_yaxes(title_text=METRIC_TITLES.get(spec.metric, spec.metric).replace(" (", "<br>(", 1),
                      rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="BiDiRL speedup (×)", range=list(speedup_range(
@@ -271,10 +273,12 @@ def static_figure(spec: PanelSpec, results: pd.DataFrame, sweep: Optional[pd.Dat
     if paper["spread"]:
         spreads.append(f"paper {paper['spread']:.2f}x")
     sub = "max/min across the displayed splits: " + (", ".join(spreads) if spreads else "n/a")
-    fig.update_layout(title={"text": f"{spec.title} ({spec.figure}) — {SIMULATED}<br><sup>{sub}</sup>"},
+    heading = wrapped_title(f"{spec.title} ({spec.figure}) — {SIMULATED}", sub, width_px=1000)
+    fig.update_layout(title=heading,
                       xaxis={"title": variable_title(spec), "type": "category"},     # "8-24" is no date
                       yaxis_title="throughput relative to the best split",
-                      template="plotly_white", width=1000, height=520, margin={"t": 90, "b": 120},
+                      template="plotly_white", width=1000, height=430 + title_height(heading),
+                      margin={"t": title_height(heading) + 20, "b": 120},
                       legend={"orientation": "h", "yref": "container", "y": 0.0, "yanchor": "bottom"})
     return fig
 
@@ -298,9 +302,15 @@ def stage_figure(spec: PanelSpec, records: Optional[pd.DataFrame], claims: Optio
         palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
         for i, (length, sub) in enumerate(records.groupby("max_response_len")):
             agg = sub.groupby("x")[["observed", "predicted"]].mean().sort_index()
+            spread = sub.groupby("x")["observed"].agg(["min", "max", "count"]).sort_index()
+            reps = int(spread["count"].min())
             color = palette[i % len(palette)]
-            fig.add_trace(go.Scatter(name=f"{source}, responses of {length} tokens", x=agg.index,
+            what = (f"mean of {reps} repetitions, bars min–max" if reps > 1 else "one repetition")
+            fig.add_trace(go.Scatter(name=f"{source}, responses of {length} tokens ({what})", x=agg.index,
                                      y=agg["observed"], mode="markers", marker={"color": color, "size": 8},
+                                     error_y={"type": "data", "symmetric": False, "visible": reps > 1,
+                                              "array": spread["max"] - agg["observed"],
+                                              "arrayminus": agg["observed"] - spread["min"]},
                                      legendgroup=str(length)))
             fig.add_trace(go.Scatter(name=f"predicted (fitted model), responses of {length} tokens", x=agg.index,
                                      y=agg["predicted"], mode="lines", line={"color": color},
@@ -315,9 +325,10 @@ def stage_figure(spec: PanelSpec, records: Optional[pd.DataFrame], claims: Optio
         errors += (f"{'; ' if errors else ''}paper: median {paper['median']:.2f} %"
                    + (f", p90 {paper['p90']:.2f} %" if paper["p90"] is not None else "")
                    + " (Qwen3-VL on A6000)")
-    fig.update_layout(title={"text": f"{spec.title} ({spec.figure}) — {label}<br><sup>{errors}</sup>"},
+    title = wrapped_title(f"{spec.title} ({spec.figure}) — {label}", errors, width_px=1000)
+    fig.update_layout(title=title, margin={"t": title_height(title) + 20},
                       xaxis_title=variable_title(spec), yaxis_title="stage time (s)", template="plotly_white",
-                      width=1000, height=480)
+                      width=1000, height=420 + title_height(title))
     return fig
 
 
