@@ -7,8 +7,8 @@ import pytest
 import bidirl.job.config as cfgmod
 from bidirl.core.protocol import Decision, StepRecord
 from bidirl.results.trace import EventLog, Span
-from bidirl.results.windows import (NO_SWITCH_IN, NOT_HANDED, PRIMARIES_FIRST, WINDOW_COLUMNS, borrow_windows,
-                                    idle_windows_text)
+from bidirl.results.windows import (NO_SWITCH_IN, NOT_HANDED, PRIMARIES_FIRST, SCHEDULER_SAID, WINDOW_COLUMNS,
+                                    borrow_windows, idle_windows_text)
 from bidirl.sim import simulate
 
 ROT, TOR = "rollout_on_trainer_pool", "trainer_on_rollout_pool"
@@ -37,6 +37,23 @@ def test_each_admitted_window_of_a_simulation_has_a_record_with_its_work():
     assert windows["work_spans"].sum() == len(aux)          # every borrowed work span belongs to one window
     assert (windows["start"] < windows["end"]).all()
     assert idle_windows_text(windows).startswith(f"{len(windows)} of {len(windows)} admitted windows ran")
+
+
+def test_a_window_revoked_with_no_work_carries_the_schedulers_reason():
+    # opportunistic borrowing (no cost gate) on the tiny job: the trainer pool is lent whenever it idles, and the
+    # two primaries often complete the batch (16 groups of ~3 tokens) before the 0.075 s switch in ends
+    cfg = cfgmod.load("tiny-cpu")
+    run = simulate(cfg, "opportunistic", steps=4, seed=0)
+    windows = borrow_windows(run)
+    empty = windows[windows["work_spans"] == 0]
+    assert len(empty) > 0 and ((windows["work_spans"] > 0) != (windows["reason"] != "")).all(), windows
+    assert set(empty["reason"]) == {SCHEDULER_SAID}
+    assert all(e.startswith("the primaries had completed the batch when the switch in ended")
+               for e in empty["explanation"]), list(empty["explanation"])
+    # the reason travels in the switch out's detail only where the window sent its guests nothing
+    spans = run.log.spans_df()
+    said = spans[spans["kind"] == "switch_out"]["detail"].map(lambda d: bool(d.get("no_work")))
+    assert int(said.sum()) == len(empty)
 
 
 def _log(*records) -> EventLog:

@@ -9,6 +9,8 @@ exists to prevent; :func:`borrow_windows` makes every admitted window answer for
   guest stage's kinds: ``generate`` for rollout on the trainer pool, ``chunk`` for training on the rollout pool);
 * ``reason`` — empty when the window ran work; otherwise what the log shows happened instead:
 
+  - ``revoked with no work``: the scheduler revoked the lease having sent the guests nothing, and said why in the
+    switch out's ``detail["no_work"]`` (``bidirl.core.protocol.Switch.no_work``): the explanation quotes it;
   - ``primaries finished first``: the work the window was admitted for was done by the home pool before the
     switch-in ended (rollout: the step's batch was complete, ``StepRecord.start + wait``; training: the step's
     last primary chunk had ended), so the coordinator revoked the lease on arrival;
@@ -27,12 +29,13 @@ from typing import Union
 import numpy as np
 import pandas as pd
 
-from bidirl.core.protocol import BORROWED_POOL
+from bidirl.core.protocol import BORROWED_POOL, ROLLOUT_ON_TRAINER_POOL, TRAINER_ON_ROLLOUT_POOL
 from bidirl.results.trace import EventLog
 
 #: the guest stage's work span kinds, per direction
-WORK_KINDS: dict = {"rollout_on_trainer_pool": ("generate",), "trainer_on_rollout_pool": ("chunk",)}
+WORK_KINDS: dict = {ROLLOUT_ON_TRAINER_POOL: ("generate",), TRAINER_ON_ROLLOUT_POOL: ("chunk",)}
 #: the reasons a window ran no work (see the module docstring)
+SCHEDULER_SAID = "revoked with no work"
 PRIMARIES_FIRST = "primaries finished first"
 NO_SWITCH_IN = "no switch-in"
 NOT_HANDED = "work never handed over"
@@ -72,7 +75,7 @@ def _work_text(work: pd.DataFrame) -> str:
 
 def _done_by_primaries(direction: str, step: int, spans: pd.DataFrame, steps: pd.DataFrame) -> float:
     """When the home pool had finished the work the window was admitted for (``nan`` if the log cannot say)."""
-    if direction == "rollout_on_trainer_pool":
+    if direction == ROLLOUT_ON_TRAINER_POOL:
         row = steps[steps["step"] == step]
         return float(row["start"].iloc[0] + row["wait"].iloc[0]) if len(row) else math.nan
     chunks = spans[(spans["kind"] == "chunk") & (spans["role"] == "primary") & (spans["step"] == step)]
@@ -116,8 +119,15 @@ def borrow_windows(log) -> pd.DataFrame:
                        work=_work_text(work))
             rows.append(row)
             continue
+        said = sw_out["detail"].get("no_work", "") if sw_out is not None and isinstance(sw_out["detail"], dict) else ""
+        if said:                                # the scheduler's own reason, logged with the switch out
+            row.update(reason=SCHEDULER_SAID, explanation=f"{said} (switch in {row['switch_in_s']:.2f} s, "
+                                                          f"gain predicted {d.predicted_gain:.2f} s against a "
+                                                          f"{d.cost:.2f} s switch)")
+            rows.append(row)
+            continue
         done = _done_by_primaries(d.direction, step, spans, steps)
-        what = "the step's batch" if d.direction == "rollout_on_trainer_pool" else "the step's last chunk"
+        what = "the step's batch" if d.direction == ROLLOUT_ON_TRAINER_POOL else "the step's last chunk"
         if np.isfinite(done) and done <= sw_in["end"] + SAME_INSTANT_S:
             row.update(reason=PRIMARIES_FIRST,
                        explanation=f"the home pool finished {what} at t = {done:.2f} s, "

@@ -177,8 +177,11 @@ class Driver:
                                                     "samples": len(ch.samples)}, step=ch.step)
 
     def record_switch(self, cmd: P.Switch, start: float, end: float) -> None:
+        """The switch's span; a switch out closing a window that sent its guests no work carries the scheduler's
+        reason in ``detail["no_work"]`` (``Switch.no_work``, read by ``bidirl.results.windows``)."""
+        detail = {"direction": cmd.direction, **({"no_work": cmd.no_work} if cmd.no_work else {})}
         self.span(switch_lane(cmd.pool, cmd.to_role), "switch_in" if cmd.phase == "in" else "switch_out",
-                  start, end, {"direction": cmd.direction})
+                  start, end, detail)
 
     def record_sync(self, cmd: P.SyncWeights, start: float, end: float, per_target: Optional[dict] = None) -> None:
         """The sync on every target's lane (its own interval when ``per_target`` gives one) and on the primary
