@@ -136,12 +136,13 @@ def test_a_quick_panel_says_so_and_its_speedup_axis_shows_the_papers_band_with_r
     assert F.speedup_range([1.0]) == pytest.approx((0.95, 1.05), abs=1e-6)     # at least 0.1 wide
 
 
-def test_the_panels_bars_are_the_window_throughput_and_its_speedups_say_their_metric(staleness):
+def test_the_panels_bars_are_the_window_throughput_and_its_speedups_say_their_metric():
     # 01-03 and `simulate` report the §7.1 window throughput; an ablation panel's claim is judged on the paper's
     # total-run throughput. The bars show the former, the speedup axis names the latter.
-    spec, results, sp = staleness
+    spec = get("abl-staleness", quick=True)
+    results = fake_results(spec)
     results = results.assign(summary_throughput=results["throughput"] * 2.0)
-    fig = F.panel_figure(spec, results, sp)
+    fig = F.panel_figure(spec, results, speedups(results, {spec.id: spec}))
     bars = {t.name: t for t in fig.data if t.type == "bar" and t.name == F.policy_name("bidirl")}
     ok = results[(results["policy"] == "bidirl") & (results["status"] == "ok")].set_index("point")
     drawn = dict(zip(bars[F.policy_name("bidirl")].x, bars[F.policy_name("bidirl")].y))
