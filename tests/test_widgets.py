@@ -17,6 +17,7 @@ from bidirl.viz import gantt as viz
 from bidirl.viz.gantt import TRACE_KEYS, spans_to_bars
 from bidirl.widgets import LiveGantt, MetricsPanel, PartitionSweep, RayRun, summary_table
 from bidirl.widgets.gantt import LEGEND_EXTRAS, TICK_S
+from bidirl.widgets.metrics import SERIES
 
 TINY = "tiny-cpu"
 
@@ -327,7 +328,7 @@ SUMMARY = {"policy": "bidirl", "provenance": "simulated", "throughput": 1234.5,
 
 def test_metrics_panel_shows_the_summary_numbers(monkeypatch):
     p = MetricsPanel()
-    assert len(p.figure.data) == 6
+    assert len(p.figure.data) == len(SERIES) == 7     # throughput, idle per pool and overall, three borrow counts
     msgs = Messages(p.figure, monkeypatch)
     table = p.update({"bidirl": SUMMARY})
     assert msgs.sent["update"] == 1
