@@ -90,3 +90,14 @@ def test_the_calibration_figures_title_fits_and_shows_the_spread_of_repetitions(
         sub = records[records["max_response_len"] == int(t.legendgroup)].groupby("x")["observed"]
         assert np.allclose(np.asarray(t.y) + np.asarray(t.error_y.array), sub.max().to_numpy())
         assert np.allclose(np.asarray(t.y) - np.asarray(t.error_y.arrayminus), sub.min().to_numpy())
+
+
+def test_the_sweep_figures_config_subtitle_is_readable_and_fits():
+    import bidirl.job.config as cfgmod
+    from bidirl.job.planner import plan
+    from bidirl.viz.plan import WIDTH, sweep_figure
+    fig = sweep_figure(plan(cfgmod.load("a6000-default").with_overrides({"cluster.partition": None,
+                                                                         "cluster.placement": "any"})))
+    title = fig.layout.title.to_plotly_json()
+    assert "<sup>" not in title["text"] and f"font-size:{SUBTITLE_PX}px" in title["text"]   # was ≈ 8 px
+    assert "qwen3-vl-4b on 16 × a6000" in plain_text(title["text"]) and _fits(title, WIDTH)
