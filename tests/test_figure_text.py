@@ -53,7 +53,8 @@ def test_the_scaling_figure_has_full_width_rows_and_ticked_log_axes():
     from bidirl.sim.scaling import scaling_figure
     # notebook 07's CI shape: three sizes whose costs sit within one decade (the case dtick=1 left unlabelled)
     by_gpus = pd.DataFrame({"gpus": [16, 32, 64], "steps": [1, 1, 1], "wall_s": [0.9, 1.4, 2.6],
-                            "us_per_gpu_step": [3500.0, 2800.0, 2600.0], "cpu_us_per_gpu_step": [3300.0, 2700.0, 2500.0],
+                            "us_per_gpu_step": [3500.0, 2800.0, 2600.0],
+                            "cpu_us_per_gpu_step": [3300.0, 2700.0, 2500.0],
                             "cpu_us_per_gpu_step_min": [3200.0, 2600.0, 2400.0],
                             "cpu_us_per_gpu_step_max": [3400.0, 2900.0, 2700.0], "repeats": [2, 2, 2]})
     by_steps = pd.DataFrame({"gpus": [32, 32], "steps": [2, 4], "wall_s": [2.0, 3.9]})

@@ -120,14 +120,17 @@ def test_static_and_stage_panels_show_the_papers_numbers():
                             "observed": [1.0, 2.0, 2.0, 4.0], "predicted": [1.1, 2.0, 2.0, 4.0]})
     fig = F.stage_figure(stage, mark_records(records, "measured", "measured on CPU, tiny model"))
     assert "paper: median 3.12 %, p90 5.77 %" in plain_text(fig.layout.title.text)
-    assert "median 0.00 %" in plain_text(fig.layout.title.text) and fig.layout.xaxis.title.text == "prompt groups per GPU"
+    assert "median 0.00 %" in plain_text(fig.layout.title.text)
+    assert fig.layout.xaxis.title.text == "prompt groups per GPU"
 
 
 def test_a_quick_panel_says_so_and_its_speedup_axis_shows_the_papers_band_with_room():
     spec = get("abl-staleness", quick=True)
     fig = F.panel_figure(spec, fake_results(spec))
-    assert f"quick variant: 2 of the {len(get('abl-staleness').points)} points (s=0, s=1)" in plain_text(fig.layout.title.text)
-    assert "quick variant" not in plain_text(F.panel_figure(get("abl-staleness"), fake_results(get("abl-staleness"))).layout.title.text)
+    points = len(get("abl-staleness").points)
+    assert f"quick variant: 2 of the {points} points (s=0, s=1)" in plain_text(fig.layout.title.text)
+    full = F.panel_figure(get("abl-staleness"), fake_results(get("abl-staleness")))
+    assert "quick variant" not in plain_text(full.layout.title.text)
     lo, hi = fig.layout.yaxis2.range
     band = next(sh for sh in fig.layout.shapes if sh.name == "paper_range")
     # the span [1.0, 1.12] (1× and the paper's top) widened by 25 % of itself: 0.03 room on each side

@@ -208,7 +208,7 @@ def throughput(steps_df: Union[pd.DataFrame, EventLog], staleness: float) -> flo
     """
     t0, t1, kept = measured_window(steps_df, staleness)
     if t1 <= t0:
-        raise ValueError(f"the measured steps take no time (window [{t0}, {t1}]); throughput is undefined")
+        raise ValueError(f"the steps of the §7.1 window take no time (window [{t0}, {t1}]); throughput is undefined")
     return float(kept["tokens"].to_numpy(dtype=np.float64).sum() / (t1 - t0))
 
 

@@ -154,8 +154,8 @@ def sweep_figure(plan, simulated: Optional[pd.DataFrame] = None, selected: Optio
                                           text=f"{how}: {env.label}<br>λ_pipe = {env.pipeline_rate:.3g} {RATE_UNIT}"))
     title = wrapped_title(f"Partition sweep, predicted by the stage-time models{simulated_note(simulated)}",
                           f"{cfg.model} on {cfg.cluster.gpus} × {cfg.hardware} ({cfg.cluster.placement} placement), "
-                          f"{cfg.workload.prompts_per_step} prompts × {cfg.workload.group_size} per step, max response "
-                          f"{cfg.workload.max_response_len} tokens", width_px=WIDTH)
+                          f"{cfg.workload.prompts_per_step} prompts × {cfg.workload.group_size} per step, "
+                          f"max response {cfg.workload.max_response_len} tokens", width_px=WIDTH)
     fig.update_layout(
         title=title,
         xaxis={"title": SPLIT_AXIS, "type": "linear", "tickmode": "array",
