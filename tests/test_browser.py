@@ -22,6 +22,11 @@ not used), opens each notebook, runs all cells and waits for the kernel to finis
   starts), so it checks everything nbval would: every cell ran (a cell that raises stops *Run All*, so the
   prompts never all get numbers) and no output holds a traceback.
 
+On every page of 01–07 a reader must be able to see what is drawn: no figure title, axis title or annotation
+runs outside its figure, every axis in use shows at least two tick labels, no table is wider than the page, and
+a trend the markdown states is backed by the outputs (a model "learns" only where its mean reward rises by more
+than its step-to-step spread).
+
 Screenshots go to the test's tmp folder and to ``results/browser/`` (``quickstart.png``,
 ``quickstart-sweep.png``, ``partition-explorer.png``, ``partition-explorer-controls.png``,
 ``live-bubbles-mid-run.png``, ``live-bubbles.png``, ``live-bubbles-replayed.png``, and one ``<notebook>.png``
@@ -277,6 +282,7 @@ def test_quickstart_renders_in_chromium(lab, tmp_path):
         page.wait_for_function("document.querySelectorAll('.js-plotly-plot svg.main-svg').length >= 2",
                                timeout=30_000)
         plots = page.evaluate(PLOTS_JS)
+        assert_readable("01-quickstart", page)
         figures = page.locator(".js-plotly-plot")
         sweep_shot = tmp_path / "quickstart-sweep.png"
         figures.first.scroll_into_view_if_needed()
@@ -319,6 +325,7 @@ def test_partition_explorer_answers_a_click(lab, tmp_path):
         page.wait_for_function(f"({SWEEP_JS})().simulated > 0", timeout=120_000)
         page.wait_for_timeout(500)
         drawn = page.evaluate(SWEEP_JS)
+        assert_readable("02-partition-explorer", page)
         shot = tmp_path / "partition-explorer.png"
         chart.screenshot(path=str(shot))
         status = page.locator(".widget-html-content", has_text="best simulated split").first.text_content()
@@ -453,6 +460,7 @@ def test_live_gantt_grows_while_the_cell_runs(lab, tmp_path):
         page.evaluate(SAMPLER_JS)
         _run_all(page, lab["log"], while_running=watch, command="Run Selected Cell and All Below")
         final = page.evaluate(GANTT_SPANS_JS)
+        assert_readable("03-live-bubbles", page)
         samples = page.evaluate("() => window.__gantt")
         plots = page.evaluate(PLOTS_JS)
         page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
@@ -497,6 +505,100 @@ OTHERS = {"04-run-on-ray": (2, ("emulated", "measured"), ()),
           "08-your-run": (7, ("imported from", "policy bidirl"), ("measured (real engines)",))}
 
 
+#: what a reader cannot see: per plotly figure, the title/axis-title/annotation texts that run outside the figure's
+#: SVG (clipped), and the axes drawn with tick labels shown but fewer than two; per table, whether it is wider
+#: than its output area (the page). An axis counts when a trace uses it and it shows tick labels (a shared x
+#: axis hides its upper copy's labels on purpose).
+LAYOUT_JS = """() => {
+    const out = {clipped: [], axes: [], tables: []};
+    document.querySelectorAll('.js-plotly-plot').forEach((d, i) => {
+        const svg = d.querySelector('svg.main-svg');
+        if (!svg) return;
+        const box = svg.getBoundingClientRect();
+        d.querySelectorAll('text.gtitle, .g-xtitle text, .g-ytitle text, .g-x2title text, .g-y2title text, '
+                           + '.g-x3title text, .g-y3title text, .annotation-text').forEach(t => {
+            const r = t.getBoundingClientRect();
+            if (r.width > 0 && (r.left < box.left - 1 || r.right > box.right + 1 || r.top < box.top - 1
+                                || r.bottom > box.bottom + 1))
+                out.clipped.push(`figure ${i}: "${t.textContent.slice(0, 80)}"`);
+        });
+        const full = d._fullLayout || {}, data = d._fullData || [];
+        Object.keys(full).filter(k => /^[xy]axis[0-9]*$/.test(k)).forEach(k => {
+            const ax = full[k], id = ax._id;
+            const used = data.some(t => t.visible !== false && (t.xaxis === id || t.yaxis === id)
+                                        && (t.x || t.y || []).length > 0);
+            if (!used || ax.visible === false || ax.showticklabels === false) return;
+            const labels = new Set(Array.from(d.querySelectorAll(`g.${id}tick text`))
+                .map(e => e.textContent.trim()).filter(x => x));
+            if (labels.size < 2) out.axes.push(`figure ${i} (${(full.title && full.title.text || '').slice(0, 40)}): `
+                                               + `${k} shows ${labels.size} tick label(s) ${[...labels]}`);
+        });
+    });
+    document.querySelectorAll('.jp-OutputArea-output table').forEach(t => {
+        const area = t.closest('.jp-OutputArea-output');
+        const over = t.getBoundingClientRect().width - area.getBoundingClientRect().width;
+        if (over > 1) out.tables.push(`a table ${Math.round(over)} px wider than the page: `
+                                      + t.textContent.trim().slice(0, 80));
+    });
+    return out;
+}"""
+#: the rendered markdown of every markdown cell, and the text of every output, in page order
+TEXTS_JS = """() => ({
+    markdown: Array.from(document.querySelectorAll('.jp-MarkdownCell .jp-RenderedMarkdown')).map(e => e.textContent),
+    outputs: Array.from(document.querySelectorAll('.jp-OutputArea-output')).map(e => e.textContent)})"""
+
+
+def reward_rises(outputs: list) -> tuple:
+    """Whether the run's "mean reward per step: …" line rises by more than its step-to-step spread: the fitted
+    change first → last (least-squares slope × steps spanned) above the standard deviation (ddof 1) of the
+    step-to-step changes; fewer than three steps cannot show a trend."""
+    import re
+
+    import numpy as np
+    lines = [m.group(1) for text in outputs for m in re.finditer(r"mean reward per step: ([-\d. ]+)", text)]
+    if not lines:
+        return False, "no 'mean reward per step' line in the outputs"
+    r = np.array([float(x) for x in lines[-1].split()])
+    if r.size < 3:
+        return False, f"{r.size} step(s) of reward: too few to show a trend"
+    rise, spread = np.polyfit(np.arange(r.size), r, 1)[0] * (r.size - 1), np.std(np.diff(r), ddof=1)
+    return bool(rise > spread), f"reward {r.tolist()}: fitted change {rise:+.3f}, step-to-step spread {spread:.3f}"
+
+
+#: notebook -> [(words in its markdown that state a trend, the check its outputs must pass)]: a sentence saying a
+#: model "learns" needs a reward that rises by more than its step-to-step spread
+TRENDS = {"04-run-on-ray": [(r"\blearns\b", reward_rises)]}
+
+
+def unbacked_trends(name: str, texts: dict) -> list:
+    """The trend words of ``name``'s markdown whose check fails on the notebook's outputs, with the numbers."""
+    import re
+    found = []
+    for pattern, check in TRENDS.get(name, ()):
+        said = [t for t in texts["markdown"] if re.search(pattern, t)]
+        if said:
+            ok, numbers = check(texts["outputs"])
+            if not ok:
+                found.append(f"the page says {pattern!r} ({said[0].strip()[:90]!r}) but {numbers}")
+    return found
+
+
+#: the notebooks whose figures and tables the layout checks hold to (08's figures belong to another change)
+LAYOUT_CHECKED = {"01-quickstart", "02-partition-explorer", "03-live-bubbles", "04-run-on-ray", "05-reproduce-paper",
+                  "06-calibrate-stage-models", "07-scaling"}
+
+
+def assert_readable(name: str, page) -> None:
+    """Every title visible in full, every axis with two tick labels, no table wider than the page, no trend word
+    its outputs do not back (:data:`LAYOUT_JS`, :data:`TRENDS`)."""
+    if name not in LAYOUT_CHECKED:
+        return
+    layout = page.evaluate(LAYOUT_JS)
+    problems = ([f"clipped: {c}" for c in layout["clipped"]] + [f"axis: {a}" for a in layout["axes"]]
+                + layout["tables"] + unbacked_trends(name, page.evaluate(TEXTS_JS)))
+    assert not problems, f"{name}: what a reader cannot see or the outputs do not back:\n" + "\n".join(problems)
+
+
 @pytest.mark.parametrize("name", list(OTHERS))
 def test_the_other_notebooks_run_in_chromium(lab, tmp_path, name):
     figures, needed, refused = OTHERS[name]
@@ -506,6 +608,7 @@ def test_the_other_notebooks_run_in_chromium(lab, tmp_path, name):
         page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot svg.main-svg').length >= {figures}",
                                timeout=60_000)
         plots = page.evaluate(PLOTS_JS)
+        assert_readable(name, page)
         page.locator(".js-plotly-plot").last.scroll_into_view_if_needed()
         page.wait_for_timeout(500)
         shot = tmp_path / f"{name}.png"

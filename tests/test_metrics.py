@@ -325,3 +325,14 @@ def test_four_replicas_one_busy_is_75_percent_idle():
     # the pool-union 0.0 % is printed only under its own label
     assert line.count("0.0%") == 1 and f"{metrics.POOL_UNION_LABEL}: rollout_pool 0.0%" in line
     assert metrics.idle_line(out) in metrics.format_summary({**out, "borrows": {}, "samples": {}})
+
+
+def test_a_reward_learns_only_when_it_rises_beyond_its_step_to_step_spread():
+    from bidirl.results.metrics import reward_trend
+    # notebook 04's flat run (the issue's 0.344 … 0.328): fitted change negative, so no rise
+    flat = reward_trend([0.344, 0.359, 0.328, 0.352, 0.328])
+    assert flat["rises"] is False and "does not rise" in flat["text"]
+    # a steady climb of 0.05 a step with ±0.01 wiggle: rise ≈ 0.05 × 4 = 0.2, spread of the changes ≈ 0.02
+    climb = reward_trend([0.30, 0.36, 0.40, 0.46, 0.50])
+    assert climb["rises"] is True and climb["rise"] == pytest.approx(0.2, abs=0.01)
+    assert reward_trend([0.3, 0.4])["rises"] is None

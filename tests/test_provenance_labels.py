@@ -15,6 +15,7 @@ import pytest
 
 from bidirl.cluster.emulated import EmulatedDriver
 from bidirl.cluster.engines.driver import EngineDriver
+from bidirl.results.figure_text import plain_text
 from bidirl.results import metrics
 from bidirl.results.provenance import PROVENANCE
 from bidirl.sim import simulate
@@ -126,7 +127,7 @@ def test_synthetic_records_are_drawn_as_synthetic_as_in_the_calibration_notebook
     for spec, records in ((spec_r, rec_r), (spec_t, rec_t)):
         assert records.attrs["source"] == "synthetic"
         fig = stage_figure(spec, records)
-        title = fig.layout.title.text
+        title = plain_text(fig.layout.title.text)
         assert _says(title, "synthetic"), title
         assert "qwen3-vl-4b / a6000" in title and "paper: median" not in title
         assert f"{noise_floor_pct():.2f} %" in title
@@ -141,7 +142,7 @@ def test_measured_records_are_drawn_as_measured():
     spec = get("stage-rollout", quick=True)
     res = run_stage_panel(spec, quick=True)
     fig = stage_figure(spec, res["records"])
-    assert _says(fig.layout.title.text, "measured") and "paper: median" in fig.layout.title.text
+    assert _says(plain_text(fig.layout.title.text), "measured") and "paper: median" in plain_text(fig.layout.title.text)
 
 
 def test_records_that_do_not_say_where_they_come_from_or_contradict_it_are_refused():

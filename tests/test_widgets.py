@@ -17,6 +17,7 @@ from bidirl.viz import gantt as viz
 from bidirl.viz.gantt import TRACE_KEYS, spans_to_bars
 from bidirl.widgets import LiveGantt, MetricsPanel, PartitionSweep, RayRun, summary_table
 from bidirl.widgets.gantt import LEGEND_EXTRAS, TICK_S
+from bidirl.widgets.metrics import SERIES
 
 TINY = "tiny-cpu"
 
@@ -327,7 +328,7 @@ SUMMARY = {"policy": "bidirl", "provenance": "simulated", "throughput": 1234.5,
 
 def test_metrics_panel_shows_the_summary_numbers(monkeypatch):
     p = MetricsPanel()
-    assert len(p.figure.data) == 6
+    assert len(p.figure.data) == len(SERIES) == 7     # throughput, idle per pool and overall, three borrow counts
     msgs = Messages(p.figure, monkeypatch)
     table = p.update({"bidirl": SUMMARY})
     assert msgs.sent["update"] == 1
@@ -535,6 +536,9 @@ def test_simulate_all_draws_the_library_sweep_beside_the_prediction(explorer, mo
     explorer.controls["max_response_len"].value = 4096
     assert explorer.simulated is None
     assert all(y is None for y in explorer.figure.data[TRACE_NAMES.index("simulated rate")].y)
+    # and so does the progress bar: "n/n splits" counted the old inputs' runs
+    assert explorer.progress.value == 0 and explorer.progress.description == ""
+    assert explorer.progress.layout.visibility == "hidden"
 
 
 def test_response_length_change_moves_the_rates(explorer):
@@ -662,6 +666,9 @@ def test_ray_run_reports_progress_and_keeps_the_drivers_own_callback(tmp_path):
     # seconds the phase line says (the fake clock reads 1 s per call)
     assert run._play.interval == 1000 and not run._play.playing
     assert f"done in {run._play.value} s" in run.phase.value
+    # the readout no longer follows the stopped counter (its link is cut), so a late value the browser sends back
+    # cannot leave it short of the phase line's seconds
+    assert f"done in {run._elapsed.value} s" in run.phase.value and run._link.comm is None
 
 
 def _play(g) -> list:

@@ -30,8 +30,8 @@ def _elapsed_counter():
     play = ipw.Play(value=0, min=0, max=24 * 3600, step=1, interval=1000, show_repeat=False,
                     layout=ipw.Layout(width="0px", visibility="hidden"))
     readout = ipw.IntText(value=0, description="elapsed (s)", disabled=True, layout=ipw.Layout(width="170px"))
-    ipw.jslink((play, "value"), (readout, "value"))
-    return play, readout
+    link = ipw.jslink((play, "value"), (readout, "value"))
+    return play, readout, link
 
 
 @dataclass
@@ -55,7 +55,7 @@ class RayRun:
 
     def __post_init__(self):
         d = self.driver
-        self._play, self._elapsed = _elapsed_counter()
+        self._play, self._elapsed, self._link = _elapsed_counter()
         self.phase = ipw.HTML(value=f"<b>{d.policy_name}</b> on Ray ({d.provenance}): not started")
         self.steps = ipw.IntProgress(value=0, min=0, max=d.steps, description="steps",
                                      layout=ipw.Layout(width="320px"))
@@ -96,9 +96,11 @@ class RayRun:
         self.counts = dict(counts)
         took = self.clock() - self.started
         self.steps.value = d.steps_done
-        # the browser's counter starts late (its Play starts when the message arrives): end it on the time the
-        # phase line gives, so the two agree
-        self._play.value = int(f"{took:.0f}")
+        # the browser's counter starts late (its Play starts when the message arrives) and, once stopped, may still
+        # send back the value it had reached: cut the link first, then end the readout on the time the phase line
+        # gives, so the two agree whatever the browser sends afterwards
+        self._link.unlink()
+        self._play.value = self._elapsed.value = int(f"{took:.0f}")
         self.phase.value = f"<b>{d.policy_name}</b> on Ray ({d.provenance}): done in {took:.0f} s"
         self.note.value = (f"Ray printed {counts['routine']} routine line(s) (start-up notices and warnings), kept "
                            f"in <code>{counts['log']}</code>; {counts['shown']} other line(s) shown above.")

@@ -198,11 +198,17 @@ class PartitionSweep:
             self.status.value = _error(str(exc))
             return False
         self.plan, self.simulated, self.note = plan, None, ""
+        self._clear_progress()          # its "n/n splits" counted the old inputs' simulations
         self._draw(sweep_figure(plan))
         self.recomputes += 1
         self.error = None
         self._status_ok()
         return True
+
+    def _clear_progress(self) -> None:
+        """Empty and hide the bar of *simulate all candidates*: it describes runs of inputs that are gone."""
+        self.progress.value, self.progress.description = 0, ""
+        self.progress.layout.visibility = "hidden"
 
     def _draw(self, new: go.Figure) -> None:
         """Copy a fresh ``sweep_figure`` into the displayed widget's traces and layout in one message."""

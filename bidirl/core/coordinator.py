@@ -153,6 +153,8 @@ class Coordinator:
     stopping: set = field(default_factory=set)        # rollout workers with an Interrupt in flight
     aux_assigned: set = field(default_factory=set)    # groups sent to auxiliary rollouters this window
     migrating: set = field(default_factory=set)       # groups being moved from primaries to auxiliaries
+    window_sent: dict = field(default_factory=dict)   # pool -> work items sent to its guests in the open window
+    no_work: dict = field(default_factory=dict)       # pool -> why its revoked window sent its guests nothing
     dropping: set = field(default_factory=set)        # groups to discard when their interrupt answers
     sync_wanted: bool = False
     failed: set = field(default_factory=set)
@@ -381,7 +383,7 @@ class Coordinator:
                     self.buffer.lose(gid)
             self.stopping.discard(w)
             if not P.is_primary(w):
-                self._revoke(P.TRAINER_POOL)
+                self._revoke(P.TRAINER_POOL, "an auxiliary rollouter failed")
         elif P.is_primary(w):
             self._roll_back_step(P.PRIMARY)
         else:
@@ -389,7 +391,7 @@ class Coordinator:
                 self._roll_back_step(P.AUXILIARY)
             elif self.step is not None:
                 self.step.recover(P.AUXILIARY)
-            self._revoke(P.ROLLOUT_POOL)
+            self._revoke(P.ROLLOUT_POOL, "the auxiliary trainer gang failed")
         self._after_rollout_change()
         self._schedule_chunks()
 
@@ -411,7 +413,7 @@ class Coordinator:
         self.phase = Phase.ROLLING_BACK
         self.merge_log = [m for m in self.merge_log if m[0] != step.step]
         step.lose(side)                      # lost with the gang's processes
-        self._revoke(P.ROLLOUT_POOL)
+        self._revoke(P.ROLLOUT_POOL, "the step was rolled back")
 
     def _restart_step(self):
         """Start a rolled-back step over: the same batch, new chunks, once the primary gang is back."""
@@ -505,7 +507,7 @@ class Coordinator:
             aux_busy = self.buffer.any_running(self.topology.aux_rollouter_set)
             ready = self._batch() is not None
             if ready or (not aux_busy and not self.migrating and not self.aux_assigned):
-                self._revoke(P.TRAINER_POOL)
+                self._revoke(P.TRAINER_POOL, "the primaries completed the batch before any group moved")
         self._dispatch_rollouts()
         self._maybe_sync()
         self._try_start_step()
@@ -597,7 +599,9 @@ class Coordinator:
         d_a = len(self._active_rollouters(P.TRAINER_POOL))
         q_a = gates.rollout_dispatch(q, len(self._alive(self.topology.rollouters)), d_a) if d_a else 0
         if q_a <= 0 or self._batch() is not None:
-            self._revoke(P.TRAINER_POOL)
+            self._revoke(P.TRAINER_POOL, "the primaries had completed the batch when the switch in ended"
+                         if self._batch() is not None else
+                         f"Eq. 4 gave the borrowed pool no group when the switch in ended (deficit {q})")
             return
         # the groups the batch waits for move, parked ones first, then those with the least progress (latest
         # admitted) among the ones running on primaries — the order the gate assumed (gates.rollout_gate)
@@ -617,8 +621,10 @@ class Coordinator:
             self.aux_assigned.update(gids)
             self.stopping.add(w)
             self._out.append(P.Interrupt(w, tuple(sorted(gids))))
-        if not self.aux_assigned and not self.migrating:
-            self._revoke(P.TRAINER_POOL)
+        if self.aux_assigned or self.migrating:
+            self.window_sent[P.TRAINER_POOL] = self.window_sent.get(P.TRAINER_POOL, 0) + len(movers)
+        else:
+            self._revoke(P.TRAINER_POOL, "no group the batch waits for was parked or running on a primary")
 
     def _send_to_aux_rollouters(self, gids: list):
         """Hand groups to the auxiliary rollouters, each to the least-loaded one (dispatch by capacity, Eq. 4)."""
@@ -688,7 +694,7 @@ class Coordinator:
             return
         lease = self.leases[P.TRAINER_POOL]
         if not lease.primary:
-            self._revoke(P.TRAINER_POOL)
+            self._revoke(P.TRAINER_POOL, "the batch was complete: the trainer takes its pool back")
             return
         groups = self.buffer.consume(batch)
         first = self.local_update == 0
@@ -753,9 +759,12 @@ class Coordinator:
                 p, r = step.lens(rec.units)
                 rec.predicted = self._chunk_time(rec.chunk.stage, p, r, self._gang(side), side)
                 self._out.append(P.RunChunk(worker, rec.chunk, self.trainer_version))
+                if side == P.AUXILIARY:
+                    self.window_sent[P.ROLLOUT_POOL] = self.window_sent.get(P.ROLLOUT_POOL, 0) + 1
         if aux_on and not step.live(P.AUXILIARY) and not step.has_work(P.AUXILIARY) \
                 and step.segment_index == len(step.segments) - 1:
-            self._revoke(P.ROLLOUT_POOL)
+            self._revoke(P.ROLLOUT_POOL, "the split of the step's remaining chunks left none to the borrowed pool"
+                         + (" (JointTailSplit)" if self.policy.model_split else " (proportional)"))
 
     def _yield_lag(self, step) -> float:
         """What the auxiliary side's completion costs the step beyond the primary side's, when the window ends
@@ -784,7 +793,7 @@ class Coordinator:
         step = self.step
         self.phase = Phase.FINISHING
         self.merge_log.append((step.step, list(step.merge_positions)))
-        self._revoke(P.ROLLOUT_POOL)
+        self._revoke(P.ROLLOUT_POOL, "the primaries finished the step's chunks")
         if step.aux_update_chunks:
             aux = set(step.aux_update_chunks)
             aux_ids = tuple(c for c in step.merge_order if c in aux)
@@ -830,7 +839,9 @@ class Coordinator:
     def _start_aux_training(self):
         step = self.step
         if step is None or self.phase is not Phase.CONSUMING or not step.pending or P.AUX_TRAINER in self.failed:
-            self._revoke(P.ROLLOUT_POOL)        # (a gang that failed during the switch gives the pool back)
+            self._revoke(P.ROLLOUT_POOL,        # (a gang that failed during the switch gives the pool back)
+                         "the auxiliary trainer gang failed" if P.AUX_TRAINER in self.failed else
+                         "no chunk of the step was left unassigned when the switch in ended")
             return
         if not self.policy.model_split:
             step.plan_proportional(self._gang(P.PRIMARY), self._gang(P.AUXILIARY))
@@ -845,6 +856,7 @@ class Coordinator:
                                               predicted_gain=gain, cost=cost, detail=detail)))
         if admitted:
             pool = P.BORROWED_POOL[direction]
+            self.window_sent[pool] = 0
             self.leases[pool].fire("lend")
             self._out.append(P.Switch(pool, P.GUEST_ROLE[pool], direction, "in",
                                       self.profiler.charged(direction).c_in, self._role_version(P.GUEST_ROLE[pool])))
@@ -853,10 +865,13 @@ class Coordinator:
         """The actor version a role's workers run: rollouters the synced one, trainers the trainer's."""
         return self.rollout_version if role == P.ROLLOUT else self.trainer_version
 
-    def _revoke(self, pool: str):
-        """Preempt-and-yield (§3.2): auxiliaries stop taking work, return what is recoverable, then yield."""
+    def _revoke(self, pool: str, why: str):
+        """Preempt-and-yield (§3.2): auxiliaries stop taking work, return what is recoverable, then yield. ``why``
+        is kept for the switch out when the window sent its guests no work (``Switch.no_work``)."""
         if not self.leases[pool].lent:
             return
+        if not self.window_sent.get(pool, 0):
+            self.no_work[pool] = why
         self.leases[pool].fire("revoke")
         if pool == P.TRAINER_POOL:
             self._interrupt_all(self._alive(self.topology.aux_rollouters))
@@ -883,7 +898,7 @@ class Coordinator:
         home = P.HOME_ROLE[pool]
         direction = P.DIRECTION_OF_POOL[pool]
         self._out.append(P.Switch(pool, home, direction, "out", self.profiler.charged(direction).c_out,
-                                  self._role_version(home)))
+                                  self._role_version(home), no_work=self.no_work.pop(pool, "")))
 
     def _yield_revoked(self):
         for pool in P.POOLS:

@@ -329,7 +329,9 @@ class Switch:
     """Hand ``pool`` to ``to_role``: offload the passive role's state, onload the active one (§3.2).
 
     ``phase`` is ``in`` (lend the pool) or ``out`` (give it back); ``expected`` the cost the scheduler charged
-    (C_in or C_out); ``version`` the actor version the incoming workers must hold.
+    (C_in or C_out); ``version`` the actor version the incoming workers must hold. ``no_work`` (switch out only)
+    says why the closing window sent the borrowed pool no work at all — empty when it sent some (§5.2: such a
+    window paid both switches for nothing; drivers log it in the switch-out span's ``detail``).
     """
     pool: str
     to_role: str
@@ -337,6 +339,7 @@ class Switch:
     phase: str
     expected: float
     version: int
+    no_work: str = ""
 
 
 @dataclass(frozen=True)

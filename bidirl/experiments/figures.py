@@ -29,6 +29,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from bidirl.experiments.specs import PanelSpec
+from bidirl.results.figure_text import title_height, wrapped_title
 
 POLICY_COLORS = {"bidirl": "#d62728", "verl-colocated": "#7f7f7f", "verl-async": "#1f77b4", "areal": "#2ca02c",
                  "roll": "#9467bd", "no-borrow": "#8c564b", "rot-only": "#17becf", "tor-only": "#bcbd22",
@@ -185,7 +186,10 @@ def panel_figure(spec: PanelSpec, results: pd.DataFrame, speedup_table: Optional
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.62, 0.38], vertical_spacing=0.1)
     for policy in spec.policies:
         sub = df[df["policy"] == policy].set_index("point")
-        y = [float(sub.at[lbl, "throughput"]) if lbl in sub.index and sub.at[lbl, "status"] == "ok" else None
+        # the bars: the §7.1 window throughput, as every other page and `simulate` report it (the speedups below
+        # keep the claim's own metric, which for the ablations is the paper's total-run throughput)
+        column = "summary_throughput" if "summary_throughput" in sub else "throughput"
+        y = [float(sub.at[lbl, column]) if lbl in sub.index and sub.at[lbl, "status"] == "ok" else None
              for lbl in labels]
         how = mechanisms(policy, spec)
         note = ("<br>modelled: " + "<br>  · ".join([""] + how)) if how else ""
@@ -223,13 +227,15 @@ def panel_figure(spec: PanelSpec, results: pd.DataFrame, speedup_table: Optional
     sub = f"BiDiRL speedup over the strongest of the {compared}: reproduced {_range_text(got.values())}"
     if paper["range"]:
         sub += f"; paper {paper['range'][0]:.2f}x–{paper['range'][1]:.2f}x"
-    fig.update_layout(title={"text": f"{title}<br><sup>{sub}</sup>"}, barmode="group",
-                      template="plotly_white", legend_title="", shapes=shapes, height=680, width=1000,
-                      legend={"orientation": "h", "yref": "container", "y": 0.0, "yanchor": "bottom"},
-                      margin={"t": 90, "b": 170, "l": 90})
-    fig.update_yaxes(title_text=METRIC_TITLES.get(spec.metric, spec.metric).replace(" (", "<br>(", 1),
-                     rangemode="tozero", row=1, col=1)
-    fig.update_yaxes(title_text="BiDiRL speedup (×)", range=list(speedup_range(
+    heading = wrapped_title(title, sub, width_px=1000)
+    fig.update_layout(title=heading, barmode="group",
+                      template="plotly_white", legend_title="", shapes=shapes, height=590 + title_height(heading),
+                      width=1000, legend={"orientation": "h", "yref": "container", "y": 0.0, "yanchor": "bottom"},
+                      margin={"t": title_height(heading) + 20, "b": 170, "l": 90})
+    fig.update_yaxes(title_text=METRIC_TITLES["throughput"].replace(" (", "<br>(", 1), rangemode="tozero",
+                     row=1, col=1)
+    speedup_of = "" if spec.metric == "throughput" else "<br>(" + METRIC_TITLES.get(spec.metric, spec.metric) + ")"
+    fig.update_yaxes(title_text=f"BiDiRL speedup (×){speedup_of}", range=list(speedup_range(
         list(got.values()) + list(paper["points"].values()) + list(paper["range"] or ()))), row=2, col=1)
     fig.update_xaxes(type="category")                  # a split such as "8-24" must not read as a date
     fig.update_xaxes(title_text=variable_title(spec), row=2, col=1)
@@ -271,10 +277,12 @@ def static_figure(spec: PanelSpec, results: pd.DataFrame, sweep: Optional[pd.Dat
     if paper["spread"]:
         spreads.append(f"paper {paper['spread']:.2f}x")
     sub = "max/min across the displayed splits: " + (", ".join(spreads) if spreads else "n/a")
-    fig.update_layout(title={"text": f"{spec.title} ({spec.figure}) — {SIMULATED}<br><sup>{sub}</sup>"},
+    heading = wrapped_title(f"{spec.title} ({spec.figure}) — {SIMULATED}", sub, width_px=1000)
+    fig.update_layout(title=heading,
                       xaxis={"title": variable_title(spec), "type": "category"},     # "8-24" is no date
                       yaxis_title="throughput relative to the best split",
-                      template="plotly_white", width=1000, height=520, margin={"t": 90, "b": 120},
+                      template="plotly_white", width=1000, height=430 + title_height(heading),
+                      margin={"t": title_height(heading) + 20, "b": 120},
                       legend={"orientation": "h", "yref": "container", "y": 0.0, "yanchor": "bottom"})
     return fig
 
@@ -298,9 +306,15 @@ def stage_figure(spec: PanelSpec, records: Optional[pd.DataFrame], claims: Optio
         palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
         for i, (length, sub) in enumerate(records.groupby("max_response_len")):
             agg = sub.groupby("x")[["observed", "predicted"]].mean().sort_index()
+            spread = sub.groupby("x")["observed"].agg(["min", "max", "count"]).sort_index()
+            reps = int(spread["count"].min())
             color = palette[i % len(palette)]
-            fig.add_trace(go.Scatter(name=f"{source}, responses of {length} tokens", x=agg.index,
+            what = (f"mean of {reps} repetitions, bars min–max" if reps > 1 else "one repetition")
+            fig.add_trace(go.Scatter(name=f"{source}, responses of {length} tokens ({what})", x=agg.index,
                                      y=agg["observed"], mode="markers", marker={"color": color, "size": 8},
+                                     error_y={"type": "data", "symmetric": False, "visible": reps > 1,
+                                              "array": spread["max"] - agg["observed"],
+                                              "arrayminus": agg["observed"] - spread["min"]},
                                      legendgroup=str(length)))
             fig.add_trace(go.Scatter(name=f"predicted (fitted model), responses of {length} tokens", x=agg.index,
                                      y=agg["predicted"], mode="lines", line={"color": color},
@@ -315,9 +329,10 @@ def stage_figure(spec: PanelSpec, records: Optional[pd.DataFrame], claims: Optio
         errors += (f"{'; ' if errors else ''}paper: median {paper['median']:.2f} %"
                    + (f", p90 {paper['p90']:.2f} %" if paper["p90"] is not None else "")
                    + " (Qwen3-VL on A6000)")
-    fig.update_layout(title={"text": f"{spec.title} ({spec.figure}) — {label}<br><sup>{errors}</sup>"},
+    title = wrapped_title(f"{spec.title} ({spec.figure}) — {label}", errors, width_px=1000)
+    fig.update_layout(title=title, margin={"t": title_height(title) + 20},
                       xaxis_title=variable_title(spec), yaxis_title="stage time (s)", template="plotly_white",
-                      width=1000, height=480)
+                      width=1000, height=420 + title_height(title))
     return fig
 
 

@@ -341,6 +341,41 @@ def counts(rows: list) -> dict:
     return out
 
 
+def judged_text(rows: list) -> str:
+    """:func:`counts` in plain words: how many claims were judged and matched, and how many of the claims no model
+    was fitted to ("held out" from the fit) matched — the rate that says how well the models predict — and how
+    many misses no stated limit of the models explains."""
+    judged = [r for r in rows if r["match"] is not None]
+    hits = sum(bool(r["match"]) for r in judged)
+    text = f"{len(judged)} claim{'' if len(judged) == 1 else 's'} judged: {hits} match, {len(judged) - hits} miss."
+    held = [r for r in judged if r.get("role", "held-out") == "held-out"]
+    fit = len(judged) - len(held)
+    if held:
+        text += (f" Of the {len(held)} that no model was fitted to, {sum(bool(r['match']) for r in held)} match"
+                 + (f"; the other {fit} calibrated a model (role: fit in data/paper/claims.yaml), so "
+                    f"{'its' if fit == 1 else 'their'} result does not test the models." if fit else "."))
+    misses = [r for r in judged if not r["match"]]
+    if misses and any("limits" in r for r in misses):
+        bare = sum(1 for r in misses if not r.get("limits"))
+        text += (" Every miss is explained by a stated limit of the models (data/paper/limits.yaml)." if not bare
+                 else f" {bare} of the {len(misses)} misses have no stated limit of the models explaining them.")
+    return text
+
+
+def misses_text(rows: list, limits: Optional[list] = None) -> str:
+    """Each missed claim in words: the paper's value against the reproduced one, and the title of every stated
+    limit (:func:`bidirl.experiments.claims.load_limits`) that names it; one line per miss."""
+    from bidirl.experiments.claims import load_limits
+    titles = {lim.id: lim.title for lim in (limits if limits is not None else load_limits())}
+    lines = []
+    for r in rows:
+        if r["match"] is None or r["match"]:
+            continue
+        why = "; ".join(f"{titles.get(i, i)} ({i})" for i in r.get("limits") or ()) or "no stated limit"
+        lines.append(f"{r['id']}: paper {_fmt(r['paper'])}, reproduced {_fmt(r['reproduced'])} — {why}")
+    return "\n".join(lines) if lines else "no judged claim was missed"
+
+
 def coverage(rows: list, panels: list) -> dict:
     """Which claims a run of ``panels`` (specs) judges, and why the others are not judged: ``own`` (every panel
     of the claim was run), ``shared`` (claim id → the panels it also needs, not run: judged on the points run

@@ -168,6 +168,9 @@ def _simulate_all(pending: list, *, simulate_fn, max_workers: int, executor, cac
         if hit is not None:
             outcomes[run] = hit
             bar.update(len(tasks_))
+            cached = getattr(bar, "cached", 0) + len(tasks_)
+            bar.cached = cached          # the bar's rate then counts look-ups, not simulations: say so
+            bar.set_postfix_str(f"{cached} of {bar.total} from the run cache, not simulated now", refresh=False)
         else:
             todo.append((run, key))
 

@@ -208,7 +208,7 @@ def throughput(steps_df: Union[pd.DataFrame, EventLog], staleness: float) -> flo
     """
     t0, t1, kept = measured_window(steps_df, staleness)
     if t1 <= t0:
-        raise ValueError(f"the measured steps take no time (window [{t0}, {t1}]); throughput is undefined")
+        raise ValueError(f"the steps of the §7.1 window take no time (window [{t0}, {t1}]); throughput is undefined")
     return float(kept["tokens"].to_numpy(dtype=np.float64).sum() / (t1 - t0))
 
 
@@ -636,3 +636,23 @@ def role_conflicts(spans_df: Union[pd.DataFrame, EventLog], tol: float = 1e-6) -
             if hit.any():
                 out.append((pool, float(max(a0, t[hit, 0].min()))))
     return out
+
+
+def reward_trend(rewards) -> dict:
+    """Whether a run's mean reward per step rose: ``rise`` (the least-squares slope × the steps spanned, the
+    fitted change from the first step to the last), ``spread`` (the standard deviation of the step-to-step
+    changes, ddof 1: how much the reward moves from one step to the next by itself), ``rises`` (``rise > spread``;
+    ``None`` with fewer than three steps, when no spread can be measured) and ``text``, one sentence. A run
+    "learns" only where ``rises`` is true."""
+    r = np.asarray([float(x) for x in rewards], dtype=float)
+    if r.size < 3:
+        return {"rise": math.nan, "spread": math.nan, "rises": None,
+                "text": f"mean reward over {r.size} step(s): too few to tell a trend from step-to-step noise"}
+    rise = float(np.polyfit(np.arange(r.size), r, 1)[0] * (r.size - 1))
+    spread = float(np.std(np.diff(r), ddof=1))
+    rises = bool(rise > spread)
+    verdict = ("rises by more than its step-to-step spread" if rises
+               else "does not rise by more than its step-to-step spread")
+    return {"rise": rise, "spread": spread, "rises": rises,
+            "text": f"mean reward {r[0]:.3f} → {r[-1]:.3f} over {r.size} steps (fitted change {rise:+.3f}, "
+                    f"step-to-step spread {spread:.3f}): it {verdict}"}

@@ -186,11 +186,14 @@ class Driver:
 
     def record_switch(self, cmd: P.Switch, start: float, end: float) -> None:
         """The switch's span (with a ``pin_alloc`` span over its start when it is the first of its direction and
-        phase and the driver times switches by the models); a switch out that closes a window in which the guests
-        ran nothing (generated no token, ran no chunk: the window closed before its switch in completed, or had
-        nothing left for them) also marks both of the window's switches ``switch_no_work`` (paid for no work)."""
+        phase and the driver times switches by the models); a switch out closing a window that sent its guests no
+        work carries the scheduler's reason in ``detail["no_work"]`` (``Switch.no_work``, read by
+        ``bidirl.results.windows``); a switch out that closes a window in which the guests ran nothing (generated no
+        token, ran no chunk: the window closed before its switch in completed, or had nothing left for them) also
+        marks both of the window's switches ``switch_no_work`` (paid for no work)."""
         lane = switch_lane(cmd.pool, cmd.to_role)
-        self.span(lane, "switch_in" if cmd.phase == "in" else "switch_out", start, end, {"direction": cmd.direction})
+        self.span(lane, "switch_in" if cmd.phase == "in" else "switch_out", start, end,
+                  {"direction": cmd.direction, **({"no_work": cmd.no_work} if cmd.no_work else {})})
         alloc = self.first_switch.pop((cmd.direction, cmd.phase), 0.0)
         if alloc > 0:                 # the first switch of its kind: the yielding trainer pins its host buffer
             self.span(lane, "pin_alloc", start, min(end, start + alloc), {"direction": cmd.direction,

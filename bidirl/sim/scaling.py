@@ -153,44 +153,55 @@ def cost_summary(by_gpus: pd.DataFrame, column: str = "cpu_us_per_gpu_step") -> 
 
 def scaling_figure(by_gpus: pd.DataFrame, by_steps: Optional[pd.DataFrame] = None):
     """Plotly figure: simulation wall time and µs per simulated GPU-step against GPUs (log-log), and wall time
-    against steps when ``by_steps`` is given (frames of :func:`measure_scaling`)."""
+    against steps when ``by_steps`` is given (frames of :func:`measure_scaling`). One subplot a row, each the
+    figure's full width; every log axis carries explicit ticks (:func:`bidirl.results.figure_text.log_ticks`),
+    so an axis whose data spans less than a decade still shows at least two readable labels."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    cols = 3 if by_steps is not None else 2
-    titles = ["wall time vs GPUs", "cost per simulated GPU-step"] + (["wall time vs steps"] if by_steps is not None
-                                                                      else [])
-    fig = make_subplots(rows=1, cols=cols, subplot_titles=titles)
+    from bidirl.results.figure_text import log_ticks, title_height, wrapped_title
+
+    rows = 3 if by_steps is not None else 2
+    titles = ["cost per simulated GPU-step against GPUs", "wall time against GPUs"] + (
+        ["wall time against steps"] if by_steps is not None else [])
+    fig = make_subplots(rows=rows, cols=1, subplot_titles=titles, vertical_spacing=0.11)
     label = by_gpus["steps"].astype(str) + " steps"
-    fig.add_trace(go.Scatter(x=by_gpus["gpus"], y=by_gpus["wall_s"], mode="lines+markers", name="wall time",
-                             text=label, hovertemplate="%{x} GPUs, %{text}: %{y:.3g} s<extra></extra>"), 1, 1)
     fig.add_trace(go.Scatter(x=by_gpus["gpus"], y=by_gpus["us_per_gpu_step"], mode="lines+markers",
-                             name="wall µs per GPU-step",
-                             hovertemplate="%{x} GPUs: %{y:.4g} wall µs per GPU-step<extra></extra>"), 1, 2)
-    spread = {}
+                             name="wall µs per GPU-step (median)",
+                             hovertemplate="%{x} GPUs: %{y:.4g} wall µs per GPU-step<extra></extra>"), 1, 1)
+    spread, ends = {}, []
     if "cpu_us_per_gpu_step_min" in by_gpus and by_gpus["cpu_us_per_gpu_step_min"].notna().all():
         spread = {"error_y": {"type": "data", "symmetric": False,
                               "array": by_gpus["cpu_us_per_gpu_step_max"] - by_gpus["cpu_us_per_gpu_step"],
                               "arrayminus": by_gpus["cpu_us_per_gpu_step"] - by_gpus["cpu_us_per_gpu_step_min"]}}
+        ends = list(by_gpus["cpu_us_per_gpu_step_min"]) + list(by_gpus["cpu_us_per_gpu_step_max"])
     fig.add_trace(go.Scatter(x=by_gpus["gpus"], y=by_gpus["cpu_us_per_gpu_step"], mode="lines+markers",
                              name="CPU µs per GPU-step (median; bars: min–max)", line={"dash": "dot"}, **spread,
-                             hovertemplate="%{x} GPUs: %{y:.4g} CPU µs per GPU-step<extra></extra>"), 1, 2)
+                             hovertemplate="%{x} GPUs: %{y:.4g} CPU µs per GPU-step<extra></extra>"), 1, 1)
+    fig.add_trace(go.Scatter(x=by_gpus["gpus"], y=by_gpus["wall_s"], mode="lines+markers", name="wall time",
+                             text=label, hovertemplate="%{x} GPUs, %{text}: %{y:.3g} s<extra></extra>"), 2, 1)
+    gpus = log_ticks(by_gpus["gpus"])
     ticks = sorted(set(int(g) for g in by_gpus["gpus"]))
-    for col in (1, 2):            # the simulated sizes as the ticks, written out (no log-axis minor digits)
+    for row in (1, 2):            # the simulated sizes as the ticks, written out (no log-axis minor digits)
         fig.update_xaxes(type="log", title_text="GPUs simulated", tickvals=ticks, ticktext=[f"{g:,}" for g in ticks],
-                         row=1, col=col)
-    fig.update_yaxes(type="log", title_text="seconds (measured)", dtick=1, tickformat="~g", row=1, col=1)
-    fig.update_yaxes(type="log", title_text="µs per GPU-step (measured)", dtick=1, tickformat=",~r", row=1, col=2)
+                         range=gpus["range"], row=row, col=1)
+    cost = log_ticks(list(by_gpus["us_per_gpu_step"]) + list(by_gpus["cpu_us_per_gpu_step"]), ends)
+    fig.update_yaxes(type="log", title_text="µs per GPU-step (measured)", row=1, col=1, **cost)
+    fig.update_yaxes(type="log", title_text="seconds (measured)", row=2, col=1, **log_ticks(by_gpus["wall_s"]))
     if by_steps is not None:
         name = by_steps["gpus"].astype(str) + " GPUs"
         fig.add_trace(go.Scatter(x=by_steps["steps"], y=by_steps["wall_s"], mode="lines+markers",
-                                 name="wall time vs steps", text=name,
-                                 hovertemplate="%{text}, %{x} steps: %{y:.3g} s<extra></extra>"), 1, 3)
-        fig.update_xaxes(title_text="steps simulated", row=1, col=3)
-        fig.update_yaxes(title_text="seconds (measured)", rangemode="tozero", row=1, col=3)
+                                 name="wall time against steps", text=name,
+                                 hovertemplate="%{text}, %{x} steps: %{y:.3g} s<extra></extra>"), 3, 1)
+        fig.update_xaxes(title_text="steps simulated", row=3, col=1)
+        fig.update_yaxes(title_text="seconds (measured)", rangemode="tozero", row=3, col=1)
     reps = by_gpus["repeats"].min() if "repeats" in by_gpus and by_gpus["repeats"].notna().all() else 1
-    fig.update_layout(title=f"Simulator cost at scale (measured on this machine; median of {int(reps)} per point)",
-                      height=400)
+    width = 1000
+    title = wrapped_title(f"Simulator cost at scale (measured on this machine; median of {int(reps)} per point)",
+                          width_px=width)
+    fig.update_layout(title=title, width=width, height=100 + 320 * rows, template="plotly_white",
+                      margin={"t": title_height(title) + 20, "l": 90, "r": 30, "b": 110},
+                      legend={"orientation": "h", "yref": "container", "y": 0.0, "yanchor": "bottom"})
     return fig
 
 

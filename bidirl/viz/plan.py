@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from bidirl.results.figure_text import title_height, wrapped_title
 from bidirl.results.metrics import RATE_UNIT
 
 COMPATIBLE = "#4C78A8"
@@ -151,19 +152,19 @@ def sweep_figure(plan, simulated: Optional[pd.DataFrame] = None, selected: Optio
         how = "fixed by cluster.partition" if plan.fixed else "planner's choice"
         notes.append(go.layout.Annotation(x=float(i), y=1.0, xref="x", yref="paper", yanchor="bottom", showarrow=False,
                                           text=f"{how}: {env.label}<br>λ_pipe = {env.pipeline_rate:.3g} {RATE_UNIT}"))
+    title = wrapped_title(f"Partition sweep, predicted by the stage-time models{simulated_note(simulated)}",
+                          f"{cfg.model} on {cfg.cluster.gpus} × {cfg.hardware} ({cfg.cluster.placement} placement), "
+                          f"{cfg.workload.prompts_per_step} prompts × {cfg.workload.group_size} per step, "
+                          f"max response {cfg.workload.max_response_len} tokens", width_px=WIDTH)
     fig.update_layout(
-        title=(f"Partition sweep, predicted by the stage-time models{simulated_note(simulated)}<br>"
-               f"<sup>{cfg.model} on {cfg.cluster.gpus} × {cfg.hardware} ({cfg.cluster.placement} placement), "
-               f"{cfg.workload.prompts_per_step} prompts × {cfg.workload.group_size} per step, max response "
-               f"{cfg.workload.max_response_len} tokens</sup>"),
-        title_font_size=14,
+        title=title,
         xaxis={"title": SPLIT_AXIS, "type": "linear", "tickmode": "array",
                "tickvals": list(range(len(labels))), "ticktext": labels, "range": [-0.5, len(labels) - 0.5],
                "zeroline": False},
         yaxis={"title": f"rate ({RATE_UNIT})", "rangemode": "tozero"},
         barmode="overlay", shapes=shapes, annotations=notes, template="plotly_white", width=WIDTH, height=520,
         legend={"orientation": "h", "yref": "container", "y": 0.0, "yanchor": "bottom", "x": 0.0, "xanchor": "left"},
-        margin={"t": 100, "b": 130, "l": 70, "r": 20},
+        margin={"t": max(100, title_height(title) + 40), "b": 130, "l": 70, "r": 20},   # + the choice's note
     )
     fig.layout.shapes = list(fig.layout.shapes) + selected_shape(selected)
     return fig
