@@ -216,3 +216,17 @@ def test_contrast_rejects_swapped_models():
         contrast(_job("qwen2.5-3b", "h100"), "qwen3-8b")
     with pytest.raises(ConfigError, match="is an MoE model"):
         contrast(_job("qwen3-30b-a3b", "h100"), "qwen1.5-moe-a2.7b")
+
+
+def test_activation_terms_span_the_experts_a_token_uses():
+    from bidirl.perf import memory
+    m = presets.model("qwen1.5-moe-a2.7b")
+    assert m.mlp_intermediate_per_token == 4 * 1408 + 5632           # top-4 routed experts + the shared expert
+    per_token = m.dtype_bytes * (m.layers * m.hidden + 8 * m.hidden + 4 * (4 * 1408 + 5632)) + 4 * m.vocab
+    assert memory.trainer_activation_bytes(m, 1000) == 1000 * per_token
+    dense = presets.model("qwen3-8b")
+    assert dense.mlp_intermediate_per_token == dense.intermediate
+    with_dense_layer = dataclasses.replace(presets.model("qwen3-30b-a3b"), dense_layers=(0,),
+                                           params_nonembedding=presets.model("qwen3-30b-a3b").params_nonembedding
+                                           - 128 * 3 * 2048 * 768 - 2048 * 128 + 3 * 2048 * 6144)
+    assert with_dense_layer.mlp_intermediate_per_token == max(8 * 768, 6144)

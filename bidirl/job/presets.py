@@ -111,6 +111,16 @@ class ModelSpec:
         return self.params_nonembedding - self.inactive_params if self.is_moe else self.params_nonembedding
 
     @property
+    def mlp_intermediate_per_token(self) -> int:
+        """The MLP width one token's activations span in its widest layer: ``intermediate`` for a dense model; k·I_e
+        + I_s (its k routed experts and the shared ones) for an MoE layer, or the dense layers' ``intermediate`` if
+        wider (the activation terms of :mod:`bidirl.perf.memory`)."""
+        if not self.is_moe:
+            return self.intermediate
+        moe = self.experts_per_token * self.expert_intermediate + self.shared_expert_intermediate
+        return max(moe, self.intermediate) if self.dense_layers else moe
+
+    @property
     def routed_expert_params(self) -> float:
         """All routed experts' parameters (E experts in every MoE layer)."""
         return self.moe_layers * self.experts * self.expert_params
