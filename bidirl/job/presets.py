@@ -64,7 +64,78 @@ class ModelSpec:
     params_nonembedding: float   # N_nonemb: total minus embedding and untied head
     vision_params: float = 0.0
     dtype_bytes: int = 2         # bf16 weights and KV cache
+    # mixture of experts (all 0 / empty: a dense model). An MoE layer replaces the dense MLP (``intermediate``)
+    # by ``experts`` gated experts of ``expert_intermediate`` each, ``experts_per_token`` of them chosen per token
+    # by a router, plus always-on shared experts of ``shared_expert_intermediate`` units in all
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0
+    dense_layers: tuple = ()     # indices of the layers that keep a dense MLP of ``intermediate`` units
     sources: tuple = ()
+
+    def __post_init__(self):
+        if self.dense_layers is not None and not isinstance(self.dense_layers, tuple):
+            object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        check_moe(self)
+
+    # --- mixture of experts (docs/architecture.md, "MoE"): all zero-cost identities for a dense model ---------
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        """How many layers are MoE layers (0 for a dense model)."""
+        return self.layers - len(self.dense_layers) if self.is_moe else 0
+
+    @property
+    def expert_params(self) -> float:
+        """Parameters of one routed expert: a gated MLP, 3·H·I_e (gate, up, down projections)."""
+        return 3.0 * self.hidden * self.expert_intermediate
+
+    @property
+    def inactive_params(self) -> float:
+        """Parameters a token does not use: the (E − k) routed experts it is not sent to, in every MoE layer."""
+        return self.moe_layers * (self.experts - self.experts_per_token) * self.expert_params
+
+    @property
+    def params_active(self) -> float:
+        """Parameters used per token (the model cards' "activated"): total minus :attr:`inactive_params`."""
+        return self.params_total - self.inactive_params if self.is_moe else self.params_total
+
+    @property
+    def params_active_nonembedding(self) -> float:
+        """N_nonemb of the FLOPs terms: for an MoE model the non-embedding parameters a token passes through
+        (appendix's 2·N_nonemb per token, with N the *active* count); the dense model's N_nonemb otherwise."""
+        return self.params_nonembedding - self.inactive_params if self.is_moe else self.params_nonembedding
+
+    @property
+    def mlp_intermediate_per_token(self) -> int:
+        """The MLP width one token's activations span in its widest layer: ``intermediate`` for a dense model; k·I_e
+        + I_s (its k routed experts and the shared ones) for an MoE layer, or the dense layers' ``intermediate`` if
+        wider (the activation terms of :mod:`bidirl.perf.memory`)."""
+        if not self.is_moe:
+            return self.intermediate
+        moe = self.experts_per_token * self.expert_intermediate + self.shared_expert_intermediate
+        return max(moe, self.intermediate) if self.dense_layers else moe
+
+    @property
+    def routed_expert_params(self) -> float:
+        """All routed experts' parameters (E experts in every MoE layer)."""
+        return self.moe_layers * self.experts * self.expert_params
+
+    def derived_nonembedding(self) -> float:
+        """N_nonemb re-derived from the architecture numbers (an MoE spec's consistency check): per layer attention
+        2·H·(heads·d) + 2·H·(kv_heads·d) and two norms 2·H; a dense layer's MLP 3·H·I; an MoE layer's router H·E,
+        E experts of 3·H·I_e and shared experts of 3·H·I_s; plus the final norm H. Biases, per-head q/k norms and a
+        shared-expert gate (each < 0.01 % of a public model's count) are left out."""
+        h = float(self.hidden)
+        attention = 2 * h * self.heads * self.head_dim + 2 * h * self.kv_heads * self.head_dim + 2 * h
+        dense_mlp = 3 * h * self.intermediate
+        moe_mlp = h * self.experts + self.experts * self.expert_params + 3 * h * self.shared_expert_intermediate
+        return (self.layers * attention + (self.layers - self.moe_layers) * dense_mlp
+                + self.moe_layers * moe_mlp + h)
 
     def kv_bytes_per_token(self, tp: int = 1) -> float:
         """b_kv = 2·L·H_kv·d_head·b_dtype / tp (appendix, rollout model)."""
@@ -73,6 +144,47 @@ class ModelSpec:
     @property
     def weight_bytes(self) -> float:
         return self.params_total * self.dtype_bytes
+
+
+#: how far an MoE spec's stated non-embedding count may be from :meth:`ModelSpec.derived_nonembedding`. The terms
+#: left out (q/k/v biases ≤ 3·H per layer, q/k norms 2·d_head, a shared-expert gate H) are < 1e-4 of any public
+#: model's count (Qwen1.5-MoE-A2.7B: 24 · (3·2048 + 2048) = 197 k of 13.7 B = 1.4e-5), so 1 % leaves room for
+#: terms not modelled while an expert size off by one power of two (a factor ≥ 2 on > 90 % of the parameters) fails
+MOE_COUNT_TOLERANCE = 0.01
+
+
+def check_moe(m: "ModelSpec") -> None:
+    """PresetError naming the field if ``m``'s mixture-of-experts numbers are inconsistent (module doc)."""
+    where = f"model {m.name!r}"
+    moe_fields = ("experts", "experts_per_token", "expert_intermediate", "shared_expert_intermediate")
+    for f in moe_fields:
+        v = getattr(m, f)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise PresetError(f"{where}: {f} must be a whole number ≥ 0, got {v!r}", f"fix {f} in the model preset")
+    if not m.experts:
+        stray = [f for f in moe_fields[1:] if getattr(m, f)] + (["dense_layers"] if m.dense_layers else [])
+        if stray:
+            raise PresetError(f"{where}: {', '.join(stray)} given for a dense model (experts is 0)",
+                              "set experts (the routed experts per MoE layer) or drop those keys")
+        return
+    if not 1 <= m.experts_per_token <= m.experts:
+        raise PresetError(f"{where}: experts_per_token={m.experts_per_token} must be in [1, experts={m.experts}]",
+                          "experts_per_token is the router's top-k (config num_experts_per_tok)")
+    if m.expert_intermediate < 1:
+        raise PresetError(f"{where}: expert_intermediate must be ≥ 1 for an MoE model, got {m.expert_intermediate}",
+                          "set it to the config's moe_intermediate_size")
+    bad = [i for i in m.dense_layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < m.layers]
+    if bad or len(set(m.dense_layers)) != len(m.dense_layers) or len(m.dense_layers) >= m.layers:
+        raise PresetError(f"{where}: dense_layers {list(m.dense_layers)} must be distinct layer indices in "
+                          f"[0, {m.layers}) leaving at least one MoE layer",
+                          "list the layers whose MLP is dense (e.g. DeepSeek's first_k_dense_replace layers)")
+    derived = m.derived_nonembedding()
+    if abs(derived - m.params_nonembedding) > MOE_COUNT_TOLERANCE * m.params_nonembedding:
+        raise PresetError(f"{where}: the architecture numbers add up to {derived:.4g} non-embedding parameters "
+                          f"({m.routed_expert_params:.4g} in routed experts), but params_nonembedding is "
+                          f"{m.params_nonembedding:.4g}",
+                          "check experts, expert_intermediate, shared_expert_intermediate, dense_layers and "
+                          "params_nonembedding against the model's config")
 
 
 @dataclass(frozen=True)
@@ -190,6 +302,11 @@ def _load_file(cls, path: Path, name: str):
     raw.setdefault("name", name)
     if "sources" in raw:
         raw["sources"] = tuple(raw["sources"])
+    if "dense_layers" in raw:
+        if not isinstance(raw["dense_layers"], list):
+            raise PresetError(f"{path.name}: dense_layers must be a list of layer indices, got {raw['dense_layers']!r}",
+                              "write dense_layers: [0] (or drop it when every layer is MoE)")
+        raw["dense_layers"] = tuple(raw["dense_layers"])
     if cls is HardwareSpec:
         _check_hardware(raw, path)
     hints = typing.get_type_hints(cls)

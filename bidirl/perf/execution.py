@@ -81,7 +81,7 @@ def with_sequence_parallel(params: TrainerParams, model, hardware, degree: int, 
     for s in STAGES:
         multiplier = STAGE_MULTIPLIER[s] + (1 if recompute and s == "actor_update" else 0)
         alpha[s] += (all_to_all_seconds_per_token(model, hardware, degree, s, recompute)
-                     / (layout * 2.0 * model.params_nonembedding * multiplier))
+                     / (layout * 2.0 * model.params_active_nonembedding * multiplier))
     return dataclasses.replace(params, alpha=alpha)
 
 

@@ -15,6 +15,11 @@ Prefill FLOPs of a rollout request set ``R_j`` with ``B_j`` requests (appendix, 
 
 (the head runs once per request, on the last prompt position). ``N`` is ``N_nonemb`` as for the trainer.
 ``H`` is the hidden size, ``L`` the number of layers, ``V`` the vocabulary size.
+
+For a mixture-of-experts model ``N_nonemb`` is the *active* non-embedding count
+(:attr:`~bidirl.job.presets.ModelSpec.params_active_nonembedding`: a token passes through its router's top-k experts
+and the shared ones, not all E), so FLOPs follow the active parameters while memory, optimizer state, switch and
+weight-sync costs follow ``params_total`` (docs/architecture.md, "MoE"). For a dense model the two are the same.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ def sample_forward_flops(model, prompt_lens, response_lens) -> np.ndarray:
     """Per-sample terms of F(b): ``2·N_nonemb·(p+r) + 4·L·H·(p+r)² + 2·H·V·r`` (float array)."""
     p, r = lengths(prompt_lens, response_lens)
     s = (p + r).astype(float)
-    return (2.0 * model.params_nonembedding * s + 4.0 * model.layers * model.hidden * s * s
+    return (2.0 * model.params_active_nonembedding * s + 4.0 * model.layers * model.hidden * s * s
             + 2.0 * model.hidden * model.vocab * r.astype(float))
 
 
@@ -87,5 +92,5 @@ def stage_flops(model, stage: str, prompt_lens, response_lens) -> float:
 def prefill_flops(model, prompt_lens) -> float:
     """F_pre = 2·N·Σp + 4·L·H·Σp² + 2·H·V·B_j for the requests whose prompts are ``prompt_lens``."""
     p = lengths(prompt_lens).astype(float)
-    return float(2.0 * model.params_nonembedding * p.sum() + 4.0 * model.layers * model.hidden * (p * p).sum()
+    return float(2.0 * model.params_active_nonembedding * p.sum() + 4.0 * model.layers * model.hidden * (p * p).sum()
                  + 2.0 * model.hidden * model.vocab * p.size)

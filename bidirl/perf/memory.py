@@ -118,7 +118,8 @@ def trainer_activation_bytes(model, tokens: int, checkpointing=None) -> float:
     if checkpointing is False:
         per_token = UNCHECKPOINTED_BYTES_PER_HIDDEN * model.layers * model.hidden + 4 * model.vocab
         return float(tokens) * per_token
-    per_token = (model.dtype_bytes * (model.layers * model.hidden + 8 * model.hidden + 4 * model.intermediate)
+    per_token = (model.dtype_bytes * (model.layers * model.hidden + 8 * model.hidden
+                                      + 4 * model.mlp_intermediate_per_token)
                  + 4 * model.vocab)
     return float(tokens) * per_token
 
@@ -129,7 +130,7 @@ def rollout_weight_bytes(model, tp: int = 1) -> float:
 
 def rollout_reserve_bytes(model, tp: int = 1) -> float:
     """Prefill activation reserve of a vLLM engine (one batched-token chunk)."""
-    return PREFILL_CHUNK_TOKENS * model.dtype_bytes * (8 * model.hidden + 4 * model.intermediate) / tp
+    return PREFILL_CHUNK_TOKENS * model.dtype_bytes * (8 * model.hidden + 4 * model.mlp_intermediate_per_token) / tp
 
 
 def kv_budget_bytes(model, hw, tp: int = 1) -> float:

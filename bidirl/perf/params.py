@@ -240,7 +240,7 @@ def knob_rollout_params(model, hw, tp: int = 1):
     tp = _check_layout(tp, "tp")
     compute = tp * hw.peak_flops * hw.prefill_mfu
     decoder_params = model.params_total - model.vision_params
-    decoder_nonemb = max(model.params_nonembedding - model.vision_params, 0.0)
+    decoder_nonemb = max(model.params_active_nonembedding - model.vision_params, 0.0)
     if tp > 1:
         per_token_bytes = 2 * model.layers * model.hidden * model.dtype_bytes * 2 * (tp - 1) / tp
         c_tok = per_token_bytes / link_bandwidth(hw, tp)

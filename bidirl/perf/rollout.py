@@ -273,7 +273,7 @@ class RolloutModel:
             n_pre = np.minimum(b, self._n_max(mean_p))
             w_pre = np.where(b > 0, np.ceil(b / np.maximum(n_pre, 1.0)), 0.0)
         m = self.model
-        f_pre = 2.0 * m.params_nonembedding * p_sum + 4.0 * m.layers * m.hidden * p2_sum + 2.0 * m.hidden * m.vocab * b
+        f_pre = 2.0 * m.params_active_nonembedding * p_sum + 4.0 * m.layers * m.hidden * p2_sum + 2.0 * m.hidden * m.vocab * b
         return w_pre, f_pre
 
     def replica_features(self, prompt_lens, response_lens, replica=None, d: int = 1) -> RolloutFeatures:

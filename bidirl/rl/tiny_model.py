@@ -146,6 +146,100 @@ def parameter_counts(cfg: TinyConfig = TinyConfig()) -> dict:
     return {"params_total": nonemb + embedding + head, "params_nonembedding": nonemb, "embedding": embedding}
 
 
+@dataclass(frozen=True)
+class TinyMoeConfig:
+    """The tiny mixture-of-experts model: the dense tiny model's attention, vocabulary and tokenizer with every
+    layer's MLP replaced by ``num_experts`` gated experts of ``moe_intermediate_size`` of which the router picks
+    ``num_experts_per_tok`` per token (Qwen3-MoE architecture, ``Qwen3MoeForCausalLM``; mirrored in
+    ``data/presets/models/tiny-moe.yaml``). Active per token: k × 64 = 128 intermediate units, a third of the
+    dense tiny model's 384."""
+    vocab_size: int = 32
+    hidden_size: int = 128
+    moe_intermediate_size: int = 64
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 64
+    rope_theta: float = 10000.0
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        TinyConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                   num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads)
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"TinyMoeConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def qwen3_moe_config(cfg: TinyMoeConfig = TinyMoeConfig()):
+    """The transformers ``Qwen3MoeConfig`` of ``cfg``: every layer sparse (``decoder_sparse_step=1``, no
+    ``mlp_only_layers``), top-k weights renormalised (``norm_topk_prob``), fp32."""
+    from transformers import Qwen3MoeConfig
+
+    vocab = vocabulary(cfg.vocab_size)
+    return Qwen3MoeConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                          intermediate_size=cfg.moe_intermediate_size * cfg.num_experts_per_tok,
+                          moe_intermediate_size=cfg.moe_intermediate_size, num_experts=cfg.num_experts,
+                          num_experts_per_tok=cfg.num_experts_per_tok, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], num_hidden_layers=cfg.num_hidden_layers,
+                          num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                          head_dim=cfg.hidden_size // cfg.num_attention_heads,
+                          max_position_embeddings=cfg.max_position_embeddings,
+                          rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default"},
+                          initializer_range=cfg.initializer_range, tie_word_embeddings=cfg.tie_word_embeddings,
+                          eos_token_id=vocab[EOS], pad_token_id=vocab[PAD], bos_token_id=None, dtype="float32")
+
+
+def moe_parameter_counts(cfg: TinyMoeConfig = TinyMoeConfig()) -> dict:
+    """Total, non-embedding and active (per token) parameters of the tiny MoE model.
+
+    Per layer: attention q, k, v, o without biases plus the per-head q/k RMSNorms (2·d_head), the router
+    (experts × hidden), ``num_experts`` gated experts of 3·hidden·I_e each, two layer norms; active counts only
+    ``num_experts_per_tok`` experts.
+    """
+    h, L, E, k = cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
+    d = h // cfg.num_attention_heads
+    kv = cfg.num_key_value_heads * d
+    attention = 2 * h * h + 2 * h * kv + 2 * d
+    expert = 3 * h * cfg.moe_intermediate_size
+    layer = attention + h * E + E * expert + 2 * h
+    nonemb = L * layer + h
+    embedding = cfg.vocab_size * h
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    inactive = L * (E - k) * expert
+    return {"params_total": nonemb + embedding + head, "params_nonembedding": nonemb, "embedding": embedding,
+            "params_active": nonemb + embedding + head - inactive, "params_active_nonembedding": nonemb - inactive}
+
+
+def create_moe(model_dir: Union[str, Path], seed: int = 0, cfg: TinyMoeConfig = TinyMoeConfig()) -> Path:
+    """Write a freshly initialised tiny MoE model + the character tokenizer to ``model_dir`` (as :func:`create`:
+    byte-identical per seed, the caller's global RNG untouched)."""
+    import torch
+    from transformers import GenerationConfig, Qwen3MoeForCausalLM
+
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    out = Path(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(qwen3_moe_config(cfg)).to(torch.float32)
+    save(model, out)
+    vocab = vocabulary(cfg.vocab_size)
+    GenerationConfig(eos_token_id=vocab[EOS], pad_token_id=vocab[PAD], do_sample=True, temperature=1.0,
+                     top_p=1.0, top_k=0).save_pretrained(out)
+    build_tokenizer(cfg.vocab_size).save_pretrained(out)
+    (out / TINY_MARKER).write_text(json.dumps({"seed": seed, "config": cfg.to_dict(), "moe": True}, indent=1,
+                                              sort_keys=True))
+    return out
+
+
 def create(model_dir: Union[str, Path], seed: int = 0, cfg: TinyConfig = TinyConfig()) -> Path:
     """Write a freshly initialised tiny model + tokenizer to ``model_dir``; byte-identical for a given seed.
 

@@ -1,0 +1,122 @@
+"""Why the planner splits an MoE job differently from a dense job of the same active size (docs/architecture.md,
+"MoE"; paper §4, Algorithm 1).
+
+:func:`contrast` plans the job twice — with its MoE model and with a dense model of about its *active* size — and
+sets the terms that separate the two side by side: compute follows the active parameters (FLOPs per token), while
+the replica layouts (memory), the trainer's FSDP collectives, each decode iteration's weight reads, the hot-switch
+costs and the weight sync follow the *total* parameters. :attr:`MoEContrast.reasons` states, from those numbers,
+what moved the choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bidirl.core.protocol import ROLLOUT_ON_TRAINER_POOL, TRAINER_ON_ROLLOUT_POOL
+from bidirl.job import config as cfgmod
+from bidirl.job import planner
+from bidirl.job.config import ConfigError
+
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class MoEContrast:
+    """The two plans and the per-model terms (:func:`contrast`); ``terms[role]`` for ``"moe"`` and ``"dense"``."""
+    moe_plan: planner.Plan = field(repr=False)
+    dense_plan: planner.Plan = field(repr=False)
+    terms: dict
+    reasons: tuple
+
+    def to_dict(self) -> dict:
+        return {"moe": {"model": self.moe_plan.config.model, "choice": self.moe_plan.choice, **self.terms["moe"]},
+                "dense": {"model": self.dense_plan.config.model, "choice": self.dense_plan.choice,
+                          **self.terms["dense"]},
+                "reasons": list(self.reasons)}
+
+
+def _terms(p: planner.Plan) -> dict:
+    from bidirl.perf.costs import derive_switch_costs, derive_weight_sync
+    from bidirl.perf.flops import forward_flops
+    from bidirl.perf.moe import decode_weight_bytes, touched_fraction
+
+    cfg, env = p.config, p.envelope
+    m, hw = cfg.model_spec, cfg.hardware_spec
+    prompts, responses = p.batch
+    # decode concurrency: the step's sequences spread over the rollout replicas (all running at the start)
+    running = max(1, int(prompts.size) // max(env.rollout_replicas, 1))
+    switch = derive_switch_costs(hw, m, trainer_layout=env.trainer_layout, rollout_tp=env.rollout_layout)
+    return {
+        "params_total": float(m.params_total), "params_active": float(m.params_active),
+        "flops_per_token": 2.0 * float(m.params_active_nonembedding),
+        "step_forward_flops": forward_flops(m, prompts, responses),
+        "rollout_layout": env.rollout_layout, "trainer_layout": env.trainer_layout,
+        "rollout_replicas": env.rollout_replicas, "trainer_replicas": env.trainer_replicas,
+        "rollout_time": env.rollout_time, "trainer_time": env.trainer_time, "pipeline_rate": env.pipeline_rate,
+        "rollout_weights_gib_per_gpu": p.memory["rollout"].parts["weights"] / GiB,
+        "trainer_state_gib_per_gpu": sum(v for k, v in p.memory["trainer"].parts.items()
+                                         if "activation" not in k) / GiB,
+        "decode_running_sequences": running,
+        "decode_experts_touched_fraction": float(touched_fraction(m, running)),
+        "decode_weight_gib_per_iteration": float(decode_weight_bytes(m, running)) / GiB,
+        "switch_seconds": {d: {"c_in": c.c_in, "c_out": c.c_out} for d, c in switch.items()},
+        "weight_sync_seconds": derive_weight_sync(hw, m, trainer_layout=env.trainer_layout,
+                                                  rollout_tp=env.rollout_layout),
+    }
+
+
+def _reasons(moe: dict, dense: dict, moe_plan, dense_plan) -> tuple:
+    r = []
+    ratio = lambda key: moe[key] / dense[key] if dense[key] else float("inf")  # noqa: E731
+    r.append(f"compute follows active parameters: {moe['flops_per_token'] / 1e9:.2f} vs "
+             f"{dense['flops_per_token'] / 1e9:.2f} GFLOP per token (×{ratio('flops_per_token'):.2f}), while "
+             f"memory and traffic follow total parameters: {moe['params_total'] / 1e9:.1f} B vs "
+             f"{dense['params_total'] / 1e9:.1f} B (×{ratio('params_total'):.1f})")
+    for role in ("rollout", "trainer"):
+        a, b = moe[f"{role}_layout"], dense[f"{role}_layout"]
+        if a != b:
+            what = ("weights" if role == "rollout" else "parameters, gradients and optimizer state")
+            size = moe["rollout_weights_gib_per_gpu" if role == "rollout" else "trainer_state_gib_per_gpu"]
+            r.append(f"a {role} replica needs {a} GPUs instead of {b}: its {what} take {size:.1f} GiB per GPU at "
+                     f"{a} GPUs (total parameters), so the pools are split in multiples of {a} GPUs")
+    r.append(f"trainer step time {moe['trainer_time']:.3g} s vs {dense['trainer_time']:.3g} s "
+             f"(×{ratio('trainer_time'):.2f} for ×{ratio('step_forward_flops'):.2f} the FLOPs): FSDP all-gathers and "
+             "reduce-scatters move every parameter, experts included, in every pass")
+    r.append(f"rollout step time {moe['rollout_time']:.3g} s vs {dense['rollout_time']:.3g} s "
+             f"(×{ratio('rollout_time'):.2f}): with {moe['decode_running_sequences']} sequences running per replica "
+             f"a decode iteration touches {100 * moe['decode_experts_touched_fraction']:.1f} % of each layer's "
+             f"experts (uniform routing, 1 − (1 − k/E)^n), {moe['decode_weight_gib_per_iteration']:.1f} GiB of "
+             f"weights vs {dense['decode_weight_gib_per_iteration']:.1f} GiB")
+    for d in (TRAINER_ON_ROLLOUT_POOL, ROLLOUT_ON_TRAINER_POOL):
+        a, b = moe["switch_seconds"][d], dense["switch_seconds"][d]
+        r.append(f"switch {d}: in {a['c_in']:.2f} s + out {a['c_out']:.2f} s vs {b['c_in']:.2f} s + "
+                 f"{b['c_out']:.2f} s — a borrow must win back the total-parameter state moves with active-parameter "
+                 "compute")
+    r.append(f"weight sync {moe['weight_sync_seconds']:.2f} s vs {dense['weight_sync_seconds']:.2f} s per step")
+    same = moe_plan.choice == dense_plan.choice
+    r.append(f"split {moe_plan.choice} (MoE) vs {dense_plan.choice} (dense): "
+             + ("the same split" if same else "a different split")
+             + f"; pipeline rate {moe['pipeline_rate']:.3g} vs {dense['pipeline_rate']:.3g} prompt groups/s, the MoE "
+             f"job bound by its {'trainer' if moe_plan.envelope.trainer_rate <= moe_plan.envelope.rollout_rate else 'rollout'}"
+             f" pool, the dense one by its "
+             f"{'trainer' if dense_plan.envelope.trainer_rate <= dense_plan.envelope.rollout_rate else 'rollout'} pool")
+    return tuple(r)
+
+
+def contrast(config, dense_model: str, *, hardware=None) -> MoEContrast:
+    """Plan ``config`` (whose model must be MoE) and the same job with ``dense_model``; :class:`MoEContrast`.
+
+    ConfigError naming ``model`` if the config's model is dense or ``dense_model`` is an MoE model."""
+    cfg = cfgmod.load(config)
+    if not cfg.model_spec.is_moe:
+        raise ConfigError("model", f"{cfg.model!r} is a dense model; the contrast is of an MoE model with a dense one",
+                          "use an MoE preset (e.g. qwen3-30b-a3b)")
+    dense_cfg = cfg.with_overrides({"model": dense_model})
+    if dense_cfg.model_spec.is_moe:
+        raise ConfigError("model", f"{dense_model!r} is an MoE model; give a dense model of about "
+                          f"{cfg.model_spec.params_active / 1e9:.2f} B parameters",
+                          "e.g. qwen2.5-3b for qwen3-30b-a3b")
+    moe_plan = planner.plan(cfg, hardware=hardware)
+    dense_plan = planner.plan(dense_cfg, hardware=hardware)
+    moe, dense = _terms(moe_plan), _terms(dense_plan)
+    return MoEContrast(moe_plan, dense_plan, {"moe": moe, "dense": dense}, _reasons(moe, dense, moe_plan, dense_plan))
