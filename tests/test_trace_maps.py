@@ -24,11 +24,13 @@ RECORDED = TRACES / "tiny-cpu.ray-timeline.json"          # recorded from a real
 #: the map each shipped fixture is read with
 FIXTURE_MAP = {"verl-colocated-async.ray-timeline.json": "verl-colocated",
                "verl-fully-async.ray-timeline.json": "verl-fully-async",
+               "verl-one-step-off.ray-timeline.json": "verl-one-step-off",
                "openrlhf.ray-timeline.json": "openrlhf", "openrlhf-colocated.ray-timeline.json": "openrlhf-colocated",
                "verl-colocated.ray-timeline.json": "verl-colocated", "tiny-cpu.ray-timeline.json": "bidirl"}
 #: each fixture's GPUs per pool, from its own description (module docs of tests/timeline_fixtures.py)
 POOLS_OF = {"verl-colocated-async.ray-timeline.json": {"rollout_pool": range(4)},
             "verl-fully-async.ray-timeline.json": {"rollout_pool": range(4), "trainer_pool": range(4, 6)},
+            "verl-one-step-off.ray-timeline.json": {"rollout_pool": range(4), "trainer_pool": range(4, 6)},
             "openrlhf.ray-timeline.json": {"rollout_pool": range(2), "trainer_pool": range(2, 7)},
             "openrlhf-colocated.ray-timeline.json": {"rollout_pool": range(2)}}
 SOURCE = re.compile(r"^[\w/.-]+\.py:\d+@[0-9a-f]{7}$")
@@ -46,7 +48,7 @@ def test_the_committed_fixture_is_the_hand_written_schedule(name):
 @pytest.mark.parametrize("name", list(tf.FIXTURES))
 def test_every_fixture_name_carries_its_source_file_and_line_at_a_pinned_commit(name):
     doc = _doc(name)
-    sources = {**tf.SOURCES, **tf.OPENRLHF_SOURCES}
+    sources = tf.SOURCES_OF[name]
     for e in doc["traceEvents"]:
         label = e["cat"].removeprefix("task::")
         assert SOURCE.match(e["args"]["source"]), e
@@ -79,6 +81,19 @@ def test_the_fully_async_rollout_is_placed_not_lost():
     spans = run.log.spans_df()
     gen = spans[spans["kind"] == "generate"]
     assert set(gen["pool"]) == {"rollout_pool"} and len(gen) == 19
+    assert set(spans.loc[spans["kind"] == "sync", "pool"]) == {"rollout_pool", "trainer_pool"}
+
+
+def test_the_one_step_off_rollout_overlaps_the_training_it_feeds():
+    """One step apart: while the trainer trains on batch k, the rollout generates batch k+1 (the fixture's steps 0 and
+    1), and both pools take part in each weight sync."""
+    run = load_foreign(TRACES / "verl-one-step-off.ray-timeline.json", "ray-timeline", "verl-one-step-off")
+    spans = run.log.spans_df()
+    gen = spans[spans["kind"] == "generate"]
+    update = spans[spans["detail"].map(lambda d: d["name"]) == "WorkerDict.actor_update_actor"]
+    assert len(update) == 6                          # 3 steps × 2 trainer GPUs
+    assert set(gen["pool"]) == {"rollout_pool"} and set(update["pool"]) == {"trainer_pool"}
+    assert any(((gen["start"] < u.end) & (gen["end"] > u.start)).any() for u in update.itertuples())
     assert set(spans.loc[spans["kind"] == "sync", "pool"]) == {"rollout_pool", "trainer_pool"}
 
 

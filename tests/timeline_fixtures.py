@@ -13,6 +13,10 @@ control calls) — the truth the tests compare the importer's GPU-weighted idle 
 * **verl-fully-async** — ``verl/experimental/fully_async_policy``: 4 rollout GPUs (a ``vLLMHttpServerForPartial``
   per GPU, the rollout ``WorkerDict`` beside it) and 2 trainer GPUs; the trainer's steps, the weight sync by
   checkpoint between them, generation never stopping except for the sync.
+* **verl-one-step-off** — ``verl/experimental/one_step_off_policy`` (veRL's V1 async trainer): 4 rollout GPUs (a
+  ``vLLMHttpServer`` per GPU, TP 1, the rollout ``WorkerDict`` beside it) and 2 trainer GPUs (actor and ref roles in
+  one ``WorkerDict`` per GPU); each step waits for the batch launched the step before, syncs the weights over NCCL
+  (``sync_rollout_weights`` on both pools), launches the next batch and trains on the current one, one step behind.
 * **openrlhf**, **openrlhf-colocated** — OpenRLHF at :data:`OPENRLHF_COMMIT`, its default placement and
   ``--colocate_all_models`` (engines and models on the same GPUs, ``offload_states`` / ``reload_states`` between).
 """
@@ -74,6 +78,24 @@ SOURCES = {
     "FullyAsyncRollouter.fit": f"{FA}/fully_async_rollouter.py:652",
     "MessageQueue.put_sample": f"{FA}/message_queue.py:67",
     "FullyAsyncTaskRunner.run": f"{FA}/fully_async_main.py:142",
+}
+OSO = "verl/experimental/one_step_off_policy"
+#: veRL one-step-off name -> file:line at VERL_COMMIT (its WorkerDict roles are `actor`, `rollout`, `ref`: Role's
+#: strings, verl/trainer/ppo/utils.py:44; bound as `<role>_<method>`, verl/single_controller/ray/base.py:891)
+ONE_STEP_OFF_SOURCES = {
+    "OneStepTaskRunner.run": f"{OSO}/main_ppo.py:135",
+    "WorkerDict.actor_init_model": f"{W}:759", "WorkerDict.rollout_init_model": f"{W}:759",
+    "WorkerDict.ref_init_model": f"{W}:759",
+    "WorkerDict.actor_get_actor_weights_info": f"{OSO}/fsdp_workers.py:144",
+    "WorkerDict.rollout_set_actor_weights_info": f"{OSO}/fsdp_workers.py:170",
+    "WorkerDict.actor_create_weight_sync_group": f"{OSO}/fsdp_workers.py:57",
+    "WorkerDict.rollout_create_weight_sync_group": f"{OSO}/fsdp_workers.py:57",
+    "WorkerDict.actor_sync_rollout_weights": f"{OSO}/fsdp_workers.py:68",
+    "WorkerDict.rollout_sync_rollout_weights": f"{OSO}/fsdp_workers.py:68",
+    "vLLMHttpServer.generate": f"{SERVER}:445", "vLLMHttpServer.clear_kv_cache": f"{SERVER}:595",
+    "AgentLoopWorker.generate_sequences": "verl/experimental/agent_loop/agent_loop.py:406",
+    "WorkerDict.actor_compute_log_prob": f"{W}:989", "WorkerDict.ref_compute_ref_log_prob": f"{W}:1041",
+    "WorkerDict.actor_update_actor": f"{W}:893", "WorkerDict.actor_save_checkpoint": f"{W}:1074",
 }
 _E, _A, _L, _C = ("openrlhf/trainer/ray/vllm_engine.py", "openrlhf/trainer/ray/ppo_actor.py",
                   "openrlhf/trainer/ray/launcher.py", "openrlhf/trainer/ray/ppo_critic.py")
@@ -209,6 +231,58 @@ def fully_async() -> dict:
     return t.document("veRL fully-async trainer, 4 rollout GPUs (TP 1) + 2 trainer GPUs", bounds, 6)
 
 
+def one_step_off() -> dict:
+    """veRL's one-step-off trainer (module doc; OneStepOffRayTrainer.fit, OSO/ray_trainer.py:412): rollout GPUs 0–3,
+    trainer GPUs 4–5. Batch k+1 is generated while the trainer trains on batch k."""
+    t = Trace(sources=ONE_STEP_OFF_SOURCES)
+    t.call("driver", "OneStepTaskRunner.run", -12.0, 40.0)
+    for g in range(4):
+        t.call(f"r{g}", "WorkerDict.rollout_init_model", -11.0, -3.0, [g])
+        t.call(f"r{g}", "WorkerDict.rollout_set_actor_weights_info", -2.5, -2.4, [g])
+        t.call(f"r{g}", "WorkerDict.rollout_create_weight_sync_group", -2.3, -2.0, [g])
+    for g in (4, 5):
+        t.call(f"t{g}", "WorkerDict.ref_init_model", -11.0, -7.0, [g])
+        t.call(f"t{g}", "WorkerDict.actor_init_model", -7.0, -3.0, [g])
+        t.call(f"t{g}", "WorkerDict.actor_get_actor_weights_info", -2.8, -2.6, [g])
+        t.call(f"t{g}", "WorkerDict.actor_create_weight_sync_group", -2.3, -2.0, [g])
+
+    def generate(requests, a, b):
+        for agent in range(2):
+            t.call(f"agent{agent}", "AgentLoopWorker.generate_sequences", a, b)
+        for g, x, y in requests:
+            t.call(f"s{g}", "vLLMHttpServer.generate", x, y, [g])
+
+    def sync(at):
+        # the NCCL broadcast from the trainer ranks to the rollout workers (OSO/ray_trainer.py:303), then the
+        # servers drop their KV cache (a control call: no GPU work to speak of)
+        for g in (4, 5):
+            t.call(f"t{g}", "WorkerDict.actor_sync_rollout_weights", at, at + 1.0, [g])
+        for g in range(4):
+            t.call(f"r{g}", "WorkerDict.rollout_sync_rollout_weights", at, at + 1.0, [g])
+            t.call(f"s{g}", "vLLMHttpServer.clear_kv_cache", at + 1.0, at + 1.05)
+
+    # batch 0 before the loop; in step k the trainer waits for batch k, syncs, launches batch k+1, trains on batch k
+    generate([(0, 0.0, 6.0), (1, 0.0, 8.0), (2, 0.0, 5.0), (3, 0.5, 7.0)], 0.0, 8.0)
+    batches = [[(0, 9.1, 14.0), (1, 9.1, 15.0), (2, 9.1, 17.0), (3, 9.5, 13.0)],
+               [(0, 18.1, 21.0), (1, 18.1, 24.0), (2, 18.5, 22.0), (3, 18.1, 20.0)], None]
+    # (batch ready, train start, update start, update end)
+    steps = [(8.0, 9.1, 11.6, 16.0), (17.0, 18.1, 20.0, 25.0), (25.0, 26.1, 28.0, 33.0)]
+    bounds, start = [], 0.0
+    for (ready, tr, up, end), nxt in zip(steps, batches):
+        sync(ready)
+        if nxt is not None:
+            generate(nxt, tr, max(y for _, _, y in nxt))
+        for g in (4, 5):
+            t.call(f"t{g}", "WorkerDict.actor_compute_log_prob", tr, tr + 1.5, [g])
+            t.call(f"t{g}", "WorkerDict.ref_compute_ref_log_prob", tr + 1.5, up, [g])
+            t.call(f"t{g}", "WorkerDict.actor_update_actor", up, end, [g])
+        bounds.append([start, end])
+        start = end
+    for g in (4, 5):
+        t.call(f"t{g}", "WorkerDict.actor_save_checkpoint", 34.0, 35.0, [g])
+    return t.document("veRL one-step-off trainer, 4 rollout GPUs (TP 1) + 2 trainer GPUs", bounds, 6)
+
+
 def openrlhf() -> dict:
     """OpenRLHF's default placement: 2 vLLM engines (TP 1, GPUs 0–1), policy ranks on GPUs 2–3, the reference model
     on 4, the critic on 5, the reward model on 6; generation, experience, critic and policy fits, the broadcast."""
@@ -287,7 +361,14 @@ def openrlhf_colocated() -> dict:
 
 
 FIXTURES = {"verl-colocated-async.ray-timeline.json": colocated_async, "verl-fully-async.ray-timeline.json": fully_async,
-            "openrlhf.ray-timeline.json": openrlhf, "openrlhf-colocated.ray-timeline.json": openrlhf_colocated}
+            "verl-one-step-off.ray-timeline.json": one_step_off, "openrlhf.ray-timeline.json": openrlhf,
+            "openrlhf-colocated.ray-timeline.json": openrlhf_colocated}
+
+
+#: fixture -> the name -> file:line table its names are cited from
+SOURCES_OF = {name: SOURCES for name in FIXTURES} | {
+    "verl-one-step-off.ray-timeline.json": ONE_STEP_OFF_SOURCES, "openrlhf.ray-timeline.json": OPENRLHF_SOURCES,
+    "openrlhf-colocated.ray-timeline.json": OPENRLHF_SOURCES}
 
 
 def gpu_idle_truth(doc: dict, t0: float, t1: float, gpus=None) -> float:
