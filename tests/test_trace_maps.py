@@ -13,7 +13,7 @@ import yaml
 from bidirl.cli import main
 from bidirl.ingest import MapError, load_foreign
 from bidirl.ingest.bubbles import pool_idle
-from bidirl.ingest.chrome import read_chrome_trace
+from bidirl.ingest.chrome import label_of, read_chrome_trace
 from bidirl.ingest.maps import RAY_OWN, load_map, parse_map, shipped_maps
 from bidirl.ingest.suggest import suggest_map
 from tests import timeline_fixtures as tf
@@ -26,13 +26,15 @@ FIXTURE_MAP = {"verl-colocated-async.ray-timeline.json": "verl-colocated",
                "verl-fully-async.ray-timeline.json": "verl-fully-async",
                "verl-one-step-off.ray-timeline.json": "verl-one-step-off",
                "openrlhf.ray-timeline.json": "openrlhf", "openrlhf-colocated.ray-timeline.json": "openrlhf-colocated",
-               "verl-colocated.ray-timeline.json": "verl-colocated", "tiny-cpu.ray-timeline.json": "bidirl"}
+               "verl-colocated.ray-timeline.json": "verl-colocated", "tiny-cpu.ray-timeline.json": "bidirl",
+               "areal.perf-trace.json": "areal"}
 #: each fixture's GPUs per pool, from its own description (module docs of tests/timeline_fixtures.py)
 POOLS_OF = {"verl-colocated-async.ray-timeline.json": {"rollout_pool": range(4)},
             "verl-fully-async.ray-timeline.json": {"rollout_pool": range(4), "trainer_pool": range(4, 6)},
             "verl-one-step-off.ray-timeline.json": {"rollout_pool": range(4), "trainer_pool": range(4, 6)},
             "openrlhf.ray-timeline.json": {"rollout_pool": range(2), "trainer_pool": range(2, 7)},
-            "openrlhf-colocated.ray-timeline.json": {"rollout_pool": range(2)}}
+            "openrlhf-colocated.ray-timeline.json": {"rollout_pool": range(2)},
+            "areal.perf-trace.json": {"trainer_pool": range(2)}}
 SOURCE = re.compile(r"^[\w/.-]+\.py:\d+@[0-9a-f]{7}$")
 
 
@@ -49,8 +51,8 @@ def test_the_committed_fixture_is_the_hand_written_schedule(name):
 def test_every_fixture_name_carries_its_source_file_and_line_at_a_pinned_commit(name):
     doc = _doc(name)
     sources = tf.SOURCES_OF[name]
-    for e in doc["traceEvents"]:
-        label = e["cat"].removeprefix("task::")
+    for e in (e for e in doc["traceEvents"] if e["ph"] != "M"):
+        label = label_of(e["name"], e.get("cat", ""))
         assert SOURCE.match(e["args"]["source"]), e
         assert e["args"]["source"].split("@")[0] == sources[label]
         assert e["args"]["source"].endswith("@" + doc["otherData"]["commit"][:7])
@@ -173,14 +175,24 @@ def test_map_suggest_drafts_a_map_that_parses_names_every_span_and_imports(tmp_p
     assert run.unmapped_count == 0 and len(run.log.spans) == 40
 
 
-def test_map_auto_says_why_an_areal_timeline_cannot_be_placed(tmp_path):
+def test_the_areal_import_has_no_rollout_pool_and_says_so():
+    """AReaL's perf trace records no generation (the inference servers write none): the import places the trainer
+    ranks only and its notes say the rollout pool is missing, rather than showing a pool that is not there."""
+    run = load_foreign(TRACES / "areal.perf-trace.json", "ray-timeline", "areal")
+    assert run.pool_gpus["rollout_pool"] == 0 and run.pool_gpus["trainer_pool"] == 2
+    assert any("the rollout pool is not in this import" in n for n in run.notes)
+    assert set(run.ignored["name"]) >= {"rpc.submit", "train.rollout", "fsdp_engine.backward"}
+
+
+def test_map_auto_says_why_an_areal_ray_timeline_cannot_be_placed(tmp_path):
     """AReaL's Ray actors are RayRPCServer (areal/infra/rpc/ray_rpc_server.py:23 at 4aef98d); every engine call is
-    RayRPCServer.call (line 128) with the method as an argument, so the names say nothing about the work."""
+    RayRPCServer.call (line 128) with the method as an argument, so the names say nothing about the work — and the
+    refusal points to AReaL's own perf trace, which names the method (rpc.<method>)."""
     events = [{"cat": f"task::RayRPCServer.{m}", "name": m, "pid": "n", "tid": f"w{i}", "ts": 1e15 + k * 1e6,
                "dur": 5e5, "ph": "X", "args": {}}
               for i in range(4) for k, m in enumerate(("configure", "create_engine", "call", "call", "call"))]
     path = tmp_path / "areal.json"
     path.write_text(json.dumps(events))
     with pytest.raises(MapError, match=r"cannot be placed by its span names: AReaL on Ray runs every engine call "
-                                       r"through RayRPCServer\.call"):
+                                       r"through RayRPCServer\.call.*perf_tracer.*--map areal"):
         load_foreign(path, "ray-timeline", "auto")

@@ -17,6 +17,13 @@ control calls) — the truth the tests compare the importer's GPU-weighted idle 
   ``vLLMHttpServer`` per GPU, TP 1, the rollout ``WorkerDict`` beside it) and 2 trainer GPUs (actor and ref roles in
   one ``WorkerDict`` per GPU); each step waits for the batch launched the step before, syncs the weights over NCCL
   (``sync_rollout_weights`` on both pools), launches the next batch and trains on the current one, one step behind.
+* **areal** — AReaL at :data:`AREAL_COMMIT`: not a Ray timeline but AReaL's own perf trace (``perf_tracer``'s
+  per-rank JSON lines merged by ``python -m areal.tools.perf_trace_converter``: Chrome trace JSON, a process per
+  rank and role, each rank's times from its tracer's start). Two actor ranks (GPUs 0–1) run the ``rpc.<method>``
+  calls the controller sends (recompute log-probs, advantages, PPO update, weight update), the engine's own spans
+  nested inside; the controller (``master``) records its ``train.*`` view of each stage, the rollout workers their
+  client calls (``rpc.submit`` …). The inference servers' generation is in no AReaL trace, so no GPU of the rollout
+  is here: the truth is the trainer ranks'.
 * **openrlhf**, **openrlhf-colocated** — OpenRLHF at :data:`OPENRLHF_COMMIT`, its default placement and
   ``--colocate_all_models`` (engines and models on the same GPUs, ``offload_states`` / ``reload_states`` between).
 """
@@ -97,6 +104,29 @@ ONE_STEP_OFF_SOURCES = {
     "WorkerDict.actor_compute_log_prob": f"{W}:989", "WorkerDict.ref_compute_ref_log_prob": f"{W}:1041",
     "WorkerDict.actor_update_actor": f"{W}:893", "WorkerDict.actor_save_checkpoint": f"{W}:1074",
 }
+#: AReaL's commit the AReaL fixture's names are cited at
+AREAL_COMMIT = "4aef98d8d"
+_RT, _TC, _PA, _FE, _RC = ("areal/trainer/rl_trainer.py", "areal/infra/controller/train_controller.py",
+                           "areal/trainer/ppo/actor.py", "areal/engine/fsdp_engine.py",
+                           "areal/infra/controller/rollout_controller.py")
+#: AReaL name -> file:line at AREAL_COMMIT. ``rpc.<method>``: the span areal/infra/rpc/guard/engine_blueprint.py:533
+#: records around every engine call on a worker, cited at the line naming the method the controller sends
+AREAL_SOURCES = {
+    "train.rollout": f"{_RT}:565", "train.recompute_logp": f"{_RT}:647", "train.compute_advantage": f"{_RT}:660",
+    "train.ppo_update": f"{_RT}:680", "train.update_weights": f"{_RT}:725", "train.clear_batches": f"{_RT}:791",
+    "train.log_stats": f"{_RT}:813",
+    "rpc.compute_logp": f"{_PA}:371", "rpc.compute_advantages": f"{_PA}:376", "rpc.ppo_update": f"{_PA}:381",
+    "rpc.step_lr_scheduler": f"{_TC}:710", "rpc.update_weights": f"{_TC}:714", "rpc.set_version": f"{_TC}:671",
+    "rpc.get_device_stats": f"{_TC}:725", "rpc.clear_batches": f"{_TC}:839",
+    "ppo_actor.compute_logp": f"{_PA}:129", "ppo_actor.compute_advantages": f"{_PA}:141",
+    "ppo_actor.ppo_update": f"{_PA}:251", "fsdp_engine.forward": f"{_FE}:745", "fsdp_engine.backward": f"{_FE}:757",
+    "fsdp_engine.step": f"{_FE}:700", "fsdp_engine.update_weights_from_distributed": f"{_FE}:1506",
+    "rpc.submit": f"{_RC}:801", "rpc.wait_for_task": f"{_RC}:823", "rpc.pause_generation": f"{_RC}:1038",
+    "remote_inf_engine.pause_generation": "areal/infra/remote_inf_engine.py:1204",
+}
+#: AReaL's tracer times: µs since the tracer was configured (perf_tracer.py, PerfTracer._relative_us); the
+#: fixture's time 0 is this far in
+AREAL_T0_US = 5_000_000
 _E, _A, _L, _C = ("openrlhf/trainer/ray/vllm_engine.py", "openrlhf/trainer/ray/ppo_actor.py",
                   "openrlhf/trainer/ray/launcher.py", "openrlhf/trainer/ray/ppo_critic.py")
 #: OpenRLHF name -> file:line at OPENRLHF_COMMIT
@@ -283,6 +313,84 @@ def one_step_off() -> dict:
     return t.document("veRL one-step-off trainer, 4 rollout GPUs (TP 1) + 2 trainer GPUs", bounds, 6)
 
 
+class ArealTrace:
+    """Events as AReaL's perf trace converter writes them: ``{"name", "ph": "X", "ts", "dur", "pid", "tid", "cat",
+    "args": {"rank", "role", ...}}`` (areal/utils/perf_tracer.py, PerfTracer._record_complete and _record_event),
+    a process per (rank, role) with its ``process_name``; ``span(process, name, start_s, end_s, gpus, cat)``."""
+
+    def __init__(self):
+        self.events, self.procs = [], {}
+
+    def process(self, role: str, rank: int) -> int:
+        if (role, rank) not in self.procs:
+            pid = len(self.procs) + 1
+            self.procs[(role, rank)] = pid
+            self.events.append({"name": "process_name", "ph": "M", "pid": pid,
+                                "args": {"name": f"[{role}] Rank {rank}, Process {4000 + pid}"}})
+        return self.procs[(role, rank)]
+
+    def span(self, role: str, rank: int, name: str, start: float, end: float, gpus=(), cat: str = "compute"):
+        pid = self.process(role, rank)
+        self.events.append({"name": name, "ph": "X", "ts": AREAL_T0_US + round(start * 1e6),
+                            "dur": round((end - start) * 1e6), "pid": pid, "tid": pid, "cat": cat,
+                            "args": {"rank": rank, "role": role, "source": f"{AREAL_SOURCES[name]}@{AREAL_COMMIT[:7]}",
+                                     "gpus": list(gpus)}})
+
+
+def areal() -> dict:
+    """AReaL's asynchronous PPO (module doc): the controller waits for each batch (``train.rollout``), then the two
+    actor ranks recompute log-probs, compute advantages, update, and push the weights to the inference servers."""
+    t = ArealTrace()
+    waits = (3.0, 1.0, 2.5)                     # each step: the trainer waiting for its batch first
+    bounds, start = [], 0.0
+    for k, wait in enumerate(waits):
+        a = start + wait if k else 0.0          # the first step starts at the first rank's call (the trace's 0)
+        t.span("master", 0, "train.rollout", start - 3.0 if not k else start, a, cat="compute")
+        for r in (0, 1):
+            t.span("rollout", r, "rpc.wait_for_task", a - 0.3, a - 0.29, cat="scheduler")
+            for j in range(3):
+                t.span("rollout", r, "rpc.submit", start + 0.1 * j, start + 0.1 * j + 0.01, cat="scheduler")
+        lp, adv = a + 2.0 + 0.1 * k, a + 2.3 + 0.1 * k
+        end = adv + 4.0
+        t.span("master", 0, "train.recompute_logp", a, lp)
+        t.span("master", 0, "train.compute_advantage", lp, adv)
+        t.span("master", 0, "train.ppo_update", adv, end)
+        for r in (0, 1):
+            g = [r]
+            skew = 0.05 * r                     # the ranks' tracers started a little apart
+            t.span("actor", r, "rpc.compute_logp", a + skew, lp, g)
+            t.span("actor", r, "ppo_actor.compute_logp", a + skew + 0.01, lp - 0.01, g)
+            t.span("actor", r, "fsdp_engine.forward", a + skew + 0.02, lp - 0.02, g)
+            # advantages: a few element-wise tensor ops, left as idle (as veRL's driver-side advantages are)
+            t.span("actor", r, "rpc.compute_advantages", lp, adv)
+            t.span("actor", r, "ppo_actor.compute_advantages", lp + 0.01, adv - 0.01)
+            t.span("actor", r, "rpc.ppo_update", adv, end, g)
+            t.span("actor", r, "ppo_actor.ppo_update", adv + 0.01, end - 0.01, g)
+            for m in range(2):                  # two mini-batches: forward and backward, then the optimizer step
+                m0 = adv + 0.02 + 1.99 * m
+                t.span("actor", r, "fsdp_engine.forward", m0, m0 + 0.6, g)
+                t.span("actor", r, "fsdp_engine.backward", m0 + 0.6, m0 + 1.6, g)
+                t.span("actor", r, "fsdp_engine.step", m0 + 1.6, m0 + 1.9, g)
+            t.span("actor", r, "rpc.step_lr_scheduler", end + 0.01, end + 0.02, cat="compute")
+        bounds.append([start, end])
+        # pause the servers, push the weights (NCCL broadcast from the ranks), resume
+        t.span("master", 0, "train.update_weights", end + 0.05, end + 1.05, cat="comm")
+        for r in (0, 1):
+            t.span("rollout", r, "rpc.pause_generation", end + 0.05, end + 0.07, cat="misc")
+            t.span("rollout", r, "remote_inf_engine.pause_generation", end + 0.05, end + 0.06, cat="misc")
+            t.span("actor", r, "rpc.update_weights", end + 0.1, end + 1.0, [r], cat="comm")
+            t.span("actor", r, "fsdp_engine.update_weights_from_distributed", end + 0.12, end + 0.98, [r], cat="comm")
+            t.span("actor", r, "rpc.set_version", end + 1.0, end + 1.01, cat="misc")
+            t.span("actor", r, "rpc.get_device_stats", end + 1.01, end + 1.02, cat="misc")
+            t.span("actor", r, "rpc.clear_batches", end + 1.05, end + 1.06, cat="misc")
+        t.span("master", 0, "train.clear_batches", end + 1.05, end + 1.07, cat="instr")
+        t.span("master", 0, "train.log_stats", end + 1.07, end + 1.1, cat="instr")
+        start = end
+    return {"traceEvents": t.events, "displayTimeUnit": "ms",
+            "otherData": {"what": "AReaL async PPO, perf trace of 2 actor ranks (the rollout servers untraced)",
+                          "commit": AREAL_COMMIT, "gpus": 2, "steps_s": bounds, "t0_us": AREAL_T0_US}}
+
+
 def openrlhf() -> dict:
     """OpenRLHF's default placement: 2 vLLM engines (TP 1, GPUs 0–1), policy ranks on GPUs 2–3, the reference model
     on 4, the critic on 5, the reward model on 6; generation, experience, critic and policy fits, the broadcast."""
@@ -362,21 +470,24 @@ def openrlhf_colocated() -> dict:
 
 FIXTURES = {"verl-colocated-async.ray-timeline.json": colocated_async, "verl-fully-async.ray-timeline.json": fully_async,
             "verl-one-step-off.ray-timeline.json": one_step_off, "openrlhf.ray-timeline.json": openrlhf,
-            "openrlhf-colocated.ray-timeline.json": openrlhf_colocated}
+            "openrlhf-colocated.ray-timeline.json": openrlhf_colocated, "areal.perf-trace.json": areal}
 
 
 #: fixture -> the name -> file:line table its names are cited from
 SOURCES_OF = {name: SOURCES for name in FIXTURES} | {
     "verl-one-step-off.ray-timeline.json": ONE_STEP_OFF_SOURCES, "openrlhf.ray-timeline.json": OPENRLHF_SOURCES,
-    "openrlhf-colocated.ray-timeline.json": OPENRLHF_SOURCES}
+    "openrlhf-colocated.ray-timeline.json": OPENRLHF_SOURCES, "areal.perf-trace.json": AREAL_SOURCES}
 
 
 def gpu_idle_truth(doc: dict, t0: float, t1: float, gpus=None) -> float:
     """GPU-weighted idle over ``[t0, t1]`` (seconds from the fixture's time 0) of ``gpus`` (default: all) from the
     events' ``args.gpus`` alone: for each GPU the union of its busy calls, then ``Σ_gpu idle / (GPUs · (t1 − t0))``."""
     busy = {g: [] for g in (range(doc["otherData"]["gpus"]) if gpus is None else gpus)}
+    t0_us = doc["otherData"].get("t0_us", T0_US)
     for e in doc["traceEvents"]:
-        a = (e["ts"] - T0_US) / 1e6
+        if e["ph"] == "M":
+            continue
+        a = (e["ts"] - t0_us) / 1e6
         for g in e["args"]["gpus"]:
             if g in busy:
                 busy[g].append((max(a, t0), min(a + e["dur"] / 1e6, t1)))
