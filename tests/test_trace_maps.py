@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from bidirl.cli import main
-from bidirl.ingest import MapError, load_foreign
+from bidirl.ingest import MapError, TraceFormatError, load_foreign
 from bidirl.ingest.bubbles import pool_idle
 from bidirl.ingest.chrome import label_of, read_chrome_trace
 from bidirl.ingest.maps import RAY_OWN, load_map, parse_map, shipped_maps
@@ -196,3 +196,14 @@ def test_map_auto_says_why_an_areal_ray_timeline_cannot_be_placed(tmp_path):
     with pytest.raises(MapError, match=r"cannot be placed by its span names: AReaL on Ray runs every engine call "
                                        r"through RayRPCServer\.call.*perf_tracer.*--map areal"):
         load_foreign(path, "ray-timeline", "auto")
+
+
+def test_areal_per_rank_json_lines_are_refused_with_the_merge_command(tmp_path):
+    """perf_tracer writes one event per line per rank (areal/utils/perf_tracer.py, PerfTracer.save); the importer
+    reads the merged Chrome trace and says how to make it, by name, instead of a bare JSON error."""
+    doc = _doc("areal.perf-trace.json")
+    path = tmp_path / "traces-r0.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in doc["traceEvents"][:5]))
+    with pytest.raises(TraceFormatError,
+                       match=r"traces-r0\.jsonl, line 2.*JSON lines.*areal\.tools\.perf_trace_converter"):
+        load_foreign(path, "ray-timeline", "areal")
