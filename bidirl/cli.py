@@ -583,6 +583,10 @@ def _run_trace(args: argparse.Namespace) -> int:
         print(f"\nwhat if (simulated with a preset fitted to this run): the planner picks {w['planner_choice']}")
         for name, tp in w["throughput"].items():
             print(f"  {name:<44} {tp:10.1f} tokens/s   ×{w['gain'][name]:.2f}")
+        print("  assuming, for the simulated trainer:")
+        for a in outcome["assumptions"]:
+            value = "" if a["key"] == "basis" else f" = {a['value']!r}"
+            print(f"    {a['key']}{value}: {a['as_simulated']}")
     print(f"\nwritten to {args.out}")
     return 0
 

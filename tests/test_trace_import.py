@@ -11,12 +11,14 @@ import pandas as pd
 import pytest
 import yaml
 
+from bidirl.calibrate.from_log import UnderdeterminedFit
 from bidirl.calibrate.step_log import LogError
 from bidirl.cli import main
 from bidirl.errors import BidirlError
 from bidirl.ingest import MapError, TraceFormatError, WorkerPoolConflict, load_foreign
 from bidirl.ingest.bubbles import COLOCATED_NAMES, bubble_breakdown, parts, pool_idle
 from bidirl.ingest.maps import load_map, shipped_maps
+from bidirl.ingest.whatif import imported_what_if
 from bidirl.results import metrics
 from bidirl.results.trace import EventLog
 from bidirl.viz.aggregate import MAX_BARS, MAX_LANES, thin
@@ -356,3 +358,44 @@ def test_the_what_if_of_an_imported_step_log_simulates_beside_the_measured(tmp_p
     assert w["what_if"]["provenance"] == "simulated" and len(w["what_if"]["throughput"]) == 3
     assert w["measured"]["throughput"] > 0 and w["measured"]["steps"] == doc["steps"]
     assert (out / "what_if.json").is_file()
+
+
+def _colocated_config(tmp_path, **rl) -> Path:
+    """The tiny-cpu job at staleness 0 (a colocated trainer is synchronous) with ``rl`` settings added."""
+    doc = yaml.safe_load((ROOT / "data" / "logs" / "tiny-cpu-s0" / "config.yaml").read_text())
+    doc["rl"].update(rl)
+    path = tmp_path / ("job-" + "-".join(f"{k}={v}" for k, v in sorted(rl.items())) + ".yaml")
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_the_what_if_of_a_colocated_run_says_what_it_assumes_of_the_disaggregated_trainer(tmp_path, capsys):
+    """The assumptions are the job-settings keys as simulated (JSON and text), and they are what the simulation ran
+    under: the same colocated timeline with offload on gives the disaggregated trainer other times than with it
+    off (its time is predicted under the settings, not the colocated trainer's copied)."""
+    trace = TRACES / "verl-colocated-async.ray-timeline.json"
+    run = load_foreign(trace, "ray-timeline", "verl-colocated")
+    with pytest.warns(UnderdeterminedFit):
+        plain = imported_what_if(run, _colocated_config(tmp_path), steps=4, seed=0)
+        offload = imported_what_if(run, _colocated_config(tmp_path, param_offload=True, optimizer_offload=True),
+                                   steps=4, seed=0)
+    said = {a["key"]: a for a in offload["assumptions"]}
+    assert set(said) == {"rl.param_offload", "rl.optimizer_offload", "rl.activation_checkpointing",
+                         "rl.micro_batch_per_device", "rl.sequence_parallel", "cluster.rollout_tensor_parallel",
+                         "basis"}
+    assert said["rl.param_offload"]["value"] is True and "host_bandwidth" in said["rl.param_offload"]["as_simulated"]
+    assert {a["key"]: a["value"] for a in plain["assumptions"]}["rl.param_offload"] is False
+    assert said["rl.micro_batch_per_device"]["value"] == 8
+    assert "not copied from the colocated run" in said["basis"]["as_simulated"]
+    assert "rl.param_offload / rl.optimizer_offload: false" in said["basis"]["as_simulated"]
+    key = next(k for k in plain["what_if"]["throughput"] if "planner's choice" in k)
+    assert offload["what_if"]["throughput"][key] != plain["what_if"]["throughput"][key]
+    out = tmp_path / "out"
+    with pytest.warns(UnderdeterminedFit):
+        assert main(["trace", "import", str(trace), "--format", "ray-timeline", "--map", "verl-colocated",
+                     "--out", str(out), "--config", str(_colocated_config(tmp_path, max_tokens_per_micro_batch=64)),
+                     "--what-if"]) == 0
+    text = capsys.readouterr().out
+    assert "assuming, for the simulated trainer:" in text
+    assert "rl.max_tokens_per_micro_batch = 64: token-budget micro-batches: up to 64 tokens per device" in text
+    assert json.loads((out / "what_if.json").read_text())["assumptions"][-1]["key"] == "basis"

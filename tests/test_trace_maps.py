@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from bidirl.cli import main
-from bidirl.ingest import MapError, load_foreign
+from bidirl.ingest import MapError, TraceFormatError, load_foreign
 from bidirl.ingest.bubbles import pool_idle
-from bidirl.ingest.chrome import read_chrome_trace
+from bidirl.ingest.chrome import label_of, read_chrome_trace
 from bidirl.ingest.maps import RAY_OWN, load_map, parse_map, shipped_maps
 from bidirl.ingest.suggest import suggest_map
 from tests import timeline_fixtures as tf
@@ -24,13 +24,17 @@ RECORDED = TRACES / "tiny-cpu.ray-timeline.json"          # recorded from a real
 #: the map each shipped fixture is read with
 FIXTURE_MAP = {"verl-colocated-async.ray-timeline.json": "verl-colocated",
                "verl-fully-async.ray-timeline.json": "verl-fully-async",
+               "verl-one-step-off.ray-timeline.json": "verl-one-step-off",
                "openrlhf.ray-timeline.json": "openrlhf", "openrlhf-colocated.ray-timeline.json": "openrlhf-colocated",
-               "verl-colocated.ray-timeline.json": "verl-colocated", "tiny-cpu.ray-timeline.json": "bidirl"}
+               "verl-colocated.ray-timeline.json": "verl-colocated", "tiny-cpu.ray-timeline.json": "bidirl",
+               "areal.perf-trace.json": "areal"}
 #: each fixture's GPUs per pool, from its own description (module docs of tests/timeline_fixtures.py)
 POOLS_OF = {"verl-colocated-async.ray-timeline.json": {"rollout_pool": range(4)},
             "verl-fully-async.ray-timeline.json": {"rollout_pool": range(4), "trainer_pool": range(4, 6)},
+            "verl-one-step-off.ray-timeline.json": {"rollout_pool": range(4), "trainer_pool": range(4, 6)},
             "openrlhf.ray-timeline.json": {"rollout_pool": range(2), "trainer_pool": range(2, 7)},
-            "openrlhf-colocated.ray-timeline.json": {"rollout_pool": range(2)}}
+            "openrlhf-colocated.ray-timeline.json": {"rollout_pool": range(2)},
+            "areal.perf-trace.json": {"trainer_pool": range(2)}}
 SOURCE = re.compile(r"^[\w/.-]+\.py:\d+@[0-9a-f]{7}$")
 
 
@@ -46,9 +50,9 @@ def test_the_committed_fixture_is_the_hand_written_schedule(name):
 @pytest.mark.parametrize("name", list(tf.FIXTURES))
 def test_every_fixture_name_carries_its_source_file_and_line_at_a_pinned_commit(name):
     doc = _doc(name)
-    sources = {**tf.SOURCES, **tf.OPENRLHF_SOURCES}
-    for e in doc["traceEvents"]:
-        label = e["cat"].removeprefix("task::")
+    sources = tf.SOURCES_OF[name]
+    for e in (e for e in doc["traceEvents"] if e["ph"] != "M"):
+        label = label_of(e["name"], e.get("cat", ""))
         assert SOURCE.match(e["args"]["source"]), e
         assert e["args"]["source"].split("@")[0] == sources[label]
         assert e["args"]["source"].endswith("@" + doc["otherData"]["commit"][:7])
@@ -79,6 +83,19 @@ def test_the_fully_async_rollout_is_placed_not_lost():
     spans = run.log.spans_df()
     gen = spans[spans["kind"] == "generate"]
     assert set(gen["pool"]) == {"rollout_pool"} and len(gen) == 19
+    assert set(spans.loc[spans["kind"] == "sync", "pool"]) == {"rollout_pool", "trainer_pool"}
+
+
+def test_the_one_step_off_rollout_overlaps_the_training_it_feeds():
+    """One step apart: while the trainer trains on batch k, the rollout generates batch k+1 (the fixture's steps 0 and
+    1), and both pools take part in each weight sync."""
+    run = load_foreign(TRACES / "verl-one-step-off.ray-timeline.json", "ray-timeline", "verl-one-step-off")
+    spans = run.log.spans_df()
+    gen = spans[spans["kind"] == "generate"]
+    update = spans[spans["detail"].map(lambda d: d["name"]) == "WorkerDict.actor_update_actor"]
+    assert len(update) == 6                          # 3 steps × 2 trainer GPUs
+    assert set(gen["pool"]) == {"rollout_pool"} and set(update["pool"]) == {"trainer_pool"}
+    assert any(((gen["start"] < u.end) & (gen["end"] > u.start)).any() for u in update.itertuples())
     assert set(spans.loc[spans["kind"] == "sync", "pool"]) == {"rollout_pool", "trainer_pool"}
 
 
@@ -158,14 +175,35 @@ def test_map_suggest_drafts_a_map_that_parses_names_every_span_and_imports(tmp_p
     assert run.unmapped_count == 0 and len(run.log.spans) == 40
 
 
-def test_map_auto_says_why_an_areal_timeline_cannot_be_placed(tmp_path):
+def test_the_areal_import_has_no_rollout_pool_and_says_so():
+    """AReaL's perf trace records no generation (the inference servers write none): the import places the trainer
+    ranks only and its notes say the rollout pool is missing, rather than showing a pool that is not there."""
+    run = load_foreign(TRACES / "areal.perf-trace.json", "ray-timeline", "areal")
+    assert run.pool_gpus["rollout_pool"] == 0 and run.pool_gpus["trainer_pool"] == 2
+    assert any("the rollout pool is not in this import" in n for n in run.notes)
+    assert set(run.ignored["name"]) >= {"rpc.submit", "train.rollout", "fsdp_engine.backward"}
+
+
+def test_map_auto_says_why_an_areal_ray_timeline_cannot_be_placed(tmp_path):
     """AReaL's Ray actors are RayRPCServer (areal/infra/rpc/ray_rpc_server.py:23 at 4aef98d); every engine call is
-    RayRPCServer.call (line 128) with the method as an argument, so the names say nothing about the work."""
+    RayRPCServer.call (line 128) with the method as an argument, so the names say nothing about the work — and the
+    refusal points to AReaL's own perf trace, which names the method (rpc.<method>)."""
     events = [{"cat": f"task::RayRPCServer.{m}", "name": m, "pid": "n", "tid": f"w{i}", "ts": 1e15 + k * 1e6,
                "dur": 5e5, "ph": "X", "args": {}}
               for i in range(4) for k, m in enumerate(("configure", "create_engine", "call", "call", "call"))]
     path = tmp_path / "areal.json"
     path.write_text(json.dumps(events))
     with pytest.raises(MapError, match=r"cannot be placed by its span names: AReaL on Ray runs every engine call "
-                                       r"through RayRPCServer\.call"):
+                                       r"through RayRPCServer\.call.*perf_tracer.*--map areal"):
         load_foreign(path, "ray-timeline", "auto")
+
+
+def test_areal_per_rank_json_lines_are_refused_with_the_merge_command(tmp_path):
+    """perf_tracer writes one event per line per rank (areal/utils/perf_tracer.py, PerfTracer.save); the importer
+    reads the merged Chrome trace and says how to make it, by name, instead of a bare JSON error."""
+    doc = _doc("areal.perf-trace.json")
+    path = tmp_path / "traces-r0.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in doc["traceEvents"][:5]))
+    with pytest.raises(TraceFormatError,
+                       match=r"traces-r0\.jsonl, line 2.*JSON lines.*areal\.tools\.perf_trace_converter"):
+        load_foreign(path, "ray-timeline", "areal")

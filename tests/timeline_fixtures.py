@@ -13,6 +13,17 @@ control calls) — the truth the tests compare the importer's GPU-weighted idle 
 * **verl-fully-async** — ``verl/experimental/fully_async_policy``: 4 rollout GPUs (a ``vLLMHttpServerForPartial``
   per GPU, the rollout ``WorkerDict`` beside it) and 2 trainer GPUs; the trainer's steps, the weight sync by
   checkpoint between them, generation never stopping except for the sync.
+* **verl-one-step-off** — ``verl/experimental/one_step_off_policy`` (veRL's V1 async trainer): 4 rollout GPUs (a
+  ``vLLMHttpServer`` per GPU, TP 1, the rollout ``WorkerDict`` beside it) and 2 trainer GPUs (actor and ref roles in
+  one ``WorkerDict`` per GPU); each step waits for the batch launched the step before, syncs the weights over NCCL
+  (``sync_rollout_weights`` on both pools), launches the next batch and trains on the current one, one step behind.
+* **areal** — AReaL at :data:`AREAL_COMMIT`: not a Ray timeline but AReaL's own perf trace (``perf_tracer``'s
+  per-rank JSON lines merged by ``python -m areal.tools.perf_trace_converter``: Chrome trace JSON, a process per
+  rank and role, each rank's times from its tracer's start). Two actor ranks (GPUs 0–1) run the ``rpc.<method>``
+  calls the controller sends (recompute log-probs, advantages, PPO update, weight update), the engine's own spans
+  nested inside; the controller (``master``) records its ``train.*`` view of each stage, the rollout workers their
+  client calls (``rpc.submit`` …). The inference servers' generation is in no AReaL trace, so no GPU of the rollout
+  is here: the truth is the trainer ranks'.
 * **openrlhf**, **openrlhf-colocated** — OpenRLHF at :data:`OPENRLHF_COMMIT`, its default placement and
   ``--colocate_all_models`` (engines and models on the same GPUs, ``offload_states`` / ``reload_states`` between).
 """
@@ -75,6 +86,47 @@ SOURCES = {
     "MessageQueue.put_sample": f"{FA}/message_queue.py:67",
     "FullyAsyncTaskRunner.run": f"{FA}/fully_async_main.py:142",
 }
+OSO = "verl/experimental/one_step_off_policy"
+#: veRL one-step-off name -> file:line at VERL_COMMIT (its WorkerDict roles are `actor`, `rollout`, `ref`: Role's
+#: strings, verl/trainer/ppo/utils.py:44; bound as `<role>_<method>`, verl/single_controller/ray/base.py:891)
+ONE_STEP_OFF_SOURCES = {
+    "OneStepTaskRunner.run": f"{OSO}/main_ppo.py:135",
+    "WorkerDict.actor_init_model": f"{W}:759", "WorkerDict.rollout_init_model": f"{W}:759",
+    "WorkerDict.ref_init_model": f"{W}:759",
+    "WorkerDict.actor_get_actor_weights_info": f"{OSO}/fsdp_workers.py:144",
+    "WorkerDict.rollout_set_actor_weights_info": f"{OSO}/fsdp_workers.py:170",
+    "WorkerDict.actor_create_weight_sync_group": f"{OSO}/fsdp_workers.py:57",
+    "WorkerDict.rollout_create_weight_sync_group": f"{OSO}/fsdp_workers.py:57",
+    "WorkerDict.actor_sync_rollout_weights": f"{OSO}/fsdp_workers.py:68",
+    "WorkerDict.rollout_sync_rollout_weights": f"{OSO}/fsdp_workers.py:68",
+    "vLLMHttpServer.generate": f"{SERVER}:445", "vLLMHttpServer.clear_kv_cache": f"{SERVER}:595",
+    "AgentLoopWorker.generate_sequences": "verl/experimental/agent_loop/agent_loop.py:406",
+    "WorkerDict.actor_compute_log_prob": f"{W}:989", "WorkerDict.ref_compute_ref_log_prob": f"{W}:1041",
+    "WorkerDict.actor_update_actor": f"{W}:893", "WorkerDict.actor_save_checkpoint": f"{W}:1074",
+}
+#: AReaL's commit the AReaL fixture's names are cited at
+AREAL_COMMIT = "4aef98d8d"
+_RT, _TC, _PA, _FE, _RC = ("areal/trainer/rl_trainer.py", "areal/infra/controller/train_controller.py",
+                           "areal/trainer/ppo/actor.py", "areal/engine/fsdp_engine.py",
+                           "areal/infra/controller/rollout_controller.py")
+#: AReaL name -> file:line at AREAL_COMMIT. ``rpc.<method>``: the span areal/infra/rpc/guard/engine_blueprint.py:533
+#: records around every engine call on a worker, cited at the line naming the method the controller sends
+AREAL_SOURCES = {
+    "train.rollout": f"{_RT}:565", "train.recompute_logp": f"{_RT}:647", "train.compute_advantage": f"{_RT}:660",
+    "train.ppo_update": f"{_RT}:680", "train.update_weights": f"{_RT}:725", "train.clear_batches": f"{_RT}:791",
+    "train.log_stats": f"{_RT}:813",
+    "rpc.compute_logp": f"{_PA}:371", "rpc.compute_advantages": f"{_PA}:376", "rpc.ppo_update": f"{_PA}:381",
+    "rpc.step_lr_scheduler": f"{_TC}:710", "rpc.update_weights": f"{_TC}:714", "rpc.set_version": f"{_TC}:671",
+    "rpc.get_device_stats": f"{_TC}:725", "rpc.clear_batches": f"{_TC}:839",
+    "ppo_actor.compute_logp": f"{_PA}:129", "ppo_actor.compute_advantages": f"{_PA}:141",
+    "ppo_actor.ppo_update": f"{_PA}:251", "fsdp_engine.forward": f"{_FE}:745", "fsdp_engine.backward": f"{_FE}:757",
+    "fsdp_engine.step": f"{_FE}:700", "fsdp_engine.update_weights_from_distributed": f"{_FE}:1506",
+    "rpc.submit": f"{_RC}:801", "rpc.wait_for_task": f"{_RC}:823", "rpc.pause_generation": f"{_RC}:1038",
+    "remote_inf_engine.pause_generation": "areal/infra/remote_inf_engine.py:1204",
+}
+#: AReaL's tracer times: µs since the tracer was configured (perf_tracer.py, PerfTracer._relative_us); the
+#: fixture's time 0 is this far in
+AREAL_T0_US = 5_000_000
 _E, _A, _L, _C = ("openrlhf/trainer/ray/vllm_engine.py", "openrlhf/trainer/ray/ppo_actor.py",
                   "openrlhf/trainer/ray/launcher.py", "openrlhf/trainer/ray/ppo_critic.py")
 #: OpenRLHF name -> file:line at OPENRLHF_COMMIT
@@ -209,6 +261,136 @@ def fully_async() -> dict:
     return t.document("veRL fully-async trainer, 4 rollout GPUs (TP 1) + 2 trainer GPUs", bounds, 6)
 
 
+def one_step_off() -> dict:
+    """veRL's one-step-off trainer (module doc; OneStepOffRayTrainer.fit, OSO/ray_trainer.py:412): rollout GPUs 0–3,
+    trainer GPUs 4–5. Batch k+1 is generated while the trainer trains on batch k."""
+    t = Trace(sources=ONE_STEP_OFF_SOURCES)
+    t.call("driver", "OneStepTaskRunner.run", -12.0, 40.0)
+    for g in range(4):
+        t.call(f"r{g}", "WorkerDict.rollout_init_model", -11.0, -3.0, [g])
+        t.call(f"r{g}", "WorkerDict.rollout_set_actor_weights_info", -2.5, -2.4, [g])
+        t.call(f"r{g}", "WorkerDict.rollout_create_weight_sync_group", -2.3, -2.0, [g])
+    for g in (4, 5):
+        t.call(f"t{g}", "WorkerDict.ref_init_model", -11.0, -7.0, [g])
+        t.call(f"t{g}", "WorkerDict.actor_init_model", -7.0, -3.0, [g])
+        t.call(f"t{g}", "WorkerDict.actor_get_actor_weights_info", -2.8, -2.6, [g])
+        t.call(f"t{g}", "WorkerDict.actor_create_weight_sync_group", -2.3, -2.0, [g])
+
+    def generate(requests, a, b):
+        for agent in range(2):
+            t.call(f"agent{agent}", "AgentLoopWorker.generate_sequences", a, b)
+        for g, x, y in requests:
+            t.call(f"s{g}", "vLLMHttpServer.generate", x, y, [g])
+
+    def sync(at):
+        # the NCCL broadcast from the trainer ranks to the rollout workers (OSO/ray_trainer.py:303), then the
+        # servers drop their KV cache (a control call: no GPU work to speak of)
+        for g in (4, 5):
+            t.call(f"t{g}", "WorkerDict.actor_sync_rollout_weights", at, at + 1.0, [g])
+        for g in range(4):
+            t.call(f"r{g}", "WorkerDict.rollout_sync_rollout_weights", at, at + 1.0, [g])
+            t.call(f"s{g}", "vLLMHttpServer.clear_kv_cache", at + 1.0, at + 1.05)
+
+    # batch 0 before the loop; in step k the trainer waits for batch k, syncs, launches batch k+1, trains on batch k
+    generate([(0, 0.0, 6.0), (1, 0.0, 8.0), (2, 0.0, 5.0), (3, 0.5, 7.0)], 0.0, 8.0)
+    batches = [[(0, 9.1, 14.0), (1, 9.1, 15.0), (2, 9.1, 17.0), (3, 9.5, 13.0)],
+               [(0, 18.1, 21.0), (1, 18.1, 24.0), (2, 18.5, 22.0), (3, 18.1, 20.0)], None]
+    # (batch ready, train start, update start, update end)
+    steps = [(8.0, 9.1, 11.6, 16.0), (17.0, 18.1, 20.0, 25.0), (25.0, 26.1, 28.0, 33.0)]
+    bounds, start = [], 0.0
+    for (ready, tr, up, end), nxt in zip(steps, batches):
+        sync(ready)
+        if nxt is not None:
+            generate(nxt, tr, max(y for _, _, y in nxt))
+        for g in (4, 5):
+            t.call(f"t{g}", "WorkerDict.actor_compute_log_prob", tr, tr + 1.5, [g])
+            t.call(f"t{g}", "WorkerDict.ref_compute_ref_log_prob", tr + 1.5, up, [g])
+            t.call(f"t{g}", "WorkerDict.actor_update_actor", up, end, [g])
+        bounds.append([start, end])
+        start = end
+    for g in (4, 5):
+        t.call(f"t{g}", "WorkerDict.actor_save_checkpoint", 34.0, 35.0, [g])
+    return t.document("veRL one-step-off trainer, 4 rollout GPUs (TP 1) + 2 trainer GPUs", bounds, 6)
+
+
+class ArealTrace:
+    """Events as AReaL's perf trace converter writes them: ``{"name", "ph": "X", "ts", "dur", "pid", "tid", "cat",
+    "args": {"rank", "role", ...}}`` (areal/utils/perf_tracer.py, PerfTracer._record_complete and _record_event),
+    a process per (rank, role) with its ``process_name``; ``span(process, name, start_s, end_s, gpus, cat)``."""
+
+    def __init__(self):
+        self.events, self.procs = [], {}
+
+    def process(self, role: str, rank: int) -> int:
+        if (role, rank) not in self.procs:
+            pid = len(self.procs) + 1
+            self.procs[(role, rank)] = pid
+            self.events.append({"name": "process_name", "ph": "M", "pid": pid,
+                                "args": {"name": f"[{role}] Rank {rank}, Process {4000 + pid}"}})
+        return self.procs[(role, rank)]
+
+    def span(self, role: str, rank: int, name: str, start: float, end: float, gpus=(), cat: str = "compute"):
+        pid = self.process(role, rank)
+        self.events.append({"name": name, "ph": "X", "ts": AREAL_T0_US + round(start * 1e6),
+                            "dur": round((end - start) * 1e6), "pid": pid, "tid": pid, "cat": cat,
+                            "args": {"rank": rank, "role": role, "source": f"{AREAL_SOURCES[name]}@{AREAL_COMMIT[:7]}",
+                                     "gpus": list(gpus)}})
+
+
+def areal() -> dict:
+    """AReaL's asynchronous PPO (module doc): the controller waits for each batch (``train.rollout``), then the two
+    actor ranks recompute log-probs, compute advantages, update, and push the weights to the inference servers."""
+    t = ArealTrace()
+    waits = (3.0, 1.0, 2.5)                     # each step: the trainer waiting for its batch first
+    bounds, start = [], 0.0
+    for k, wait in enumerate(waits):
+        a = start + wait if k else 0.0          # the first step starts at the first rank's call (the trace's 0)
+        t.span("master", 0, "train.rollout", start - 3.0 if not k else start, a, cat="compute")
+        for r in (0, 1):
+            t.span("rollout", r, "rpc.wait_for_task", a - 0.3, a - 0.29, cat="scheduler")
+            for j in range(3):
+                t.span("rollout", r, "rpc.submit", start + 0.1 * j, start + 0.1 * j + 0.01, cat="scheduler")
+        lp, adv = a + 2.0 + 0.1 * k, a + 2.3 + 0.1 * k
+        end = adv + 4.0
+        t.span("master", 0, "train.recompute_logp", a, lp)
+        t.span("master", 0, "train.compute_advantage", lp, adv)
+        t.span("master", 0, "train.ppo_update", adv, end)
+        for r in (0, 1):
+            g = [r]
+            skew = 0.05 * r                     # the ranks' tracers started a little apart
+            t.span("actor", r, "rpc.compute_logp", a + skew, lp, g)
+            t.span("actor", r, "ppo_actor.compute_logp", a + skew + 0.01, lp - 0.01, g)
+            t.span("actor", r, "fsdp_engine.forward", a + skew + 0.02, lp - 0.02, g)
+            # advantages: a few element-wise tensor ops, left as idle (as veRL's driver-side advantages are)
+            t.span("actor", r, "rpc.compute_advantages", lp, adv)
+            t.span("actor", r, "ppo_actor.compute_advantages", lp + 0.01, adv - 0.01)
+            t.span("actor", r, "rpc.ppo_update", adv, end, g)
+            t.span("actor", r, "ppo_actor.ppo_update", adv + 0.01, end - 0.01, g)
+            for m in range(2):                  # two mini-batches: forward and backward, then the optimizer step
+                m0 = adv + 0.02 + 1.99 * m
+                t.span("actor", r, "fsdp_engine.forward", m0, m0 + 0.6, g)
+                t.span("actor", r, "fsdp_engine.backward", m0 + 0.6, m0 + 1.6, g)
+                t.span("actor", r, "fsdp_engine.step", m0 + 1.6, m0 + 1.9, g)
+            t.span("actor", r, "rpc.step_lr_scheduler", end + 0.01, end + 0.02, cat="compute")
+        bounds.append([start, end])
+        # pause the servers, push the weights (NCCL broadcast from the ranks), resume
+        t.span("master", 0, "train.update_weights", end + 0.05, end + 1.05, cat="comm")
+        for r in (0, 1):
+            t.span("rollout", r, "rpc.pause_generation", end + 0.05, end + 0.07, cat="misc")
+            t.span("rollout", r, "remote_inf_engine.pause_generation", end + 0.05, end + 0.06, cat="misc")
+            t.span("actor", r, "rpc.update_weights", end + 0.1, end + 1.0, [r], cat="comm")
+            t.span("actor", r, "fsdp_engine.update_weights_from_distributed", end + 0.12, end + 0.98, [r], cat="comm")
+            t.span("actor", r, "rpc.set_version", end + 1.0, end + 1.01, cat="misc")
+            t.span("actor", r, "rpc.get_device_stats", end + 1.01, end + 1.02, cat="misc")
+            t.span("actor", r, "rpc.clear_batches", end + 1.05, end + 1.06, cat="misc")
+        t.span("master", 0, "train.clear_batches", end + 1.05, end + 1.07, cat="instr")
+        t.span("master", 0, "train.log_stats", end + 1.07, end + 1.1, cat="instr")
+        start = end
+    return {"traceEvents": t.events, "displayTimeUnit": "ms",
+            "otherData": {"what": "AReaL async PPO, perf trace of 2 actor ranks (the rollout servers untraced)",
+                          "commit": AREAL_COMMIT, "gpus": 2, "steps_s": bounds, "t0_us": AREAL_T0_US}}
+
+
 def openrlhf() -> dict:
     """OpenRLHF's default placement: 2 vLLM engines (TP 1, GPUs 0–1), policy ranks on GPUs 2–3, the reference model
     on 4, the critic on 5, the reward model on 6; generation, experience, critic and policy fits, the broadcast."""
@@ -287,15 +469,25 @@ def openrlhf_colocated() -> dict:
 
 
 FIXTURES = {"verl-colocated-async.ray-timeline.json": colocated_async, "verl-fully-async.ray-timeline.json": fully_async,
-            "openrlhf.ray-timeline.json": openrlhf, "openrlhf-colocated.ray-timeline.json": openrlhf_colocated}
+            "verl-one-step-off.ray-timeline.json": one_step_off, "openrlhf.ray-timeline.json": openrlhf,
+            "openrlhf-colocated.ray-timeline.json": openrlhf_colocated, "areal.perf-trace.json": areal}
+
+
+#: fixture -> the name -> file:line table its names are cited from
+SOURCES_OF = {name: SOURCES for name in FIXTURES} | {
+    "verl-one-step-off.ray-timeline.json": ONE_STEP_OFF_SOURCES, "openrlhf.ray-timeline.json": OPENRLHF_SOURCES,
+    "openrlhf-colocated.ray-timeline.json": OPENRLHF_SOURCES, "areal.perf-trace.json": AREAL_SOURCES}
 
 
 def gpu_idle_truth(doc: dict, t0: float, t1: float, gpus=None) -> float:
     """GPU-weighted idle over ``[t0, t1]`` (seconds from the fixture's time 0) of ``gpus`` (default: all) from the
     events' ``args.gpus`` alone: for each GPU the union of its busy calls, then ``Σ_gpu idle / (GPUs · (t1 − t0))``."""
     busy = {g: [] for g in (range(doc["otherData"]["gpus"]) if gpus is None else gpus)}
+    t0_us = doc["otherData"].get("t0_us", T0_US)
     for e in doc["traceEvents"]:
-        a = (e["ts"] - T0_US) / 1e6
+        if e["ph"] == "M":
+            continue
+        a = (e["ts"] - t0_us) / 1e6
         for g in e["args"]["gpus"]:
             if g in busy:
                 busy[g].append((max(a, t0), min(a + e["dur"] / 1e6, t1)))

@@ -71,6 +71,13 @@ def _load(path: Path) -> list:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
+        if exc.msg == "Extra data" and _first_line_is_an_event(text):
+            raise TraceFormatError(f"{path.name}, line {exc.lineno}",
+                                   "one trace event per line (JSON lines, as AReaL's perf_tracer writes each rank's "
+                                   "traces-r<rank>.jsonl), not one Chrome trace document",
+                                   "merge the per-rank files into one Chrome trace JSON first: `python -m "
+                                   "areal.tools.perf_trace_converter <trial dir> traces.json`, then import "
+                                   "traces.json (--map areal)") from None
         raise TraceFormatError(f"{path.name}, line {exc.lineno}, column {exc.colno}",
                                f"not valid JSON ({exc.msg}); a truncated file ends like this",
                                "re-export the timeline (ray timeline / ray.timeline(filename)) and check that the "
@@ -85,6 +92,15 @@ def _load(path: Path) -> list:
 def label_of(name: str, cat: str) -> str:
     """What a map matches: ``Class.method`` for a Ray task (``cat`` ``task::Class.method``), else the name."""
     return cat[len(RAY_TASK_PREFIX):] if cat.startswith(RAY_TASK_PREFIX) else name
+
+
+def _first_line_is_an_event(text: str) -> bool:
+    """Whether the first line of ``text`` is one whole trace event (a JSON object with a phase): a JSON-lines file."""
+    try:
+        first = json.loads(text.split("\n", 1)[0])
+    except json.JSONDecodeError:
+        return False
+    return isinstance(first, dict) and "ph" in first
 
 
 def read_chrome_trace(path: Union[str, Path]) -> RawTrace:

@@ -27,6 +27,7 @@ A map is YAML (shipped maps: ``data/trace_maps/*.yaml``, by name; or any path)::
     gpus_per_worker: 1
     steps:
       end: {kind: optimizer}       # a training step ends where a union of these spans (over all workers) ends
+    note: ...                      # optional: what a trace read through this map cannot show (said in the notes)
 
 A span that matches no rule is *unmapped*: reported by name with a count, never dropped silently. A worker
 whose spans the rules send to two pools, with no worker rule to settle it, raises
@@ -52,7 +53,8 @@ SPAN_KEYS = frozenset({"name", "cat", "kind", "pool", "role", "stage", "ignore"}
 WORKER_KEYS = frozenset({"ran", "first", "pool", "role", "label", "gpus", "shares_gpus"})
 #: what a lane is called after its pool: rollout replica, trainer rank, or a process doing both (colocated)
 LABELS = ("rollouter", "trainer", "worker")
-TOP_KEYS = frozenset({"name", "description", "colocated", "sources", "spans", "workers", "gpus_per_worker", "steps"})
+TOP_KEYS = frozenset({"name", "description", "colocated", "sources", "spans", "workers", "gpus_per_worker", "steps",
+                      "note"})
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,8 @@ class TraceMap:
     step_end: dict = field(default_factory=lambda: {"kind": "optimizer"})
     sources: tuple = ()
     description: str = ""
+    #: what a trace read through this map cannot show (said in every import's notes), e.g. a pool it never records
+    note: str = ""
 
     @property
     def policy(self) -> str:
@@ -212,7 +216,8 @@ def parse_map(doc, path: str = "(map)") -> TraceMap:
                     workers=tuple(_worker_rule(i, r, path) for i, r in enumerate(workers)),
                     gpus_per_worker=_gpus(doc.get("gpus_per_worker", 1), Path(path).name, "gpus_per_worker"),
                     colocated=bool(doc.get("colocated", False)), step_end=dict(end),
-                    sources=tuple(map(str, doc.get("sources") or ())), description=str(doc.get("description", "")))
+                    sources=tuple(map(str, doc.get("sources") or ())), description=str(doc.get("description", "")),
+                    note=str(doc.get("note") or ""))
 
 
 def shipped_maps() -> dict:
@@ -252,7 +257,11 @@ UNPLACEABLE: tuple = (
     (re.compile(r"^RayRPCServer\.call$"),
      "AReaL on Ray runs every engine call through RayRPCServer.call(method, …) (areal/infra/rpc/ray_rpc_server.py, "
      "lines 23 and 128, at commit 4aef98d): the method — generation, training, weight update — is an argument, "
-     "not in the timeline, so no map can tell them apart; use AReaL's own per-step stats"),
+     "not in the timeline, so no map can tell them apart. AReaL's own trace names it: turn on its perf_tracer "
+     "(areal/utils/perf_tracer.py; every engine call is the span rpc.<method>, "
+     "infra/rpc/guard/engine_blueprint.py:533), merge the per-rank files with "
+     "`python -m areal.tools.perf_trace_converter <trial dir> traces.json` and import that file with --map areal "
+     "(its trainer ranks; the inference servers' generation is in no AReaL trace)"),
 )
 #: a map is chosen when its rules match at least this share of a timeline's distinct span names (Ray's own aside)
 AUTO_MIN_MATCHED = 0.9

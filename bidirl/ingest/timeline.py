@@ -177,6 +177,8 @@ def import_timeline(path, tmap, *, origin_s=None, pool_gpus_override=None, progr
     if pool_gpus_override is not None:
         pool_gpus = {p: float(pool_gpus_override.get(p, 0.0)) for p in POOLS}
     notes = [why] if why else []
+    if tmap.note:
+        notes.append(tmap.note)
     if tmap.colocated:
         notes.append("colocated: one pool holds every GPU; training is drawn as auxiliary work on the generation "
                      "GPUs (bidirl's convention for veRL's colocated trainer)")
