@@ -11,8 +11,9 @@ import torch
 
 from benchmarks import bench_gpu_path as gp
 
-STEPS = ("load", "chunk_1", "chunk_2", "window", "apply", "publish", "snapshot", "chunk_3", "offload_first",
-         "onload_first", "apply_2", "publish_2", "offload", "onload", "snapshot_write")
+STEPS = ("load", "publish_0", "chunk_1", "chunk_2", "window", "apply", "publish", "snapshot", "chunk_3",
+         "offload_first", "onload_first", "window_2", "chunk_4", "apply_2", "publish_2", "snapshot_write", "offload",
+         "onload")
 
 
 def test_the_cycle_runs_every_step_of_a_run_on_this_device():

@@ -297,4 +297,46 @@ def test_the_snapshot_copy_runs_beside_the_next_chunk_and_holds_the_state_it_was
     assert restored.version == 1
     assert all(torch.equal(v, weights[k]) for k, v in restored.model.state_dict().items())
     assert all(torch.equal(x, y) for x, y in zip(_moments(restored), moments))
-    assert e._state_copy.allocations == 1
+    # the copy went into the hot switch's host buffer, reserved once at load: no buffer of its own; only AdamW's
+    # one-element step counters (outside the staged storages) were cloned
+    steps = sum(v.numel() * v.element_size() for st in e.optimizer.state.values() for v in st.values()
+                if torch.is_tensor(v) and v.numel() == 1)
+    assert e.host_buffer_allocations == 1 and e._state_copy.cloned_bytes == steps
+
+
+def test_an_offload_after_a_snapshot_copies_only_what_changed_since_and_the_snapshot_stays_whole(model_dir, tmp_path):
+    """The snapshot's copy is the offload's: the weights and moments already sit in the host buffer where an offload
+    puts them, so the switch copies the gradient and the published version only, and the snapshot written beside
+    the switch holds the state it was taken from. After an optimizer step the next offload copies everything again
+    (and first waits for a write still reading the buffer)."""
+    samples = _samples(model_dir, 4)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    e = _engine(model_dir, publish_dtype="float32")
+    e.apply([e.chunk_gradients(samples, adv, e.logprobs(samples))])
+    e.publish(e.version, "float32")
+    weights = {k: v.clone() for k, v in e.model.state_dict().items()}
+    moments = [v.clone() for v in _moments(e)]
+    stable = sum(t.untyped_storage().nbytes() for t in e._stable_tensors())
+    e.save_snapshot(tmp_path, 1)
+    e.chunk_gradients(samples, adv, e.logprobs(samples), accumulate=True, chunk_id=0)
+    grad = sum(p.grad.untyped_storage().nbytes() for p in e.params)
+    published = sum(t.numel() * t.element_size() for t, _ in e.published[1].values())
+    e.offload()
+    assert e._host.copied_bytes == grad + published, "weights and moments were staged by the snapshot's copy"
+    e.onload()
+    e.offload()                                   # no step since: the stable state is still in the buffer
+    assert e._host.copied_bytes == grad + published
+    e.onload()
+    assert all(torch.equal(v, weights[k]) for k, v in e.model.state_dict().items())
+    assert all(torch.equal(x, y) for x, y in zip(_moments(e), moments))
+    e.apply()                                     # the weights and moments change: the buffer's copy is stale
+    e.offload()
+    assert e._host.copied_bytes == e._host.nbytes and e._host.copied_bytes > stable
+    assert "offload_write" in e.snapshot_waits
+    e.onload()
+    assert e.flush_snapshot() == {}              # the offload above waited for the write
+    assert e.host_buffer_allocations == 1
+    restored = _engine(model_dir)
+    restored.load_snapshot(tmp_path, 1)
+    assert all(torch.equal(v, weights[k]) for k, v in restored.model.state_dict().items())
+    assert all(torch.equal(x, y) for x, y in zip(_moments(restored), moments))

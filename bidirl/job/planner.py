@@ -563,8 +563,9 @@ _TERM_FIXES = {
                       "no-borrow: no auxiliary windows to keep until the optimizer step)"),
     "apply_sum": ("scheduler.policy", "run a policy that does not lend the rollout pool to training (rot-only or "
                   "no-borrow: the optimizer step then sums no window beside the gradient)"),
-    "optimizer_step": ("hardware", "a GPU with more memory, or a model with a smaller vocabulary × hidden size "
-                       "(AdamW's temporaries are two copies of the largest parameter's shard)"),
+    "optimizer_step": ("hardware", "a GPU with more memory, or more GPUs per trainer replica (AdamW's temporaries: "
+                       "on CUDA a copy of the rank's second moments, torch's foreach path; on CPU two copies of the "
+                       "largest parameter's shard)"),
     "activations": ("rl.micro_batch_per_device", "lower rl.micro_batch_per_device or workload.max_response_len "
                     "(activations are not sharded)"),
     "fsdp_unsharded": ("hardware", "a GPU with more memory, or a smaller model (FSDP2 unshards the embedding and two "

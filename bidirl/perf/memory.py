@@ -281,8 +281,12 @@ class DeviceBudget:
       step: ``4·N/ρ`` when the step has a window, else 0; on the object-store path the auxiliary chunks' gradients
       come from the host instead (no ``window_shards``), and the device copy of the last one (``flat``) is alive
       beside the sum: ``2·4·N/ρ``;
-    * ``optimizer_step`` — AdamW's temporaries: on DTensors (every sharded or bf16-mixed engine) and on CPU
-      torch takes the single-tensor path (``torch.optim.adam._single_tensor_adam``), whose
+    * ``optimizer_step`` — AdamW's temporaries. On CUDA torch takes the multi-tensor path (``foreach``, its
+      default for CUDA tensors and DTensors: ``torch.optim.optimizer._default_to_fused_or_foreach``), whose
+      ``torch._foreach_sqrt(exp_avg_sqs)`` holds a new fp32 copy of every second moment at once: ``4·N/ρ``
+      (measured on an H200 at 4B, ``benchmarks/trainer_scale.md``: both optimizer steps of ``bench gpu_path`` peak
+      within 0.6 GiB of the budget with this term, 12.6 GiB above it with the single-tensor term). On CPU
+      (``foreach`` is CUDA-only) the single-tensor path (``torch.optim.adam._single_tensor_adam``), whose
       ``(exp_avg_sq.sqrt() / c).add_(eps)`` holds two fp32 tensors of one parameter at once: ``2·4·P_max/ρ``
       for the largest parameter ``P_max`` (the embedding or the head, ``V·H``);
     * ``activations`` — one micro-batch (:func:`trainer_activation_bytes`; not sharded);
@@ -406,7 +410,7 @@ def device_budget(model, hw, layout: int, *, micro_batch_per_device: int, max_se
         published_versions=(PUBLISHED_KEPT + PUBLISHED_TRANSIENT) * wire * n / rho if collective else 0.0,
         window_shards=windows * ENGINE_GRAD_BYTES * n / rho if collective else 0.0,
         apply_sum=(1 if collective else 2) * ENGINE_GRAD_BYTES * n / rho if windows else 0.0,
-        optimizer_step=2 * 4 * largest / rho,
+        optimizer_step=(4 * n if device == "cuda" else 2 * 4 * largest) / rho,
         activations=trainer_activation_bytes(
             model, micro_batch_per_device * max_seq_len if tokens is None else tokens, checkpointing),
         fsdp_unsharded=(compute * (root + FSDP_PREFETCH_BLOCKS * block) + compute * (root + block)

@@ -2,13 +2,17 @@
 §3.2's fault tolerance; the driver's side is :mod:`bidirl.cluster.engines.trainer_recovery`).
 
 A recovery snapshot needs a consistent host copy of the rank's weights and AdamW state. Only an optimizer step (or
-an offload, or a weight load) changes them; the chunks that follow a step only add to ``p.grad``. So the copy runs
-on a thread of its own while the next chunks run, and only a call that would change or free the state waits for it
-(:meth:`StateCopy.wait`). The copy goes into one flat host buffer, allocated once and reused by every snapshot
-(pinned where the engine runs on CUDA: a copy from the device into pageable memory runs at a fraction of the bus's
-speed, 53 s for a 4B rank's state on an H200, ``benchmarks/trainer_scale.md``; pageable on CPU, where pinning buys
-nothing). On CUDA the copy runs on a stream of its own, ordered after the work already queued on the engine's
-stream; on CPU the same code runs with a plain buffer and no stream.
+a weight load) changes them; the chunks that follow a step only add to ``p.grad``. So the copy runs on a thread of
+its own while the next chunks run, and only a call that would change or free the state waits for it
+(:meth:`StateCopy.wait`). The copy goes into the engine's hot-switch host buffer
+(:class:`~bidirl.cluster.engines.workers.host_buffer.HostStash`), at the offsets an offload lays that state out at
+(:meth:`HostStash.stage`): no second buffer — at 4B a rank's state is 48 GB, the switch's buffer 80 GB, an H200
+host 128 GiB — and an offload that follows finds the weights and moments already there and copies only the
+gradients and the published versions, while the snapshot's write goes on reading them. The buffer is page-locked
+where the engine runs on CUDA (a copy from the device into pageable memory runs at a fraction of the bus's speed,
+53 s for a 4B rank's state on an H200, ``benchmarks/trainer_scale.md``), pageable on CPU. On CUDA the copy runs on
+a stream of its own, ordered after the work already queued on the engine's stream; on CPU the same code runs with
+no stream. Leaves of the state that are not in the staged storages (AdamW's ``step`` counters) are cloned.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from bidirl.cluster.engines.workers.host_buffer import HostStash, aligned
+from bidirl.cluster.engines.workers.host_buffer import HostStash
 
 
 def _leaves(tree, out: list) -> list:
@@ -46,11 +50,11 @@ def _replace(tree, it):
 
 
 class StateCopy:
-    """One copy at a time of a tree of (local, plain) tensors into a reused host buffer, on a thread of its own."""
+    """One copy at a time of a tree of (local, plain) tensors into an engine's host buffer, on a thread of its own."""
 
-    def __init__(self):
-        self.buffer: Optional[torch.Tensor] = None
-        self.allocations = 0              # how many times the buffer was allocated (once per state size)
+    def __init__(self, stash: HostStash):
+        self.stash = stash
+        self.cloned_bytes = 0             # bytes of leaves outside the staged storages, cloned (the last copy)
         self.waited_s = 0.0               # how long the last wait() blocked its caller
         self._thread: Optional[threading.Thread] = None
         self._result = None
@@ -61,37 +65,37 @@ class StateCopy:
     def in_flight(self) -> bool:
         return self._thread is not None
 
-    def start(self, tree, device) -> None:
-        """Start copying every tensor of ``tree`` (dicts, lists, tuples of tensors on ``device``) to the host; the
-        tree's tensors must not change until :meth:`wait` returns. The previous copy is waited for first."""
+    def start(self, tree, device, storages, capacity: int) -> None:
+        """Start copying ``storages`` (the tensors an offload lays out first: weights, then moments) into the host
+        buffer's prefix (:meth:`HostStash.stage`, a buffer of ``capacity`` bytes) and building ``tree`` (dicts,
+        lists, tuples of tensors on ``device``, each on one of ``storages`` or cloned) from it; the tensors must
+        not change until :meth:`wait` returns. The previous copy is waited for first."""
         self.wait()
         device = torch.device(device)
-        tensors = [t.detach() for t in _leaves(tree, [])]
-        total = sum(aligned(t.numel() * t.element_size()) for t in tensors)
-        pin = HostStash.pinned_for(device)
         cuda = device.type == "cuda"
+        storages = [t.detach() for t in storages]
+        leaves = [t.detach() for t in _leaves(tree, [])]
         # the copy follows what the engine's stream has queued (the optimizer step that made this state)
         ready = torch.cuda.current_stream(device).record_event() if cuda else None
 
         def run():
             try:
-                if self.buffer is None or self.buffer.numel() < total or self.buffer.is_pinned() != pin:
-                    self.buffer = None
-                    self.buffer = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=pin)
-                    self.allocations += 1
                 stream = torch.cuda.Stream(device) if cuda else None
                 with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                     if cuda:
                         stream.wait_event(ready)
-                    views, offset = [], 0
-                    for t in tensors:
-                        n = t.numel() * t.element_size()
-                        view = self.buffer.narrow(0, offset, n).view(t.dtype).view(t.shape)
-                        view.copy_(t, non_blocking=pin)
+                    self.stash.stage(storages, capacity)
+                    region = self.stash.staged_region()
+                    views, cloned = [], 0
+                    for t in leaves:
+                        view = self.stash.staged_view(t, region)
+                        if view is None:
+                            view = t.to("cpu", copy=True)
+                            cloned += t.numel() * t.element_size()
                         views.append(view)
-                        offset += aligned(n)
                     if cuda:
                         stream.synchronize()
+                self.cloned_bytes = cloned
                 self._result = _replace(tree, iter(views))
             except BaseException as exc:        # raised by wait(), on the caller's thread
                 self._error = exc
@@ -100,8 +104,8 @@ class StateCopy:
         self._thread.start()
 
     def wait(self):
-        """Wait for the copy in flight; returns its tree of host tensors (views of the buffer: valid until the next
-        :meth:`start`), or ``None`` if no copy was started."""
+        """Wait for the copy in flight; returns its tree of host tensors (views of the host buffer's staged prefix:
+        valid until the state is copied there again), or ``None`` if no copy was started."""
         with self._lock:
             t0 = time.perf_counter()
             if self._thread is not None:

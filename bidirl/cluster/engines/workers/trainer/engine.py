@@ -114,7 +114,7 @@ class TrainerEngine(Compute, Weights, Windows, Recovery, Offload, Distribution, 
         self.windows: dict = {}           # transfer id -> an auxiliary window's gradient shard (receive_window)
         self._host = HostStash()         # offload's host buffer: allocated once, reused by every switch
         self._snapshots = snapshot_files.SnapshotWriter()    # recovery snapshots on this node's disk (save_snapshot)
-        self._state_copy = StateCopy()   # the snapshot's copy to host memory, beside the next chunks
+        self._state_copy = StateCopy(self._host)   # the snapshot's copy into the host buffer, beside the chunks
         self.snapshot_waits: dict = {}    # call -> seconds it last waited for the snapshot's copy
         self._published_readers = threading.Condition()    # sends reading published shards from the host buffer
         self._host_readers = 0

@@ -32,16 +32,33 @@ PUBLISHED_VERSIONS = 2
 class Offload:
     """``offload`` / ``onload`` and the bytes they move."""
 
-    def _state_tensors(self, freed: bool = False) -> list:
-        """This rank's weight, optimizer-state and accumulated-gradient tensors, one per storage (``freed``:
-        offloaded ones too)."""
+    def _stable_tensors(self, freed: bool = False) -> list:
+        """The state only an optimizer step or a load changes, one tensor per storage, in the order an offload lays
+        it out first: weights, then AdamW's moments (primary), then the reference model (``freed``: offloaded
+        ones too)."""
         tensors = [local_part(p) for p in self.params]
-        tensors += [local_part(p.grad) for p in self.params if p.grad is not None]
-        if self._reference is not None:
-            tensors += [local_part(p) for p in self._reference.parameters()]
         if self.optimizer is not None:
             for st in self.optimizer.state.values():
                 tensors += [local_part(v) for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
+        if self._reference is not None:
+            tensors += [local_part(p) for p in self._reference.parameters()]
+        return self._unique(tensors, freed)
+
+    def _snapshot_storages(self) -> list:
+        """The storages a recovery snapshot holds (weights and moments: the stable state but the reference)."""
+        reference = {t.untyped_storage()._cdata for t in (
+            [local_part(p) for p in self._reference.parameters()] if self._reference is not None else [])}
+        return [t for t in self._stable_tensors() if t.untyped_storage()._cdata not in reference]
+
+    def _state_tensors(self, freed: bool = False) -> list:
+        """This rank's weight, optimizer-state, reference and accumulated-gradient tensors, one per storage, the
+        stable state first (:meth:`_stable_tensors`; ``freed``: offloaded ones too)."""
+        stable = self._stable_tensors(freed)
+        grads = [local_part(p.grad) for p in self.params if p.grad is not None]
+        return self._unique(stable + grads, freed)
+
+    @staticmethod
+    def _unique(tensors: list, freed: bool) -> list:
         seen, unique = set(), []
         for t in tensors:
             key = t.untyped_storage().data_ptr()
@@ -69,15 +86,22 @@ class Offload:
             return 0.0
         self._load_if_pending()
         t0 = time.perf_counter()
-        self._wait_state_copy("offload")
+        self._wait_state_copy("offload", changes=False)
+        stable, state = self._stable_tensors(), self._state_tensors()
+        if self._host.staged_prefix(state) < len(stable):
+            # the stable state changed since the buffer last held it: its copy overwrites the snapshot's, which a
+            # write in flight may still be reading
+            t1 = time.perf_counter()
+            self._snapshots.flush()
+            self.snapshot_waits["offload_write"] = time.perf_counter() - t1
         self._reshard(self.model)
         if self._reference is not None:
             self._reshard(self._reference)
         with self._published_readers:
             self._published_readers.wait_for(lambda: self._host_readers == 0)
             order = [(v, k, rows) for v, shards in self.published.items() for k, (_, rows) in shards.items()]
-            views = self._host.offload(self._state_tensors(),
-                                       readable=[self.published[v][k][0] for v, k, _ in order])
+            views = self._host.offload(state, readable=[self.published[v][k][0] for v, k, _ in order],
+                                       stable=len(stable))
             self.published = self._regroup(order, views)       # a new dict: a send in flight keeps its own
             self._published_on_host = True
         if self.device.type == "cuda":

@@ -69,8 +69,9 @@ class Recovery:
         snapshot holds; :meth:`restore_train_state_shard` takes it back). The copy is the snapshot's
         (:class:`~bidirl.cluster.engines.workers.state_copy.StateCopy`), waited for and cloned out of its buffer."""
         self._snapshots.flush()                     # a write in flight still reads the copy's buffer
-        self._state_copy.start(self._local_train_state("train_state_shard"), self.device)
-        return {"version": self.version, "state": tree_map(self._wait_state_copy("train_state_shard"),
+        self._state_copy.start(self._local_train_state("train_state_shard"), self.device, self._snapshot_storages(),
+                               self.host_capacity())
+        return {"version": self.version, "state": tree_map(self._wait_state_copy("train_state_shard", changes=False),
                                                            lambda t: t.clone())}
 
     def save_snapshot(self, folder: Union[str, Path], version: int) -> float:
@@ -83,17 +84,22 @@ class Recovery:
             raise ValueError(f"save_snapshot: this engine holds version {self.version}, not {version}")
         t0 = time.perf_counter()
         self._snapshots.flush()                     # the previous write still reads the copy's buffer
-        self._state_copy.start(self._local_train_state("save_snapshot"), self.device)
+        self._state_copy.start(self._local_train_state("save_snapshot"), self.device, self._snapshot_storages(),
+                               self.host_capacity())
         held = int(self.version)
         self._snapshots.write(folder, held, self.rank, lambda: {"version": held, "state": self._state_copy.wait()})
         return time.perf_counter() - t0
 
-    def _wait_state_copy(self, what: str):
+    def _wait_state_copy(self, what: str, changes: bool = True):
         """Wait for the snapshot's copy in flight before ``what`` changes or frees the state; the seconds waited are
-        kept in ``snapshot_waits[what]`` (the last wait of each kind). Returns the copy (``None`` if none)."""
+        kept in ``snapshot_waits[what]`` (the last wait of each kind). ``changes``: ``what`` changes the weights or
+        the moments, so the host buffer no longer holds them as they are (``HostStash.invalidate``). Returns the
+        copy (``None`` if none)."""
         t0 = time.perf_counter()
         copied = self._state_copy.wait()
         self.snapshot_waits[what] = time.perf_counter() - t0
+        if changes:
+            self._host.invalidate()
         return copied
 
     def flush_snapshot(self) -> dict:
