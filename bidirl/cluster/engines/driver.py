@@ -270,12 +270,13 @@ class EngineDriver(PoolDriver):
         self._passivate()
 
     def worker_shape(self) -> dict:
+        from bidirl.cluster.engines.workers.trainer import settings_from
         cfg = self.config
         return dict(super().worker_shape(), model_dir=str(self.model_dir), **self.rollout.shape(),
                     seed=cfg.seed, lr=cfg.rl.lr,
                     kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
                     activation_checkpointing=cfg.rl.activation_checkpointing,
-                    publish_dtype=self._publish_dtype(P.PRIMARY_TRAINER))
+                    publish_dtype=self._publish_dtype(P.PRIMARY_TRAINER), **settings_from(cfg.rl))
 
     def _bundles(self, worker: str) -> list:
         """The placement-group bundles a worker's actors sit on: a rollouter's first slot, one per gang rank."""
@@ -291,6 +292,7 @@ class EngineDriver(PoolDriver):
 
     def _spawn(self, worker: str) -> None:
         from bidirl.cluster.engines.workers.actors import RolloutActor, TrainerActor
+        from bidirl.cluster.engines.workers.trainer import settings_from
 
         cfg = self.config
         bundles = self._bundles(worker)
@@ -300,7 +302,7 @@ class EngineDriver(PoolDriver):
             kwargs = dict(lr=cfg.rl.lr, seed=cfg.seed, kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
                           device="cuda" if gpu else "cpu", threads="auto", role=P.worker_role(worker),
                           activation_checkpointing=cfg.rl.activation_checkpointing, gang=len(bundles) > 1,
-                          publish_dtype=self._publish_dtype(worker))
+                          publish_dtype=self._publish_dtype(worker), **settings_from(cfg.rl))
             self.gangs[worker] = [TrainerActor.options(**self._at(b)).remote(f"{worker}/{j}", self.model_dir, **kwargs)
                                   for j, b in enumerate(bundles)]
         else:
