@@ -191,3 +191,119 @@ def test_offload_waits_for_the_snapshot_copy_it_would_free(model_dir, tmp_path):
     e.logprobs(samples)
     assert "param_offload" in e.snapshot_waits and e.params_on_host
     assert e.flush_snapshot()["version"] == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# a sharded gang (integration: two spawned processes over gloo)
+# --------------------------------------------------------------------------------------------------
+
+def _budget_gang_worker(rank, world, addr, model_dir, out_dir, budget):
+    """One rank of a two-rank FSDP2 gang with a token budget and both offloads: every chunk dealt wholly to rank 0
+    (several micro-batches there, none on rank 1, which must join each round with an empty share)."""
+    import os
+
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine, forward_ranks, rank_shares
+    from test_trainer_fsdp import CHUNKS, LR, _advantages, _samples as gang_samples
+
+    trainer = TrainerEngine(model_dir, lr=LR, seed=0, threads=1, precision="fp32", max_tokens_per_micro_batch=budget,
+                            param_offload=True, optimizer_offload=True)
+    trainer.init_process_group(rank, world, addr)
+    try:
+        samples = gang_samples(model_dir)
+        adv = _advantages(samples)
+        norm = grpo.loss_normalizer([s.response_len for s in samples])
+        out = {"norms": [], "logprobs": [], "states": [], "on_host": []}
+        for _ in range(2):
+            lps = {}
+            for c, (a, b) in enumerate(CHUNKS):
+                idx = list(range(a, b))
+                mine = rank_shares(idx, len(idx), world)[rank]
+                assert rank in forward_ranks(rank_shares(idx, len(idx), world), world)
+                old = trainer.logprobs([samples[k] for k in mine])
+                lps.update(dict(zip(mine, old)))
+                trainer.chunk_gradients([samples[k] for k in mine], adv[mine] if mine else [], old, normalizer=norm,
+                                        accumulate=True, chunk_id=c)
+            out["norms"].append(trainer.apply()["grad_norm"])
+            out["on_host"].append((trainer.params_on_host, trainer.optimizer_state_on_host))
+            out["logprobs"].append(lps)
+            out["states"].append(trainer.state_dict())
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        trainer.destroy_process_group()
+
+
+@pytest.mark.integration
+def test_a_gang_runs_token_budget_micro_batches_and_offload_like_the_unsharded_trainer(model_dir, tmp_path):
+    """Rank 0 runs several micro-batches per chunk, rank 1 none: the ranks agree on the rounds (or the gang would
+    hang), and the step equals the unsharded trainer's on the same weights within ``test_trainer_fsdp``'s fp32
+    bounds plus the micro-batches' summation, (k − 1)·u relative for k micro-batches of a chunk."""
+    import torch.multiprocessing as mp
+
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
+    from test_trainer_fsdp import (_fp32_bounds, _free_port, _in_own_process, _rounding_reference,
+                                   _samples as gang_samples)
+
+    samples = gang_samples(model_dir)
+    budget = _budget(samples)
+    k = max(len(token_micro_batches([len(s.prompt_ids) + s.response_len for s in samples[a:b]], budget))
+            for a, b in ((0, 4), (4, 7), (7, 8)))
+    assert k >= 2
+    addr = f"127.0.0.1:{_free_port()}"
+    mp.spawn(_budget_gang_worker, args=(2, addr, str(model_dir), str(tmp_path), budget), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    start = TrainerEngine(model_dir).state_dict()
+    redo = _in_own_process(tmp_path, _rounding_reference, str(model_dir), [start, ranks[0]["states"][0]])
+    for step in range(2):
+        logprob_tol, norm_rtol = _fp32_bounds(model_dir, samples, redo["max_logit"][step])
+        for r in ranks:
+            assert r["on_host"][step] == (True, True)
+            assert r["norms"][step] == pytest.approx(redo["norms"][step], rel=norm_rtol + 2 * (k - 1) * U)
+        assert set(ranks[0]["logprobs"][step]) == set(range(8)) and not ranks[1]["logprobs"][step]
+        for i, lp in ranks[0]["logprobs"][step].items():
+            torch.testing.assert_close(lp, redo["logprobs"][step][i], atol=logprob_tol, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# the device-memory terms of these settings (bidirl.perf.memory.device_budget)
+# --------------------------------------------------------------------------------------------------
+
+def _budget_of(overrides, device="cuda", preset="h100-default"):
+    from bidirl.job import config as cfgmod
+    from bidirl.job import planner
+    cfg = cfgmod.load(preset).with_overrides(overrides)
+    return cfg, planner.device_budget(planner.plan(cfg), device=device, windows=1)
+
+
+def test_optimizer_offload_takes_the_moments_out_of_the_chunk_phase_only():
+    _, plain = _budget_of({})
+    _, off = _budget_of({"rl.optimizer_offload": True})
+    assert off.optimizer_state == plain.optimizer_state > 0             # brought back for the step
+    assert off.phase_bytes()["chunk"] == plain.phase_bytes()["chunk"] - plain.optimizer_state
+    assert off.phase_bytes()["apply"] == plain.phase_bytes()["apply"]
+    assert "optimizer_state" in plain.phases()["chunk"] and "optimizer_state" not in off.phases()["chunk"]
+    # parameter offload lowers no phase: a stage brings the weights back before it computes
+    _, params = _budget_of({"rl.param_offload": True})
+    assert params.phase_bytes() == plain.phase_bytes()
+
+
+def test_offload_buffers_of_a_cpu_engine_are_its_stashes(model_dir):
+    """On CPU the host is the device: the two stashes a CPU engine keeps are the budget's extra offload bytes, byte
+    for byte (the tiny preset's params_total is the checkpoint's parameter count)."""
+    cfg, plain = _budget_of({}, device="cpu", preset="tiny-cpu")
+    _, off = _budget_of({"rl.param_offload": True, "rl.optimizer_offload": True}, device="cpu", preset="tiny-cpu")
+    e = _engine(model_dir, param_offload=True, optimizer_offload=True)
+    samples = _samples(model_dir, 4)
+    _step(e, samples, torch.tensor([1.0, -1.0, 1.0, -1.0]), e.logprobs(samples))
+    rho = off.layout
+    assert cfg.model_spec.params_total == e.numel
+    assert e._param_stash.nbytes == 4 * e.numel and e._moment_stash.nbytes == 8 * e.numel
+    assert off.offload_buffer - plain.offload_buffer == (e._param_stash.nbytes + e._moment_stash.nbytes) / rho
+
+
+def test_a_token_budget_sizes_the_activations_term_by_its_tokens():
+    from bidirl.perf import memory
+    cfg, b = _budget_of({"rl.max_tokens_per_micro_batch": 4096})
+    _, samples = _budget_of({"rl.micro_batch_per_device": 2})
+    assert b.activations == memory.trainer_activation_bytes(cfg.model_spec, 4096, True)
+    assert samples.activations == memory.trainer_activation_bytes(
+        cfg.model_spec, 2 * (cfg.workload_stats.prompt_max + cfg.workload.max_response_len), True)

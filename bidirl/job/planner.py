@@ -599,7 +599,8 @@ def device_budget(plan: "Plan", *, device: str, windows: int = 1, layout: Option
                                 device=device,
                                 kl_coef=cfg.rl.kl_coef, weights_transport=cfg.transport.weights,
                                 bucket_bytes=cfg.transport.bucket_mb * 2 ** 20, windows=windows,
-                                gang_ranks=plan.envelope.trainer_gpus)
+                                gang_ranks=plan.envelope.trainer_gpus, param_offload=cfg.rl.param_offload,
+                                optimizer_offload=cfg.rl.optimizer_offload)
 
 
 def check_device_budget(plan: "Plan", *, device: str, windows: int = 1):
@@ -613,7 +614,7 @@ def check_device_budget(plan: "Plan", *, device: str, windows: int = 1):
     hw, m, rho = cfg.hardware_spec, cfg.model_spec, plan.envelope.trainer_layout
     gib = lambda x: f"{x / GiB:.2f} GiB"  # noqa: E731
     terms, blocking = budget.terms(), budget.blocking_terms()
-    held = ", ".join(f"{t} {gib(terms[t])}" for t in memory.BUDGET_PHASES[budget.peak_phase] if terms[t] > 0)
+    held = ", ".join(f"{t} {gib(terms[t])}" for t in budget.phases()[budget.peak_phase] if terms[t] > 0)
     problem = (f"a trainer rank of {m.name} ({rho} GPUs per trainer replica) on {hw.name} needs {gib(budget.peak)} "
                f"at its {budget.peak_phase} peak, {gib(budget.over_by)} more than the usable {gib(budget.usable)} "
                f"({hw.memory_bytes / GiB:g} GiB × memory_utilization {hw.memory_utilization:g}); ")

@@ -747,9 +747,11 @@ class EngineDriver(PoolDriver):
         response_lens = [s.response_len for s in samples]
         prompt_lens = [len(s.prompt_ids) for s in samples]
         # vLLM's log-probs of sampled tokens against the trainer's recomputation (old_logprob) for responses
-        # generated entirely by the weights the trainer held: the weight sync's correctness check.
+        # generated entirely by the weights the trainer held: the weight sync's correctness check (none in bypass,
+        # where the old log-probs are vLLM's own)
+        recomputed = "old_logprob" in self.config.rl.stages
         gaps = [float((torch.tensor(s.logprobs) - lp).abs().max()) for s, lp in zip(samples, data.old)
-                if s.version == data.version and s.response_len]
+                if recomputed and s.version == data.version and s.response_len]
         max_len = self.config.workload.max_response_len
         return {"step": data.step, "version": update["version"],
                 "reward": float(np.mean(rewards)), "reward_max": float(np.max(rewards)),
