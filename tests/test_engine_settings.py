@@ -30,9 +30,10 @@ def _job(**overrides):
 
 
 def test_token_budget_and_offload_run_and_learn_what_the_plain_job_learns(model_dir, kept_workers):
-    """The same job with a token budget of two samples per micro-batch (the tiny job's samples are ≤ 64 tokens; a
-    gang rank's share holds several, so every share runs in several passes) and both offloads: the same prompt
-    groups, rewards and versions per step as the plain job, weights as two runs of one job."""
+    """The same job with a token budget of 128 tokens (two full-length samples of the tiny job, ≤ 64 tokens each: the
+    coordinator cuts chunks by it, and a share whose padded size exceeds it runs in several passes) and both
+    offloads: the same prompt groups, rewards and versions per step as the plain job, weights as two runs of one
+    job."""
     plain_cfg = _job()
     cfg = _job(**{"rl.max_tokens_per_micro_batch": 128, "rl.param_offload": True, "rl.optimizer_offload": True})
     plain = _run(plain_cfg, "opportunistic", model_dir, STEPS, kept_workers)
