@@ -555,7 +555,8 @@ _TERM_FIXES = {
     "gradients": ("hardware", "a GPU with more memory or a smaller model (the fp32 gradient is sharded over the "
                   "trainer replica)"),
     "optimizer_state": ("hardware", "a GPU with more memory or a smaller model (AdamW's moments are sharded over the "
-                        "trainer replica)"),
+                        "trainer replica), or rl.optimizer_offload: true when a chunk peaks (the moments then stay "
+                        "in host memory between optimizer steps)"),
     "reference": ("rl.kl_coef", "set rl.kl_coef: 0 and rl.reference_model: false (no reference model is loaded)"),
     "published_versions": ("transport.weights", "set transport.weights: object_store (no versions kept on the "
                            "device; the weights go through Ray's object store)"),
