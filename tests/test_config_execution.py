@@ -103,16 +103,23 @@ def test_settings_built_from_dataclasses_get_the_same_checks():
         C.JobConfig(rl=C.RLConfig(updates_per_sync=3))
 
 
-@pytest.mark.parametrize("key, value", [("cluster.rollout_tensor_parallel", 2), ("rl.max_tokens_per_micro_batch", 8192),
-                                        ("rl.mini_batch_prompts", 16), ("rl.updates_per_sync", 2),
-                                        ("rl.param_offload", True), ("rl.optimizer_offload", True),
-                                        ("rl.sequence_parallel", 2)])
-def test_engine_runs_refuse_settings_they_do_not_carry_out(key, value):
+@pytest.mark.parametrize("key, value, why", [("cluster.rollout_tensor_parallel", 2, "one worker per engine"),
+                                             ("rl.mini_batch_prompts", 16, "one optimizer update"),
+                                             ("rl.updates_per_sync", 2, "one optimizer step per weight version"),
+                                             ("rl.sequence_parallel", 2, "Ulysses")])
+def test_engine_runs_refuse_settings_they_do_not_carry_out(key, value, why):
     cfg = C.load(base()).with_overrides({key: value})
     with pytest.raises(C.ConfigError) as info:
         C.check_engine_run(cfg)
-    assert info.value.field == key and "--emulate" in info.value.fix
+    assert info.value.field == key and "--emulate" in info.value.fix and why in str(info.value)
     C.check_engine_run(C.load(base()))              # the defaults run
+
+
+@pytest.mark.parametrize("overrides", [{"rl.max_tokens_per_micro_batch": 8192}, {"rl.param_offload": True},
+                                       {"rl.optimizer_offload": True}, {"rl.recompute_old_logprob": False}])
+def test_engine_runs_take_the_settings_the_engines_carry_out(overrides):
+    """Token-budget micro-batches and offload run in the trainer engine, bypass in the engine driver."""
+    C.check_engine_run(C.load(base()).with_overrides(overrides))
 
 
 def test_the_run_api_refuses_them_before_ray_starts(monkeypatch):

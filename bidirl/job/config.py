@@ -571,22 +571,31 @@ def _check_execution_settings(cfg: JobConfig) -> None:
 
 
 #: execution settings the models, the planner and the simulator (and emulated runs) honour but engine runs do not
-#: carry out yet (their runtime parts follow the engine split of ``bidirl.cluster.engines``): key -> its default
-ENGINE_PENDING = {"cluster.rollout_tensor_parallel": (None, 1), "rl.max_tokens_per_micro_batch": (None,),
-                  "rl.mini_batch_prompts": (None,), "rl.updates_per_sync": (1,), "rl.param_offload": (False,),
-                  "rl.optimizer_offload": (False,), "rl.sequence_parallel": (1,)}
+#: carry out yet: key -> (its defaults, why an engine run cannot). Token-budget micro-batches and parameter /
+#: optimizer offload run in the trainer engine (``bidirl.cluster.engines.workers.trainer``: ``micro_batches``,
+#: ``state_offload``) and bypass (``rl.recompute_old_logprob: false``) in the engine driver, so they are not here.
+ENGINE_PENDING = {
+    "cluster.rollout_tensor_parallel": ((None, 1), "an engine run places each rollouter on one GPU slot, and vLLM's "
+                                        "CPU build runs one worker per engine (distributed_executor_backend 'uni': "
+                                        "no tensor parallel on CPU)"),
+    "rl.mini_batch_prompts": ((None,), "the engine run's step is one optimizer update over its whole batch (the "
+                              "chunk queue has no mini-batch boundary yet)"),
+    "rl.updates_per_sync": ((1,), "the engine driver takes one optimizer step per weight version (a streamed step's "
+                            "local updates would keep the version)"),
+    "rl.sequence_parallel": ((1,), "the trainer engine has no Ulysses all-to-all: each rank holds whole samples"),
+}
 
 
 def check_engine_run(cfg: JobConfig) -> None:
-    """Refuse, naming the key, a setting an engine run would not carry out (:data:`ENGINE_PENDING`): a run that
-    ignored it would measure another job than the one configured."""
+    """Refuse, naming the key and why, a setting an engine run would not carry out (:data:`ENGINE_PENDING`): a run
+    that ignored it would measure another job than the one configured."""
     data = cfg.to_dict()
-    for key, defaults in ENGINE_PENDING.items():
+    for key, (defaults, why) in ENGINE_PENDING.items():
         section, name = key.split(".")
         value = data[section][name]
         if value not in defaults:
-            raise ConfigError(key, f"is {value!r}, which engine runs do not carry out yet (the planner, the stage "
-                              "models, `bidirl simulate` and `bidirl run --emulate` do)",
+            raise ConfigError(key, f"is {value!r}, which engine runs do not carry out yet: {why} (the planner, the "
+                              "stage models, `bidirl simulate` and `bidirl run --emulate` do)",
                               f"leave it at {defaults[0]!r} for an engine run, or use --emulate / bidirl simulate")
 
 

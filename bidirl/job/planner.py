@@ -555,7 +555,8 @@ _TERM_FIXES = {
     "gradients": ("hardware", "a GPU with more memory or a smaller model (the fp32 gradient is sharded over the "
                   "trainer replica)"),
     "optimizer_state": ("hardware", "a GPU with more memory or a smaller model (AdamW's moments are sharded over the "
-                        "trainer replica)"),
+                        "trainer replica), or rl.optimizer_offload: true when a chunk peaks (the moments then stay "
+                        "in host memory between optimizer steps)"),
     "reference": ("rl.kl_coef", "set rl.kl_coef: 0 and rl.reference_model: false (no reference model is loaded)"),
     "published_versions": ("transport.weights", "set transport.weights: object_store (no versions kept on the "
                            "device; the weights go through Ray's object store)"),
@@ -600,7 +601,8 @@ def device_budget(plan: "Plan", *, device: str, windows: int = 1, layout: Option
                                 device=device,
                                 kl_coef=cfg.rl.kl_coef, weights_transport=cfg.transport.weights,
                                 bucket_bytes=cfg.transport.bucket_mb * 2 ** 20, windows=windows,
-                                gang_ranks=plan.envelope.trainer_gpus)
+                                gang_ranks=plan.envelope.trainer_gpus, param_offload=cfg.rl.param_offload,
+                                optimizer_offload=cfg.rl.optimizer_offload)
 
 
 def check_device_budget(plan: "Plan", *, device: str, windows: int = 1):
@@ -614,7 +616,7 @@ def check_device_budget(plan: "Plan", *, device: str, windows: int = 1):
     hw, m, rho = cfg.hardware_spec, cfg.model_spec, plan.envelope.trainer_layout
     gib = lambda x: f"{x / GiB:.2f} GiB"  # noqa: E731
     terms, blocking = budget.terms(), budget.blocking_terms()
-    held = ", ".join(f"{t} {gib(terms[t])}" for t in memory.BUDGET_PHASES[budget.peak_phase] if terms[t] > 0)
+    held = ", ".join(f"{t} {gib(terms[t])}" for t in budget.phases()[budget.peak_phase] if terms[t] > 0)
     problem = (f"a trainer rank of {m.name} ({rho} GPUs per trainer replica) on {hw.name} needs {gib(budget.peak)} "
                f"at its {budget.peak_phase} peak, {gib(budget.over_by)} more than the usable {gib(budget.usable)} "
                f"({hw.memory_bytes / GiB:g} GiB × memory_utilization {hw.memory_utilization:g}); ")

@@ -270,7 +270,9 @@ class DeviceBudget:
     * ``weights`` — fp32 master weights, sharded over the replica's ρ GPUs (``TrainerEngine._load_model``, FSDP2
       ``fully_shard``): ``4·N/ρ``;
     * ``gradients`` — the step's accumulated gradient shard, fp32 (``chunk_gradients(accumulate=True)``): ``4·N/ρ``;
-    * ``optimizer_state`` — AdamW's ``exp_avg`` and ``exp_avg_sq`` (``torch.optim.AdamW``, fp32): ``8·N/ρ``;
+    * ``optimizer_state`` — AdamW's ``exp_avg`` and ``exp_avg_sq`` (``torch.optim.AdamW``, fp32): ``8·N/ρ``; with
+      ``rl.optimizer_offload`` they live in host memory from the end of one optimizer step to the start of the next
+      (``TrainerEngine``'s ``state_offload``), so only the ``apply`` phase holds them (:meth:`phases`);
     * ``reference`` — the frozen reference model when ``kl_coef > 0``, in the compute dtype
       (``_load_model(frozen=True)``: bf16 on a bf16-mixed engine, fp32 otherwise): ``b_c·N/ρ``;
     * ``published_versions`` — the versions the weight transport sends from, in the wire dtype, on the device
@@ -289,7 +291,9 @@ class DeviceBudget:
       (``foreach`` is CUDA-only) the single-tensor path (``torch.optim.adam._single_tensor_adam``), whose
       ``(exp_avg_sq.sqrt() / c).add_(eps)`` holds two fp32 tensors of one parameter at once: ``2·4·P_max/ρ``
       for the largest parameter ``P_max`` (the embedding or the head, ``V·H``);
-    * ``activations`` — one micro-batch (:func:`trainer_activation_bytes`; not sharded);
+    * ``activations`` — one micro-batch (:func:`trainer_activation_bytes`; not sharded): ``micro_batch_per_device ·
+      max_seq_len`` tokens, or with ``rl.max_tokens_per_micro_batch`` the budget itself — the engine packs a rank's
+      share into passes of at most that many padded tokens (``TrainerEngine``'s ``micro_batches``);
     * ``fsdp_unsharded`` — what FSDP2 unshards around a micro-batch on a sharded engine (a gang of several ranks,
       or bf16-mixed on CUDA), in the compute dtype
       ``b_c``: the root module's parameters (the embedding and an untied head, ``R = V·H·(1 or 2)``; the root is
@@ -308,8 +312,11 @@ class DeviceBudget:
       (:class:`~bidirl.cluster.engines.workers.host_buffer.HostStash`), reserved once the engine is loaded and kept
       for its life, sized for the largest state it holds (``TrainerEngine.host_capacity``) — weights, moments, a
       mid-step gradient, the reference and, on the collective path, the ``PUBLISHED_KEPT`` published versions that
-      an offload moves beside them: ``(4 + 8 + 4)·N/ρ + reference + 2·b_w·N/ρ``; 0 on CUDA (pinned host memory,
-      not the device's).
+      an offload moves beside them: ``(4 + 8 + 4)·N/ρ + reference + 2·b_w·N/ρ`` — plus the buffers of
+      ``rl.param_offload`` (the weights, ``4·N/ρ``) and ``rl.optimizer_offload`` (the moments, ``8·N/ρ``), also kept
+      for the engine's life; 0 on CUDA (pinned host memory, not the device's). ``rl.param_offload`` lowers no phase:
+      a stage brings the weights back before it computes (veRL's ``param_offload`` likewise), so they are on the
+      device through every phase; it frees them between stages only.
 
     The rank's peak is the largest phase (:data:`BUDGET_PHASES`): a chunk (activations and FSDP2's unsharded
     blocks) or the optimizer step (the windows, the sum and AdamW's temporaries), since ``apply`` runs between
@@ -333,6 +340,15 @@ class DeviceBudget:
     transport_buckets: float
     rollout_beside: float
     offload_buffer: float
+    optimizer_offload: bool = False
+
+    def phases(self) -> dict:
+        """``{phase: the terms it holds}``: :data:`BUDGET_PHASES`, less the moments in a chunk with
+        ``rl.optimizer_offload`` (they are in host memory between optimizer steps)."""
+        if not self.optimizer_offload:
+            return BUDGET_PHASES
+        return {p: tuple(t for t in names if not (p == "chunk" and t == "optimizer_state"))
+                for p, names in BUDGET_PHASES.items()}
 
     def terms(self) -> dict:
         """``{term: bytes}`` in the order of the fields."""
@@ -340,7 +356,7 @@ class DeviceBudget:
 
     def phase_bytes(self) -> dict:
         """``{phase: bytes held at once}`` (:data:`BUDGET_PHASES`)."""
-        return {phase: sum(float(getattr(self, t)) for t in names) for phase, names in BUDGET_PHASES.items()}
+        return {phase: sum(float(getattr(self, t)) for t in names) for phase, names in self.phases().items()}
 
     @property
     def peak(self) -> float:
@@ -366,18 +382,19 @@ class DeviceBudget:
         if self.fits:
             return []
         out = [t for t in BUDGET_TERMS
-               if float(getattr(self, t)) > 0 and all(held - (float(getattr(self, t)) if t in BUDGET_PHASES[p] else 0.0)
+               if float(getattr(self, t)) > 0 and all(held - (float(getattr(self, t)) if t in self.phases()[p] else 0.0)
                                                       <= self.usable for p, held in self.phase_bytes().items())]
         return sorted(out, key=lambda t: -float(getattr(self, t)))
 
 
-BUDGET_TERMS = tuple(f for f in DeviceBudget.__dataclass_fields__ if f not in ("layout", "usable"))
+BUDGET_TERMS = tuple(f for f in DeviceBudget.__dataclass_fields__ if f not in ("layout", "usable", "optimizer_offload"))
 
 
 def device_budget(model, hw, layout: int, *, micro_batch_per_device: int, max_seq_len: int, device: str = "cuda",
                   kl_coef: float = 0.0, weights_transport: str = "collective", bucket_bytes: float = 512 * 2 ** 20,
                   windows: int = 1, gang_ranks: Optional[int] = None, tokens: Optional[float] = None,
-                  checkpointing: Optional[bool] = None) -> DeviceBudget:
+                  checkpointing: Optional[bool] = None, param_offload: bool = False,
+                  optimizer_offload: bool = False) -> DeviceBudget:
     """The :class:`DeviceBudget` of one primary trainer rank of a replica of ``layout`` GPUs in an engine run on
     ``device`` (``"cuda"``: bf16-mixed compute, bf16 on the wire; ``"cpu"``: fp32 throughout, the engines'
     ``precision="auto"`` and the rollouters' dtype), with ``windows`` auxiliary windows received per step (0: the
@@ -386,7 +403,8 @@ def device_budget(model, hw, layout: int, *, micro_batch_per_device: int, max_se
     GPUs; default ``layout``) — a gang of several ranks runs FSDP2 even at ``layout`` 1 (replicated shards).
     ``tokens``: one micro-batch's tokens on the rank (:func:`micro_batch_tokens`; default ``micro_batch_per_device
     · max_seq_len``); ``checkpointing``: whether the trainer recomputes its blocks (``rl.activation_checkpointing``
-    as the engine resolves it; None: the checkpointed form), both as :func:`trainer_activation_bytes` takes them."""
+    as the engine resolves it; None: the checkpointed form), both as :func:`trainer_activation_bytes` takes them.
+    ``param_offload`` / ``optimizer_offload``: ``rl.param_offload`` / ``rl.optimizer_offload`` (the class docstring)."""
     if layout < 1 or windows < 0 or micro_batch_per_device < 1 or max_seq_len < 1:
         raise ValueError("device_budget: layout, micro_batch_per_device and max_seq_len must be ≥ 1, windows ≥ 0")
     if device not in ("cuda", "cpu"):
@@ -420,4 +438,7 @@ def device_budget(model, hw, layout: int, *, micro_batch_per_device: int, max_se
         offload_buffer=0.0 if device == "cuda" else (
             (ENGINE_WEIGHT_BYTES + ADAMW_MOMENT_BYTES + ENGINE_GRAD_BYTES) * n / rho
             + (compute * n / rho if kl_coef > 0 else 0.0)
-            + (PUBLISHED_KEPT * wire * n / rho if collective else 0.0)))
+            + (PUBLISHED_KEPT * wire * n / rho if collective else 0.0)
+            + (ENGINE_WEIGHT_BYTES * n / rho if param_offload else 0.0)
+            + (ADAMW_MOMENT_BYTES * n / rho if optimizer_offload else 0.0)),
+        optimizer_offload=bool(optimizer_offload))

@@ -270,12 +270,13 @@ class EngineDriver(PoolDriver):
         self._passivate()
 
     def worker_shape(self) -> dict:
+        from bidirl.cluster.engines.workers.trainer import settings_from
         cfg = self.config
         return dict(super().worker_shape(), model_dir=str(self.model_dir), **self.rollout.shape(),
                     seed=cfg.seed, lr=cfg.rl.lr,
                     kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
                     activation_checkpointing=cfg.rl.activation_checkpointing,
-                    publish_dtype=self._publish_dtype(P.PRIMARY_TRAINER))
+                    publish_dtype=self._publish_dtype(P.PRIMARY_TRAINER), **settings_from(cfg.rl))
 
     def _bundles(self, worker: str) -> list:
         """The placement-group bundles a worker's actors sit on: a rollouter's first slot, one per gang rank."""
@@ -291,6 +292,7 @@ class EngineDriver(PoolDriver):
 
     def _spawn(self, worker: str) -> None:
         from bidirl.cluster.engines.workers.actors import RolloutActor, TrainerActor
+        from bidirl.cluster.engines.workers.trainer import settings_from
 
         cfg = self.config
         bundles = self._bundles(worker)
@@ -300,7 +302,7 @@ class EngineDriver(PoolDriver):
             kwargs = dict(lr=cfg.rl.lr, seed=cfg.seed, kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
                           device="cuda" if gpu else "cpu", threads="auto", role=P.worker_role(worker),
                           activation_checkpointing=cfg.rl.activation_checkpointing, gang=len(bundles) > 1,
-                          publish_dtype=self._publish_dtype(worker))
+                          publish_dtype=self._publish_dtype(worker), **settings_from(cfg.rl))
             self.gangs[worker] = [TrainerActor.options(**self._at(b)).remote(f"{worker}/{j}", self.model_dir, **kwargs)
                                   for j, b in enumerate(bundles)]
         else:
@@ -745,9 +747,11 @@ class EngineDriver(PoolDriver):
         response_lens = [s.response_len for s in samples]
         prompt_lens = [len(s.prompt_ids) for s in samples]
         # vLLM's log-probs of sampled tokens against the trainer's recomputation (old_logprob) for responses
-        # generated entirely by the weights the trainer held: the weight sync's correctness check.
+        # generated entirely by the weights the trainer held: the weight sync's correctness check (none in bypass,
+        # where the old log-probs are vLLM's own)
+        recomputed = "old_logprob" in self.config.rl.stages
         gaps = [float((torch.tensor(s.logprobs) - lp).abs().max()) for s, lp in zip(samples, data.old)
-                if s.version == data.version and s.response_len]
+                if recomputed and s.version == data.version and s.response_len]
         max_len = self.config.workload.max_response_len
         return {"step": data.step, "version": update["version"],
                 "reward": float(np.mean(rewards)), "reward_max": float(np.max(rewards)),

@@ -61,11 +61,14 @@ reference model (``kl_coef > 0``) is loaded at start, in bf16 on a bf16-mixed en
 ``loading`` (checkpoint → a rank's shards), ``distribution`` (process group, FSDP2), ``compute`` (stages, chunk
 gradients, ``apply``), ``weights`` (state dicts, publish / send / receive), ``windows`` (auxiliary windows),
 ``recovery`` (run checkpoints, snapshots), ``offload`` (hot switch), ``shares`` (samples to ranks), ``tensors``
-(DTensor helpers).
+(DTensor helpers), ``micro_batches`` (token-budget micro-batches, ``rl.max_tokens_per_micro_batch``),
+``state_offload`` (weights and optimizer state in host memory between uses, ``rl.param_offload`` /
+``rl.optimizer_offload``).
 """
 
 from bidirl.cluster.engines.workers.trainer.compute import ChunkGradient
-from bidirl.cluster.engines.workers.trainer.engine import PRECISIONS, TrainerEngine, resolve_precision
+from bidirl.cluster.engines.workers.trainer.engine import PRECISIONS, TrainerEngine, resolve_precision, settings_from
 from bidirl.cluster.engines.workers.trainer.shares import forward_ranks, rank_shares
 
-__all__ = ["ChunkGradient", "PRECISIONS", "TrainerEngine", "forward_ranks", "rank_shares", "resolve_precision"]
+__all__ = ["ChunkGradient", "PRECISIONS", "TrainerEngine", "forward_ranks", "rank_shares", "resolve_precision",
+           "settings_from"]

@@ -95,6 +95,8 @@ class Compute:
         else:
             raise ValueError(f"TrainerEngine.logprobs: model must be 'actor' or 'reference', got {model!r}")
         samples = list(samples)
+        if self.max_tokens_per_micro_batch is not None:      # token-budget micro-batches (.micro_batches)
+            return self._budget_logprobs(net, samples)
         if not samples:
             if self.sharded:
                 self._join_with_empty_share(net, grad=False)
@@ -148,13 +150,13 @@ class Compute:
             for p in self.params:
                 p.grad = None
             try:
-                out = self._chunk_backward(samples, advantages, old_logprobs, ref_logprobs, normalizer)
+                out = self._share_backward(samples, advantages, old_logprobs, ref_logprobs, normalizer)
                 out.flat = self._local_grad_vector().cpu()
             finally:
                 for p, g in zip(self.params, kept):
                     p.grad = g
             return out
-        out = self._chunk_backward(samples, advantages, old_logprobs, ref_logprobs, normalizer)
+        out = self._share_backward(samples, advantages, old_logprobs, ref_logprobs, normalizer)
         self.accumulated.append(chunk_id)
         return out
 

@@ -22,8 +22,10 @@ from bidirl.cluster.engines.workers.state_copy import StateCopy
 from bidirl.cluster.engines.workers.trainer.compute import Compute
 from bidirl.cluster.engines.workers.trainer.distribution import Distribution
 from bidirl.cluster.engines.workers.trainer.loading import Loading
+from bidirl.cluster.engines.workers.trainer.micro_batches import MicroBatches
 from bidirl.cluster.engines.workers.trainer.offload import Offload
 from bidirl.cluster.engines.workers.trainer.recovery import Recovery
+from bidirl.cluster.engines.workers.trainer.state_offload import StateOffload
 from bidirl.cluster.engines.workers.trainer.tensors import local_part
 from bidirl.cluster.engines.workers.trainer.weights import Weights
 from bidirl.cluster.engines.workers.trainer.windows import Windows
@@ -33,6 +35,13 @@ from bidirl.rl import model_folder as checkpoint
 
 #: ``precision=`` values: fp32 throughout, or bf16 compute over fp32 master weights (FSDP2 mixed precision)
 PRECISIONS = ("fp32", "bf16-mixed")
+
+
+def settings_from(rl) -> dict:
+    """The engine keyword arguments of a job's trainer settings (its ``rl`` section): token-budget micro-batches
+    and parameter / optimizer offload."""
+    return {"max_tokens_per_micro_batch": rl.max_tokens_per_micro_batch, "param_offload": bool(rl.param_offload),
+            "optimizer_offload": bool(rl.optimizer_offload)}
 
 
 def resolve_precision(precision: str, device) -> str:
@@ -45,7 +54,7 @@ def resolve_precision(precision: str, device) -> str:
 
 
 
-class TrainerEngine(Compute, Weights, Windows, Recovery, Offload, Distribution, Loading):
+class TrainerEngine(StateOffload, MicroBatches, Compute, Weights, Windows, Recovery, Offload, Distribution, Loading):
     """A GRPO trainer over a transformers causal LM (see the package docstring for stages and sharding).
     
     ``lr``, ``weight_decay``, ``betas``: AdamW; ``kl_coef``: β of the k3 KL to the reference (the initial
@@ -57,6 +66,10 @@ class TrainerEngine(Compute, Weights, Windows, Recovery, Offload, Distribution, 
     engine will join a gang (:meth:`init_process_group`) before any work, so the model is built on the meta device
     and each rank reads only its shards from the checkpoint once the mesh is known (package docstring, "Loading");
     an engine built so that does work without joining loads the whole model then, as ``gang=False`` does at once.
+    ``max_tokens_per_micro_batch`` (``rl.max_tokens_per_micro_batch``): a rank's share runs in micro-batches of at
+    most that many padded tokens (:mod:`.micro_batches`; ``None``: the share in one pass); ``param_offload`` /
+    ``optimizer_offload`` (``rl.param_offload`` / ``rl.optimizer_offload``): the weights between stage calls, AdamW's
+    moments between optimizer steps, in host memory (:mod:`.state_offload`).
     """
 
     def __init__(self, model_dir: Union[str, Path], lr: float = 1e-3, seed: int = 0, kl_coef: float = 0.0,
@@ -65,7 +78,9 @@ class TrainerEngine(Compute, Weights, Windows, Recovery, Offload, Distribution, 
                  max_grad_norm: Optional[float] = 1.0, weight_decay: float = 0.0,
                  betas: tuple = (0.9, 0.999), precision: str = "auto", threads: Optional[int] = None,
                  activation_checkpointing: Optional[bool] = None, logprob_chunk: int = DEFAULT_CHUNK,
-                 gang: bool = False, publish_dtype: Optional[str] = None):
+                 gang: bool = False, publish_dtype: Optional[str] = None,
+                 max_tokens_per_micro_batch: Optional[int] = None, param_offload: bool = False,
+                 optimizer_offload: bool = False):
         if role not in ROLES:
             raise ValueError(f"TrainerEngine.role must be one of {ROLES}, got {role!r}")
         if not lr > 0:
@@ -86,6 +101,13 @@ class TrainerEngine(Compute, Weights, Windows, Recovery, Offload, Distribution, 
         if isinstance(logprob_chunk, bool) or not isinstance(logprob_chunk, int) or logprob_chunk < 1:
             raise ValueError(f"TrainerEngine.logprob_chunk must be a positive integer (response tokens per LM-head "
                              f"chunk), got {logprob_chunk!r}")
+        if max_tokens_per_micro_batch is not None and (isinstance(max_tokens_per_micro_batch, bool)
+                                                       or not isinstance(max_tokens_per_micro_batch, int)
+                                                       or max_tokens_per_micro_batch < 1):
+            raise ValueError("TrainerEngine.max_tokens_per_micro_batch must be a positive number of tokens or None "
+                             f"(the share in one pass), got {max_tokens_per_micro_batch!r}")
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self._init_state_offload(param_offload, optimizer_offload)
         if not isinstance(gang, bool):
             raise ValueError(f"TrainerEngine.gang must be True or False, got {gang!r}")
         from bidirl.cluster.engines.workers.weight_transport import DTYPES
@@ -175,6 +197,7 @@ class TrainerEngine(Compute, Weights, Windows, Recovery, Offload, Distribution, 
         if self._host.holding:
             raise RuntimeError(f"TrainerEngine.{what}: the engine is offloaded; call onload() first")
         self._load_if_pending()
+        self._params_back()               # rl.param_offload: the weights between stage calls (.state_offload)
 
     def _ready(self, what: str) -> None:
         """Checks shared by every call that touches the model: onloaded, and sharded when bf16-mixed needs it."""
@@ -187,6 +210,7 @@ class TrainerEngine(Compute, Weights, Windows, Recovery, Offload, Distribution, 
         new run on the same process (the sharding and the gang stay). Returns seconds."""
         t0 = time.perf_counter()
         self.onload()
+        self._state_back()                 # what rl.param_offload / rl.optimizer_offload put away
         self._ready("reset")
         self._wait_state_copy("reset")
         with torch.no_grad():
