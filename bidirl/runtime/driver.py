@@ -235,6 +235,7 @@ class Driver:
                               samples=view.samples)
         out["provenance"] = self.provenance
         out["calibration"] = view.calibration
+        out["reproducibility"] = view.reproducibility
         return out
 
     def result(self, **extra) -> RunResult:
