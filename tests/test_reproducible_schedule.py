@@ -122,3 +122,22 @@ def test_grid_cells_do_not_depend_on_the_split():
     assert n_a == 8
     assert s.tail_plan["auxiliary"] == [tuple(range(24, 32))]
     assert s.tail_plan["primary"] == [tuple(range(8, 16)), tuple(range(16, 20)), tuple(range(21, 24))]
+
+
+def test_the_modes_waits_are_spans_of_the_log_and_its_verdict_is_saved_with_it(tmp_path):
+    """At s = 1 the trainer sometimes waits for the rule's groups while others are complete: the mode's waits are
+    ``rule_wait`` spans on the primary trainer, their sums are the summary's, and a saved log says whether the run
+    was reproducible."""
+    from bidirl.results.trace import EventLog
+    res = _sim(1.0, 0.03, policy="opportunistic", reproducible=True)
+    rep = res.summary()["reproducibility"]
+    waits = [s for s in res.log.spans if s.kind == "rule_wait"]
+    assert waits and {s.worker for s in waits} == {"trainer_pool/trainer"}
+    by = {held: sum(s.end - s.start for s in waits if s.detail["held"] == held) for held in ("batch", "sync")}
+    assert by["batch"] > 0
+    # the spans are the clocked waits (each ended wait is one span; a wait still open at the end is in neither)
+    assert by["sync"] == pytest.approx(rep["sync_wait_s"], abs=1e-9)
+    assert by["batch"] == pytest.approx(rep["trainer_wait_s"], abs=1e-9)
+    path = res.log.save(tmp_path / "log.parquet")
+    assert EventLog.load(path).meta["reproducibility"] == rep
+    assert res.log.to_chrome_trace()["otherData"]["reproducibility"]["reproducible"] is True

@@ -323,6 +323,11 @@ class Coordinator:
         version it started on (where a sync cuts a response would follow timing)."""
         return self.settings.partial_rollout and not self.settings.reproducible
 
+    def _waited(self, held: str, wait: Optional[tuple]) -> None:
+        """Report a wait the reproducible mode imposed once it ends (a ``rule_wait`` span on the primary trainer)."""
+        if wait is not None and wait[1] > wait[0]:
+            self._out.append(P.RuleWaited(P.PRIMARY_TRAINER, held, *wait))
+
     def _completion_batch_ready(self) -> bool:
         """Whether the default rule (oldest complete groups, the look-ahead) would have a batch now."""
         s = self.settings
@@ -712,11 +717,11 @@ class Coordinator:
         batch = self._batch()
         if batch is None:
             if self.settings.reproducible:      # the rule's batch is not complete: does a timing-led one wait?
-                self.repro.trainer_waits(self._now, self._completion_batch_ready())
+                self._waited("batch", self.repro.trainer_waits(self._now, self._completion_batch_ready()))
             self._consider_rollout_on_trainer_pool()
             return
         if self.settings.reproducible:
-            self.repro.trainer_waits(self._now, False)
+            self._waited("batch", self.repro.trainer_waits(self._now, False))
         lease = self.leases[P.TRAINER_POOL]
         if not lease.primary:
             self._revoke(P.TRAINER_POOL, "the batch was complete: the trainer takes its pool back")
@@ -945,13 +950,14 @@ class Coordinator:
         if any(w in self.stopping for w in rollouters):
             return
         if not self._interrupts_at_sync() and any(self.buffer.running_count(w) for w in rollouters):
-            self.repro.sync_waits(self._now, self.settings.reproducible and self.settings.partial_rollout)
+            self._waited("sync", self.repro.sync_waits(self._now, self.settings.reproducible
+                                                       and self.settings.partial_rollout))
             return
         if self.settings.reproducible and (self.buffer.in_flight() or self._admissible()):
             # every group admitted on this version finishes on it before the weights change (parked ones too)
-            self.repro.sync_waits(self._now, True)
+            self._waited("sync", self.repro.sync_waits(self._now, True))
             self._dispatch_rollouts()
             return
-        self.repro.sync_waits(self._now, False)
+        self._waited("sync", self.repro.sync_waits(self._now, False))
         self.sync_wanted = False
         self._out.append(P.SyncWeights(self.trainer_version, tuple(rollouters)))

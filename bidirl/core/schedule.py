@@ -79,13 +79,19 @@ class Reproducibility:
         if why not in self.timing:
             self.timing.append(why)
 
-    def trainer_waits(self, now: float, waiting: bool) -> None:
-        """The trainer is (``waiting``) or is no longer held back by the rule while a default batch was ready."""
-        self._trainer_since, self.trainer_wait_s = _tick(self._trainer_since, self.trainer_wait_s, now, waiting)
+    def trainer_waits(self, now: float, waiting: bool) -> Optional[tuple]:
+        """The trainer is (``waiting``) or is no longer held back by the rule while a default batch was ready;
+        returns the wait ``(start, end)`` that this ends, if any."""
+        since = self._trainer_since
+        self._trainer_since, self.trainer_wait_s = _tick(since, self.trainer_wait_s, now, waiting)
+        return (since, now) if since is not None and not waiting else None
 
-    def sync_waits(self, now: float, waiting: bool) -> None:
-        """A sync is (``waiting``) or is no longer held for groups in flight that partial rollout would cut."""
-        self._sync_since, self.sync_wait_s = _tick(self._sync_since, self.sync_wait_s, now, waiting)
+    def sync_waits(self, now: float, waiting: bool) -> Optional[tuple]:
+        """A sync is (``waiting``) or is no longer held for groups in flight that partial rollout would cut;
+        returns the wait ``(start, end)`` that this ends, if any."""
+        since = self._sync_since
+        self._sync_since, self.sync_wait_s = _tick(since, self.sync_wait_s, now, waiting)
+        return (since, now) if since is not None and not waiting else None
 
     def summary(self) -> dict:
         return {"mode": self.on, "reproducible": self.on and not self.timing, "timing": list(self.timing),
