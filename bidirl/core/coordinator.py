@@ -175,6 +175,12 @@ class Coordinator:
         self._out: list = []
         self._now = 0.0
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickle (a checkpoint's control plane); one written before the reproducible mode existed was out of it."""
+        self.__dict__.update(state)
+        if "repro" not in state:
+            self.repro = Reproducibility.of(self.settings, self.topology, self.policy)
+
     # =============================================================================================
     # the protocol entry point and the read-only view
     # =============================================================================================
