@@ -110,8 +110,8 @@ def test_grid_cells_do_not_depend_on_the_split():
     counter = iter(range(1000))
 
     def step():
-        return TrainerStep(0, 0, groups, ("actor_update",), micro_batch_per_device=4, next_chunk_id=lambda: next(counter),
-                           grid=2)            # cells of 4 · 2 = 8 samples
+        return TrainerStep(0, 0, groups, ("actor_update",), micro_batch_per_device=4,
+                           next_chunk_id=lambda: next(counter), grid=2)            # cells of 4 · 2 = 8 samples
     s = step()
     assert s._cell_bounds() == [8, 16, 24, 32, 40]
     aux = s.pull("auxiliary", 1, "aux")       # a gang of 1 replica still takes a whole cell, from the back

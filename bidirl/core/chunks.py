@@ -76,7 +76,8 @@ class TrainerStep:
     rho: int = 1                 # devices per trainer replica
     max_tokens_per_micro_batch: Optional[int] = None   # token-budget micro-batches (None: s_max samples)
     sequence_parallel: int = 1   # Ulysses degree k: a chunk has one micro-batch per k devices
-    grid: Optional[int] = None   # reproducible mode: chunks are cells of a fixed grid cut for a gang of this many replicas
+    grid: Optional[int] = None   # reproducible mode: chunks are cells of a fixed grid, cut for a gang of this many
+    #                              replicas
     segment_index: int = 0
     pending: list = field(default_factory=list)       # sorted unit indices not yet in a live chunk
     tail_plan: dict = field(default_factory=dict)     # side -> list of unit tuples (after JointTailSplit)

@@ -17,8 +17,8 @@ the staleness bound s, never by completion order:
   ``grid``: one micro-batch per device of the primary gang, from each stage's first sample), whichever gang takes
   them, and the step's gradient is summed in unit order (the engines' ordered sum).
 
-It obeys the staleness rule: ``e(g) ≥ g div B − ⌈s⌉``, and for s < 1 at most ``⌊s·B⌋`` groups of a batch are
-generated one version early, so :func:`bidirl.core.staleness.check_batch` holds for every batch (a hypothesis test).
+It obeys the staleness rule: ``e(g) ≥ g div B − ⌈s⌉``, and for s < 1 at most ``⌊s·B⌋`` groups of a batch
+are generated one version early, so :func:`bidirl.core.staleness.check_batch` holds for every batch (a hypothesis test).
 Its price: the trainer waits for the rule's groups when others are complete, and a sync waits for the groups in
 flight instead of cutting them; both waits are measured (:class:`Reproducibility`).
 """

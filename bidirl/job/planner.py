@@ -562,8 +562,8 @@ _TERM_FIXES = {
     "window_shards": ("scheduler.policy", "run a policy that does not lend the rollout pool to training (rot-only or "
                       "no-borrow: no auxiliary windows to keep until the optimizer step)"),
     "order_buffers": ("rl.reproducible", "set rl.reproducible: false (chunk gradients then add in the order they "
-                      "finish: one window shard instead of one shard per auxiliary chunk), or a policy that does not lend "
-                      "the rollout pool to training"),
+                      "finish: one window shard instead of one shard per auxiliary chunk), or a policy that does not "
+                      "lend the rollout pool to training"),
     "apply_sum": ("scheduler.policy", "run a policy that does not lend the rollout pool to training (rot-only or "
                   "no-borrow: the optimizer step then sums no window beside the gradient)"),
     "optimizer_step": ("hardware", "a GPU with more memory, or a model with a smaller vocabulary × hidden size "

@@ -3,10 +3,10 @@ Table 2: "finished chunks are merged in original order"; issue 42, reproducible 
 
 fp32 addition is not associative, so a sum taken in the order chunks finish depends on timing and on which gang
 ran which chunk. With every chunk's gradient the same bits wherever it is computed (the coordinator's fixed chunk
-grid, gangs of one shape: ``Settings.reproducible``), a left-to-right sum in unit order — ``((g₀ + g₁) + g₂) + …``
-— is the same bits in every run. A primary rank adds a chunk straight into ``p.grad`` when it is the next in
-order (``p.grad ← p.grad + g``: one rounding, as ``S.add_(g)``), and keeps a chunk that arrives ahead of a gap
-in a buffer of its own — one shard of the gradient per early chunk (the device-memory cost,
+grid, gangs of one shape: ``Settings.reproducible``), a left-to-right sum in unit order —
+``((g₀ + g₁) + g₂) + …`` — is the same bits in every run. A primary rank adds a chunk straight into ``p.grad``
+when it is the next in order (``p.grad ← p.grad + g``: one rounding, as ``S.add_(g)``), and keeps a chunk that
+arrives ahead of a gap in a buffer of its own — one shard of the gradient per early chunk (the device-memory cost,
 ``bidirl.perf.memory``'s ``order_buffers``) — until the gap is filled. An auxiliary rank keeps every chunk of its
 window apart and hands them over in order; the primary adds them where they belong.
 """
