@@ -141,3 +141,48 @@ def test_the_modes_waits_are_spans_of_the_log_and_its_verdict_is_saved_with_it(t
     path = res.log.save(tmp_path / "log.parquet")
     assert EventLog.load(path).meta["reproducibility"] == rep
     assert res.log.to_chrome_trace()["otherData"]["reproducibility"]["reproducible"] is True
+
+
+@settings(max_examples=150, deadline=None)
+@given(samples=st.integers(1, 60), mb=st.integers(1, 6), d_p=st.integers(1, 3), d_a=st.integers(1, 3),
+       ops=st.lists(st.tuples(st.sampled_from(["primary", "auxiliary", "split", "cancel", "finish", "release"]),
+                              st.integers(0, 10_000)), max_size=60))
+def test_every_chunk_is_a_whole_cell_of_the_grid_whatever_the_order_of_pulls_splits_and_cancels(samples, mb, d_p,
+                                                                                                 d_a, ops):
+    """The invariant the ordered sum's bit-identity rests on: in the mode every chunk is exactly one cell of the grid
+    (the primaries' full chunks from each stage's first sample), however the two sides pull, split and cancel."""
+    from bidirl.core.chunks import TrainerStep
+    groups = [GroupState(g, 5, (3,), (True,), 0) for g in range(samples)]
+    counter = iter(range(100_000))
+    s = TrainerStep(0, 0, groups, ("old_logprob", "actor_update"), micro_batch_per_device=mb,
+                    next_chunk_id=lambda: next(counter), grid=d_p)
+    made = []
+    for op, k in ops:
+        live = s.live()
+        if op in ("primary", "auxiliary"):
+            rec = s.pull(op, d_p if op == "primary" else d_a, op)
+            if rec is not None:
+                made.append(rec.units)
+        elif op == "split" and s.pending and not s.tail_plan:
+            s.plan_proportional(d_p, d_a)
+        elif op == "cancel" and live:
+            s.cancel(live[k % len(live)].chunk.chunk_id)
+        elif op == "finish" and live:
+            s.finish(live[k % len(live)].chunk.chunk_id)
+        elif op == "release":
+            s.release_plan()
+    for units in made:
+        assert s.is_cell_start(units[0]) and units[-1] + 1 == s.cell_end(units[0]), (units, s._cell_bounds())
+        assert list(units) == list(range(units[0], units[-1] + 1))
+
+
+def test_without_the_grid_a_smaller_gang_cuts_partial_cells():
+    """The guard of the invariant above: outside the mode a gang of one replica pulls half a primary chunk."""
+    from bidirl.core.chunks import TrainerStep
+    groups = [GroupState(g, 5, (3,), (True,), 0) for g in range(8)]
+    counter = iter(range(100))
+    free = TrainerStep(0, 0, groups, ("actor_update",), micro_batch_per_device=2, next_chunk_id=lambda: next(counter))
+    assert free.pull("auxiliary", 1, "a").units == (0, 1)
+    grid = TrainerStep(0, 0, groups, ("actor_update",), micro_batch_per_device=2, next_chunk_id=lambda: next(counter),
+                       grid=2)
+    assert grid.pull("auxiliary", 1, "a").units == (4, 5, 6, 7)
