@@ -10,7 +10,8 @@ not favour one side), on one embedded Ray whose engine workers are kept between 
 
 * ``tokens_per_s_s{S}_{off,on}`` — the run's §7.1 throughput (tokens of the measured steps over their time,
   ``metrics.summary``), the median of the rounds;
-* ``on_over_off_s{S}`` — the median of each round's ratio on / off (runs seconds apart share the machine's load);
+* ``on_over_off_s{S}`` — the median of each round's ratio on / off (runs seconds apart share the machine's load),
+  and ``on_over_off_s{S}_min`` / ``_max`` — the rounds' smallest and largest ratio (how far one round's noise goes);
 * ``trainer_wait_s{S}`` / ``sync_wait_s{S}`` — in the on run, the seconds the trainer waited for the rule's batch
   while the default rule had one, and a sync waited for groups in flight that partial rollout would have cut
   (``summary["reproducibility"]``): where the price is paid;
@@ -23,7 +24,7 @@ import statistics
 
 STALENESS = (0.0, 0.5, 1.0, 2.0)
 STEPS = 6                  # s = 2 drops 2 steps at each end of the §7.1 window: 6 leaves 2 measured steps
-ROUNDS, QUICK_ROUNDS = 2, 1
+ROUNDS, QUICK_ROUNDS = 3, 1
 SHARED = {"workload.prompts_per_step": 32, "workload.group_size": 8, "workload.max_prompt_len": 48}
 
 
@@ -65,6 +66,8 @@ def bench_reproducible(quick: bool) -> dict:
         for mode in ("off", "on"):
             out[f"tokens_per_s_{tag}_{mode}"] = (statistics.median(rates[(s, mode)]), "tokens/s")
         out[f"on_over_off_{tag}"] = (statistics.median(ratios[s]), "ratio")
+        out[f"on_over_off_{tag}_min"] = (min(ratios[s]), "ratio")
+        out[f"on_over_off_{tag}_max"] = (max(ratios[s]), "ratio")
         out[f"trainer_wait_{tag}"] = (statistics.median(waits[s]["trainer"]), "s")
         out[f"sync_wait_{tag}"] = (statistics.median(waits[s]["sync"]), "s")
         out[f"reproducible_{tag}"] = (min(waits[s]["ok"]), "bool")
