@@ -18,7 +18,7 @@ from bidirl.perf import memory
 GiB = 2 ** 30
 #: tiny-cpu with every term of the budget present on CPU: a reference model (kl_coef > 0), the collective weight
 #: transport (published versions, buckets), the bidirl policy (an auxiliary window per step), a two-rank gang (FSDP2)
-TINY_ALL_TERMS = {"rl.reference_model": True, "rl.kl_coef": 0.01}
+TINY_ALL_TERMS = {"rl.reference_model": True, "rl.kl_coef": 0.01, "rl.reproducible": True}
 #: a one-rank gang (no FSDP2 on CPU) and one sample per micro-batch: the optimizer step peaks, not a chunk — where
 #: the terms only ``apply`` holds can tip the budget
 TINY_APPLY_PEAK = {**TINY_ALL_TERMS, "cluster.gpus": 2, "cluster.partition": {"rollout": 1, "trainer": 1},
@@ -133,6 +133,7 @@ SETTING_WITHOUT = {
     "reference": ({"rl.kl_coef": 0.0, "rl.reference_model": False}, "bidirl"),
     "window_shards": ({}, "rot-only"),
     "apply_sum": ({}, "rot-only"),
+    "order_buffers": ({"rl.reproducible": False}, "bidirl"),
     "transport_buckets": ({"transport.bucket_mb": 0.25}, "bidirl"),
 }
 

@@ -34,6 +34,7 @@ BATCH_RULES = {
     "completion": "the first B groups to complete, whatever their tag (veRL fully-async: FIFO message queue)",
     "submission": "the B earliest-submitted among the complete groups (AReaL: oldest create_time first)",
     "oldest-first": "the B oldest live groups, waiting for those still generating (ROLL: oldest start step)",
+    "schedule": "the next B group ids, once all are complete (the reproducible mode: bidirl.core.schedule)",
 }
 
 
@@ -199,6 +200,11 @@ class RolloutBuffer:
         B = self.rule.batch if size is None else int(size)
         if rule == "lookahead":
             return self._select_lookahead(trainer_version, B, room)
+        if rule == "schedule":
+            first = len(self.consumed_ids)             # ids are consumed in order: the next batch is the next B ids
+            ids = list(range(first, first + B))
+            recs = [self.groups.get(g) for g in ids]
+            return ids if all(r is not None and r.status == "complete" for r in recs) else None
         if rule == "oldest-first":
             live = self._oldest(B) if len(self.complete) >= B else []
             return [r.group_id for r in live] if len(live) == B and all(r.status == "complete" for r in live) \

@@ -76,6 +76,8 @@ class TrainerStep:
     rho: int = 1                 # devices per trainer replica
     max_tokens_per_micro_batch: Optional[int] = None   # token-budget micro-batches (None: s_max samples)
     sequence_parallel: int = 1   # Ulysses degree k: a chunk has one micro-batch per k devices
+    grid: Optional[int] = None   # reproducible mode: chunks are cells of a fixed grid, cut for a gang of this many
+    #                              replicas
     segment_index: int = 0
     pending: list = field(default_factory=list)       # sorted unit indices not yet in a live chunk
     tail_plan: dict = field(default_factory=dict)     # side -> list of unit tuples (after JointTailSplit)
@@ -192,13 +194,70 @@ class TrainerStep:
         del self.pending[: len(run)]
         return tuple(run)
 
+    # the reproducible mode's grid -------------------------------------------------------------------
+    def _cell_bounds(self) -> list:
+        """The grid's cell boundaries within a stage, as sample indices ``0 < b₁ < … < n``: full chunks of the
+        primary gang (``grid`` replicas) from the stage's first sample, so a cell's samples do not depend on which
+        gang runs it or on how the step was split."""
+        bounds = getattr(self, "_bounds", None)
+        if bounds is None or bounds[-1] != self.n_samples:
+            bounds, i = [], 0
+            while i < self.n_samples:
+                i += max(1, self.chunk_units_at(i, self.grid))
+                bounds.append(min(i, self.n_samples))
+            self._bounds = bounds
+        return bounds
+
+    def cell_end(self, u: int) -> int:
+        """The unit after the last of the grid cell that holds unit ``u``."""
+        n = self.n_samples
+        base, i = (u // n) * n, u % n
+        bounds = self._cell_bounds()
+        return base + bounds[bisect.bisect_right(bounds, i)]
+
+    def is_cell_start(self, u: int) -> bool:
+        bounds = self._cell_bounds()
+        if getattr(self, "_bound_set", None) is None or len(self._bound_set) != len(bounds):
+            self._bound_set = set(bounds)
+        i = u % self.n_samples
+        return i == 0 or i in self._bound_set
+
+    def _take_back(self) -> tuple:
+        """The last pending cell of the grid (its pending units, contiguous): the auxiliary side's pull in the
+        reproducible mode. The primaries pull from the front and the auxiliaries from the back, as the tail split
+        divides the queue, so the primary gang's chunks reach it in unit order and it adds each into its gradient
+        at once; only the auxiliary chunks wait, one shard each, for their place in the sum (``ordered_sum``)."""
+        last, n = self.pending[-1], self.n_samples
+        bounds = [0] + self._cell_bounds()
+        start = (last // n) * n + bounds[bisect.bisect_right(bounds, last % n) - 1]
+        k = len(self.pending) - 1
+        while k > 0 and self.pending[k - 1] == self.pending[k] - 1 and self.pending[k - 1] >= start:
+            k -= 1
+        run = tuple(self.pending[k:])
+        del self.pending[k:]
+        return run
+
+    def _aligned(self, units: list, n_a: int) -> int:
+        """The auxiliary side's share ``n_a`` of ``units`` moved to the nearest cell boundary (grid mode), so each
+        side's chunks are whole cells."""
+        if self.grid is None:
+            return n_a
+        n = len(units)
+        cuts = [i for i in range(n + 1) if i in (0, n) or self.is_cell_start(units[i]) or units[i] != units[i - 1] + 1]
+        best = min(cuts, key=lambda i: (abs(i - (n - n_a)), i))
+        return n - best
+
     def pull(self, side: str, d: int, worker: str) -> Optional[ChunkRecord]:
-        """LazyPull(Q, x, s_max): the next chunk for ``side`` — its tail-plan entry if one was made."""
+        """LazyPull(Q, x, s_max): the next chunk for ``side`` — its tail-plan entry if one was made (on the grid in
+        the reproducible mode: one cell, whichever side pulls it)."""
         plan = self.tail_plan.get(side)
         if plan:
             units = plan.pop(0)
         elif self.tail_plan:
             return None          # after the tail split each side runs only its own plan
+        elif self.grid is not None and self.pending:
+            units = self._take_back() if side == AUXILIARY else self._take_run(self.cell_end(self.pending[0])
+                                                                               - self.pending[0])
         else:
             units = self._take_run(self.chunk_units_at(self.pending[0], d)) if self.pending else ()
         if not units:
@@ -249,7 +308,7 @@ class TrainerStep:
                 runs.append(tuple(cur))
                 cur = []
             if not cur:
-                size = self.chunk_units_at(u, d)
+                size = self.cell_end(u) - u if self.grid is not None else self.chunk_units_at(u, d)
             cur.append(u)
         if cur:
             runs.append(tuple(cur))
@@ -290,6 +349,9 @@ class TrainerStep:
         n_a, finish = joint_tail_split(n, d_p * self.rho, d_a * self.rho, ready_p, ready_a,
                                        sides[0].time, sides[1].time, *bounds,
                                        prepare=prepare if span_times is not None and lazy else None)
+        if self.grid is not None:         # whole cells on each side (the reproducible mode's grid)
+            n_a = self._aligned(units, n_a)
+            finish = max(ready_p + sides[0].time(n - n_a), ready_a + sides[1].time(n_a))
         self.tail_plan = {PRIMARY: self.split_runs(units[: n - n_a], d_p),
                           AUXILIARY: self.split_runs(units[n - n_a:], d_a)}
         self.pending = []
@@ -298,7 +360,7 @@ class TrainerStep:
     def plan_proportional(self, d_p: int, d_a: int) -> int:
         """One-shot DP-proportional split of the pending work (the opportunistic ablation)."""
         units = list(self.pending)
-        n_a = round(len(units) * d_a / (d_p + d_a))
+        n_a = self._aligned(units, round(len(units) * d_a / (d_p + d_a)))
         n_p = len(units) - n_a
         self.tail_plan = {PRIMARY: self.split_runs(units[:n_p], d_p),
                           AUXILIARY: self.split_runs(units[n_p:], d_a)}

@@ -38,6 +38,7 @@ from bidirl.core.chunks import TrainerStep
 from bidirl.core.lease import Lease, PoolLease
 from bidirl.core.policies import Policy
 from bidirl.core.profiler import ProfileRecord, Profiler
+from bidirl.core.schedule import SCHEDULE_RULE, Reproducibility
 from bidirl.core.staleness import StalenessRule, check_batch
 
 ROT, TOR = P.ROLLOUT_ON_TRAINER_POOL, P.TRAINER_ON_ROLLOUT_POOL
@@ -107,6 +108,7 @@ class Settings:
     max_tokens_per_micro_batch: Optional[int] = None  # token-budget micro-batches (None: s_max samples per device)
     sequence_parallel: int = 1     # Ulysses degree: a chunk holds one micro-batch per sequence-parallel group
     updates_per_sync: int = 1      # streaming consumption: local updates of batch / updates_per_sync groups per step
+    reproducible: bool = False     # batches, versions and chunks fixed by rule, not by timing (bidirl.core.schedule)
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class CoordinatorView:
     profile: tuple                 # the online profiler's records (ProfileRecord: observed next to predicted)
     batches: tuple                 # (step, version, group ids) of every consumed batch
     merge_log: tuple               # (step, [(segment, first unit) of each chunk in merge order])
+    reproducibility: dict = field(default_factory=dict)  # the mode, whether the run was, what made it depend on timing
 
 
 @dataclass
@@ -166,10 +169,17 @@ class Coordinator:
         s = self.settings
         self.rule = StalenessRule(s.staleness, s.batch)
         self.buffer = RolloutBuffer(self.rule)
+        self.repro = Reproducibility.of(s, self.topology, self.policy)
         self.leases = {pool: PoolLease(pool) for pool in P.POOLS}
         self._chunk_ids = itertools.count()
         self._out: list = []
         self._now = 0.0
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickle (a checkpoint's control plane); one written before the reproducible mode existed was out of it."""
+        self.__dict__.update(state)
+        if "repro" not in state:
+            self.repro = Reproducibility.of(self.settings, self.topology, self.policy)
 
     # =============================================================================================
     # the protocol entry point and the read-only view
@@ -201,7 +211,8 @@ class Coordinator:
                      "duplicated": self.buffer.duplicates * g},
             calibration=self.profiler.summary(), profile=tuple(self.profiler.records),
             batches=tuple((s, v, tuple(ids)) for s, v, ids in self.batches),
-            merge_log=tuple((s, tuple(order)) for s, order in self.merge_log))
+            merge_log=tuple((s, tuple(order)) for s, order in self.merge_log),
+            reproducibility=self.repro.summary())
 
     # =============================================================================================
     # event handlers
@@ -309,9 +320,26 @@ class Coordinator:
         self.phase = Phase.SYNCING
         if self.policy.drop_stale:
             self._drop_stale()
-        if self.settings.partial_rollout:
+        if self._interrupts_at_sync():
             self._interrupt_all(self._active_rollouters(P.ROLLOUT_POOL))
         self._maybe_sync()
+
+    def _interrupts_at_sync(self) -> bool:
+        """Partial rollout's interrupt at a sync: not in the reproducible mode, where every group finishes on the
+        version it started on (where a sync cuts a response would follow timing)."""
+        return self.settings.partial_rollout and not self.settings.reproducible
+
+    def _waited(self, held: str, wait: Optional[tuple]) -> None:
+        """Report a wait the reproducible mode imposed once it ends (a ``rule_wait`` span on the primary trainer)."""
+        if wait is not None and wait[1] > wait[0]:
+            self._out.append(P.RuleWaited(P.PRIMARY_TRAINER, held, *wait))
+
+    def _completion_batch_ready(self) -> bool:
+        """Whether the default rule (oldest complete groups, the look-ahead) would have a batch now."""
+        s = self.settings
+        size = s.batch // s.updates_per_sync
+        room = s.batch - size * (self.local_update + 1)
+        return self.buffer.select_batch(self.trainer_version, "lookahead", size=size, room=room) is not None
 
     def _drop_stale(self):
         """Unfinished groups too old for any future batch (tag < v_t − ceil(s)) are discarded at the sync, their
@@ -453,8 +481,11 @@ class Coordinator:
 
     def _dispatch_rollouts(self):
         """Resume parked groups (oldest tag first), then admit new ones up to the run-ahead bound."""
-        # nothing starts while the new weights are on their way (a worker that is back waits for the sync too)
-        if self.phase in (Phase.DONE, Phase.SYNCING) or self.sync_wanted:
+        # nothing starts while the new weights are on their way (a worker that is back waits for the sync too); in
+        # the reproducible mode the groups of the version still held run before the sync is sent
+        if self.phase is Phase.DONE:
+            return
+        if (self.phase is Phase.SYNCING or self.sync_wanted) and not (self.settings.reproducible and self.sync_wanted):
             return
         fresh = self._admissible()
         if not fresh and not self.buffer.partial:       # nothing to start: no event pays for the worker list
@@ -669,10 +700,11 @@ class Coordinator:
         """The next batch: the step's whole batch, or with streaming consumption (``updates_per_sync`` = U) the
         next local update's ``B/U`` groups, the step still having room for the rest of its local batches."""
         s = self.settings
+        rule = SCHEDULE_RULE if s.reproducible else self.policy.batch_rule
         if s.updates_per_sync == 1:
-            return self.buffer.select_batch(self.trainer_version, self.policy.batch_rule)
+            return self.buffer.select_batch(self.trainer_version, rule)
         size = s.batch // s.updates_per_sync
-        return self.buffer.select_batch(self.trainer_version, self.policy.batch_rule, size=size,
+        return self.buffer.select_batch(self.trainer_version, rule, size=size,
                                         room=s.batch - size * (self.local_update + 1))
 
     def _last_local(self) -> bool:
@@ -690,8 +722,12 @@ class Coordinator:
             return
         batch = self._batch()
         if batch is None:
+            if self.settings.reproducible:      # the rule's batch is not complete: does a timing-led one wait?
+                self._waited("batch", self.repro.trainer_waits(self._now, self._completion_batch_ready()))
             self._consider_rollout_on_trainer_pool()
             return
+        if self.settings.reproducible:
+            self._waited("batch", self.repro.trainer_waits(self._now, False))
         lease = self.leases[P.TRAINER_POOL]
         if not lease.primary:
             self._revoke(P.TRAINER_POOL, "the batch was complete: the trainer takes its pool back")
@@ -724,7 +760,8 @@ class Coordinator:
                            micro_batch_per_device=s.micro_batch_per_device,
                            next_chunk_id=functools.partial(next, self._chunk_ids), rho=self.topology.trainer_layout,
                            max_tokens_per_micro_batch=s.max_tokens_per_micro_batch,
-                           sequence_parallel=s.sequence_parallel)
+                           sequence_parallel=s.sequence_parallel,
+                           grid=self.topology.trainer_replicas if s.reproducible else None)
 
     def _schedule_chunks(self):
         step = self.step
@@ -912,13 +949,21 @@ class Coordinator:
         if not self.sync_wanted or not self.leases[P.ROLLOUT_POOL].primary:
             return
         rollouters = self._alive(self.topology.rollouters)
-        if self.settings.partial_rollout:
+        if self._interrupts_at_sync():
             # a primary that was stopping for some of its groups only (a migration) when the step ended may still
             # run others: they park for the sync too (weights change only on an idle engine)
             self._interrupt_all(rollouters)
         if any(w in self.stopping for w in rollouters):
             return
-        if not self.settings.partial_rollout and any(self.buffer.running_count(w) for w in rollouters):
+        if not self._interrupts_at_sync() and any(self.buffer.running_count(w) for w in rollouters):
+            self._waited("sync", self.repro.sync_waits(self._now, self.settings.reproducible
+                                                       and self.settings.partial_rollout))
             return
+        if self.settings.reproducible and (self.buffer.in_flight() or self._admissible()):
+            # every group admitted on this version finishes on it before the weights change (parked ones too)
+            self._waited("sync", self.repro.sync_waits(self._now, True))
+            self._dispatch_rollouts()
+            return
+        self._waited("sync", self.repro.sync_waits(self._now, False))
         self.sync_wanted = False
         self._out.append(P.SyncWeights(self.trainer_version, tuple(rollouters)))

@@ -57,13 +57,15 @@ UPDATE_STAGES: tuple = ("actor_update",)
 #: what a span of the event log can be (``bidirl.results.trace``); the last three mark what borrowing costs inside
 #: another span of the same lane (:data:`COST_SPAN_KINDS`)
 SPAN_KINDS: tuple = ("generate", "chunk", "switch_in", "switch_out", "sync", "grad_merge", "optimizer",
-                     "reprefill", "pin_alloc", "switch_no_work")
+                     "reprefill", "pin_alloc", "switch_no_work", "rule_wait")
 #: spans that mark a cost inside another span of their lane, never work of their own: ``reprefill`` — a resumed or
 #: moved request recomputing the KV cache of its prompt and kept prefix (inside ``generate``); ``pin_alloc`` — a
 #: worker's first switch out allocating its pinned host buffer (inside ``switch_in``/``switch_out``);
 #: ``switch_no_work`` — a switch of a window in which the borrowed pool ran nothing (the window closed before the
 #: switch in completed, or nothing was left for it): both its switches were paid for no work
-COST_SPAN_KINDS: tuple = ("reprefill", "pin_alloc", "switch_no_work")
+#: ``rule_wait`` — what the reproducible mode costs (``bidirl.core.schedule``): the primary trainer held for the
+#: rule's batch while the default rule had one, or a sync held for groups in flight that partial rollout would cut
+COST_SPAN_KINDS: tuple = ("reprefill", "pin_alloc", "switch_no_work", "rule_wait")
 
 #: scheduling policies of the control plane (§7.3 ablations) and the modelled external systems (§7.1)
 CORE_POLICIES: tuple = ("bidirl", "no-borrow", "rot-only", "tor-only", "opportunistic")
@@ -392,7 +394,18 @@ class RunDone:
     t: float
 
 
-REPORTS: tuple = (StepDone, Decided, RunDone)
+@dataclass(frozen=True)
+class RuleWaited:
+    """The reproducible mode held ``worker`` over ``[start, end]``: ``held`` is ``"batch"`` (the trainer waited for
+    the rule's groups while the default rule had a batch) or ``"sync"`` (the weight sync waited for groups in flight
+    that partial rollout would have cut)."""
+    worker: str
+    held: str
+    start: float
+    end: float
+
+
+REPORTS: tuple = (StepDone, Decided, RunDone, RuleWaited)
 
 
 # --------------------------------------------------------------------------------------------------

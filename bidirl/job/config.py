@@ -172,6 +172,12 @@ class RLConfig:
     * ``sequence_parallel`` (veRL ``actor.ulysses_sequence_parallel_size``): Ulysses degree k — each sample's
       tokens are split over k GPUs (activations / k, attention all-to-all per layer); data parallel = trainer
       GPUs / k. It must divide the model's attention heads and ``cluster.gpus_per_node``.
+
+    ``reproducible`` (issue 42; ``bidirl.core.schedule``): the same seed gives the same batches, rewards and
+    weights bit for bit at any staleness, with borrowing on — each group's batch and the version it is generated
+    from fixed by a rule of (step, group, s), every group finished on the version it started on, the trainer's
+    chunks cut on a fixed grid and its gradient summed in unit order. ``null`` (the default): on at s = 0, where
+    it costs nothing but the order buffers, off otherwise.
     """
     staleness: float = 1.0
     partial_rollout: bool = True
@@ -189,6 +195,12 @@ class RLConfig:
     param_offload: bool = False
     optimizer_offload: bool = False
     sequence_parallel: int = 1
+    reproducible: Optional[bool] = None
+
+    @property
+    def reproducible_on(self) -> bool:
+        """Whether the run is in the reproducible mode: ``reproducible``, or by default s = 0."""
+        return self.staleness == 0 if self.reproducible is None else bool(self.reproducible)
 
     @property
     def stages(self) -> tuple:

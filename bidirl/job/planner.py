@@ -562,6 +562,9 @@ _TERM_FIXES = {
                            "device; the weights go through Ray's object store)"),
     "window_shards": ("scheduler.policy", "run a policy that does not lend the rollout pool to training (rot-only or "
                       "no-borrow: no auxiliary windows to keep until the optimizer step)"),
+    "order_buffers": ("rl.reproducible", "set rl.reproducible: false (chunk gradients then add in the order they "
+                      "finish: one window shard instead of one shard per auxiliary chunk), or a policy that does not "
+                      "lend the rollout pool to training"),
     "apply_sum": ("scheduler.policy", "run a policy that does not lend the rollout pool to training (rot-only or "
                   "no-borrow: the optimizer step then sums no window beside the gradient)"),
     "optimizer_step": ("hardware", "a GPU with more memory, or more GPUs per trainer replica (AdamW's temporaries: "
@@ -581,7 +584,8 @@ _TERM_FIXES = {
 
 
 #: the terms a job's settings change, named first when several would each make a budget fit
-_PREFERRED = ("published_versions", "window_shards", "apply_sum", "reference", "activations", "transport_buckets")
+_PREFERRED = ("published_versions", "window_shards", "order_buffers", "apply_sum", "reference", "activations",
+              "transport_buckets")
 
 
 def device_budget(plan: "Plan", *, device: str, windows: int = 1, layout: Optional[int] = None):
@@ -602,7 +606,22 @@ def device_budget(plan: "Plan", *, device: str, windows: int = 1, layout: Option
                                 kl_coef=cfg.rl.kl_coef, weights_transport=cfg.transport.weights,
                                 bucket_bytes=cfg.transport.bucket_mb * 2 ** 20, windows=windows,
                                 gang_ranks=plan.envelope.trainer_gpus, param_offload=cfg.rl.param_offload,
-                                optimizer_offload=cfg.rl.optimizer_offload)
+                                optimizer_offload=cfg.rl.optimizer_offload,
+                                order_chunks=order_chunks(plan) if windows else 0)
+
+
+def order_chunks(plan: "Plan") -> int:
+    """The auxiliary update chunks one local update may hand the primary gang in the reproducible mode (each kept
+    as its own shard until its place in the ordered sum, ``perf.memory``'s ``order_buffers``): every cell of the
+    update's grid but the primary's first — the scheduler gives the primaries work first, and the auxiliaries may
+    take all the rest. 0 outside the mode."""
+    cfg = plan.config
+    if not cfg.rl.reproducible_on:
+        return 0
+    env, w = plan.envelope, cfg.workload
+    samples = w.prompts_per_step * w.group_size // max(1, cfg.rl.updates_per_sync)
+    cell = cfg.rl.micro_batch_per_device * env.trainer_layout * env.trainer_replicas
+    return max(0, -(-samples // cell) - 1)
 
 
 def check_device_budget(plan: "Plan", *, device: str, windows: int = 1):

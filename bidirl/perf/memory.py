@@ -254,10 +254,12 @@ BUDGET_PHASES = {
     # a chunk's forward + backward (``chunk_gradients(accumulate=True)``); windows may arrive beside it
     # (``receive_window``) and a send of a published version may gather beside it (``send_weights``)
     "chunk": ("weights", "gradients", "optimizer_state", "reference", "published_versions", "window_shards",
-              "activations", "fsdp_unsharded", "transport_buckets", "rollout_beside", "offload_buffer"),
+              "order_buffers", "activations", "fsdp_unsharded", "transport_buckets", "rollout_beside",
+              "offload_buffer"),
     # the optimizer step (``apply``): the windows and the sum's clone are alive through ``optimizer.step()``
     "apply": ("weights", "gradients", "optimizer_state", "reference", "published_versions", "window_shards",
-              "apply_sum", "optimizer_step", "transport_buckets", "rollout_beside", "offload_buffer"),
+              "order_buffers", "apply_sum", "optimizer_step", "transport_buckets", "rollout_beside",
+              "offload_buffer"),
 }
 
 
@@ -279,6 +281,11 @@ class DeviceBudget:
       (``TrainerEngine.publish``): ``(PUBLISHED_KEPT + PUBLISHED_TRANSIENT)·b_wire·N/ρ``; 0 on the object-store path;
     * ``window_shards`` — one fp32 shard per auxiliary window received and kept until ``apply``
       (``TrainerEngine.receive_window``): ``windows·4·N/ρ``;
+    * ``order_buffers`` — the reproducible mode (``rl.reproducible``) sums the step's gradient in unit order
+      (``trainer/ordered_sum.py``): the auxiliary gang's update chunks arrive as one fp32 shard each and wait for their
+      place in the sum, so a primary rank keeps ``order_chunks`` shards where a window would be one:
+      ``max(0, order_chunks − windows)·4·N/ρ`` beyond ``window_shards`` (its own chunks arrive in order: the
+      auxiliaries pull from the back of the queue);
     * ``apply_sum`` — ``apply``'s ``total = flat.clone()`` of the first received window, alive through the optimizer
       step: ``4·N/ρ`` when the step has a window, else 0; on the object-store path the auxiliary chunks' gradients
       come from the host instead (no ``window_shards``), and the device copy of the last one (``flat``) is alive
@@ -333,6 +340,7 @@ class DeviceBudget:
     reference: float
     published_versions: float
     window_shards: float
+    order_buffers: float
     apply_sum: float
     optimizer_step: float
     activations: float
@@ -394,7 +402,7 @@ def device_budget(model, hw, layout: int, *, micro_batch_per_device: int, max_se
                   kl_coef: float = 0.0, weights_transport: str = "collective", bucket_bytes: float = 512 * 2 ** 20,
                   windows: int = 1, gang_ranks: Optional[int] = None, tokens: Optional[float] = None,
                   checkpointing: Optional[bool] = None, param_offload: bool = False,
-                  optimizer_offload: bool = False) -> DeviceBudget:
+                  optimizer_offload: bool = False, order_chunks: int = 0) -> DeviceBudget:
     """The :class:`DeviceBudget` of one primary trainer rank of a replica of ``layout`` GPUs in an engine run on
     ``device`` (``"cuda"``: bf16-mixed compute, bf16 on the wire; ``"cpu"``: fp32 throughout, the engines'
     ``precision="auto"`` and the rollouters' dtype), with ``windows`` auxiliary windows received per step (0: the
@@ -404,9 +412,11 @@ def device_budget(model, hw, layout: int, *, micro_batch_per_device: int, max_se
     ``tokens``: one micro-batch's tokens on the rank (:func:`micro_batch_tokens`; default ``micro_batch_per_device
     · max_seq_len``); ``checkpointing``: whether the trainer recomputes its blocks (``rl.activation_checkpointing``
     as the engine resolves it; None: the checkpointed form), both as :func:`trainer_activation_bytes` takes them.
-    ``param_offload`` / ``optimizer_offload``: ``rl.param_offload`` / ``rl.optimizer_offload`` (the class docstring)."""
-    if layout < 1 or windows < 0 or micro_batch_per_device < 1 or max_seq_len < 1:
-        raise ValueError("device_budget: layout, micro_batch_per_device and max_seq_len must be ≥ 1, windows ≥ 0")
+    ``param_offload`` / ``optimizer_offload``: ``rl.param_offload`` / ``rl.optimizer_offload`` (the class docstring).
+    ``order_chunks``: the auxiliary update chunks of a step kept one shard each in the reproducible mode (0: off)."""
+    if layout < 1 or windows < 0 or micro_batch_per_device < 1 or max_seq_len < 1 or order_chunks < 0:
+        raise ValueError("device_budget: layout, micro_batch_per_device and max_seq_len must be ≥ 1, windows and "
+                         "order_chunks ≥ 0")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device_budget: device must be 'cuda' or 'cpu', got {device!r}")
     n, rho = float(model.params_total), int(layout)
@@ -427,6 +437,7 @@ def device_budget(model, hw, layout: int, *, micro_batch_per_device: int, max_se
         reference=compute * n / rho if kl_coef > 0 else 0.0,
         published_versions=(PUBLISHED_KEPT + PUBLISHED_TRANSIENT) * wire * n / rho if collective else 0.0,
         window_shards=windows * ENGINE_GRAD_BYTES * n / rho if collective else 0.0,
+        order_buffers=max(0, order_chunks - windows) * ENGINE_GRAD_BYTES * n / rho if windows else 0.0,
         apply_sum=(1 if collective else 2) * ENGINE_GRAD_BYTES * n / rho if windows else 0.0,
         optimizer_step=(4 * n if device == "cuda" else 2 * 4 * largest) / rho,
         activations=trainer_activation_bytes(

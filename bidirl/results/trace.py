@@ -172,6 +172,7 @@ class EventLog:
     spans: list = field(default_factory=list)
     steps: list = field(default_factory=list)
     decisions: list = field(default_factory=list)
+    meta: dict = field(default_factory=dict)      # run-level facts (``reproducibility``); not in the fingerprint
 
     def __post_init__(self):
         for name, cls in (("spans", Span), ("steps", StepRecord), ("decisions", Decision)):
@@ -306,7 +307,7 @@ class EventLog:
                                            "version": r.version})})
         return {"traceEvents": events, "displayTimeUnit": "ms",
                 "otherData": {"producer": "bidirl", "spans": len(self.spans), "steps": len(self.steps),
-                              "decisions": len(self.decisions)}}
+                              "decisions": len(self.decisions), **_plain(self.meta)}}
 
     # ------------------------------------------------------------------ files
     def save(self, path: Union[str, Path]) -> Path:
@@ -332,7 +333,8 @@ class EventLog:
             import pyarrow as pa
             import pyarrow.parquet as pq
             table = pa.Table.from_pandas(spans, preserve_index=False)
-            extra = _dumps({"steps": steps.to_dict("list"), "decisions": decisions.to_dict("list")})
+            extra = _dumps({"steps": steps.to_dict("list"), "decisions": decisions.to_dict("list"),
+                            "meta": self.meta})
             table = table.replace_schema_metadata({**(table.schema.metadata or {}), b"bidirl": extra.encode()})
             pq.write_table(table, path)
         else:
@@ -359,6 +361,9 @@ class EventLog:
             extra = json.loads(meta) if meta else {"steps": None, "decisions": None}
             steps = pd.DataFrame(extra["steps"]) if extra.get("steps") is not None else None
             decisions = pd.DataFrame(extra["decisions"]) if extra.get("decisions") is not None else None
+            log = cls.from_frames(spans, steps, decisions)
+            log.meta = dict(extra.get("meta") or {})
+            return log
         else:
             def read(p: Path, columns: dict):
                 dtypes = {c: ("str" if t in ("object", "str") else t) for c, t in columns.items() if t != "bool"}

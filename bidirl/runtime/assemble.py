@@ -32,6 +32,11 @@ class Assembly:
     first_switch: dict = field(default_factory=dict)   # (direction, "in" | "out") -> the first switch's allocation
 
     @property
+    def reproducible(self) -> bool:
+        """Whether the run is in the reproducible mode (the engines then sum each step's gradient in unit order)."""
+        return self.coordinator.settings.reproducible
+
+    @property
     def pool_gpus(self) -> dict:
         env = self.plan.envelope
         return {P.ROLLOUT_POOL: env.rollout_gpus, P.TRAINER_POOL: env.trainer_gpus}
@@ -48,6 +53,17 @@ class Assembly:
         return self.predictor.optimizer_time(self.plan.envelope.trainer_gpus)
 
 
+def reproducible_mode(cfg: cfgmod.JobConfig, policy: Policy) -> bool:
+    """Whether a run is in the reproducible mode (``rl.reproducible``, by default on at s = 0): only under the
+    control plane's own batch rule — a modelled system's rule (completion order, dropped groups, an in-flight cap)
+    is what it is; asking for the mode with one is an error naming the key."""
+    own = policy.batch_rule == "lookahead" and not policy.drop_stale and policy.max_in_flight is None
+    if cfg.rl.reproducible and not own:
+        raise cfgmod.ConfigError("rl.reproducible", f"policy {policy.name!r} forms batches by its own rule "
+                                 f"({policy.batch_rule})", "set rl.reproducible: false for a modelled system's policy")
+    return cfg.rl.reproducible_on and own
+
+
 def assemble(cfg: cfgmod.JobConfig, policy, *, steps: int, seed: int,
              predictor: Optional[StagePredictor] = None) -> Assembly:
     """``policy``: a policy name (``bidirl.core.policies.POLICIES``) or a :class:`~bidirl.core.policies.Policy`;
@@ -57,6 +73,7 @@ def assemble(cfg: cfgmod.JobConfig, policy, *, steps: int, seed: int,
 
     plan = make_plan(cfg)
     env = plan.envelope
+    policy = policy if isinstance(policy, Policy) else get_policy(policy)
     topology = Topology(rollout_replicas=env.rollout_replicas, trainer_replicas=env.trainer_replicas,
                         aux_rollout_replicas=env.trainer_gpus // env.rollout_layout,
                         aux_trainer_replicas=env.rollout_gpus // env.trainer_layout,
@@ -70,9 +87,9 @@ def assemble(cfg: cfgmod.JobConfig, policy, *, steps: int, seed: int,
                         steps=steps, chunks_in_flight=cfg.scheduler.chunks_in_flight,
                         optimizer_seconds=predictor.optimizer_time(env.trainer_gpus),
                         max_tokens_per_micro_batch=cfg.rl.max_tokens_per_micro_batch,
-                        sequence_parallel=cfg.rl.sequence_parallel, updates_per_sync=cfg.rl.updates_per_sync)
+                        sequence_parallel=cfg.rl.sequence_parallel, updates_per_sync=cfg.rl.updates_per_sync,
+                        reproducible=reproducible_mode(cfg, policy))
     costs = {d: cfg.switch_costs(d) for d in P.DIRECTIONS}
-    policy = policy if isinstance(policy, Policy) else get_policy(policy)
     first = {(d, phase): first_switch_allocation(cfg.hardware_spec, cfg.model_spec, d, phase,
                                                  trainer_layout=env.trainer_layout)
              for d in P.DIRECTIONS for phase in ("in", "out")}

@@ -157,6 +157,8 @@ class Driver:
                 self.log.add_step(msg.record)
             elif isinstance(msg, P.Decided):
                 self.log.add_decision(msg.decision)
+            elif isinstance(msg, P.RuleWaited):
+                self.span(msg.worker, "rule_wait", msg.start, msg.end, {"held": msg.held})
             else:
                 self.finished = True
             for listener in self.listeners:
@@ -235,6 +237,8 @@ class Driver:
                               samples=view.samples)
         out["provenance"] = self.provenance
         out["calibration"] = view.calibration
+        out["reproducibility"] = view.reproducibility
+        self.log.meta["reproducibility"] = view.reproducibility       # the event log says it too
         return out
 
     def result(self, **extra) -> RunResult:

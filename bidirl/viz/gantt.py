@@ -49,13 +49,15 @@ COLORS: dict = {
     ("reprefill", "primary"): "#e377c2", ("reprefill", "auxiliary"): "#f7b6d2",
     ("pin_alloc", "primary"): "#8c564b", ("pin_alloc", "auxiliary"): "#c49c94",
     ("switch_no_work", "primary"): "#17becf", ("switch_no_work", "auxiliary"): "#9edae5",
+    # what the reproducible mode costs (rl.reproducible): the trainer or the sync held by the rule
+    ("rule_wait", "primary"): "#bcbd22", ("rule_wait", "auxiliary"): "#dbdb8d",
 }
 #: plain names of the span kinds (the legend and tooltips; the event log keeps the identifiers)
 KIND_NAMES: dict = {"generate": "generation", "chunk": "training chunk", "switch_in": "hot switch in (pool lent)",
                     "switch_out": "hot switch out (pool returned)", "sync": "weight sync",
                     "grad_merge": "gradient merge", "optimizer": "optimizer step",
                     "reprefill": "re-prefill (KV cache lost)", "pin_alloc": "first switch: pinned allocation",
-                    "switch_no_work": "switch paid for no work"}
+                    "switch_no_work": "switch paid for no work", "rule_wait": "held by the reproducible mode"}
 #: what the role adds to a name: auxiliary work runs on GPUs borrowed from the other pool (§5)
 ROLE_NOTES: dict = {PRIMARY: "", AUXILIARY: " · borrowed GPUs"}
 #: fill of borrowing windows per direction

@@ -159,6 +159,7 @@ class EngineDriver(PoolDriver):
         self.r_report: dict = {}          # rollouter -> number of its latest report applied (see _busy_after)
         self.step_data: Optional[StepData] = None
         self.aux_grads: dict = {}         # chunk id -> object ref of an auxiliary chunk's gradient
+        self.chunk_positions: dict = {}   # chunk id -> (first unit, units) of the step's update chunks (reproducible)
         self.step_stats: list = []
         self.final_weights = None
         self._resource_name: Optional[str] = None
@@ -615,6 +616,7 @@ class EngineDriver(PoolDriver):
         import torch
 
         self.aux_grads.clear()
+        self.chunk_positions.clear()
         # a rolled-back step starts over: what its lost attempt left on a living gang is dropped
         self.windows.new_attempt(again=self.step_data is not None and self.step_data.step == cmd.step)
         samples = samples_from_groups(cmd.groups)
@@ -665,12 +667,17 @@ class EngineDriver(PoolDriver):
         # an auxiliary gang keeps its window's gradient on its devices with the transport (GradientWindows), or
         # hands each chunk's gradient back through the object store without it
         keep = primary or self.sync.collective
+        # the reproducible mode sums the step's gradient in unit order, whichever gang computed each chunk
+        position = (ch.order, len(ch.samples)) if self.assembly.reproducible else None
+        if position is not None:
+            self.chunk_positions[ch.chunk_id] = position
         if not primary and keep:
-            self.windows.hold(ch.chunk_id)
+            self.windows.hold(ch.chunk_id, position)
         refs, grad_ref = [], None
         for rank, (r, s) in enumerate(zip(ranks, shares)):
             reply_ref, flat_ref = r.chunk_gradient.remote(
-                ch.chunk_id, *data.chunk_inputs(s, self.config.rl.kl_coef > 0), keep=keep, give=not keep and rank == 0)
+                ch.chunk_id, *data.chunk_inputs(s, self.config.rl.kl_coef > 0), keep=keep, give=not keep and rank == 0,
+                position=position if keep else None)
             refs.append((gang, reply_ref))
             if not keep and rank == 0:
                 grad_ref = flat_ref
@@ -721,7 +728,10 @@ class EngineDriver(PoolDriver):
                 self.step_stats.append(self._step_stats(data, out))
                 self.feed(P.OptimizerStepped(self.now(), cmd.step, cmd.version))
             self._when_all([(PRIMARY_TRAINER, a) for a in acks], kept)
-        self._when_all([(PRIMARY_TRAINER, r.apply_kept.remote(list(cmd.merge_order), self.windows.windows_for(i)))
+        positions = ({c: self.chunk_positions[c] for c in cmd.merge_order if c in self.chunk_positions}
+                     if self.assembly.reproducible else None)
+        self._when_all([(PRIMARY_TRAINER, r.apply_kept.remote(list(cmd.merge_order), self.windows.windows_for(i),
+                                                              positions))
                         for i, r in enumerate(ranks)], done)
 
     def _version_calls(self) -> tuple:

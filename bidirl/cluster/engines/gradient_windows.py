@@ -18,7 +18,7 @@ never applied with a window missing.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from bidirl.cluster.engines.workers import bridge
 from bidirl.cluster.engines.workers import weight_transport as wt
@@ -36,6 +36,7 @@ class GradientWindows:
         self.pairs: dict = {}             # auxiliary rank -> primary ranks holding its shard
         self.numel: dict = {}             # auxiliary rank -> values in its shard
         self.held: list = []              # update chunks sent to the auxiliary gang since its last window
+        self.positions: dict = {}         # chunk id -> (first unit, units) of a held chunk summed in unit order
         self.received: dict = {}          # primary rank -> {transfer id: chunk ids} of this attempt of the step
         self.seconds = 0.0                # C_grad of this attempt's windows
         self.windows = 0                  # windows handed over
@@ -61,7 +62,7 @@ class GradientWindows:
         self.received, self.seconds = {}, 0.0
         if self.held:
             self._discard(AUX_TRAINER)
-        self.held = []
+        self.held, self.positions = [], {}
         if again:
             self._discard(PRIMARY_TRAINER)
 
@@ -73,9 +74,13 @@ class GradientWindows:
             return
         d._when_all([(gang, r.discard_gradients.remote()) for r in d.gangs[gang]], lambda _: then(), tolerate=True)
 
-    def hold(self, chunk_id: int) -> None:
-        """An update chunk was sent to the auxiliary gang: its gradient stays there until the window ends."""
+    def hold(self, chunk_id: int, position: Optional[tuple] = None) -> None:
+        """An update chunk was sent to the auxiliary gang: its gradient stays there until the window ends.
+        ``position`` (first unit, units): the step is summed in unit order, so the gang keeps the chunk apart and
+        the window carries one shard per chunk (``TrainerEngine.send_window``)."""
         self.held.append(int(chunk_id))
+        if position is not None:
+            self.positions[int(chunk_id)] = tuple(int(x) for x in position)
 
     def windows_for(self, rank: int) -> dict:
         return dict(self.received.get(rank, {}))
@@ -88,6 +93,10 @@ class GradientWindows:
         if not ids:
             then()
             return
+        # a window of chunks kept apart (the step summed in unit order): one shard per chunk, in unit order
+        pieces = sorted((self.positions.pop(c) + (c,) for c in ids if c in self.positions))
+        if pieces and len(pieces) != len(ids):
+            raise AssertionError(f"window chunks {ids}: positions for {len(pieces)} only")
         if AUX_TRAINER in d.failed or PRIMARY_TRAINER in d.failed:
             # one gang is being restarted: the step rolls back (the coordinator), nothing to hand over
             self._discard(AUX_TRAINER, then)
@@ -99,13 +108,16 @@ class GradientWindows:
         calls, opened = [], []
         for a, dsts in sorted(self.pairs.items()):
             names = [f"{PRIMARY_TRAINER}/{p}" for p in dsts]
-            layout = bridge.window_layout(self.numel[a], self.bucket_bytes)
+            layout = bridge.window_layout(self.numel[a] * max(1, len(pieces)), self.bucket_bytes)
             transfer = self._rendezvous.open(names, attempt, layout, self.timeout_s)
             self._flights[transfer.tid] = (transfer, list(dsts))
             opened.append((transfer, dsts))
             calls.append((AUX_TRAINER, aux[a].send_window.remote(transfer, ids)))
-            calls += [(PRIMARY_TRAINER, primary[p].receive_window.remote(transfer, k))
+            calls += [(PRIMARY_TRAINER, primary[p].receive_window.remote(transfer, k, pieces or None))
                       for k, p in enumerate(dsts, start=1)]
+        # a rank of a replicated gang whose shard another rank sends holds the same window: it forgets it here, so
+        # the next window starts empty on every rank
+        calls += [(AUX_TRAINER, rank.discard_gradients.remote()) for a, rank in enumerate(aux) if a not in self.pairs]
         self._in_flight += 1
 
         def done(replies):
@@ -122,7 +134,7 @@ class GradientWindows:
                 self.seconds += elapsed
                 self.windows += 1
                 self.transfers += sum(len(dsts) for _, dsts in opened)
-                self.bytes += sum(4 * self.numel[a] * len(dsts) for a, dsts in self.pairs.items())
+                self.bytes += sum(4 * self.numel[a] * max(1, len(pieces)) * len(dsts) for a, dsts in self.pairs.items())
                 d._measure((P.TRAINER_ON_ROLLOUT_POOL, "c_grad"), elapsed)
                 for lane in (AUX_TRAINER, PRIMARY_TRAINER):
                     d.span(lane, "grad_merge", start, d.now(), {"chunks": len(ids), "window": True})
@@ -148,7 +160,7 @@ class GradientWindows:
     def member_lost(self, worker: str) -> None:
         """``worker``'s process is gone: its peers in window transfers stop waiting for it."""
         if worker == AUX_TRAINER:
-            self.held = []
+            self.held, self.positions = [], {}
         if self._rendezvous is None or worker not in (AUX_TRAINER, PRIMARY_TRAINER):
             return
         for tid, (transfer, dsts) in list(self._flights.items()):

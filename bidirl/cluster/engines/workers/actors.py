@@ -291,18 +291,21 @@ class TrainerActor(_Timed):
     # it as one object, which the merge moves to the primary ranks (each adds its shard).
     @ray.method(num_returns=2)
     def chunk_gradient(self, chunk_id: int, samples: Sequence, advantages, old_logprobs, ref_logprobs=None,
-                       normalizer: Optional[float] = None, keep: bool = True, give: bool = False):
+                       normalizer: Optional[float] = None, keep: bool = True, give: bool = False,
+                       position: Optional[tuple] = None):
         """``chunk_gradients`` for this rank's share of a chunk: returns (Reply with the loss statistics,
         the gradient if ``give`` else None). ``keep`` accumulates this rank's shard into its ``p.grad`` under
         ``chunk_id`` (a chunk id accumulated twice is refused: it would count twice); without ``keep`` (an
-        auxiliary gang: every rank calls it so) the gang gathers the full gradient, which ``give`` returns."""
+        auxiliary gang: every rank calls it so) the gang gathers the full gradient, which ``give`` returns.
+        ``position`` (``(first unit, units)``, with ``keep``): the step's gradient is summed in unit order
+        (``TrainerEngine.chunk_gradients``)."""
         def run():
             if keep:
                 if int(chunk_id) in self.engine.accumulated:
                     raise RuntimeError(f"{self.name}: chunk {chunk_id} was already accumulated into this step's "
                                        "gradient; a chunk counts once")
                 g = self.engine.chunk_gradients(list(samples), advantages, old_logprobs, ref_logprobs, normalizer,
-                                                accumulate=True, chunk_id=int(chunk_id))
+                                                accumulate=True, chunk_id=int(chunk_id), position=position)
                 out = None
             else:
                 g = self.engine.chunk_gradients(list(samples), advantages, old_logprobs, ref_logprobs, normalizer)
@@ -331,7 +334,7 @@ class TrainerActor(_Timed):
                            detail={"chunks": list(chunk_ids), "receivers": len(transfer.receivers)})
 
     @ray.method(concurrency_group="transport")
-    def receive_window(self, transfer, rank: int) -> Reply:
+    def receive_window(self, transfer, rank: int, pieces=None) -> Reply:
         """A primary rank takes an auxiliary rank's window (``TrainerEngine.receive_window``) beside the chunk it
         may be running. A transfer whose sender was lost returns ``{"failed": why}`` instead of raising: this
         rank's state is intact, and the auxiliary gang's failure decides what happens to the step."""
@@ -339,16 +342,18 @@ class TrainerActor(_Timed):
 
         def run():
             try:
-                return self.engine.receive_window(transfer, rank)
+                return self.engine.receive_window(transfer, rank, pieces)
             except WeightTransferError as exc:
                 return {"tid": transfer.tid, "failed": str(exc)}
         return self._reply("grad_merge", run, detail={"tid": transfer.tid})
 
-    def apply_kept(self, chunk_ids_in_order: Sequence[int], windows: Optional[dict] = None) -> Reply:
+    def apply_kept(self, chunk_ids_in_order: Sequence[int], windows: Optional[dict] = None,
+                   positions: Optional[dict] = None) -> Reply:
         """``apply``: the step's gradient is the chunks accumulated here, the received ones and the auxiliary
         windows ``windows`` (``{transfer id: chunk ids}``), and it must hold exactly the step's update chunks
         ``chunk_ids_in_order`` (one missing or one extra would change the update); every kept gradient is
-        forgotten afterwards."""
+        forgotten afterwards. ``positions`` (chunk id -> (first unit, units)): the step is summed in unit order and
+        the received chunk gradients are added at their places in it."""
         want = [int(c) for c in chunk_ids_in_order]
         windows = {tid: [int(c) for c in ids] for tid, ids in (windows or {}).items()}
         have = list(self.engine.accumulated) + list(self._kept) + [c for ids in windows.values() for c in ids]
@@ -360,7 +365,14 @@ class TrainerActor(_Timed):
             raise RuntimeError(f"{self.name}: the step's gradient does not hold exactly its update chunks "
                                f"(missing {missing}, not in the step {extra}); every update chunk must be computed "
                                "here or received once before the optimizer step")
-        grads = [self._kept[c] for c in want if c in self._kept]
+        if positions:       # summed in unit order: the received chunk gradients take their places in it
+            for c in want:
+                if c in self._kept:
+                    first, units = positions[c]
+                    self.engine.order.hold(first, units, self._kept[c].to(self.engine.device), c)
+            grads = []
+        else:
+            grads = [self._kept[c] for c in want if c in self._kept]
         self._kept.clear()
         return self._reply("optimizer", self.engine.apply, grads, windows)
 

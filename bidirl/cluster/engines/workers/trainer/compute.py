@@ -16,6 +16,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from bidirl.cluster.engines.workers.logprob import response_logprobs
+from bidirl.cluster.engines.workers.trainer.ordered_sum import OrderedSum
 from bidirl.cluster.engines.workers.trainer.tensors import as_1d, is_dtensor, like_param, local_part, local_slice
 from bidirl.core.protocol import PRIMARY
 from bidirl.rl import grpo
@@ -127,7 +128,7 @@ class Compute:
 
     def chunk_gradients(self, samples: Sequence, advantages, old_logprobs: Sequence,
                         ref_logprobs: Optional[Sequence] = None, normalizer: Optional[float] = None,
-                        accumulate: bool = False, chunk_id=None) -> ChunkGradient:
+                        accumulate: bool = False, chunk_id=None, position: Optional[tuple] = None) -> ChunkGradient:
         """This rank's shard of the gang's gradient of a chunk's share of the GRPO loss (fp32).
 
         ``samples`` is this rank's share of the chunk; ``advantages``: one per sample
@@ -142,9 +143,26 @@ class Compute:
         is copied to the host (``flat`` is ``None``); :meth:`apply` then steps on the sum. ``chunk_id`` is
         recorded in :attr:`accumulated`. Otherwise the shard is returned as a CPU vector (``flat``: an
         auxiliary gang's or a test's) and gradients already accumulated are left as they were.
+
+        ``position`` = ``(first unit, units)`` of the chunk in the step's update segment (with ``accumulate``): the
+        step's gradient is then summed in unit order (:mod:`.ordered_sum`) — a primary rank adds the chunk into
+        ``p.grad`` if it is the next in order and keeps it in a buffer of its own otherwise; an auxiliary rank keeps
+        every chunk apart for its window. Without it chunks add in the order they finish.
         """
         self._ready("chunk_gradients")
         samples = list(samples)
+        if accumulate and position is not None:
+            first, units = (int(x) for x in position)
+            if self.role == PRIMARY and self.order.expects(first):
+                out = self._chunk_backward(samples, advantages, old_logprobs, ref_logprobs, normalizer)
+                self.order.advance(first, units)
+                self._fold_ready()
+            else:
+                out = self._chunk_apart(samples, advantages, old_logprobs, ref_logprobs, normalizer)
+                self.order.hold(first, units, out.flat, chunk_id)
+                out.flat = None
+            self.accumulated.append(chunk_id)
+            return out
         if not accumulate:
             kept = [p.grad for p in self.params]          # set aside what earlier chunks accumulated
             for p in self.params:
@@ -159,6 +177,24 @@ class Compute:
         out = self._share_backward(samples, advantages, old_logprobs, ref_logprobs, normalizer)
         self.accumulated.append(chunk_id)
         return out
+
+    def _chunk_apart(self, samples, advantages, old_logprobs, ref_logprobs, normalizer) -> ChunkGradient:
+        """The chunk's gradient shard on its own (``flat``, on the device), ``p.grad`` left as it was."""
+        kept = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        try:
+            out = self._chunk_backward(samples, advantages, old_logprobs, ref_logprobs, normalizer)
+            out.flat = self._local_grad_vector()
+        finally:
+            for p, g in zip(self.params, kept):
+                p.grad = g
+        return out
+
+    def _fold_ready(self) -> None:
+        """Add the held chunks that are now next in order into ``p.grad``, in order."""
+        for flat in self.order.ready():
+            self._add_to_grads(flat)
 
     def _chunk_backward(self, samples, advantages, old_logprobs, ref_logprobs, normalizer) -> ChunkGradient:
         """The chunk's loss backward into ``p.grad`` (added to what is there); statistics without ``flat``."""
@@ -198,6 +234,7 @@ class Compute:
             p.grad = None
         self.accumulated = []
         self.windows = {}
+        self.order = OrderedSum()
 
     def _local_grad_vector(self) -> torch.Tensor:
         """This rank's gradient shards, flattened in parameter order (zeros where a parameter got none)."""
@@ -277,10 +314,20 @@ class Compute:
                 raise ValueError(f"apply: no auxiliary window was received under transfer {tid!r} (chunks "
                                  f"{list(ids)}); receive_window first")
             flat = self.windows[tid]
-            total = flat.clone() if total is None else total.add_(flat)
+            if isinstance(flat, list):                   # a window of chunks kept apart: each to its place in order
+                for first, units, cid, piece in flat:
+                    self.order.hold(first, units, piece, cid)
+            else:
+                total = flat.clone() if total is None else total.add_(flat)
             count += len(ids)
         if count == 0:
             raise ValueError("apply: no chunk gradients given or accumulated")
+        if self.order.upto or self.order.held:
+            if total is not None:
+                raise ValueError("apply: a step summed in unit order takes its other gradients with their positions "
+                                 "(held in order), not as a sum")
+            self._fold_ready()
+            self.order.check_complete("apply")
         if total is not None:
             self._add_to_grads(total)
         for p in self.params:                              # a parameter no chunk reached: a zero gradient

@@ -24,6 +24,7 @@ from bidirl.cluster.engines.workers.trainer.distribution import Distribution
 from bidirl.cluster.engines.workers.trainer.loading import Loading
 from bidirl.cluster.engines.workers.trainer.micro_batches import MicroBatches
 from bidirl.cluster.engines.workers.trainer.offload import Offload
+from bidirl.cluster.engines.workers.trainer.ordered_sum import OrderedSum
 from bidirl.cluster.engines.workers.trainer.recovery import Recovery
 from bidirl.cluster.engines.workers.trainer.state_offload import StateOffload
 from bidirl.cluster.engines.workers.trainer.tensors import local_part
@@ -144,6 +145,7 @@ class TrainerEngine(StateOffload, MicroBatches, Compute, Weights, Windows, Recov
         self.published: dict = {}         # actor version -> {name: (shard in the wire dtype, rows or None)}
         self._transport_group = None      # the gang's second group, for the weight transport's gathers
         self.accumulated: list = []       # chunk gradients accumulated into p.grad since the last step (their ids)
+        self.order = OrderedSum()         # the step's gradient in unit order (chunks given a position: ordered_sum)
         self.version = 0
         self._pending = gang              # built on the meta device for a gang: loaded once the mesh is known
         self.model = self._load_model(empty=gang)

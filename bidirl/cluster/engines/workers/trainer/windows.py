@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import torch
+
 from bidirl.cluster.engines.workers import bridge
 
 
@@ -24,16 +26,28 @@ class Windows:
         transfer per rank pair, nothing through Ray) and forget it. The shard is flattened once on the device."""
         self._check_onloaded("send_window")
         ids = bridge.check_window(self.accumulated, chunk_ids, "send_window")
-        flat = self._local_grad_vector()
+        pieces = self.order.pieces()
+        if pieces:          # chunks kept apart (summed in unit order): each chunk's shard, in unit order, one vector
+            flat = torch.cat([piece for *_, piece in pieces])
+        else:
+            flat = self._local_grad_vector()
         report = bridge.send_shard(transfer, flat, self._comm_device())
         self._clear_grads()
-        return dict(report, chunks=ids)
+        return dict(report, chunks=ids, pieces=[(first, units, cid) for first, units, cid, _ in pieces])
 
-    def receive_window(self, transfer, rank: int) -> dict:
+    def receive_window(self, transfer, rank: int, pieces: Optional[Sequence[tuple]] = None) -> dict:
         """Receive an auxiliary rank's shard of its window's gradient as member ``rank`` of ``transfer`` and keep it
         under ``transfer.tid`` beside this rank's ``p.grad`` (:meth:`apply` adds the windows it is given). It runs
         beside a chunk in flight: nothing the chunk touches is changed, and a transfer that breaks off (raising
-        ``WeightTransferError``) leaves the step's gradient as it was."""
-        flat, report = bridge.receive_shard(transfer, rank, self.local_numel, self._comm_device())
-        self.windows[transfer.tid] = flat
+        ``WeightTransferError``) leaves the step's gradient as it was. ``pieces`` (``(first unit, units, chunk id)``
+        of each chunk, in unit order) says the window holds its chunks apart, one shard each (:meth:`apply` adds
+        each where it belongs in unit order)."""
+        numel = self.local_numel * (len(pieces) if pieces else 1)
+        flat, report = bridge.receive_shard(transfer, rank, numel, self._comm_device())
+        if pieces:
+            n = self.local_numel
+            self.windows[transfer.tid] = [(int(first), int(units), cid, flat.narrow(0, k * n, n))
+                                          for k, (first, units, cid) in enumerate(pieces)]
+        else:
+            self.windows[transfer.tid] = flat
         return dict(report, tid=transfer.tid)
