@@ -215,8 +215,8 @@ def test_decode_features_by_hand():
 
 def test_replica_time_by_hand():
     m = toy_rollout(kv_budget=12.0)
-    # prefill: N_pre = min(2, N_max(2) = 1) = 1 → W_pre = 2; F_pre([2, 2]) = 2·100·4 + 32·8 + 80·2 = 1216
-    p_pre = 1.0 * 2 + 0.001 * 1216
+    # prefill: N_pre = min(2, N_max(2) = 1) = 1 → W_pre = 2; F_pre([2, 2]) = 2·100·4 + ½·32·8 + 80·2 = 1088
+    p_pre = 1.0 * 2 + 0.001 * 1088
     p_dec = 0.1 * 4 + 0.01 * 4 + 0.001 * 11
     assert m.prefill_time([2, 2]) == pytest.approx(p_pre)
     assert m.replica_time([2, 2], [1, 3]) == pytest.approx(p_pre + p_dec)

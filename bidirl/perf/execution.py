@@ -16,8 +16,8 @@ host copies. Each term is the setting's mechanism over the hardware preset's num
   ``offload_fsdp_optimizer``). Each GPU copies its shard both ways over its host link at the pageable rate
   (``host_bandwidth · PAGEABLE_FRACTION`` of :mod:`bidirl.perf.costs`): parameters
   ``2 · (actor stages) · 4·N/ρ_t`` bytes (fp32 sharded master weights), optimizer ``2 · 8·N/ρ_t`` bytes
-  (Adam's two fp32 moments) once around the update stage, whatever its mini-batches. The copies sit on the trainer's critical path; the simulator charges them
-  with the optimizer step (:func:`offload_seconds`).
+  (Adam's two fp32 moments) once around the update stage, whatever its mini-batches. The copies sit on the
+  trainer's critical path; the simulator charges them with the optimizer step (:func:`offload_seconds`).
 * **Sequence parallelism** (``rl.sequence_parallel`` = k; veRL ``ulysses_sequence_parallel_size``): k GPUs share
   each sample's tokens, so data parallel is trainer GPUs / k and a chunk holds ``1/k`` of the samples
   (``bidirl.core.protocol.chunk_size``); activations per GPU are divided by k (:mod:`bidirl.perf.memory`). Each

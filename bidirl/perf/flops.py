@@ -11,15 +11,16 @@ score and value matmuls: a decoder's token ``i`` attends to the ``i`` tokens bef
 tokens computes ``Σ_i i ≈ s²/2`` query-key pairs, not ``s²``, and the causal attention kernels the engines use
 (FlashAttention-2, Dao 2023, arXiv:2307.08691 §3.1.1 "causal masking": blocks entirely above the diagonal are
 skipped, "about 1.7-1.8× speedup" with half the blocks; vLLM's prefill and veRL's FSDP actor both run it) skip the
-masked half. The appendix's ``4·L·H·Σ(p+r)²`` counts the full square. Stage ``s`` multiplies it by ``m_s``: 1 for the forward-only stages
-``old_logprob`` and ``ref_logprob``, 3 for ``actor_update`` (forward + backward ≈ 3 forwards).
+masked half. The appendix's ``4·L·H·Σ(p+r)²`` counts the full square. Stage ``s`` multiplies it by ``m_s``: 1 for
+the forward-only stages ``old_logprob`` and ``ref_logprob``, 3 for ``actor_update`` (forward + backward ≈ 3
+forwards).
 
 Prefill FLOPs of a rollout request set ``R_j`` with ``B_j`` requests (appendix, rollout model):
 
     F_pre = 2·N·Σ p_i + c·4·L·H·Σ p_i² + 2·H·V·B_j
 
-(the head runs once per request, on the last prompt position; ``c`` the causal half, as above). ``N`` is ``N_nonemb`` as for the trainer.
-``H`` is the hidden size, ``L`` the number of layers, ``V`` the vocabulary size.
+(the head runs once per request, on the last prompt position; ``c`` the causal half, as above). ``N`` is ``N_nonemb``
+as for the trainer. ``H`` is the hidden size, ``L`` the number of layers, ``V`` the vocabulary size.
 
 For a mixture-of-experts model ``N_nonemb`` is the *active* non-embedding count
 (:attr:`~bidirl.job.presets.ModelSpec.params_active_nonembedding`: a token passes through its router's top-k experts

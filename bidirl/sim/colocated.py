@@ -105,7 +105,8 @@ def _verl_stages(verl: VerlUpdate, stages, p_all, r_all, optimizer_seconds: floa
     stage, the parameter shard loaded (offload), every micro-batch round of every pass (an optimizer update — the
     gradient all-reduce across replicas and AdamW, ``optimizer_seconds`` — after each mini-batch of the update, the
     Adam moments loaded once around the stage), the shard offloaded again (switch spans with direction
-    ``offload``). The offload copies are these spans only, never also in ``optimizer_seconds``. Returns the time the last span ends; ``span(kind, start, duration, detail)`` logs one."""
+    ``offload``). The offload copies are these spans only, never also in ``optimizer_seconds``. Returns the time the
+    last span ends; ``span(kind, start, duration, detail)`` logs one."""
     tokens = (p_all + r_all).astype(np.int64)
     for stage in stages:
         copies = verl.param_copy_time() + (verl.optimizer_copy_time() if stage == "actor_update" else 0.0)
