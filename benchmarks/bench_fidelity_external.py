@@ -80,6 +80,32 @@ def page(quick: bool = False) -> str:
     for s in ev.speedups:
         lines.append(f"| {s['label']} | {s['published']:.2f}× | {s['predicted']:.2f}× | {s['error_pct']:+.1f} % | "
                      f"{'yes' if s['checked'] else 'no'} | {'yes' if s['reproduced'] else 'no'} |")
+    lines += ["", "## What the models include, and what they lack", "",
+              "Mechanisms from the jobs' settings (docs/architecture.md, \"Execution settings of real jobs\"): rollout "
+              "tensor parallelism 4, token-budget micro-batches, Ulysses degree 4, ppo mini-batches of 32 prompts, "
+              "streaming consumption (require_batches x ppo_mini_batch_size prompts per local update, one weight sync "
+              "per trigger_parameter_sync_step local updates), bypass of the old-log-prob stage, activation "
+              "checkpointing, parameter and optimizer offload in the colocated trainer (the Adam moments once "
+              "around the update stage), attention FLOPs with the causal half, and per optimizer update the "
+              "gradient all-reduce across the trainer replicas and AdamW over each GPU's shard.", "",
+              "Not modelled, each a reason a row can miss:", "",
+              "- **The response lengths of each run.** The source publishes none; `dapo-math`'s distribution is an "
+              "assumption (its preset names what the source does fix). The source says lengths change "
+              "significantly over training and between settings: the require_batches 4 run averages 124.6 s over "
+              "300 steps and 150.6 s over 400, and it attributes the require_batches differences to the response "
+              "lengths each setting led to. The models' require_batches sweep is flat because nothing in a "
+              "require_batches setting changes the work per step: the mini-batch is 32 prompts at every setting, "
+              "the step 512. A per-local-update cost with a cited size would be the only system term, and none is "
+              "published.",
+              "- **fsdp_size 2.** Both scripts shard over 2 GPUs; bidirl's memory model refuses that shard group at "
+              "the 61,440-token budget (the row file explains), so the trainer shards over the planner's 8.",
+              "- **Mini-batch boundaries in the asynchronous trainer.** The colocated baseline cuts micro-batches per "
+              "mini-batch (`sim/verl_update.py`); the asynchronous trainer's chunk queue packs a local update's "
+              "samples without regard to its mini-batches (the coordinator's chunk cutting).",
+              "- **The vocabulary's element-wise work.** Log-softmax and entropy over 152,064 logits per token are "
+              "memory-bound passes the FLOP model does not count; they weigh on the log-prob stage on H20's "
+              "148 TFLOPS against 4 TB/s.",
+              ]
     lines += ["", "## Which row calibrates", "",
               "The calibrating row is a choice. The median |step-time error| of the predicted rows when each "
               "colocated row calibrates instead (the same model, the same rows):", "",

@@ -14,6 +14,7 @@ def test_defaults_keep_todays_behaviour():
     assert cfg.rl.max_tokens_per_micro_batch is None and cfg.rl.mini_batch_prompts is None
     assert cfg.rl.updates_per_sync == 1 and cfg.rl.sequence_parallel == 1
     assert not cfg.rl.param_offload and not cfg.rl.optimizer_offload
+    assert cfg.rl.fsdp_size is None
     assert cfg.workload.response_length_trend == 0.0
     assert cfg.prompts_per_local_update == 64 and cfg.optimizer_updates_per_step == 1
 
@@ -87,6 +88,21 @@ def test_mini_batch_must_divide_a_local_update():
     raises(base(rl={"mini_batch_prompts": 0}), "rl.mini_batch_prompts", contains="> 0")
 
 
+@pytest.mark.parametrize("size, contains, fix", [(0, "must be > 0", None),
+                                                (3, "not a trainer layout of 16 GPUs", "1, 2, 4, 8, 16"),
+                                                (12, "not a trainer layout", "leave it empty"),
+                                                (2.5, "whole number", None)])
+def test_fsdp_size_must_be_a_trainer_layout(size, contains, fix):
+    raises(base(rl={"fsdp_size": size}), "rl.fsdp_size", contains=contains, fix_contains=fix or "")
+    for ok in (1, 2, 4, 8, 16):
+        assert C.load(base(rl={"fsdp_size": ok})).rl.fsdp_size == ok
+
+
+def test_fsdp_size_must_divide_a_fixed_pool():
+    raises(base(cluster={"gpus": 12, "gpus_per_node": 8, "placement": "any", "partition": [8, 4]},
+                rl={"fsdp_size": 8}), "rl.fsdp_size", contains="trainer pool of 4 GPUs")
+
+
 @pytest.mark.parametrize("key", ["param_offload", "optimizer_offload"])
 def test_offload_flags_are_booleans(key):
     raises(base(rl={key: "yes"}), f"rl.{key}", contains="true or false")
@@ -106,7 +122,8 @@ def test_settings_built_from_dataclasses_get_the_same_checks():
 @pytest.mark.parametrize("key, value, why", [("cluster.rollout_tensor_parallel", 2, "one worker per engine"),
                                              ("rl.mini_batch_prompts", 16, "one optimizer update"),
                                              ("rl.updates_per_sync", 2, "one optimizer step per weight version"),
-                                             ("rl.sequence_parallel", 2, "Ulysses")])
+                                             ("rl.sequence_parallel", 2, "Ulysses"),
+                                             ("rl.fsdp_size", 2, "shard-group size")])
 def test_engine_runs_refuse_settings_they_do_not_carry_out(key, value, why):
     cfg = C.load(base()).with_overrides({key: value})
     with pytest.raises(C.ConfigError) as info:

@@ -214,12 +214,12 @@ def test_activation_checkpointing_charges_one_more_forward_in_the_update():
 
 def test_offload_copies_the_shards_over_the_host_link_with_the_optimizer_step():
     from bidirl.perf.costs import PAGEABLE_FRACTION
-    from bidirl.perf.predictor import optimizer_time
+    from bidirl.perf.predictor import gradient_allreduce_time, optimizer_time
     cfg = small()
     m, hw = cfg.model_spec, cfg.hardware_spec
     rho, g_t = plan(cfg).envelope.trainer_layout, plan(cfg).envelope.trainer_gpus
     rate = hw.host_bandwidth * PAGEABLE_FRACTION
-    adamw = optimizer_time(m, hw, g_t)
+    adamw = gradient_allreduce_time(m, hw, rho, g_t) + optimizer_time(m, hw, rho)
     # parameters: in and out around old_logprob and actor_update, 4 bytes per parameter of a ρ_t shard
     params = 2 * 2 * 4 * m.params_total / rho / rate
     # optimizer state: in and out around the one update, Adam's two fp32 moments
@@ -233,13 +233,38 @@ def test_offload_copies_the_shards_over_the_host_link_with_the_optimizer_step():
 
 
 def test_mini_batches_take_one_optimizer_step_each():
-    from bidirl.perf.predictor import optimizer_time
+    from bidirl.perf.predictor import gradient_allreduce_time, optimizer_time
     cfg = small(**{"rl.mini_batch_prompts": 8})     # 32 prompts: 4 updates
     env = plan(cfg).envelope
+    m, hw, rho = cfg.model_spec, cfg.hardware_spec, env.trainer_layout
     spans = run(cfg, steps=1).events
     opt = spans[spans.kind == "optimizer"]
-    assert (opt.end - opt.start).tolist() == [pytest.approx(4 * optimizer_time(cfg.model_spec, cfg.hardware_spec,
-                                                                               env.trainer_gpus), rel=1e-12)]
+    one = gradient_allreduce_time(m, hw, rho, env.trainer_gpus) + optimizer_time(m, hw, rho)
+    assert (opt.end - opt.start).tolist() == [pytest.approx(4 * one, rel=1e-12)]
+    # the optimizer offload moves the Adam moments once around the update stage, not once per mini-batch
+    from bidirl.perf.costs import PAGEABLE_FRACTION
+    off = small(**{"rl.mini_batch_prompts": 8, "rl.optimizer_offload": True})
+    spans = run(off, steps=1).events
+    opt = spans[spans.kind == "optimizer"]
+    copies = 2 * 8 * m.params_total / rho / (hw.host_bandwidth * PAGEABLE_FRACTION)
+    assert (opt.end - opt.start).tolist() == [pytest.approx(4 * one + copies, rel=1e-12)]
+
+
+def test_gradients_are_averaged_across_replicas_once_per_update():
+    """Each GPU all-reduces its fp32 gradient shard 4·N/ρ_t with the R − 1 other replicas: 2·(R−1)/R of it over the
+    trainer's link (inter-node when the replicas span nodes); nothing with one replica; each AdamW covers N/ρ_t."""
+    from bidirl.perf.params import link_bandwidth
+    from bidirl.perf.predictor import OPTIMIZER_BANDWIDTH_SHARE, gradient_allreduce_time, optimizer_time
+    cfg = small()
+    m, hw = cfg.model_spec, cfg.hardware_spec
+    assert gradient_allreduce_time(m, hw, 8, 8) == 0.0
+    assert gradient_allreduce_time(m, hw, 2, 8) == pytest.approx(2 * 3 / 4 * 4 * m.params_total / 2
+                                                                 / hw.intra_node_bandwidth, rel=1e-12)
+    assert gradient_allreduce_time(m, hw, 8, 32) == pytest.approx(2 * 3 / 4 * 4 * m.params_total / 8
+                                                                  / hw.inter_node_bandwidth, rel=1e-12)
+    assert link_bandwidth(hw, 32) == hw.inter_node_bandwidth
+    assert optimizer_time(m, hw, 4) == pytest.approx(m.params_total * 16 / (hw.memory_bandwidth
+                                                                            * OPTIMIZER_BANDWIDTH_SHARE) / 4)
 
 
 def test_sequence_parallel_splits_chunks_memory_and_charges_the_all_to_all():
@@ -378,3 +403,46 @@ def test_modelled_baselines_follow_the_jobs_layouts():
     from bidirl.sim.baselines import rollout_replicas, trainer_data_parallel
     assert rollout_replicas(small()) == 8 and rollout_replicas(small(**{"cluster.rollout_tensor_parallel": 4})) == 2
     assert trainer_data_parallel(small()) == 8 and trainer_data_parallel(small(**{"rl.sequence_parallel": 4})) == 2
+
+
+# --------------------------------------------------------------------------------------------------
+# the FSDP shard group (rl.fsdp_size, veRL actor.fsdp_config.fsdp_size)
+# --------------------------------------------------------------------------------------------------
+
+def test_fsdp_size_is_the_planned_trainer_layout():
+    natural = plan(small()).envelope.trainer_layout
+    for size in sorted({natural, 2 * natural, 8}):
+        env = plan(small(**{"rl.fsdp_size": size})).envelope
+        assert env.trainer_layout == size
+        assert env.trainer_replicas == env.trainer_gpus // size
+
+
+def test_fsdp_size_that_does_not_fit_memory_is_refused_by_name():
+    cfg = small(**{"rl.fsdp_size": 1})          # Qwen3-8B's 18 bytes per parameter alone exceed one H100
+    assert memory.trainer_state_bytes(cfg.model_spec, 1) > memory.usable_bytes(cfg.hardware_spec)
+    with pytest.raises(ConfigError) as info:
+        plan(cfg)
+    assert info.value.field == "rl.fsdp_size" and "model states" in str(info.value)
+    assert "raise rl.fsdp_size" in info.value.fix
+
+
+def test_fsdp_size_sets_the_shard_each_offload_copy_moves():
+    """Offload moves each GPU's shard of its FSDP group: 4·N/ρ_t bytes of parameters each way around the two actor
+    stages, so halving the group doubles the copies (the optimizer step's span, test above's formula)."""
+    from bidirl.perf.costs import PAGEABLE_FRACTION
+    from bidirl.perf.predictor import gradient_allreduce_time, optimizer_time
+    natural = plan(small()).envelope.trainer_layout
+    cfg = small(**{"rl.param_offload": True})
+    m, hw = cfg.model_spec, cfg.hardware_spec
+    rate = hw.host_bandwidth * PAGEABLE_FRACTION
+    seconds = {}
+    for size in (natural, 2 * natural):
+        c = small(**{"rl.param_offload": True, "rl.fsdp_size": size})
+        env = plan(c).envelope
+        spans = run(c, steps=1).events
+        opt = spans[spans.kind == "optimizer"]
+        seconds[size] = float((opt.end - opt.start).sum())
+        want = (gradient_allreduce_time(m, hw, size, env.trainer_gpus) + optimizer_time(m, hw, size)
+                + 2 * 2 * 4 * m.params_total / size / rate)
+        assert seconds[size] == pytest.approx(want, rel=1e-12)
+    assert seconds[natural] > seconds[2 * natural]

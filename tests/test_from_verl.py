@@ -30,7 +30,7 @@ MUST_MAP = (f"{R}.tensor_model_parallel_size", f"{A}.use_dynamic_bsz", f"{A}.ppo
             f"{R}.log_prob_use_dynamic_bsz", f"{F}.log_prob_use_dynamic_bsz",
             "async_training.require_batches", "async_training.trigger_parameter_sync_step",
             "async_training.staleness_threshold", "async_training.partial_rollout",
-            f"{A}.fsdp_config.param_offload", f"{A}.fsdp_config.optimizer_offload",
+            f"{A}.fsdp_config.param_offload", f"{A}.fsdp_config.optimizer_offload", f"{A}.fsdp_config.fsdp_size",
             f"{M}.enable_gradient_checkpointing", f"{A}.ulysses_sequence_parallel_size", f"{R}.n",
             f"{A}.ppo_mini_batch_size", f"{A}.ppo_micro_batch_size_per_gpu", "data.max_response_length",
             "data.max_prompt_length", "trainer.n_gpus_per_node", "trainer.nnodes", "rollout.n_gpus_per_node",
@@ -152,6 +152,20 @@ def test_fully_async_example():
     assert rl["recompute_old_logprob"] is False            # use_rollout_log_probs: the bypass
     assert (rl["max_tokens_per_micro_batch"], rl["sequence_parallel"]) == (61440, 4)
     assert c.config["scheduler"]["policy"] == "verl-async"
+    assert rl["fsdp_size"] == 8                            # fsdp_config.fsdp_size 8 of the 16 trainer GPUs
+
+
+def test_fsdp_size_maps_to_the_shard_group_or_to_the_planners_choice():
+    """A shard group smaller than the trainer's GPUs is rl.fsdp_size; -1 (veRL's default) and a group as large as
+    the trainer leave it empty, with the reason in the key table."""
+    assert conv("fully_async_dapo_7b_math_16_16.sh", f"{A}.fsdp_config.fsdp_size=2").config["rl"]["fsdp_size"] == 2
+    for whole in ("-1", "16", "32"):
+        c = conv("fully_async_dapo_7b_math_16_16.sh", f"{A}.fsdp_config.fsdp_size={whole}")
+        assert c.config["rl"]["fsdp_size"] is None
+        row = next(r for r in c.mapped if r["key"] == f"{A}.fsdp_config.fsdp_size")
+        assert row["bidirl"] == ["rl.fsdp_size"] and "all 16 trainer GPUs" in row["how"]
+    # colocated 64 GPUs with fsdp_size 32: a 32-GPU shard group, replicated twice
+    assert conv("dapo_qwen2.5-7b-math.sh").config["rl"]["fsdp_size"] == 32
 
 
 def test_a_yaml_and_the_overrides_it_writes_down_convert_alike():
@@ -271,6 +285,8 @@ def test_tilde_deletes_and_the_mapping_names_a_deleted_key_it_needs():
     (f"{A}.optim.lr=fast", f"{A}.optim.lr", "number"),
     (f"{R}.tensor_model_parallel_size=3", f"{R}.tensor_model_parallel_size", "does not divide"),
     (f"{R}.n=0", f"{R}.n", "> 0"),
+    (f"{A}.fsdp_config.fsdp_size=0", f"{A}.fsdp_config.fsdp_size", "-1 or a positive"),
+    (f"{A}.fsdp_config.fsdp_size=3", f"{A}.fsdp_config.fsdp_size", "does not divide"),
     ("algorithm.adv_estimator=gae", "algorithm.adv_estimator", "critic"),
     ("critic.enable=True", "critic.enable", "critic"),
     ("reward_model.enable=True", "reward_model.enable", "reward model"),

@@ -1,6 +1,7 @@
 """The costs that make the borrowing gate matter (§3.2, §5.2): each from its mechanism, each visible in the Gantt.
 
-* a switch's first pinned allocation (``pin_alloc``), from ``benchmarks/trainer_scale.md``'s H200 measurement;
+* what is left of a switch's first pinned allocation after the engines reserved it in the background since their
+  load (``pin_alloc``), from ``benchmarks/trainer_scale.md``'s H200 measurement;
 * a window that pays both switches for no work (``switch_no_work``);
 * the re-prefill of a resumed or moved request's prompt + kept prefix (``reprefill``);
 * every cost constant registered with its source, and a check that fails on one without.
@@ -11,6 +12,8 @@ import inspect
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from bidirl.core import protocol as P
 from bidirl.job import config as cfgmod
@@ -88,7 +91,9 @@ def _spans(log, kind):
     return [s for s in log.spans if s.kind == kind]
 
 
-def test_first_switch_pays_its_pinned_allocation_once():
+def test_first_switch_pays_what_is_left_of_its_pinned_allocation_once():
+    """The engines reserve the pinned buffer in the background from their load (the run's start), so the first
+    switch of a direction and phase starting at ``t`` pays ``max(0, allocation − t)`` on top of its steady cost."""
     cfg = cfgmod.from_dict(BASE)
     driver = SimDriver(cfg, "opportunistic", steps=4, seed=0, jitter=0.0)
     log = driver.run().log
@@ -96,19 +101,64 @@ def test_first_switch_pays_its_pinned_allocation_once():
     allocs = _spans(log, "pin_alloc")
     keys = [(s.detail["direction"], s.detail["phase"]) for s in allocs]
     assert len(keys) == len(set(keys)) and keys, keys          # once per direction and phase, and some
-    for s, (direction, phase) in zip(allocs, keys):
+    shortened = []
+    for direction, phase in [(d, ph) for d in P.DIRECTIONS for ph in ("in", "out")]:
         want = costs.first_switch_allocation(hw, model, direction, phase, trainer_layout=rho)
-        assert want > 0 and s.end - s.start == pytest.approx(want, abs=EXACT)
-        # the switch it starts lasts the steady cost plus the allocation; the next one of its kind the steady cost
         kind = "switch_in" if phase == "in" else "switch_out"
         same = [w for w in _spans(log, kind) if w.detail["direction"] == direction]
+        if not same:
+            continue
+        left = max(0.0, want - same[0].start)                # the formula, the engines loaded at t = 0
+        if want > 0 and left < want:
+            shortened.append((direction, phase))
         steady = getattr(cfg.switch_costs(direction), "c_in" if phase == "in" else "c_out")
-        assert same[0].start == s.start and same[0].end - same[0].start == pytest.approx(steady + want, abs=EXACT)
+        span = [s for s in allocs if (s.detail["direction"], s.detail["phase"]) == (direction, phase)]
+        assert len(span) == (left > 0)
+        if left > 0:
+            assert span[0].start == same[0].start and span[0].end - span[0].start == pytest.approx(left, abs=EXACT)
+            assert span[0].detail["seconds"] == pytest.approx(left, abs=EXACT)
+        # the first switch lasts the steady cost plus what is left; every later one of its kind the steady cost
+        assert same[0].end - same[0].start == pytest.approx(steady + left, abs=EXACT)
         assert all(w.end - w.start == pytest.approx(steady, abs=EXACT) for w in same[1:])
+    # on this job the first Trainer-on-RolloutPool switch out starts after its 8·N/ρ_t allocation (13.5 s) is reserved
+    assert (P.TRAINER_ON_ROLLOUT_POOL, "out") in shortened
     # the formula: 12·N/ρ_t (primary trainer, first Rollouter-on-TrainerPool switch in) bytes per GPU
     rot = costs.first_switch_allocation(hw, model, P.ROLLOUT_ON_TRAINER_POOL, "in", trainer_layout=rho)
     assert rot == pytest.approx(12 * model.params_total / rho * costs.PINNED_ALLOC_SECONDS_PER_BYTE, rel=1e-12)
     assert costs.first_switch_allocation(hw, model, P.ROLLOUT_ON_TRAINER_POOL, "out", trainer_layout=rho) == 0
+
+
+def test_the_simulator_keeps_one_copy_of_the_allocation():
+    """The switch's duration and its ``pin_alloc`` span come from the same entry: change it and both follow."""
+    cfg = cfgmod.from_dict(BASE)
+    driver = SimDriver(cfg, "opportunistic", steps=2, seed=0, jitter=0.0)
+    key = (P.ROLLOUT_ON_TRAINER_POOL, "in")
+    driver.switch_times.first[key] = 1000.0                   # far longer than any start time of this run
+    log = driver.run().log
+    first_in = [w for w in _spans(log, "switch_in") if w.detail["direction"] == key[0]][0]
+    span = [s for s in _spans(log, "pin_alloc") if (s.detail["direction"], s.detail["phase"]) == key]
+    steady = cfg.switch_costs(key[0]).c_in
+    assert len(span) == 1 and span[0].end - span[0].start == pytest.approx(1000.0 - first_in.start, abs=EXACT)
+    assert first_in.end - first_in.start == pytest.approx(steady + 1000.0 - first_in.start, abs=EXACT)
+    assert key not in driver.switch_times.first                # consumed by the switch that paid it
+
+
+@given(alloc=st.floats(0.0, 1e3), loaded=st.floats(0.0, 1e3), after=st.floats(0.0, 2e3),
+       steady=st.floats(0.0, 50.0))
+def test_switch_times_charge_what_is_left_once(alloc, loaded, after, steady):
+    times = costs.SwitchTimes({d: P.SwitchCosts(steady, steady, 0.0) for d in P.DIRECTIONS},
+                              {(P.TRAINER_ON_ROLLOUT_POOL, "out"): alloc}, loaded_at=loaded)
+    now = loaded + after
+    # (loaded + after) − loaded differs from ``after`` by at most an ulp of ``now`` < 3e3 s (≈ 5e-13 s): EXACT
+    got_steady, got_left = times.take(P.TRAINER_ON_ROLLOUT_POOL, "out", now)
+    assert got_steady == steady and got_left == pytest.approx(max(0.0, alloc - after), abs=EXACT)
+    assert times.take(P.TRAINER_ON_ROLLOUT_POOL, "out", now) == (steady, 0.0)      # reused afterwards
+    assert times.take(P.ROLLOUT_ON_TRAINER_POOL, "in", loaded) == (steady, 0.0)    # no entry: nothing to pin
+
+
+def test_pinned_allocation_left_refuses_a_negative_allocation():
+    with pytest.raises(ValueError, match="allocation must be"):
+        costs.pinned_allocation_left(-1.0, 0.0)
 
 
 # ---- a switch paid for no work ----------------------------------------------------------------------
@@ -201,20 +251,25 @@ def test_the_gantt_shows_each_cost_as_its_own_trace():
 
 # ---- what the control plane charges ---------------------------------------------------------------
 
-def test_the_first_switch_is_expected_with_its_allocation_and_observed_without_it():
+def test_the_first_switch_is_expected_with_what_is_left_and_observed_without_it():
     from bidirl.core.profiler import Profiler
     steady = P.SwitchCosts(2.0, 3.0, 0.5)
     prof = Profiler(costs={d: steady for d in P.DIRECTIONS}, smoothing=0.5,
-                    first_switch={(P.ROLLOUT_ON_TRAINER_POOL, "c_in"): 10.0})
-    # the gates judge the steady costs; the switch itself is expected to take the allocation once
+                    first_switch={(P.ROLLOUT_ON_TRAINER_POOL, "c_in"): 10.0}, loaded_at=1.0)
+    # the gates judge the steady costs; a switch starting at t is expected to take max(0, 10 − (t − 1)) more
     assert prof.costs[P.ROLLOUT_ON_TRAINER_POOL] == steady
-    assert prof.charged(P.ROLLOUT_ON_TRAINER_POOL) == P.SwitchCosts(12.0, 3.0, 0.5)
-    assert prof.charged(P.TRAINER_ON_ROLLOUT_POOL) == steady
-    prof.observe_cost(P.ROLLOUT_ON_TRAINER_POOL, "c_in", 12.4)      # 10 s of it was the one-time allocation
+    assert prof.charged(P.ROLLOUT_ON_TRAINER_POOL, 1.0) == P.SwitchCosts(12.0, 3.0, 0.5)
+    assert prof.charged(P.ROLLOUT_ON_TRAINER_POOL, 5.0) == P.SwitchCosts(8.0, 3.0, 0.5)
+    assert prof.charged(P.ROLLOUT_ON_TRAINER_POOL, 11.0) == steady          # reserved by then
+    assert prof.charged(P.TRAINER_ON_ROLLOUT_POOL, 1.0) == steady
+    with pytest.raises(ValueError, match="needs the time it ended"):
+        prof.observe_cost(P.ROLLOUT_ON_TRAINER_POOL, "c_in", 8.4)
+    # started at t = 5 (6 s of the allocation left), took 8.4 s, ended at 13.4: folded in as 2.4 s
+    prof.observe_cost(P.ROLLOUT_ON_TRAINER_POOL, "c_in", 8.4, 13.4)
     prof.recalibrate()
-    # folded in as 2.4 s: 0.5·2.0 + 0.5·2.4 = 2.2; nothing more to allocate
+    # 0.5·2.0 + 0.5·2.4 = 2.2; nothing more to allocate
     assert prof.costs[P.ROLLOUT_ON_TRAINER_POOL].c_in == pytest.approx(2.2, abs=1e-12)
-    assert prof.charged(P.ROLLOUT_ON_TRAINER_POOL).c_in == pytest.approx(2.2, abs=1e-12)
+    assert prof.charged(P.ROLLOUT_ON_TRAINER_POOL, 5.0).c_in == pytest.approx(2.2, abs=1e-12)
 
 
 def test_the_tail_split_counts_the_switch_back_after_the_auxiliaries_last_chunk():
@@ -225,7 +280,7 @@ def test_the_tail_split_counts_the_switch_back_after_the_auxiliaries_last_chunk(
     from bidirl.runtime.assemble import assemble
     cfg = cfgmod.from_dict(BASE)
     coord = assemble(cfg, "bidirl", steps=1, seed=0).coordinator
-    costs_ = coord.profiler.charged(P.TRAINER_ON_ROLLOUT_POOL)
+    costs_ = coord.profiler.charged(P.TRAINER_ON_ROLLOUT_POOL, coord._now)
     opt = coord.settings.optimizer_seconds
     last = SimpleNamespace(segment_index=1, segments=[("old_logprob",), ("actor_update",)])
     first = SimpleNamespace(segment_index=0, segments=last.segments)

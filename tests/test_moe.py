@@ -105,7 +105,9 @@ def test_flops_follow_active_parameters():
     m = presets.model("qwen3-30b-a3b")
     p, r = np.array([100, 200]), np.array([50, 10])
     s = (p + r).astype(float)
-    want = (2 * m.params_active_nonembedding * s + 4 * m.layers * m.hidden * s * s + 2 * m.hidden * m.vocab * r).sum()
+    # the causal half of the attention square (bidirl.perf.flops.CAUSAL_ATTENTION_FRACTION)
+    want = (2 * m.params_active_nonembedding * s + 0.5 * 4 * m.layers * m.hidden * s * s
+            + 2 * m.hidden * m.vocab * r).sum()
     assert flops.forward_flops(m, p, r) == pytest.approx(want, rel=1e-12)
     # the same architecture counted dense (every expert active) would cost E/k times the expert FLOPs
     dense_like = dataclasses.replace(m, experts=0, experts_per_token=0, expert_intermediate=0, params_nonembedding=

@@ -63,13 +63,27 @@ def test_overlap_rejects_bad_exponent():
 
 def test_forward_flops_by_hand():
     # p = [1, 2], r = [3, 1] → p + r = [4, 3]
-    # 2·N·Σ(p+r) = 2·100·7 = 1400; 4·L·H·Σ(p+r)² = 4·2·4·(16 + 9) = 800; 2·H·V·Σr = 2·4·10·4 = 320
-    assert forward_flops(toy_model(), [1, 2], [3, 1]) == pytest.approx(2520.0)
+    # 2·N·Σ(p+r) = 2·100·7 = 1400; causal half of 4·L·H·Σ(p+r)² = ½·4·2·4·(16 + 9) = 400;
+    # 2·H·V·Σr = 2·4·10·4 = 320
+    assert forward_flops(toy_model(), [1, 2], [3, 1]) == pytest.approx(2120.0)
 
 
 def test_prefill_flops_by_hand():
-    # 2·N·Σp = 2·100·3 = 600; 4·L·H·Σp² = 32·(1 + 4) = 160; 2·H·V·B = 80·2 = 160
-    assert prefill_flops(toy_model(), [1, 2]) == pytest.approx(920.0)
+    # 2·N·Σp = 2·100·3 = 600; causal half of 4·L·H·Σp² = ½·32·(1 + 4) = 80; 2·H·V·B = 80·2 = 160
+    assert prefill_flops(toy_model(), [1, 2]) == pytest.approx(840.0)
+
+
+def test_causal_attention_halves_only_the_quadratic_term():
+    """The causal mask's mechanism: a 1,000-token sample's attention term drops from 4·L·H·s² to 2·L·H·s², the
+    linear and head terms stay (FlashAttention-2 skips the masked blocks; bidirl.perf.flops module doc)."""
+    from bidirl.perf import flops as F
+    m = toy_model()
+    s = 1000
+    linear, head = 2 * 100 * s, 2 * 4 * 10 * (s - 10)
+    full_square = 4 * 2 * 4 * s * s
+    assert F.CAUSAL_ATTENTION_FRACTION == 0.5
+    assert forward_flops(m, [10], [s - 10]) == pytest.approx(linear + full_square / 2 + head, rel=1e-12)
+    assert prefill_flops(m, [s]) - prefill_flops(m, [0]) == pytest.approx(2 * 100 * s + full_square / 2, rel=1e-12)
 
 
 def test_stage_multipliers():
@@ -85,7 +99,7 @@ def test_lengths_are_validated():
         forward_flops(toy_model(), [1, 2], [3])
     with pytest.raises(ValueError, match="whole token counts"):
         prefill_flops(toy_model(), [1.5])
-    assert prefill_flops(toy_model(), np.array([1.0, 2.0])) == pytest.approx(920.0)
+    assert prefill_flops(toy_model(), np.array([1.0, 2.0])) == pytest.approx(840.0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -93,8 +107,8 @@ def test_lengths_are_validated():
 # --------------------------------------------------------------------------------------------------
 
 def toy_trainer(layout=1, **params) -> TrainerModel:
-    # α chosen so that α·F = 4 s for the hand micro-batch (F = 2520)
-    values = dict(tau=0.5, alpha=4.0 / 2520.0, r=2.0, alpha_comm=3.0, beta_comm=0.0)
+    # α chosen so that α·F = 4 s for the hand micro-batch (F = 2120, test_forward_flops_by_hand)
+    values = dict(tau=0.5, alpha=4.0 / 2120.0, r=2.0, alpha_comm=3.0, beta_comm=0.0)
     values.update(params)
     return TrainerModel(toy_model(), toy_hw(), layout=layout, params=TrainerParams.uniform(**values))
 
@@ -128,15 +142,15 @@ def test_message_bytes_fsdp():
 
 
 def test_stage_time_by_hand():
-    # 4 equal samples (p=1, r=3 → F = 2·100·4 + 32·16 + 80·3 = 1552), micro-batch 1 per device, 2 replicas:
+    # 4 equal samples (p=1, r=3 → F = 2·100·4 + ½·32·16 + 80·3 = 1296), micro-batch 1 per device, 2 replicas:
     # each replica runs 2 micro-batches per stage.
-    m = toy_trainer(alpha=1.0 / 1552.0, alpha_comm=0.0)
+    m = toy_trainer(alpha=1.0 / 1296.0, alpha_comm=0.0)
     t_fwd, t_upd = 0.5 + 1.0, 0.5 + 3.0
     p, r = [1] * 4, [3] * 4
     assert m.stage_time(p, r, d=2, micro_batch_per_device=1) == pytest.approx(2 * (2 * t_fwd + t_upd))
     assert m.stage_time(p, r, d=2, micro_batch_per_device=1, stages=("old_logprob", "actor_update")) == \
         pytest.approx(2 * (t_fwd + t_upd))
-    # micro-batches of 2: one micro-batch of F = 3104 per stage and replica
+    # micro-batches of 2: one micro-batch of F = 2592 per stage and replica
     assert m.stage_time(p, r, d=2, micro_batch_per_device=2) == pytest.approx(2 * (0.5 + 2.0) + 0.5 + 6.0)
     # more replicas than samples: the extra replicas idle
     assert m.stage_time(p, r, d=10, micro_batch_per_device=1) == pytest.approx(2 * t_fwd + t_upd)
@@ -144,15 +158,15 @@ def test_stage_time_by_hand():
 
 
 def test_microbatch_size_scales_with_layout():
-    m = toy_trainer(layout=2, alpha=1.0 / 1552.0, alpha_comm=0.0)
-    # a 2-GPU replica takes 2 samples per micro-batch at 1 per device: one micro-batch of F = 3104 per stage
+    m = toy_trainer(layout=2, alpha=1.0 / 1296.0, alpha_comm=0.0)
+    # a 2-GPU replica takes 2 samples per micro-batch at 1 per device: one micro-batch of F = 2592 per stage
     assert m.stage_time([1, 1], [3, 3], d=1, micro_batch_per_device=1, stages=("old_logprob",)) == \
         pytest.approx(0.5 + 2.0)
 
 
 def test_chunk_time_splits_equally():
-    m = toy_trainer(alpha=1.0 / 1552.0, alpha_comm=0.0)
-    # 4 equal samples on a gang of 2: each replica one micro-batch of 2 samples (F = 3104)
+    m = toy_trainer(alpha=1.0 / 1296.0, alpha_comm=0.0)
+    # 4 equal samples on a gang of 2: each replica one micro-batch of 2 samples (F = 2592)
     assert m.chunk_time("old_logprob", [1] * 4, [3] * 4, 2) == pytest.approx(0.5 + 2.0)
     assert m.chunk_time("actor_update", [1] * 4, [3] * 4, 1) == pytest.approx(0.5 + 12.0)
     assert m.chunk_time("actor_update", [], [], 2) == 0.0
@@ -201,8 +215,8 @@ def test_decode_features_by_hand():
 
 def test_replica_time_by_hand():
     m = toy_rollout(kv_budget=12.0)
-    # prefill: N_pre = min(2, N_max(2) = 1) = 1 → W_pre = 2; F_pre([2, 2]) = 2·100·4 + 32·8 + 80·2 = 1216
-    p_pre = 1.0 * 2 + 0.001 * 1216
+    # prefill: N_pre = min(2, N_max(2) = 1) = 1 → W_pre = 2; F_pre([2, 2]) = 2·100·4 + ½·32·8 + 80·2 = 1088
+    p_pre = 1.0 * 2 + 0.001 * 1088
     p_dec = 0.1 * 4 + 0.01 * 4 + 0.001 * 11
     assert m.prefill_time([2, 2]) == pytest.approx(p_pre)
     assert m.replica_time([2, 2], [1, 3]) == pytest.approx(p_pre + p_dec)

@@ -284,7 +284,8 @@ class Coordinator:
     def _on_SwitchFinished(self, ev: P.SwitchFinished):
         lease = self.leases[ev.pool]
         lending = lease.state is Lease.SWITCHING_IN
-        self.profiler.observe_cost(P.DIRECTION_OF_POOL[ev.pool], "c_in" if lending else "c_out", ev.elapsed)
+        self.profiler.observe_cost(P.DIRECTION_OF_POOL[ev.pool], "c_in" if lending else "c_out", ev.elapsed,
+                                    ev.t)
         lease.fire("switched")
         if not lending:
             self.idle_windows[ev.pool] += 1           # the pool is its own again: a new idle window may follow
@@ -813,7 +814,7 @@ class Coordinator:
         overlap :func:`bidirl.core.gates.trainer_gate` charges). 0 before the last segment (the window goes on)."""
         if step.segment_index != len(step.segments) - 1:
             return 0.0
-        costs = self.profiler.charged(TOR)
+        costs = self.profiler.charged(TOR, self._now)
         return max(0.0, costs.c_out - costs.c_grad - self.settings.optimizer_seconds)
 
     def _ready_in(self, side: str) -> float:
@@ -895,8 +896,9 @@ class Coordinator:
             pool = P.BORROWED_POOL[direction]
             self.window_sent[pool] = 0
             self.leases[pool].fire("lend")
-            self._out.append(P.Switch(pool, P.GUEST_ROLE[pool], direction, "in",
-                                      self.profiler.charged(direction).c_in, self._role_version(P.GUEST_ROLE[pool])))
+            expected = self.profiler.charged(direction, self._now).c_in
+            self._out.append(P.Switch(pool, P.GUEST_ROLE[pool], direction, "in", expected,
+                                      self._role_version(P.GUEST_ROLE[pool])))
 
     def _role_version(self, role: str) -> int:
         """The actor version a role's workers run: rollouters the synced one, trainers the trainer's."""
@@ -934,7 +936,7 @@ class Coordinator:
         self.leases[pool].fire("yield")
         home = P.HOME_ROLE[pool]
         direction = P.DIRECTION_OF_POOL[pool]
-        self._out.append(P.Switch(pool, home, direction, "out", self.profiler.charged(direction).c_out,
+        self._out.append(P.Switch(pool, home, direction, "out", self.profiler.charged(direction, self._now).c_out,
                                   self._role_version(home), no_work=self.no_work.pop(pool, "")))
 
     def _yield_revoked(self):

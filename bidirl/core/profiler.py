@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -43,10 +44,12 @@ class ProfileRecord:
 @dataclass
 class Profiler:
     costs: dict                                    # direction -> SwitchCosts (start: configured values)
-    # (direction, "c_in" | "c_out") -> seconds the first such switch of the run adds to the steady cost (the
-    # yielding trainer engine allocating its pinned host buffer: bidirl.perf.costs.first_switch_allocation);
-    # charged until that switch is observed
+    # (direction, "c_in" | "c_out") -> seconds the yielding trainer engine spends allocating its pinned host buffer
+    # before the first such switch of the run (bidirl.perf.costs.first_switch_allocation); the engines reserve it in
+    # the background from their load (``loaded_at``) on, so what is left of it is charged until that switch is
+    # observed
     first_switch: dict = field(default_factory=dict)
+    loaded_at: float = 0.0                         # when the trainer engines loaded, on the run's clock (s)
     window: int = 512                              # responses kept for the representative workload
     smoothing: float = 0.5                         # weight of a new cost measurement
     records: list = field(default_factory=list)
@@ -78,24 +81,39 @@ class Profiler:
             self.prompt_lens.popleft()
             self.response_lens.popleft()
 
-    def charged(self, direction: str):
-        """What ``direction``'s next switches are expected to take: the steady costs, plus what a first switch still
-        ahead adds (:attr:`first_switch`). The gates judge a window on the steady costs (:attr:`costs`): the
-        one-time allocation is paid by whichever window comes first and serves every later one, so charging it
-        to the first would refuse every window of a direction whose steady gain is below it."""
-        costs = self.costs[direction]
+    def allocation_left(self, direction: str, which: str, now: float) -> float:
+        """Seconds of the first ``direction``/``which`` switch's pinned allocation still ahead at ``now``:
+        ``max(0, allocation − (now − loaded_at))`` (``bidirl.perf.costs.pinned_allocation_left``), 0 once that
+        switch was observed."""
         first = getattr(self, "first_switch", {})       # (a checkpoint written before it existed has none)
-        extra_in = first.get((direction, "c_in"), 0.0)
-        extra_out = first.get((direction, "c_out"), 0.0)
+        alloc = first.get((direction, which), 0.0)
+        return max(0.0, alloc - max(0.0, float(now) - getattr(self, "loaded_at", 0.0))) if alloc else 0.0
+
+    def charged(self, direction: str, now: float):
+        """What ``direction``'s switches starting at ``now`` are expected to take: the steady costs, plus what is left
+        at ``now`` of a first switch's allocation (:meth:`allocation_left`). The gates judge a window on the steady
+        costs (:attr:`costs`): the one-time allocation is paid by whichever window comes first and serves every
+        later one, so charging it to the first would refuse every window of a direction whose steady gain is below
+        it."""
+        costs = self.costs[direction]
+        extra_in = self.allocation_left(direction, "c_in", now)
+        extra_out = self.allocation_left(direction, "c_out", now)
         if not (extra_in or extra_out):
             return costs
         return SwitchCosts(c_in=costs.c_in + extra_in, c_out=costs.c_out + extra_out, c_grad=costs.c_grad)
 
-    def observe_cost(self, direction: str, which: str, seconds: float) -> None:
-        """A measured C_in / C_out / C_grad for ``direction``; folded in at the next recalibration. The first switch
-        of its kind is folded in without its one-time extra (:attr:`first_switch`), so the steady cost stays
-        steady."""
-        extra = getattr(self, "first_switch", {}).pop((direction, which), 0.0)
+    def observe_cost(self, direction: str, which: str, seconds: float, now: Optional[float] = None) -> None:
+        """A measured C_in / C_out / C_grad for ``direction`` that ended at ``now``; folded in at the next
+        recalibration. The first switch of its kind is folded in without what was left of its one-time allocation
+        when it started (:meth:`allocation_left` at ``now − seconds``), so the steady cost stays steady."""
+        if (direction, which) in getattr(self, "first_switch", {}):
+            if now is None:
+                raise ValueError(f"Profiler.observe_cost: the first {direction} {which} needs the time it ended "
+                                 "(now) to take out what was left of its pinned allocation")
+            extra = self.allocation_left(direction, which, float(now) - float(seconds))
+            self.first_switch.pop((direction, which))
+        else:
+            extra = 0.0
         self.cost_samples.setdefault((direction, which), []).append(max(0.0, float(seconds) - extra))
 
     def recalibrate(self, predictor=None) -> dict:

@@ -172,6 +172,14 @@ class RLConfig:
     * ``sequence_parallel`` (veRL ``actor.ulysses_sequence_parallel_size``): Ulysses degree k — each sample's
       tokens are split over k GPUs (activations / k, attention all-to-all per layer); data parallel = trainer
       GPUs / k. It must divide the model's attention heads and ``cluster.gpus_per_node``.
+    * ``fsdp_size`` (veRL ``actor.fsdp_config.fsdp_size``): ρ_t, the GPUs of one FSDP shard group — the trainer's
+      parameters, gradients and optimizer state are sharded over this many GPUs and replicated across the groups
+      (hybrid sharding: veRL builds a (replicate, shard) device mesh when ``fsdp_size`` is smaller than the trainer's
+      GPUs). It is the trainer replica of the models: the collectives of a micro-batch, the offload copies
+      (``4·N/ρ_t`` and ``8·N/ρ_t`` bytes per GPU) and the model-state memory (``18·N/ρ_t``) follow it. Empty: the
+      planner picks the smallest layout that fits (veRL's ``-1``, shard over all trainer GPUs, has no fixed size
+      here). It must be one of the planner's layouts (1, 2, 4, … up to ``cluster.gpus_per_node``, then whole
+      nodes) and fit in memory; each pool must hold whole shard groups.
 
     ``reproducible`` (issue 42; ``bidirl.core.schedule``): the same seed gives the same batches, rewards and
     weights bit for bit at any staleness, with borrowing on — each group's batch and the version it is generated
@@ -195,6 +203,7 @@ class RLConfig:
     param_offload: bool = False
     optimizer_offload: bool = False
     sequence_parallel: int = 1
+    fsdp_size: Optional[int] = None
     reproducible: Optional[bool] = None
 
     @property
@@ -552,6 +561,23 @@ def _check_execution_settings(cfg: JobConfig) -> None:
                                   f"the fixed {pool} pool of {gpus} GPUs is not a whole number of {sp}-GPU "
                                   "sequence-parallel groups (both pools host trainer gangs)",
                                   f"use a degree that divides cluster.partition.{pool}, or change the partition")
+    if r.fsdp_size is not None:
+        _positive("rl.fsdp_size", r.fsdp_size)
+        from bidirl.perf.memory import layout_candidates
+        layouts = layout_candidates(c.gpus_per_node, c.gpus)
+        if r.fsdp_size not in layouts:
+            raise ConfigError("rl.fsdp_size",
+                              f"an FSDP shard group of {r.fsdp_size} GPUs is not a trainer layout of "
+                              f"{c.gpus} GPUs with {c.gpus_per_node} per node",
+                              f"use one of {', '.join(map(str, layouts))}, or leave it empty for the smallest layout "
+                              "that fits")
+        for pool in ("trainer", "rollout"):   # both pools host trainer replicas (the borrowing gang, §3.2)
+            gpus = getattr(c.partition, pool) if c.partition is not None else 0
+            if gpus % r.fsdp_size:
+                raise ConfigError("rl.fsdp_size",
+                                  f"the fixed {pool} pool of {gpus} GPUs is not a whole number of "
+                                  f"{r.fsdp_size}-GPU shard groups (both pools host trainer replicas)",
+                                  f"use a size that divides cluster.partition.{pool}, or change the partition")
     if r.max_tokens_per_micro_batch is not None:
         _positive("rl.max_tokens_per_micro_batch", r.max_tokens_per_micro_batch)
         longest = cfg.workload_stats.prompt_max + w.max_response_len
@@ -595,6 +621,8 @@ ENGINE_PENDING = {
     "rl.updates_per_sync": ((1,), "the engine driver takes one optimizer step per weight version (a streamed step's "
                             "local updates would keep the version)"),
     "rl.sequence_parallel": ((1,), "the trainer engine has no Ulysses all-to-all: each rank holds whole samples"),
+    "rl.fsdp_size": ((None,), "the engine run's trainer gangs shard over the planner's layout; an explicit shard-group "
+                     "size is not passed to the engines yet"),
 }
 
 

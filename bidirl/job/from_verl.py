@@ -68,7 +68,7 @@ VERL_DEFAULTS: dict = {
     f"{A}.ppo_max_token_len_per_gpu": 16384, f"{A}.ppo_epochs": 1, f"{A}.clip_ratio": 0.2,
     f"{A}.clip_ratio_low": 0.2, f"{A}.use_kl_loss": False, f"{A}.kl_loss_coef": 0.001, f"{A}.optim.lr": 1e-6,
     f"{A}.fsdp_config.param_offload": False, f"{A}.fsdp_config.optimizer_offload": False,
-    f"{A}.ulysses_sequence_parallel_size": 1,
+    f"{A}.ulysses_sequence_parallel_size": 1, f"{A}.fsdp_config.fsdp_size": -1,
     f"{R}.name": MISSING, f"{R}.n": 1, f"{R}.tensor_model_parallel_size": 2, f"{R}.gpu_memory_utilization": 0.5,
     f"{R}.multi_turn.enable": False,
     f"{R}.log_prob_use_dynamic_bsz": Interp(f"{A}.use_dynamic_bsz"),
@@ -246,6 +246,8 @@ RULES: list = [
             "the reference's degree; bidirl's trainer stages share one degree, the actor's"),
     _mapped(f"{A}.fsdp_config.param_offload", ["rl.param_offload"], "trainer parameters in host memory"),
     _mapped(f"{A}.fsdp_config.optimizer_offload", ["rl.optimizer_offload"], "optimizer state in host memory"),
+    _mapped(f"{A}.fsdp_config.fsdp_size", ["rl.fsdp_size"],
+            "GPUs of one FSDP shard group (ρ_t); -1 or the trainer's GPU count: veRL shards over every trainer GPU"),
     _mapped(f"{M}.enable_gradient_checkpointing", ["rl.activation_checkpointing"],
             "recompute blocks in the backward pass"),
     _checked(f"{R}.name", "the rollout engine: bidirl's decode model and engine runs are vLLM's, and "
@@ -685,6 +687,20 @@ def convert(source: "VerlInput | Sequence[str]", *, hardware: Optional[str] = No
             out.not_used.append(_unused_row(r, f"{A}.clip_ratio", "veRL's loss uses clip_ratio_low when it is set "
                                             f"(it is: {low:g}; core_algos.py)", False))
     rl["activation_checkpointing"] = r.take(f"{M}.enable_gradient_checkpointing", bool)
+    fsdp = r.take(f"{A}.fsdp_config.fsdp_size", int)
+    if fsdp == 0 or fsdp < -1:
+        raise ConfigError(f"{A}.fsdp_config.fsdp_size", f"is {fsdp}; veRL takes -1 (shard over every trainer GPU) or "
+                          "a positive shard-group size", "use -1 or a positive number of GPUs")
+    if fsdp == -1 or fsdp >= trainer_gpus:
+        rl["fsdp_size"] = None
+        r.note(f"{A}.fsdp_config.fsdp_size", f"{fsdp}: veRL shards over all {trainer_gpus} trainer GPUs; "
+               "rl.fsdp_size stays empty, so the planner picks the smallest shard group that fits (a whole-pool "
+               "group would tie the trainer replica to one pool's size)")
+    else:
+        if trainer_gpus % fsdp:
+            raise ConfigError(f"{A}.fsdp_config.fsdp_size", f"{fsdp} does not divide the {trainer_gpus} trainer GPUs",
+                              "veRL builds whole (replicate, shard) meshes: use a divisor of the trainer's GPUs")
+        rl["fsdp_size"] = fsdp
     rl["param_offload"] = r.take(f"{A}.fsdp_config.param_offload", bool)
     rl["optimizer_offload"] = r.take(f"{A}.fsdp_config.optimizer_offload", bool)
     sp = _positive(f"{A}.ulysses_sequence_parallel_size", r.take(f"{A}.ulysses_sequence_parallel_size", int))

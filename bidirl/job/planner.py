@@ -8,7 +8,9 @@ sweep behind it:
    KV cache as documented in :mod:`bidirl.perf.memory`, for the workload's longest sequence
    (``prompt_max + max_response_len``). A job that fixes ``cluster.rollout_tensor_parallel`` keeps its ρ_r
    (refused by name when a replica of that size does not fit); the replica counts, and with them the rollouters'
-   in-flight cap, follow the replicas the job has.
+   in-flight cap, follow the replicas the job has. Likewise a job that fixes ``rl.fsdp_size`` (veRL's
+   ``actor.fsdp_config.fsdp_size``) keeps its FSDP shard group as ρ_t, refused by name when its states and
+   activations do not fit.
 2. **BuildStageModels**: the runtime's own stage-time predictor (:class:`~bidirl.perf.predictor.StagePredictor`:
    :class:`~bidirl.perf.rollout.RolloutModel` with tp = ρ_r and the engines' concurrency cap,
    :class:`~bidirl.perf.trainer.TrainerModel` with layout ρ_t), built once.
@@ -233,9 +235,23 @@ def min_feasible_layouts(cfg, hardware=None) -> tuple:
         raise ConfigError(key, f"{what} needs {gib(act)} of activations per GPU, more than the "
                           f"{gib(memory.usable_bytes(hw))} usable on {hw.name}; activations are not sharded by "
                           "FSDP, so a bigger trainer replica does not help", fix + ", or use a GPU with more memory")
-    rho_t, need_t = memory.min_feasible_layout(
-        lambda k: memory.trainer_need(m, hw, k, mb, max_seq, tokens=tokens,
-                                      checkpointing=cfg.rl.activation_checkpointing), cands)
+    trainer_need = lambda k: memory.trainer_need(m, hw, k, mb, max_seq, tokens=tokens,  # noqa: E731
+                                                 checkpointing=cfg.rl.activation_checkpointing)
+    fixed_fsdp = cfg.rl.fsdp_size
+    if fixed_fsdp is None:
+        rho_t, need_t = memory.min_feasible_layout(trainer_need, cands)
+    else:                                 # the job's own FSDP shard group: it must fit, it is never replaced
+        need_t = trainer_need(fixed_fsdp)
+        if not need_t.fits:
+            raise ConfigError("rl.fsdp_size",
+                              f"a {fixed_fsdp}-GPU FSDP shard group of {m.name} needs {gib(need_t.total)} per GPU "
+                              f"(model states {gib(need_t.parts['model_states'])} sharded over {fixed_fsdp} GPUs, "
+                              f"activations {gib(need_t.parts['activations'])}), more than the "
+                              f"{gib(need_t.usable)} usable on {hw.name}",
+                              "raise rl.fsdp_size (more GPUs share the states), lower "
+                              "rl.max_tokens_per_micro_batch or rl.micro_batch_per_device, or leave it empty for the "
+                              "smallest layout that fits")
+        rho_t = fixed_fsdp
     fixed_tp = cfg.cluster.rollout_tensor_parallel
     if fixed_tp is None:
         rho_r, need_r = memory.min_feasible_layout(lambda k: memory.rollout_need(m, hw, k, w.group_size, max_seq),

@@ -43,7 +43,8 @@ On the A6000 preset the derived costs land within 2× of the paper's measured Ta
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from typing import Optional
 
 from bidirl.core.protocol import ROLLOUT_ON_TRAINER_POOL, TRAINER_ON_ROLLOUT_POOL
@@ -95,8 +96,9 @@ AUX_TRAINER_STATE = cost_constant("AUX_TRAINER_STATE", 8, "B/param",
 #: bytes per parameter of a gradient (fp32 reduction, veRL's FSDP default)
 GRAD_BYTES = cost_constant("GRAD_BYTES", 4, "B/param", "fp32 gradient reduction: veRL's FSDP mixed-precision "
                            "default (reduce_dtype float32)")
-#: seconds per byte to allocate (page-lock) a pinned host buffer: a trainer engine's first switch out allocates
-#: the buffer its state moves through, later switches reuse it (benchmarks/trainer_scale.md, 4B on an H200: the
+#: seconds per byte to allocate (page-lock) a pinned host buffer: a trainer engine allocates the buffer its state
+#: moves through once (in the background from its load on; a first switch waits for what is left of it), later
+#: switches reuse it (benchmarks/trainer_scale.md, 4B on an H200: the
 #: first offload of 45.0 GB took 36.7 s, a steady one 1.00 s, so the allocation is (36.7 − 1.0) s / 45.0 GB;
 #: allocating 45 GB of pinned memory alone took 43 s on the same kind of machine)
 PINNED_ALLOC_SECONDS_PER_BYTE = cost_constant(
@@ -203,12 +205,14 @@ def derive_weight_sync(hw, model, *, trainer_layout: Optional[int] = None, rollo
 
 
 # --------------------------------------------------------------------------------------------------
-# what a switch really takes: the steady cost, plus the first switch's pinned allocation
+# what a switch really takes: the steady cost, plus what is left of the first switch's pinned allocation
 # --------------------------------------------------------------------------------------------------
 
 def first_switch_allocation(hw, model, direction: str, phase: str, *, trainer_layout: Optional[int] = None) -> float:
-    """Seconds the first switch of ``direction``/``phase`` in a run adds to the steady cost: the trainer engine that
-    yields its pool allocates the pinned host buffer its state moves through (then reuses it, module doc):
+    """Seconds the trainer engine that yields its pool at the first ``direction``/``phase`` switch of a run spends
+    allocating the pinned host buffer its state moves through (then reuses it, module doc). The engines reserve it
+    in the background from the moment they load, so the first switch adds only what is left of it
+    (:func:`pinned_allocation_left`):
 
     * Rollouter-on-TrainerPool, in: the primary trainer offloads ``S_tp = 12·N/ρ_t`` bytes per GPU for the first
       time, ``S_tp · PINNED_ALLOC_SECONDS_PER_BYTE``;
@@ -227,30 +231,35 @@ def first_switch_allocation(hw, model, direction: str, phase: str, *, trainer_la
     return 0.0
 
 
+def pinned_allocation_left(allocation: float, since_load: float) -> float:
+    """Seconds of a pinned host-buffer allocation still ahead of a switch that starts ``since_load`` seconds after
+    its engine loaded: the trainer engines reserve the buffer in the background from the moment they load
+    (``bidirl.cluster.engines.workers.trainer.offload``), so a first switch waits only for what is left of it,
+    ``max(0, allocation − since_load)``."""
+    if not (allocation >= 0 and not math.isnan(since_load)):
+        raise ValueError(f"pinned_allocation_left: allocation must be ≥ 0 s and since_load a number, got "
+                         f"{allocation!r}, {since_load!r}")
+    return max(0.0, float(allocation) - max(0.0, float(since_load)))
+
+
 @dataclass
 class SwitchTimes:
-    """What each hot switch of a run takes where a driver models it (the simulator): the steady cost of its
-    direction and phase (``steady``: the preset's measured or derived :class:`~bidirl.core.protocol.SwitchCosts`),
-    plus :func:`first_switch_allocation` the first time that switch happens. The coordinator charges what its
-    profiler has seen; this is the truth its gates estimate."""
+    """What each hot switch of a run takes where a driver models it (simulator, emulated workers): the steady cost
+    of its direction and phase (``steady``: the preset's measured or derived
+    :class:`~bidirl.core.protocol.SwitchCosts`), plus, the first time that switch happens, what is left of the
+    yielding trainer engine's pinned allocation (:func:`first_switch_allocation`) after the engine spent the time
+    since it loaded (``loaded_at``, on the run's clock) reserving it in the background
+    (:func:`pinned_allocation_left`). ``first`` is the one copy of the allocations a driver keeps: :meth:`take`
+    consumes an entry. The coordinator charges what its profiler expects; this is the truth its gates estimate."""
     steady: dict                       # direction -> SwitchCosts
-    first: dict                        # (direction, phase) -> seconds added to the first such switch
-    seen: set = field(default_factory=set)
+    first: dict                        # (direction, phase) -> the whole allocation of the first such switch (s)
+    loaded_at: float = 0.0             # when the trainer engines loaded, on the run's clock (s)
 
-    @classmethod
-    def of(cls, cfg, trainer_layout: Optional[int] = None) -> "SwitchTimes":
-        from bidirl.core.protocol import DIRECTIONS
-        hw, model = cfg.hardware_spec, cfg.model_spec
-        return cls({d: cfg.switch_costs(d) for d in DIRECTIONS},
-                   {(d, ph): first_switch_allocation(hw, model, d, ph, trainer_layout=trainer_layout)
-                    for d in DIRECTIONS for ph in ("in", "out")})
-
-    def take(self, direction: str, phase: str) -> tuple:
-        """``(steady seconds, pinned-allocation seconds)`` of the next ``direction``/``phase`` switch (the
-        allocation is nonzero once: the first time)."""
+    def take(self, direction: str, phase: str, now: float) -> tuple:
+        """``(steady seconds, pinned-allocation seconds still ahead)`` of the ``direction``/``phase`` switch starting
+        at ``now``: the allocation part is nonzero at most once (the first such switch, and only while the background
+        reservation has not finished)."""
         costs = self.steady[direction]
         steady = costs.c_in if phase == "in" else costs.c_out
-        key = (direction, phase)
-        alloc = 0.0 if key in self.seen else float(self.first.get(key, 0.0))
-        self.seen.add(key)
-        return float(steady), alloc
+        alloc = float(self.first.pop((direction, phase), 0.0))
+        return float(steady), pinned_allocation_left(alloc, now - self.loaded_at)

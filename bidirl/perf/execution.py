@@ -16,8 +16,8 @@ host copies. Each term is the setting's mechanism over the hardware preset's num
   ``offload_fsdp_optimizer``). Each GPU copies its shard both ways over its host link at the pageable rate
   (``host_bandwidth · PAGEABLE_FRACTION`` of :mod:`bidirl.perf.costs`): parameters
   ``2 · (actor stages) · 4·N/ρ_t`` bytes (fp32 sharded master weights), optimizer ``2 · 8·N/ρ_t`` bytes
-  (Adam's two fp32 moments) per update. The copies sit on the trainer's critical path; the simulator charges them
-  with the optimizer step (:func:`offload_seconds`).
+  (Adam's two fp32 moments) once around the update stage, whatever its mini-batches. The copies sit on the
+  trainer's critical path; the simulator charges them with the optimizer step (:func:`offload_seconds`).
 * **Sequence parallelism** (``rl.sequence_parallel`` = k; veRL ``ulysses_sequence_parallel_size``): k GPUs share
   each sample's tokens, so data parallel is trainer GPUs / k and a chunk holds ``1/k`` of the samples
   (``bidirl.core.protocol.chunk_size``); activations per GPU are divided by k (:mod:`bidirl.perf.memory`). Each
@@ -85,16 +85,17 @@ def with_sequence_parallel(params: TrainerParams, model, hardware, degree: int, 
     return dataclasses.replace(params, alpha=alpha)
 
 
-def offload_seconds(model, hardware, layout: int, stages, param_offload: bool, optimizer_offload: bool,
-                    updates: int = 1) -> float:
-    """Seconds per step of offload copies on a trainer GPU of a ρ_t = ``layout`` replica (module doc): the sharded
-    parameters in and out around each actor stage (``old_logprob``, ``actor_update``; the reference model is a
-    separate worker), the optimizer state in and out around each of ``updates`` optimizer updates."""
+def offload_seconds(model, hardware, layout: int, stages, param_offload: bool, optimizer_offload: bool) -> float:
+    """Seconds per local update of offload copies on a trainer GPU of a ρ_t = ``layout`` replica (module doc): the
+    sharded parameters in and out around each actor stage (``old_logprob``, ``actor_update``; the reference model
+    is a separate worker), the optimizer state in and out around the ``actor_update`` stage — once, whatever its
+    mini-batches: veRL's ``update_actor`` calls ``load_fsdp_optimizer`` before ``update_policy`` runs every
+    mini-batch and ``offload_fsdp_optimizer`` after (``verl/workers/fsdp_workers.py``)."""
     rate = float(hardware.host_bandwidth) * PAGEABLE_FRACTION
     seconds = 0.0
     if param_offload:
         actor_stages = sum(1 for s in stages if s in ("old_logprob", "actor_update"))
         seconds += 2 * actor_stages * OFFLOAD_PARAM_BYTES * model.params_total / layout / rate
     if optimizer_offload:
-        seconds += 2 * updates * OFFLOAD_OPTIMIZER_BYTES * model.params_total / layout / rate
+        seconds += 2 * OFFLOAD_OPTIMIZER_BYTES * model.params_total / layout / rate
     return seconds

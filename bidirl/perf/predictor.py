@@ -27,10 +27,33 @@ OPTIMIZER_BYTES_PER_PARAM = 16
 OPTIMIZER_BANDWIDTH_SHARE = 0.5
 
 
+#: bytes per parameter of the gradients averaged across trainer replicas: fp32 (FSDP's ``reduce_dtype``; veRL's
+#: FSDP workers set ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)``, ``verl/workers/fsdp_workers.py``)
+GRADIENT_REDUCE_BYTES = 4
+
+
 def optimizer_time(model, hardware, gpus: int) -> float:
-    """One AdamW step over fp32 master weights sharded on ``gpus`` GPUs (memory-bound: ~16 B per parameter)."""
+    """One AdamW step over fp32 master weights sharded on ``gpus`` GPUs (memory-bound: ~16 B per parameter). A
+    trainer replica shards its states over its ρ_t GPUs and the replicas hold copies (hybrid sharding), so each GPU
+    steps ``N/ρ_t`` parameters: ``gpus`` is the shard group, not the trainer's GPU count."""
     return (model.params_total * OPTIMIZER_BYTES_PER_PARAM
             / (hardware.memory_bandwidth * OPTIMIZER_BANDWIDTH_SHARE) / max(1, int(gpus)))
+
+
+def gradient_allreduce_time(model, hardware, layout: int, trainer_gpus: int) -> float:
+    """Averaging the gradients across the ``R = trainer_gpus / ρ_t`` replicas before an optimizer step: each GPU
+    all-reduces its fp32 gradient shard (``4·N/ρ_t`` bytes) with the GPUs holding the same shard in the other
+    replicas. A ring all-reduce sends ``2·(R−1)/R`` times the buffer per GPU (Patarasuk & Yuan 2009, "Bandwidth
+    optimal all-reduce algorithms"; NCCL's bus-bandwidth factor ``2(n−1)/n``, nccl-tests doc/PERFORMANCE.md), at
+    the inter-node rate when the replicas span nodes (:func:`bidirl.perf.params.link_bandwidth` of the trainer's
+    GPUs). 0 for one replica."""
+    rho, gpus = max(1, int(layout)), max(1, int(trainer_gpus))
+    replicas = gpus // rho
+    if replicas <= 1:
+        return 0.0
+    from bidirl.perf.params import link_bandwidth
+    shard = GRADIENT_REDUCE_BYTES * model.params_total / rho
+    return 2.0 * (replicas - 1) / replicas * shard / link_bandwidth(hardware, gpus)
 
 
 @dataclass
@@ -39,7 +62,7 @@ class StagePredictor:
     trainer: TrainerModel
     group_size: int
     typical_context: float = 1.0     # mean prompt + half the mean response: the live length the KV cache holds
-    #: seconds per local update the trainer spends besides its chunks and AdamW steps: offload copies
+    #: seconds per local update the trainer spends besides its chunks and optimizer updates: offload copies
     #: (:func:`bidirl.perf.execution.offload_seconds`), charged with the optimizer step
     step_overhead: float = 0.0
     #: optimizer updates per local update (``rl.mini_batch_prompts``: one AdamW step per mini-batch; a step is one
@@ -59,8 +82,7 @@ class StagePredictor:
             params = execution.with_recompute(params, m, hw)
         params = execution.with_sequence_parallel(params, m, hw, rl.sequence_parallel, trainer_layout, recompute)
         updates = cfg.optimizer_updates_per_step // rl.updates_per_sync     # per local update
-        overhead = execution.offload_seconds(m, hw, trainer_layout, rl.stages, rl.param_offload, rl.optimizer_offload,
-                                             updates)
+        overhead = execution.offload_seconds(m, hw, trainer_layout, rl.stages, rl.param_offload, rl.optimizer_offload)
         return cls(RolloutModel(m, hw, tp=rollout_layout, max_seqs=MAX_SEQS),
                    TrainerModel(m, hw, layout=trainer_layout, params=params, sequence_parallel=rl.sequence_parallel),
                    w.group_size, context, overhead, updates)
@@ -163,10 +185,17 @@ class StagePredictor:
         return max(1, int(self.rollout.n_max(self.typical_context)) // self.group_size)
 
     def optimizer_time(self, trainer_gpus: int) -> float:
-        """The trainer's work per local update (per step without streaming) besides its chunks: one AdamW step
-        per optimizer update (mini-batch) and the offload copies (:attr:`step_overhead`)."""
-        return (self.optimizer_updates * optimizer_time(self.trainer.model, self.trainer.hardware, trainer_gpus)
-                + self.step_overhead)
+        """The trainer's work per local update (per step without streaming) besides its chunks: per optimizer update
+        (mini-batch) the gradients averaged across the ``trainer_gpus / ρ_t`` replicas
+        (:func:`gradient_allreduce_time`) and one AdamW step over each GPU's ``N/ρ_t`` shard; and the offload copies
+        (:attr:`step_overhead`)."""
+        return self.optimizer_updates * self.optimizer_update_time(trainer_gpus) + self.step_overhead
+
+    def optimizer_update_time(self, trainer_gpus: int) -> float:
+        """One optimizer update (one mini-batch) on ``trainer_gpus`` GPUs of ρ_t-GPU replicas: the gradient
+        all-reduce across the replicas and the AdamW step over each GPU's ``N/ρ_t`` shard."""
+        m, hw, rho = self.trainer.model, self.trainer.hardware, self.trainer.layout
+        return gradient_allreduce_time(m, hw, rho, trainer_gpus) + optimizer_time(m, hw, rho)
 
     def engine_costs(self) -> EngineCosts:
         p = self.rollout.params

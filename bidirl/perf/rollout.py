@@ -46,7 +46,7 @@ from typing import Optional
 import numpy as np
 
 from bidirl.perf.balance import check_replicas, grouped_order, runs_of, small_keys, stable_order
-from bidirl.perf.flops import lengths
+from bidirl.perf.flops import CAUSAL_ATTENTION_FRACTION, lengths
 from bidirl.perf.overlap import combine, overlap
 from bidirl.perf.params import RolloutParams, default_rollout_params
 
@@ -273,7 +273,8 @@ class RolloutModel:
             n_pre = np.minimum(b, self._n_max(mean_p))
             w_pre = np.where(b > 0, np.ceil(b / np.maximum(n_pre, 1.0)), 0.0)
         m = self.model
-        f_pre = 2.0 * m.params_active_nonembedding * p_sum + 4.0 * m.layers * m.hidden * p2_sum + 2.0 * m.hidden * m.vocab * b
+        f_pre = (2.0 * m.params_active_nonembedding * p_sum
+                 + CAUSAL_ATTENTION_FRACTION * 4.0 * m.layers * m.hidden * p2_sum + 2.0 * m.hidden * m.vocab * b)
         return w_pre, f_pre
 
     def replica_features(self, prompt_lens, response_lens, replica=None, d: int = 1) -> RolloutFeatures:

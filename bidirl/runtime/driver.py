@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 
 from bidirl.core import protocol as P
 from bidirl.job import config as cfgmod
+from bidirl.perf.costs import SwitchTimes
 from bidirl.perf.predictor import StagePredictor
 from bidirl.results.run_result import RunResult
 from bidirl.results.trace import EventLog, Span
@@ -106,9 +107,11 @@ class Driver:
         self.finished = False         # the coordinator reported RunDone
         self.listeners: list = []     # RunListener objects (add_listener)
         self.open_windows: dict = {}  # pool -> its open borrowing window: switch-in span, whether guests worked
-        # (direction, phase) -> the model's first-switch allocation, marked on the first such switch where the
-        # driver times switches by the models (a measured run's switches are what they are)
-        self.first_switch = dict(a.first_switch) if self.provenance != "measured" else {}
+        # what each switch takes where the driver times switches by the models: the steady costs and the one copy of
+        # the first switches' pinned allocations, reserved in the background from the engines' load at the run's
+        # start (a measured run's switches are what they are: None)
+        self.switch_times = (SwitchTimes({d: self.config.switch_costs(d) for d in P.DIRECTIONS}, dict(a.first_switch),
+                                         loaded_at=0.0) if self.provenance != "measured" else None)
 
     def add_listener(self, listener: RunListener) -> RunListener:
         """Tell ``listener`` of every event, command and report from now on (after the listeners added before)."""
@@ -186,18 +189,22 @@ class Driver:
         self.span(cmd.worker, "chunk", start, end, {"stage": ch.stage, "chunk_id": ch.chunk_id,
                                                     "samples": len(ch.samples)}, step=ch.step)
 
-    def record_switch(self, cmd: P.Switch, start: float, end: float) -> None:
+    def record_switch(self, cmd: P.Switch, start: float, end: float, alloc: Optional[float] = None) -> None:
         """The switch's span (with a ``pin_alloc`` span over its start when it is the first of its direction and
-        phase and the driver times switches by the models); a switch out closing a window that sent its guests no
-        work carries the scheduler's reason in ``detail["no_work"]`` (``Switch.no_work``, read by
-        ``bidirl.results.windows``); a switch out that closes a window in which the guests ran nothing (generated no
-        token, ran no chunk: the window closed before its switch in completed, or had nothing left for them) also
-        marks both of the window's switches ``switch_no_work`` (paid for no work)."""
+        phase, the driver times switches by the models and the background reservation of the pinned buffer had not
+        finished by ``start``: ``alloc`` seconds, the part of the switch :meth:`SwitchTimes.take
+        <bidirl.perf.costs.SwitchTimes.take>` gave; None: taken from :attr:`switch_times` here); a switch out closing
+        a window that sent its guests no work carries the scheduler's reason in ``detail["no_work"]``
+        (``Switch.no_work``, read by ``bidirl.results.windows``); a switch out that closes a window in which the
+        guests ran nothing (generated no token, ran no chunk: the window closed before its switch in completed, or
+        had nothing left for them) also marks both of the window's switches ``switch_no_work`` (paid for no
+        work)."""
         lane = switch_lane(cmd.pool, cmd.to_role)
         self.span(lane, "switch_in" if cmd.phase == "in" else "switch_out", start, end,
                   {"direction": cmd.direction, **({"no_work": cmd.no_work} if cmd.no_work else {})})
-        alloc = self.first_switch.pop((cmd.direction, cmd.phase), 0.0)
-        if alloc > 0:                 # the first switch of its kind: the yielding trainer pins its host buffer
+        if alloc is None:
+            alloc = self.switch_times.take(cmd.direction, cmd.phase, start)[1] if self.switch_times else 0.0
+        if alloc > 0:                 # the first switch of its kind: the yielding trainer pins what is left
             self.span(lane, "pin_alloc", start, min(end, start + alloc), {"direction": cmd.direction,
                                                                          "phase": cmd.phase, "seconds": alloc})
         if cmd.phase == "in":

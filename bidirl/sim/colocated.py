@@ -86,7 +86,7 @@ def simulate_colocated(config, *, steps: int, seed: int, policy: str = "verl-col
         else:
             at = lambda kind, a, dur, det: log.add_span(Span(lane, P.ROLLOUT_POOL, P.AUXILIARY, kind, a, a + dur, step,
                                                              step, det))
-            t = _verl_stages(verl, stages, p_all, r_all, models.optimizer_time(G), at, jitter, t)
+            t = _verl_stages(verl, stages, p_all, r_all, models.optimizer_update_time(G), at, jitter, t)
         dur = jitter(costs.c_in + cfg.weight_sync_time()); span("switch_out", dur, {"direction": "colocated"}); t += dur
         tokens = int(p_all.sum() + r_all.sum())
         log.add_step(StepRecord(step=step, start=start, end=t, tokens=tokens, samples=len(r_all),
@@ -102,9 +102,11 @@ def simulate_colocated(config, *, steps: int, seed: int, policy: str = "verl-col
 
 def _verl_stages(verl: VerlUpdate, stages, p_all, r_all, optimizer_seconds: float, span, jitter, t: float) -> float:
     """The trainer stages of one step as veRL's FSDP workers run them (:mod:`bidirl.sim.verl_update`): for each
-    stage, the parameter shard loaded (offload), every micro-batch round of every pass (an optimizer step after
-    each mini-batch of the update, the Adam moments loaded around it), the shard offloaded again (switch spans with
-    direction ``offload``). Returns the time the last span ends; ``span(kind, start, duration, detail)`` logs one."""
+    stage, the parameter shard loaded (offload), every micro-batch round of every pass (an optimizer update — the
+    gradient all-reduce across replicas and AdamW, ``optimizer_seconds`` — after each mini-batch of the update, the
+    Adam moments loaded once around the stage), the shard offloaded again (switch spans with direction
+    ``offload``). The offload copies are these spans only, never also in ``optimizer_seconds``. Returns the time the
+    last span ends; ``span(kind, start, duration, detail)`` logs one."""
     tokens = (p_all + r_all).astype(np.int64)
     for stage in stages:
         copies = verl.param_copy_time() + (verl.optimizer_copy_time() if stage == "actor_update" else 0.0)

@@ -2,8 +2,10 @@
 
 Rollout replicas are :class:`~bidirl.perf.replica.BatchingEngine` instances (continuous batching, KV-limited);
 trainer chunks take the predictor's time; syncs and gradient merges take the configured costs; a switch takes
-its direction's steady cost plus, the first time, the pinned allocation of the trainer engine that yields its pool
-(:class:`bidirl.perf.costs.SwitchTimes`: the truth, whatever the coordinator's profiler charges); every duration
+its direction's steady cost plus, the first time, what is left of the pinned allocation of the trainer engine that
+yields its pool after the engine reserved it in the background since the run's start
+(:class:`bidirl.perf.costs.SwitchTimes`, the driver's ``switch_times``: the truth, whatever the coordinator's profiler
+charges); every duration
 carries seeded log-normal jitter. Workload lengths come from
 :class:`~bidirl.perf.workload.GroupLengths`, drawn per group id, so every policy sees the same prompts and
 the same response lengths for the same seed.
@@ -22,7 +24,6 @@ from typing import Optional
 import numpy as np
 
 from bidirl.core import protocol as P
-from bidirl.perf.costs import SwitchTimes
 from bidirl.perf.replica import BatchingEngine, EngineGroup
 from bidirl.perf.workload import GroupLengths
 from bidirl.results.run_result import RunResult
@@ -57,7 +58,6 @@ class SimDriver(Driver):
         self.gang_queue: dict = {}             # gang -> jobs sent to it and not started, in order
         self.gang_busy: set = set()            # gangs running a chunk
         self.sync_time = self.config.weight_sync_time()
-        self.switch_times = SwitchTimes.of(self.config, self.plan.envelope.trainer_layout)
         self.optimizer_time = self.assembly.optimizer_time()
         self._started = False
         self._feeding = 0                      # feeds under way (an engine report inside one goes through the loop)
@@ -159,12 +159,12 @@ class SimDriver(Driver):
             self._emit(P.ChunkCancelled(self.loop.now, cmd.worker, cmd.chunk_id))
 
     def do_Switch(self, cmd: P.Switch):
-        """The switch takes what :attr:`switch_times` says (steady cost, plus the first switch's pinned allocation,
-        which :meth:`record_switch` marks), not what the coordinator expects."""
-        steady, alloc = self.switch_times.take(cmd.direction, cmd.phase)
+        """The switch takes what :attr:`switch_times` says (steady cost, plus what is left at its start of the first
+        switch's pinned allocation, which :meth:`record_switch` marks), not what the coordinator expects."""
+        steady, alloc = self.switch_times.take(cmd.direction, cmd.phase, self.loop.now)
 
         def done(t0):
-            self.record_switch(cmd, t0, self.loop.now)
+            self.record_switch(cmd, t0, self.loop.now, alloc)
             self.feed(P.SwitchFinished(self.loop.now, cmd.pool, cmd.to_role, self.loop.now - t0))
         self._after(self._jitter(steady) + alloc, done)
 

@@ -25,7 +25,8 @@ offload — veRL's hybrid engine runs a stage like this (veRL ``verl/trainer/ppo
   stage and offloads it after; ``optimizer_offload`` does the same with the two fp32 Adam moments (``8·N/ρ_t``)
   around the update (``load_fsdp_model_to_gpu`` / ``offload_fsdp_model_to_cpu``, ``load_fsdp_optimizer`` /
   ``offload_fsdp_optimizer``: pageable copies, at the pageable share of the host link that :func:`bidirl.perf.costs.switch_constants` gives).
-  ρ_t, the planner's trainer layout, is the FSDP shard group (veRL's ``fsdp_size``).
+  ρ_t, the planner's trainer layout, is the FSDP shard group (``rl.fsdp_size``, veRL's ``fsdp_size``, when the
+  job sets it).
 """
 
 from __future__ import annotations
