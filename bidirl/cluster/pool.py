@@ -654,7 +654,6 @@ class PoolDriver(Driver):
         checkpoints.set_rng_states(control.rng)
         self.restore_state(control.driver)
         self.boundary, self.clock_start, self.resumed_from = control.boundary, float(control.boundary.t), found
-        self.loaded_at = self.clock_start               # its workers start afresh at the boundary
         if self.writer is not None and Path(self.writer.root).resolve() == found.path.parent.resolve():
             newer = [p for p in checkpoints.step_folders(self.writer.root) if checkpoints.step_of(p) > found.step]
             if newer:

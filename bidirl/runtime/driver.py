@@ -109,9 +109,6 @@ class Driver:
         # (direction, phase) -> the model's first-switch allocation, marked on the first such switch where the
         # driver times switches by the models (a measured run's switches are what they are)
         self.first_switch = dict(a.first_switch) if self.provenance != "measured" else {}
-        # the timeline's time the workers' engines were loaded: each trainer engine reserves its pinned host buffer
-        # in the background from then on (issue 38), so a first switch waits only for what is left of it
-        self.loaded_at = 0.0
 
     def add_listener(self, listener: RunListener) -> RunListener:
         """Tell ``listener`` of every event, command and report from now on (after the listeners added before)."""
@@ -189,20 +186,18 @@ class Driver:
 
     def record_switch(self, cmd: P.Switch, start: float, end: float) -> None:
         """The switch's span (with a ``pin_alloc`` span over its start when it is the first of its direction and
-        phase, the driver times switches by the models and the background allocation is not over yet:
-        :meth:`pin_left`); a switch out closing a window that sent its guests no work carries the scheduler's reason
-        in ``detail["no_work"]`` (``Switch.no_work``, read by ``bidirl.results.windows``); a switch out that closes a
-        window in which the guests ran nothing (generated no token, ran no chunk: the window closed before its switch
-        in completed, or had nothing left for them) also marks both of the window's switches ``switch_no_work``
-        (paid for no work)."""
+        phase and the driver times switches by the models); a switch out closing a window that sent its guests no
+        work carries the scheduler's reason in ``detail["no_work"]`` (``Switch.no_work``, read by
+        ``bidirl.results.windows``); a switch out that closes a window in which the guests ran nothing (generated no
+        token, ran no chunk: the window closed before its switch in completed, or had nothing left for them) also
+        marks both of the window's switches ``switch_no_work`` (paid for no work)."""
         lane = switch_lane(cmd.pool, cmd.to_role)
         self.span(lane, "switch_in" if cmd.phase == "in" else "switch_out", start, end,
                   {"direction": cmd.direction, **({"no_work": cmd.no_work} if cmd.no_work else {})})
         alloc = self.first_switch.pop((cmd.direction, cmd.phase), 0.0)
-        left = self.pin_left(alloc, start)
-        if left > 0:                  # a first switch waits for the rest of the yielding trainer's pinning
-            self.span(lane, "pin_alloc", start, min(end, start + left),
-                      {"direction": cmd.direction, "phase": cmd.phase, "seconds": left, "allocation": alloc})
+        if alloc > 0:                 # the first switch of its kind: the yielding trainer pins its host buffer
+            self.span(lane, "pin_alloc", start, min(end, start + alloc), {"direction": cmd.direction,
+                                                                         "phase": cmd.phase, "seconds": alloc})
         if cmd.phase == "in":
             self.open_windows[cmd.pool] = {"lane": lane, "start": start, "end": end, "worked": False}
             return
@@ -212,12 +207,6 @@ class Driver:
             detail = {"direction": cmd.direction, "paid": paid}
             self.span(window["lane"], "switch_no_work", window["start"], window["end"], {**detail, "phase": "in"})
             self.span(lane, "switch_no_work", start, end, {**detail, "phase": "out"})
-
-    def pin_left(self, allocation: float, start: float) -> float:
-        """Seconds of a pinned-host-buffer ``allocation`` a switch starting at ``start`` still waits for: the engine
-        began it in the background when it was loaded (:attr:`loaded_at`), so ``max(0, allocation − (start −
-        loaded_at))``."""
-        return max(0.0, allocation - max(0.0, start - self.loaded_at))
 
     def record_sync(self, cmd: P.SyncWeights, start: float, end: float, per_target: Optional[dict] = None) -> None:
         """The sync on every target's lane (its own interval when ``per_target`` gives one) and on the primary
