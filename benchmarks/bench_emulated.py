@@ -69,7 +69,7 @@ def _emulated_vs_simulated(cfg, steps: int, time_scale: float = 20.0) -> dict:
             "ratio_emulated_over_simulated": (ratio, "x"),
             "within_margin": (float(abs(ratio - 1) <= MARGIN), "bool"),
             "emulated.wall_seconds": (wall, "s"),
-            "rollout_processes": (len(driver.hosts), "processes"),
+            "rollout_processes": (len(driver.backend.hosts), "processes"),
             "events": (stats["events"], "events"),
             "handle_ms_per_event": (1e3 * stats["handle_s"] / events, "ms wall"),
             "ray_calls_per_event": (stats["calls"] / events, "calls"),

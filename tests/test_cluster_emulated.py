@@ -187,8 +187,8 @@ def test_replicas_sharing_a_host_fail_and_come_back_together(ray_session):
     driver = EmulatedDriver(cfg, "bidirl", steps=3, seed=0, time_scale=100, replicas_per_host=2)
     res = driver.run(kill=kill)
     s = res.summary()
-    assert driver.hosts[0] == [P.rollouter(P.ROLLOUT_POOL, 0), P.rollouter(P.ROLLOUT_POOL, 1)]
-    assert killed and sorted(r["worker"] for r in s["recoveries"]) == sorted(driver.hosts[0])
+    assert driver.backend.hosts[0] == [P.rollouter(P.ROLLOUT_POOL, 0), P.rollouter(P.ROLLOUT_POOL, 1)]
+    assert killed and sorted(r["worker"] for r in s["recoveries"]) == sorted(driver.backend.hosts[0])
     assert len(s["step_times"]) == 3 and s["samples"]["lost"] == 0 and s["samples"]["duplicated"] == 0
     assert s["samples"]["consumed"] == 3 * 32 * 8
     _exclusive(res.log.spans_df())

@@ -21,17 +21,18 @@ pytestmark = [pytest.mark.integration,
 
 def test_an_exception_inside_a_chunk_is_reported_not_restarted(model_dir, kept_workers, monkeypatch):
     from bidirl.cluster.engines import driver as engine_driver
+    from bidirl.cluster.engines.step_data import StepData
     from bidirl.cluster.pool import WorkerError
     from bidirl.core import protocol as P
 
-    real = engine_driver.StepData.chunk_inputs
+    real = StepData.chunk_inputs
 
     def one_logprob_short(self, share, kl):
         samples, adv, old, ref, normalizer = real(self, share, kl)
         if old:
             old = [old[0][:-1]] + list(old[1:])
         return samples, adv, old, ref, normalizer
-    monkeypatch.setattr(engine_driver.StepData, "chunk_inputs", one_logprob_short)
+    monkeypatch.setattr(StepData, "chunk_inputs", one_logprob_short)
 
     cfg = engine_jobs.borrowing()
     d = engine_driver.EngineDriver(cfg, "no-borrow", 1, cfg.seed, model_dir=str(model_dir), kept_workers=kept_workers)

@@ -64,7 +64,7 @@ def test_a_data_file_replaces_the_built_in_task_whatever_the_workload_preset(fre
                                      "rl.reward": "last_number"})
     assert driver.prompts.source.layout == "verl" and driver.prompts.source.size == 128
     assert driver.max_model_len == driver.prompts.max_prompt_len + 16 <= 64
-    req = driver._request(P.GroupTask(130))
+    req = driver.backend.rollouts.request(P.GroupTask(130))
     row = driver.prompts.source.row(130 % 16)                                          # tiny-cpu's prompt_pool
     assert req.meta == row.reward_input() and req.prompt_ids == driver.prompts.prompt_ids(130)
     assert driver.reward.name == "last_number"

@@ -3,7 +3,8 @@
 Names are imported on first use so that ``import bidirl.cluster`` stays cheap (no Ray, vLLM or torch):
 
 * ``run`` — a job on Ray (``bidirl.cluster.run``);
-* ``PoolDriver``, ``ClusterError`` — the Ray half every Ray driver shares (``bidirl.cluster.pool``);
+* ``PoolDriver``, ``ClusterError`` — the Ray half every Ray driver shares (``bidirl.cluster.pool``), with one
+  ``WorkerBackend`` plugged in for what its kind of worker does (``bidirl.cluster.backend``);
 * ``KeptWorkers`` — engine workers kept from run to run on one Ray, reset for each (``bidirl.cluster.pool``);
 * ``EmulatedDriver`` — model-timed workers (``bidirl.cluster.emulated``);
 * ``EngineDriver`` — real engines (``bidirl.cluster.engines``: vLLM ``RolloutEngine``, torch ``TrainerEngine``,
@@ -19,6 +20,7 @@ _LAZY = {
     "PoolDriver": "bidirl.cluster.pool",
     "ClusterError": "bidirl.cluster.pool",
     "KeptWorkers": "bidirl.cluster.pool",
+    "WorkerBackend": "bidirl.cluster.backend",
     "EmulatedDriver": "bidirl.cluster.emulated",
     "EngineDriver": "bidirl.cluster.engines.driver",
     "RolloutEngine": "bidirl.cluster.engines.workers.rollout",

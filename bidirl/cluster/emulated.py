@@ -6,6 +6,9 @@ but where a real worker would compute it sleeps for the stage-time model's durat
 (:class:`~bidirl.perf.replica.BatchingEngine`) against the wall clock, so completions, interruptions and
 prefixes behave exactly as in simulation while the driver, Ray scheduling and ``ray.wait`` loop are real.
 This lets 16-512 virtual GPUs run on one machine and measures what the control path itself costs.
+
+:class:`EmulatedDriver` is the pool driver with an :class:`EmulatedBackend` plugged in
+(:mod:`bidirl.cluster.backend`): the backend places the actors and turns each command into timed calls.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from bidirl.cluster.backend import WorkerBackend
 from bidirl.cluster.emulated_workers import EmulatedTrainer, RolloutHost
 from bidirl.cluster.pool import ClusterError, PoolDriver
 from bidirl.core import protocol as P
@@ -34,6 +38,7 @@ class EmulatedDriver(PoolDriver):
     Rollout replicas run on :class:`RolloutHost` actors, ``replicas_per_host`` each (default: as many as keep a
     pool on at most :data:`HOSTS_PER_POOL` processes), so 256 virtual GPUs take tens of processes, not hundreds.
     A host's death fails every replica on it; the driver restarts the host once and each replica comes back.
+    The workers are :class:`EmulatedBackend`'s (``backend``).
     """
     time_scale: float = 20.0
     max_wall: float = 0.05
@@ -47,19 +52,29 @@ class EmulatedDriver(PoolDriver):
         if self.kept_workers is not None:
             raise ValueError("EmulatedDriver.kept_workers: emulated workers start in a second; kept workers are "
                              "for engine runs (EngineDriver)")
-        self.lengths = GroupLengths.of(self.config, self.seed)
         if self.replicas_per_host is not None and (isinstance(self.replicas_per_host, bool) or
                                                    not isinstance(self.replicas_per_host, int) or
                                                    self.replicas_per_host < 1):
             raise ValueError(f"EmulatedDriver.replicas_per_host must be an integer ≥ 1 (rollout replicas per "
                              f"process), got {self.replicas_per_host!r}")
+        self.backend = EmulatedBackend(self)
+
+
+class EmulatedBackend(WorkerBackend):
+    """Emulated workers under the pool driver ``pool`` (an :class:`EmulatedDriver`, whose settings it reads): rollout
+    replicas on hosts, a trainer gang as one actor, every operation a model-timed hold (module doc)."""
+
+    def __init__(self, pool: EmulatedDriver):
+        super().__init__(pool)
+        self.time_scale = pool.time_scale
+        self.lengths = GroupLengths.of(pool.config, pool.seed)
         self.hosts: list = []                 # [names of the replicas it runs], by host index
         self.host_of: dict = {}               # rollouter -> host index
-        for pool in (self.topology.rollouters, self.topology.aux_rollouters):
-            k = self.replicas_per_host or max(1, math.ceil(len(pool) / HOSTS_PER_POOL))
-            for i in range(0, len(pool), k):
-                self.host_of.update({w: len(self.hosts) for w in pool[i:i + k]})
-                self.hosts.append(list(pool[i:i + k]))
+        for replicas in (pool.topology.rollouters, pool.topology.aux_rollouters):
+            k = pool.replicas_per_host or max(1, math.ceil(len(replicas) / HOSTS_PER_POOL))
+            for i in range(0, len(replicas), k):
+                self.host_of.update({w: len(self.hosts) for w in replicas[i:i + k]})
+                self.hosts.append(list(replicas[i:i + k]))
         self.host_advancing: dict = {}        # host -> an advance call is in flight
         self.host_holds: dict = {}            # host -> {token: (finish, on_error)} of holds not yet ended
         self._tokens = itertools.count()
@@ -68,17 +83,18 @@ class EmulatedDriver(PoolDriver):
         self.host_down: set = set()           # hosts discarded whose successor is not started yet
         self._actor_classes: dict = {}        # class -> ray.remote(class), made once per driver (_actor_class)
 
-    def _place(self):
+    def place(self):
         import ray
 
-        # the virtual clock starts a second from now (see _begin for a resumed run)
-        self.t0 = time.time() + 1.0 - self.clock_start / self.time_scale
+        # the virtual clock starts a second from now (see begin for a resumed run)
+        self.pool.t0 = time.time() + 1.0 - self.pool.clock_start / self.time_scale
         self._respawned = set()
-        for w in self.topology.workers:
-            self._spawn(w)
+        for w in self.pool.topology.workers:
+            self.spawn(w)
         # every worker is initialised up front and kept (auxiliaries passive)
         try:
-            ray.get([a.set_clock.remote(self.t0) for a in self._all_actors()], timeout=self.start_timeout)
+            ray.get([a.set_clock.remote(self.pool.t0) for a in self.pool._all_actors()],
+                    timeout=self.pool.start_timeout)
         except Exception as exc:
             raise ClusterError(f"a worker failed to start: {exc}") from None
 
@@ -90,15 +106,15 @@ class EmulatedDriver(PoolDriver):
             self._actor_classes[cls] = ray.remote(cls)
         return self._actor_classes[cls]
 
-    def _spawn(self, worker: str) -> None:
+    def spawn(self, worker: str) -> None:
         """A trainer gang is one emulated actor on its first slot; a rollouter runs on its host (started once
         per placement or failure) on the bundle of the host's first replica."""
-        env, top = self.plan.envelope, self.topology
+        env, top = self.pool.plan.envelope, self.pool.topology
         g_r = env.rollout_gpus
         if P.worker_kind(worker) == P.TRAINER:
             bundle = g_r if P.is_primary(worker) else 0
-            self.actors[worker] = self._actor_class(EmulatedTrainer).options(**self._at(bundle)).remote(
-                worker, self.t0, self.time_scale)
+            self.pool.actors[worker] = self._actor_class(EmulatedTrainer).options(**self.pool._at(bundle)).remote(
+                worker, self.pool.t0, self.time_scale)
             return
         h = self.host_of[worker]
         if h in self._respawned:
@@ -109,15 +125,15 @@ class EmulatedDriver(PoolDriver):
         seeds = []
         for w in names:
             i = int(w.rsplit("/", 1)[1])
-            seeds.append([self.seed, 3, i if P.is_primary(w) else len(top.rollouters) + i])
+            seeds.append([self.pool.seed, 3, i if P.is_primary(w) else len(top.rollouters) + i])
         first = int(names[0].rsplit("/", 1)[1])
         bundle = (0 if P.is_primary(names[0]) else g_r) + first * env.rollout_layout
-        actor = self._actor_class(RolloutHost).options(**self._at(bundle)).remote(
-            names, self.truth.engine_costs(), self.t0, self.time_scale, seeds)
-        self.actors.update({w: actor for w in names})
+        actor = self._actor_class(RolloutHost).options(**self.pool._at(bundle)).remote(
+            names, self.pool.truth.engine_costs(), self.pool.t0, self.time_scale, seeds)
+        self.pool.actors.update({w: actor for w in names})
         self.host_advancing[h], self.host_holds[h] = False, {}
 
-    def _discard(self, worker: str) -> None:
+    def discard(self, worker: str) -> None:
         import ray
         h = self.host_of.get(worker)
         if h is not None:
@@ -128,114 +144,109 @@ class EmulatedDriver(PoolDriver):
             self.host_advancing[h] = False
             self.host_down.add(h)      # no advance is sent to it until its successor is spawned
         try:
-            ray.kill(self.actors[worker], no_restart=True)
+            ray.kill(self.pool.actors[worker], no_restart=True)
         except Exception:
             pass
 
-    def _worker_failed(self, worker: str, error: str) -> None:
+    def worker_failed(self, worker: str, error: str, fail) -> None:
         """A rollout host's process is shared by its replicas: they fail, and are restarted, together."""
         h = self.host_of.get(worker)
         self._respawned, self._orphaned = set(), []
-        super()._worker_failed(worker, error)          # discards and restarts the worker (a host: once)
+        fail(worker, error)          # discards and restarts the worker (a host: once)
         for mate in (self.hosts[h] if h is not None else ()):
-            if mate != worker and mate not in self.failed:
-                super()._worker_failed(mate, f"{error} (the process it shares with {worker})")
+            if mate != worker and mate not in self.pool.failed:
+                fail(mate, f"{error} (the process it shares with {worker})")
         orphaned, self._orphaned = self._orphaned, []
         for on_error in orphaned:
             on_error()
 
-    def _restarted(self, worker: str) -> None:
-        super()._restarted(worker)
+    def restarted(self, worker: str) -> None:
         if worker in self.host_of:
             self._ensure_advance(worker)       # holds sent while it was being restarted
 
-    def _restore(self, worker: str, then) -> None:
+    def restore(self, worker: str, then) -> None:
         """An emulated worker holds no weights: ready is restored."""
-        self._submit(worker, self.actors[worker].set_clock.remote(self.t0), lambda _: then())
+        self.pool._submit(worker, self.pool.actors[worker].set_clock.remote(self.pool.t0), lambda _: then())
 
-    def _all_actors(self) -> list:
-        return list({id(a): a for a in self.actors.values()}.values())
-
-    def _begin(self):
-        if self.boundary is not None:
+    def begin(self):
+        if self.pool.boundary is not None:
             # a resumed run's timeline goes on from its boundary when every worker is ready (start-up is not
             # part of it); a fresh run's clock started when the workers were placed
             import ray
-            self.t0 = time.time() - self.clock_start / self.time_scale
-            ray.get([a.set_clock.remote(self.t0) for a in self._all_actors()], timeout=self.start_timeout)
-        time.sleep(max(0.0, self.t0 + self.clock_start / self.time_scale - time.time()))
-
-    def now(self) -> float:
-        return (time.time() - self.t0) * self.time_scale
+            self.pool.t0 = time.time() - self.pool.clock_start / self.time_scale
+            ray.get([a.set_clock.remote(self.pool.t0) for a in self.pool._all_actors()],
+                    timeout=self.pool.start_timeout)
+        time.sleep(max(0.0, self.pool.t0 + self.pool.clock_start / self.time_scale - time.time()))
 
     # rollout ------------------------------------------------------------------------------------
     def _rollout_report(self, worker, result):
         for kind, a, b, det in result["spans"]:
-            self.span(worker, kind, a, b, det)
+            self.pool.span(worker, kind, a, b, det)
         for t, state in result["finished"]:
-            self.feed(P.GroupFinished(t, worker, state))
+            self.pool.feed(P.GroupFinished(t, worker, state))
 
     def _ensure_advance(self, worker):
         """Keep a host reporting while any replica on it is busy or any hold on it has not ended: one
         ``advance`` call in flight per host, whose report covers every replica on it."""
         h = self.host_of[worker]
         names = self.hosts[h]
-        live = [w for w in names if w not in self.failed]
-        if h in self.host_down or self.host_advancing.get(h) or (not self.host_holds.get(h) and not any(self.r_busy.get(w) for w in live)):
+        live = [w for w in names if w not in self.pool.failed]
+        busy = any(self.pool.r_busy.get(w) for w in live)
+        if h in self.host_down or self.host_advancing.get(h) or (not self.host_holds.get(h) and not busy):
             return
         self.host_advancing[h] = True
-        starts = {w: self.r_starts.get(w, 0) for w in live}
+        starts = {w: self.pool.r_starts.get(w, 0) for w in live}
 
         def done(result):
             self.host_advancing[h] = False
             for w, report in result["replicas"].items():
-                if w in starts and w not in self.failed:
-                    self.r_busy[w] = self._still_busy(w, report["busy"], starts[w])
+                if w in starts and w not in self.pool.failed:
+                    self.pool.r_busy[w] = self.pool._still_busy(w, report["busy"], starts[w])
                     self._rollout_report(w, report)
             holds = self.host_holds.get(h, {})
             for token, a, b in result["holds"]:
                 if token in holds:
                     holds.pop(token)[0](a, b)
             self._ensure_advance(worker)
-        self._submit(names[0], self.actors[names[0]].advance.remote(self.max_wall), done)
+        self.pool._submit(names[0], self.pool.actors[names[0]].advance.remote(self.pool.max_wall), done)
 
-    def do_Generate(self, cmd: P.Generate):
+    def generate(self, cmd: P.Generate):
         groups = [EngineGroup.from_task(t, *self.lengths(t.group_id), cmd.version) for t in cmd.tasks]
-        self.r_busy[cmd.worker] = True
-        self._count_start(cmd.worker)
-        self._submit(cmd.worker, self.actors[cmd.worker].start.remote(cmd.worker, groups), lambda _: None)
+        self.pool.r_busy[cmd.worker] = True
+        self.pool._count_start(cmd.worker)
+        self.pool._submit(cmd.worker, self.pool.actors[cmd.worker].start.remote(cmd.worker, groups), lambda _: None)
         self._ensure_advance(cmd.worker)
 
-    def do_Interrupt(self, cmd: P.Interrupt):
-        starts = self.r_starts.get(cmd.worker, 0)
+    def interrupt(self, cmd: P.Interrupt):
+        starts = self.pool.r_starts.get(cmd.worker, 0)
 
         def done(result):
             self._rollout_report(cmd.worker, result)
-            self.r_busy[cmd.worker] = self._still_busy(cmd.worker, result["busy"], starts)
-            self.feed(P.GenerationStopped(result["t"], cmd.worker, tuple(result["stopped"])))
+            self.pool.r_busy[cmd.worker] = self.pool._still_busy(cmd.worker, result["busy"], starts)
+            self.pool.feed(P.GenerationStopped(result["t"], cmd.worker, tuple(result["stopped"])))
             self._ensure_advance(cmd.worker)
-        self._submit(cmd.worker, self.actors[cmd.worker].interrupt.remote(
+        self.pool._submit(cmd.worker, self.pool.actors[cmd.worker].interrupt.remote(
             cmd.worker, list(cmd.group_ids) if cmd.group_ids is not None else None), done)
 
     # trainer -------------------------------------------------------------------------------------
-    def _run_chunk(self, cmd: P.RunChunk):
+    def run_chunk(self, cmd: P.RunChunk):
         ch = cmd.chunk
         p = [self.lengths(g)[0] for g, _ in ch.samples]
         r = [self.lengths(g)[1][i] for g, i in ch.samples]
-        seconds = self.truth.chunk_time(ch.stage, p, r, self.topology.gang_size(cmd.worker))
-        self._submit(cmd.worker, self.actors[cmd.worker].run_chunk.remote(ch.chunk_id, seconds),
-                     lambda result: self._chunk_done(cmd, result["start"], result["end"]))
+        seconds = self.pool.truth.chunk_time(ch.stage, p, r, self.pool.topology.gang_size(cmd.worker))
+        self.pool._submit(cmd.worker, self.pool.actors[cmd.worker].run_chunk.remote(ch.chunk_id, seconds),
+                          lambda result: self.pool._chunk_done(cmd, result["start"], result["end"]))
 
     def _hold(self, worker, seconds, finish, tolerate: bool = False):
         """A timed operation on ``worker``; with ``tolerate`` it ends even if the worker dies meanwhile (a
         switch or a sync goes on without it). A rollouter's runs on its host's loop (:meth:`RolloutHost.hold`)
         and ends in the host's report; a trainer gang's is a call that returns when it ends."""
-        start = self.now()
-        on_error = (lambda: finish(start, self.now())) if tolerate else None
+        start = self.pool.now()
+        on_error = (lambda: finish(start, self.pool.now())) if tolerate else None
         h = self.host_of.get(worker)
         if h is None:
-            self._submit(worker, self.actors[worker].hold.remote(seconds), lambda el: finish(start, start + el),
-                         on_error=on_error)
+            self.pool._submit(worker, self.pool.actors[worker].hold.remote(seconds),
+                              lambda el: finish(start, start + el), on_error=on_error)
             return
         token = next(self._tokens)
         self.host_holds[h][token] = (finish, on_error)
@@ -247,17 +258,17 @@ class EmulatedDriver(PoolDriver):
             entry = self.host_holds.get(h, {}).pop(token, None)
             if entry is not None and entry[1] is not None:
                 entry[1]()
-        self._submit(worker, self.actors[worker].hold.remote(token, seconds), sent, on_error=lost)
+        self.pool._submit(worker, self.pool.actors[worker].hold.remote(token, seconds), sent, on_error=lost)
 
-    def do_Switch(self, cmd: P.Switch):
+    def switch(self, cmd: P.Switch):
         def finish(a, b):
-            self._measure((cmd.direction, "c_in" if cmd.phase == "in" else "c_out"), b - a)
-            self.record_switch(cmd, a, b)
-            self.feed(P.SwitchFinished(b, cmd.pool, cmd.to_role, b - a))
+            self.pool._measure((cmd.direction, "c_in" if cmd.phase == "in" else "c_out"), b - a)
+            self.pool.record_switch(cmd, a, b)
+            self.pool.feed(P.SwitchFinished(b, cmd.pool, cmd.to_role, b - a))
         self._hold(switch_lane(cmd.pool, cmd.to_role), cmd.expected, finish, tolerate=True)
 
-    def do_SyncWeights(self, cmd: P.SyncWeights):
-        seconds = self.config.weight_sync_time()
+    def sync_weights(self, cmd: P.SyncWeights):
+        seconds = self.pool.config.weight_sync_time()
         intervals = {}
 
         def finish(worker):
@@ -265,27 +276,25 @@ class EmulatedDriver(PoolDriver):
                 intervals[worker] = (a, b)
                 if len(intervals) == len(cmd.targets):
                     start, end = min(x for x, _ in intervals.values()), max(y for _, y in intervals.values())
-                    self.record_sync(cmd, start, end, intervals)
-                    self.feed(P.SyncFinished(end, cmd.version, cmd.targets, end - start))
+                    self.pool.record_sync(cmd, start, end, intervals)
+                    self.pool.feed(P.SyncFinished(end, cmd.version, cmd.targets, end - start))
             return f
         for w in cmd.targets:
             self._hold(w, seconds, finish(w), tolerate=True)
 
-    def do_MergeGradients(self, cmd: P.MergeGradients):
+    def merge_gradients(self, cmd: P.MergeGradients):
         def finish(a, b):
-            self._measure((P.TRAINER_ON_ROLLOUT_POOL, "c_grad"), b - a)
-            self.record_merge(cmd, a, b)
-            self.feed(P.GradientsMerged(b, cmd.step, b - a))
+            self.pool._measure((P.TRAINER_ON_ROLLOUT_POOL, "c_grad"), b - a)
+            self.pool.record_merge(cmd, a, b)
+            self.pool.feed(P.GradientsMerged(b, cmd.step, b - a))
         self._hold(P.PRIMARY_TRAINER, cmd.expected, finish)
 
-    def do_OptimizerStep(self, cmd: P.OptimizerStep):
+    def optimizer_step(self, cmd: P.OptimizerStep):
         def finish(a, b):
-            self.record_optimizer(cmd, a, b)
-            self.feed(P.OptimizerStepped(b, cmd.step, cmd.version))
-        self._hold(P.PRIMARY_TRAINER, self.assembly.optimizer_time(), finish)
+            self.pool.record_optimizer(cmd, a, b)
+            self.pool.feed(P.OptimizerStepped(b, cmd.step, cmd.version))
+        self._hold(P.PRIMARY_TRAINER, self.pool.assembly.optimizer_time(), finish)
 
-    def summary(self) -> dict:
-        out = super().summary()
+    def summarize(self, out: dict) -> None:
         out["emulated"] = True
         out["time_scale"] = self.time_scale
-        return out

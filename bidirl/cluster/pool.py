@@ -14,8 +14,8 @@ arrives (:meth:`PoolDriver._submit_stream`).
 
 **Failures** (:mod:`bidirl.cluster.recovery`). A worker whose actor dies — or a trainer rank whose collective
 breaks because a peer died — is reported to the coordinator as ``WorkerFailed``; the driver gives the rest of it
-up, starts it afresh on the same bundles (:meth:`PoolDriver._spawn`), brings it to the state it serves
-(:meth:`PoolDriver._restore`) and reports ``WorkerRestarted``; the coordinator re-dispatches its lost work. A worker
+up, starts it afresh on the same bundles (``WorkerBackend.spawn``), brings it to the state it serves
+(``WorkerBackend.restore``) and reports ``WorkerRestarted``; the coordinator re-dispatches its lost work. A worker
 is restarted at most ``max_restarts`` times in a row (no whole step completed between its failures). A worker
 whose call raised an error of its own (an engine or reward error, its process alive: not a lost process, nor a
 collective broken by a lost peer) ends the run with a :class:`WorkerError` naming the
@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from bidirl.cluster.backend import WorkerBackend
 from bidirl.cluster.recovery import DEATH, ERROR, MAX_RESTARTS, Restarts, call_name, failure_kind
 from bidirl.core import protocol as P
 from bidirl.errors import BidirlError, ConfigError
@@ -256,9 +257,9 @@ def root_cause(exc: Exception) -> str:
 
 @dataclass
 class PoolDriver(Driver):
-    """What every Ray driver shares (module doc). Subclasses start a worker's actors (``_spawn``), bring a
-    fresh one to its state (``_restore``), run a chunk on a gang (``_run_chunk``), keep a rollouter generating
-    (``_advance_call`` / ``_advanced``) and handle the remaining commands (``do_<Command>``).
+    """What every Ray driver shares (module doc), with one :class:`~bidirl.cluster.backend.WorkerBackend` plugged in
+    (``backend``) for what its kind of worker does: the drivers of each kind (``EmulatedDriver``, ``EngineDriver``)
+    add their settings and plug their backend in; they override none of the pool driver's methods.
 
     ``out_dir``: the run's output folder (per-step metrics, TensorBoard, trace, summary; written as it runs);
     ``checkpoint_dir`` / ``checkpoint_every`` / ``keep``: write checkpoints (module doc); ``resume``: a checkpoint
@@ -279,6 +280,7 @@ class PoolDriver(Driver):
 
     def __post_init__(self):
         super().__post_init__()
+        self.backend: Optional[WorkerBackend] = None     # plugged in by the driver of each kind of worker
         self.pending: dict = {}           # object ref -> (worker, incarnation, callback, on_error)
         self.streams: dict = {}           # ObjectRefGenerator -> (worker, incarnation, on_item, on_end)
         self.actors: dict = {}            # worker -> its actor
@@ -287,6 +289,7 @@ class PoolDriver(Driver):
         self.failed: set = set()          # workers reported to the coordinator as failed
         self.pg = None
         self._bundle_cpus: Optional[float] = None      # bundle_cpus(), read from the cluster once
+        self._resource_name: Optional[str] = None      # _resource(), read from the cluster once
         self.t0 = time.time()
         self.progress = False
         self.r_busy: dict = {}            # rollouter -> whether it holds requests
@@ -301,6 +304,8 @@ class PoolDriver(Driver):
         self.switching: dict = {}         # pool -> the Switch in flight on it
         self.syncing: Optional[P.SyncWeights] = None     # the weight sync in flight
         self.step_marks: list = []        # (spans, decisions) in the log when each step finished
+        self.step_stats: list = []        # per-step training statistics (engine runs: reward, loss, ...)
+        self.final_weights = None         # the final actor weights, where the workers hold real ones
         self.clock_start = 0.0            # the timeline's time when this run starts (a resumed run continues it)
         self.boundary = None              # the step boundary a resumed run starts from (its SyncFinished)
         self.resumed_from: Optional[checkpoints.Checkpoint] = None
@@ -325,7 +330,16 @@ class PoolDriver(Driver):
     # Ray start-up and placement
     # ------------------------------------------------------------------------------------------
     def _resource(self) -> str:
-        return "gpu_slot"
+        """``GPU`` when the backend's workers use GPUs and the cluster offers enough of them and no logical slots,
+        else ``gpu_slot`` (read once)."""
+        if self._resource_name is None:
+            gpu = False
+            if self.backend.uses_gpus:
+                import ray
+                res = ray.cluster_resources()
+                gpu = res.get("GPU", 0) >= self.config.cluster.gpus and not res.get("gpu_slot")
+            self._resource_name = "GPU" if gpu else "gpu_slot"
+        return self._resource_name
 
     def _start_ray(self):
         import ray
@@ -360,7 +374,13 @@ class PoolDriver(Driver):
                                f"is {G}; start Ray with resources={{'{self._resource()}': {G}}} or lower cluster.gpus")
 
     def _local_slots(self, gpus: int) -> dict:
-        """``ray.init`` arguments that give an embedded local Ray its GPU slots: logical ``gpu_slot`` units."""
+        """``ray.init`` arguments that give an embedded local Ray its GPU slots: on a machine with enough CUDA
+        devices, for a backend whose workers use GPUs, those as ``GPU`` resources; otherwise logical ``gpu_slot``
+        units."""
+        if self.backend.uses_gpus:
+            import torch
+            if torch.cuda.is_available() and torch.cuda.device_count() >= gpus:
+                return {"num_gpus": int(gpus)}
         return {"resources": {"gpu_slot": float(gpus)}}
 
     def bundle_cpus(self) -> float:
@@ -398,38 +418,20 @@ class PoolDriver(Driver):
         otherwise, the same share of the bundle's CPUs (:meth:`bundle_cpus`)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         cpus = share * self.bundle_cpus() if cpus is None else cpus
-        return {"num_cpus": cpus, "resources": {self._resource(): share},
+        opts = {"num_cpus": cpus, "resources": {self._resource(): share},
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
-
-    def _place(self):
-        """Start every worker (``_spawn``) and wait until they are ready."""
-        raise NotImplementedError
-
-    def _spawn(self, worker: str) -> None:
-        """Start ``worker``'s actor(s) on its bundle(s) — at start-up and, after a failure, as a fresh process."""
-        raise NotImplementedError
-
-    def _discard(self, worker: str) -> None:
-        """Give up what is left of a failed worker's actor(s) (a gang's other ranks would hang in collectives)."""
-        raise NotImplementedError
-
-    def _restore(self, worker: str, then: Callable[[], None]) -> None:
-        """Bring a freshly spawned ``worker`` to the state it serves (calls through :meth:`_submit`), then call
-        ``then``; a call that fails instead counts as the worker's next failure."""
-        raise NotImplementedError
-
-    def _resume_workers(self) -> None:
-        """After placement in a resumed run: load the checkpoint's worker state (the trainer's)."""
+        if self._resource() == "GPU":          # Ray places GPU shares through num_gpus
+            opts["num_gpus"] = opts.pop("resources")["GPU"]
+        return opts
 
     def worker_shape(self) -> dict:
         """What kept workers must have been started for to serve this run (layout and engine settings)."""
-        return {"driver": self.label, "resource": self._resource(), "bundle_cpus": self.bundle_cpus(), **self.layout()}
-
-    def _begin(self):
-        """Called after placement, right before ``Started`` (or the resumed boundary)."""
+        return {"driver": self.label, "resource": self._resource(), "bundle_cpus": self.bundle_cpus(), **self.layout(),
+                **self.backend.shape()}
 
     def now(self) -> float:
-        return time.time() - self.t0
+        """The run's clock: seconds since ``t0``, in the backend's virtual seconds (``time_scale``)."""
+        return (time.time() - self.t0) * self.backend.time_scale
 
     # ------------------------------------------------------------------------------------------
     # calls in flight
@@ -480,6 +482,9 @@ class PoolDriver(Driver):
         peer, is recovered; an error of the worker's own (its process alive) stops the run with a
         :class:`WorkerError` naming the worker, the call and its traceback
         (:func:`bidirl.cluster.recovery.failure_kind`)."""
+        if self.backend.is_death(exc):
+            self._worker_failed(worker, root_cause(exc))
+            return
         kind = failure_kind(exc)
         if kind == ERROR:
             raise WorkerError(worker, call_name(exc), root_cause(exc),
@@ -487,12 +492,17 @@ class PoolDriver(Driver):
         self._worker_failed(worker, root_cause(exc) if kind == DEATH else f"a peer was lost: {root_cause(exc)}")
 
     def _worker_failed(self, worker: str, error: str) -> None:
-        """``worker``'s current process failed: past the bound the run stops; otherwise its calls become void,
-        the coordinator is told, and a fresh process is started and restored (``WorkerRestarted``)."""
+        """``worker``'s current process failed: it is recovered (:meth:`_recover`), with the workers that shared
+        its process (``WorkerBackend.worker_failed``)."""
+        self.backend.worker_failed(worker, error, self._recover)
+
+    def _recover(self, worker: str, error: str) -> None:
+        """Past the bound the run stops; otherwise ``worker``'s calls become void, the coordinator is told, and a
+        fresh process is started and restored (``WorkerRestarted``)."""
         if self.restarts.exhausted(worker, self.steps_done):
             raise ClusterError(self.restarts.message(worker, error))
         self.restarts.begin(worker, self.now(), error, self.steps_done)
-        self._discard(worker)
+        self.backend.discard(worker)
         self.r_busy[worker] = self.r_advancing[worker] = False
         self.r_starts.pop(worker, None)           # a fresh process has applied none of them
         self.chunk_queue.pop(worker, None)
@@ -500,12 +510,13 @@ class PoolDriver(Driver):
         if worker not in self.failed:
             self.failed.add(worker)
             self.feed(P.WorkerFailed(self.now(), worker, error))
-        self._spawn(worker)
-        self._restore(worker, lambda: self._restarted(worker))
+        self.backend.spawn(worker)
+        self.backend.restore(worker, lambda: self._restarted(worker))
 
     def _restarted(self, worker: str) -> None:
         self.failed.discard(worker)
         self.feed(P.WorkerRestarted(self.now(), worker))
+        self.backend.restarted(worker)
 
     def switch_sides(self, cmd: P.Switch) -> tuple:
         """The workers a switch offloads (passive) and onloads (active): a pool's trainer gang and its rollouters."""
@@ -516,7 +527,31 @@ class PoolDriver(Driver):
         return list(rollouters), [trainer]
 
     # ------------------------------------------------------------------------------------------
-    # rollouters: one generation call in flight per busy rollouter
+    # the commands: the backend does the work (bidirl.cluster.backend)
+    # ------------------------------------------------------------------------------------------
+    def do_Generate(self, cmd: P.Generate):
+        self.backend.generate(cmd)
+
+    def do_Interrupt(self, cmd: P.Interrupt):
+        self.backend.interrupt(cmd)
+
+    def do_StartStep(self, cmd: P.StartStep):
+        self.backend.start_step(cmd)
+
+    def do_Switch(self, cmd: P.Switch):
+        self.backend.switch(cmd)
+
+    def do_SyncWeights(self, cmd: P.SyncWeights):
+        self.backend.sync_weights(cmd)
+
+    def do_MergeGradients(self, cmd: P.MergeGradients):
+        self.backend.merge_gradients(cmd)
+
+    def do_OptimizerStep(self, cmd: P.OptimizerStep):
+        self.backend.optimizer_step(cmd)
+
+    # ------------------------------------------------------------------------------------------
+    # rollouters: the generation calls sent to each (the backend keeps a busy one generating)
     # ------------------------------------------------------------------------------------------
     def _count_start(self, worker: str) -> None:
         self.r_starts[worker] = self.r_starts.get(worker, 0) + 1
@@ -530,41 +565,6 @@ class PoolDriver(Driver):
         """Whether a rollouter is busy after a call that reported ``reported``: a start sent while the call was
         in flight runs after it on the actor, so the report cannot have seen its requests."""
         return bool(reported) or self.r_starts.get(worker, 0) != starts_before
-
-    def _ensure_advance(self, worker: str):
-        """Keep a busy rollouter generating: one ``_advance_call`` in flight, each of its results reported to
-        ``_advanced``. The call is a slice (an object ref: one result) or a stream (an ``ObjectRefGenerator``: a
-        result each time it yields, until the rollouter holds no requests); when it ends another is sent if the
-        rollouter is still busy."""
-        if self.r_advancing.get(worker) or not self.r_busy.get(worker) or worker in self.failed:
-            return
-        self.r_advancing[worker] = True
-        self._count_call(worker, "advances")
-        starts = self.r_starts.get(worker, 0)
-
-        def ended():
-            self.r_advancing[worker] = False
-            self._ensure_advance(worker)
-        call = self._advance_call(worker)
-        if isinstance(call, _object_ref_generator()):
-            self._submit_stream(worker, call, lambda result: self._advanced(worker, result, starts), ended)
-            return
-
-        def done(result):
-            self.r_advancing[worker] = False
-            self._advanced(worker, result, starts)
-            self._ensure_advance(worker)
-        self._submit(worker, call, done)
-
-    def _advance_call(self, worker: str):
-        """Send one generation call to ``worker``: a slice (returns its object ref) or a stream (returns its
-        ``ObjectRefGenerator``)."""
-        raise NotImplementedError
-
-    def _advanced(self, worker: str, result, starts_before: int) -> None:
-        """Report a generation call's result (``starts_before``: the starts sent when the call was, for
-        :meth:`_still_busy`)."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------
     # trainer gangs: a queue of chunks each (Table 2's queued / running / cancelled)
@@ -588,11 +588,7 @@ class PoolDriver(Driver):
             return
         cmd = self.chunk_running[gang] = queue.popleft()
         self.feed(P.ChunkStarted(self.now(), gang, cmd.chunk.chunk_id))
-        self._run_chunk(cmd)
-
-    def _run_chunk(self, cmd: P.RunChunk) -> None:
-        """Start ``cmd`` on its gang; call :meth:`_chunk_done` when it has run."""
-        raise NotImplementedError
+        self.backend.run_chunk(cmd)
 
     def _chunk_done(self, cmd: P.RunChunk, start: float, end: float) -> None:
         """The gang ran ``cmd`` over ``[start, end]``: record it, tell the coordinator, start the next chunk."""
@@ -618,21 +614,16 @@ class PoolDriver(Driver):
         """What a checkpoint of this run records and a resumed run must match (computed once: it hashes the
         prompt file)."""
         if self._identity is None:
+            workers = self.backend.identity()
             self._identity = checkpoints.RunIdentity(
                 config=self.config.to_dict(), policy=self.policy_name, steps=self.steps, seed=self.seed,
-                driver=self.label, model=self._model_identity(), data=self._data_identity(), layout=self.layout())
+                driver=self.label, model=workers["model"], data=workers["data"], layout=self.layout())
         return self._identity
 
-    def _model_identity(self) -> dict:
-        return {"name": self.config.model}
-
-    def _data_identity(self) -> dict:
-        return {}
-
     def checkpoint_state(self) -> dict:
-        """The driver's own per-run state a checkpoint keeps (subclasses add theirs)."""
+        """The driver's own per-run state a checkpoint keeps."""
         return {"version": self.version, "measured": self.measured, "step_marks": list(self.step_marks),
-                "recoveries": list(self.restarts.record)}
+                "recoveries": list(self.restarts.record), "step_stats": list(self.step_stats)}
 
     def restore_state(self, state: dict) -> None:
         """Take back what :meth:`checkpoint_state` returned (a resumed run)."""
@@ -640,12 +631,13 @@ class PoolDriver(Driver):
         self.measured = {k: list(v) for k, v in state["measured"].items()}
         self.step_marks = list(state["step_marks"])
         self.restarts.record = list(state["recoveries"])
+        self.step_stats = list(state.get("step_stats", []))     # (an emulated run's checkpoint before it kept none)
 
     def save_trainer_state(self, folder: Path) -> bool:
         """Write the trainer's state into ``folder`` (a checkpoint's ``trainer/``); False if there is none.
         Raises :class:`~bidirl.runtime.checkpoints.CheckpointSkipped` when it cannot now (the trainer is being
         restarted). Other workers hold nothing a checkpoint needs: one being restarted is announced again on resume."""
-        return False
+        return self.backend.save_trainer_state(folder)
 
     def _load_resume(self) -> None:
         """Restore the control plane and the driver's state from ``resume`` (before Ray starts: a bad
@@ -682,9 +674,8 @@ class PoolDriver(Driver):
         self._start_ray()
         try:
             self._reserve()
-            self._place()
-            self._resume_workers()
-            self._begin()
+            self.backend.place()
+            self.backend.begin()
             if self.out_dir is not None:
                 self.output = self.add_listener(StepMetricsOutput(self))
             with progress_bar(self.steps, f"run {self.policy_name} ({self.label})", progress) as tick:
@@ -758,13 +749,14 @@ class PoolDriver(Driver):
         if not self.finished:
             raise ClusterError(f"the run ended after {self.steps_done} of {self.steps} steps with no work left; "
                                "this is a scheduler bug — please report it with the event log")
-        return super().result(**extra)
+        return super().result(weights=self.final_weights, **extra)
 
     def train_stats(self) -> list:
         """Per-step training statistics for the output folder's rows (engine runs: reward, loss, ...)."""
-        return []
+        return self.step_stats
 
     def shutdown(self):
+        self.backend.close()
         self._stop_workers()
         if self.output is not None:
             output, self.output = self.output, None
@@ -792,7 +784,10 @@ class PoolDriver(Driver):
             self.pg = None
 
     def _all_actors(self) -> list:
-        return list(self.actors.values())
+        """Every actor of the run, once each (the rollouters, then each gang's ranks; a process several workers
+        share counts once)."""
+        every = list(self.actors.values()) + [r for ranks in self.gangs.values() for r in ranks]
+        return list({id(a): a for a in every}.values())
 
     def rollout_calls(self) -> dict:
         """Generation calls sent over the run, in all and per rollouter: ``starts`` (one per ``Generate``),
@@ -820,4 +815,5 @@ class PoolDriver(Driver):
             out["resumed_from"] = {"checkpoint": str(self.resumed_from.path), "step": self.resumed_from.step}
         if self.out_dir is not None:
             out["out_dir"] = str(self.out_dir)
+        self.backend.summarize(out)
         return out
