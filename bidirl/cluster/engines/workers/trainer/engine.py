@@ -121,6 +121,7 @@ class TrainerEngine(Compute, Weights, Windows, Recovery, Offload, Distribution, 
         self._published_on_host = False
         self.published: dict = {}         # actor version -> {name: (shard in the wire dtype, rows or None)}
         self._transport_group = None      # the gang's second group, for the weight transport's gathers
+        self._launches = None             # the gang's launch order over both threads (launch_order)
         self.accumulated: list = []       # chunk gradients accumulated into p.grad since the last step (their ids)
         self.version = 0
         self._pending = gang              # built on the meta device for a gang: loaded once the mesh is known
