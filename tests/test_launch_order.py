@@ -34,7 +34,7 @@ def _two_threads(rank, world, addr, path, ordered):
 
     dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank, world_size=world)
     second = dist.new_group(backend="gloo")
-    order = lo.LaunchOrder(lo.gang_store("test"), rank) if ordered else None
+    order = lo.LaunchOrder(lo.gang_store("test"), rank, world) if ordered else None
     seen, lock = [], threading.Lock()
 
     def turn(kind):
@@ -94,23 +94,46 @@ def test_without_the_order_the_ranks_launch_in_different_orders(tmp_path):
     assert ranks[0]["seen"] != ranks[1]["seen"]
 
 
+def _store(timeout_s: float):
+    from datetime import timedelta
+    store = torch.distributed.HashStore()
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
+
+
 def test_a_follower_refuses_an_unknown_entry():
     from bidirl.cluster.engines.workers import launch_order as lo
-    store = torch.distributed.HashStore()
+    store = _store(5)
     store.set("turn/0", "bogus")
     with pytest.raises(lo.LaunchOrderError, match="entry 0 is 'bogus'"):
-        with lo.LaunchOrder(store, rank=1, timeout_s=1).turn(lo.MAIN):
+        with lo.LaunchOrder(store, 1, 2).turn(lo.MAIN):
             pass
     with pytest.raises(ValueError, match="kind must be one of"):
-        with lo.LaunchOrder(store, rank=0).turn("chunk"):
+        with lo.LaunchOrder(store, 0, 2).turn("chunk"):
             pass
+    with pytest.raises(ValueError, match="rank must be in"):
+        lo.LaunchOrder(store, 2, 2)
 
 
 def test_a_follower_waits_for_the_leader_and_gives_up_naming_it():
     from bidirl.cluster.engines.workers import launch_order as lo
     with pytest.raises(lo.LaunchOrderError, match="the leader, rank 0, logged none"):
-        with lo.LaunchOrder(torch.distributed.HashStore(), rank=1, timeout_s=0.05).turn(lo.MAIN):
+        with lo.LaunchOrder(_store(0.05), 1, 2).turn(lo.MAIN):
             pass
+
+
+def test_the_last_follower_to_take_an_entry_deletes_it():
+    from bidirl.cluster.engines.workers import launch_order as lo
+    store = _store(5)
+    leader, followers = lo.LaunchOrder(store, 0, 3), [lo.LaunchOrder(store, r, 3) for r in (1, 2)]
+    for kind in (lo.MAIN, lo.TRANSPORT):
+        with leader.turn(kind):
+            pass
+    for f in followers:
+        with f.turn(lo.MAIN):
+            pass
+        assert f.log == [lo.MAIN]
+    assert not store.check(["turn/0"]) and store.check(["turn/1"])
 
 
 def _gang_sends_beside_a_chunk(rank, world, addr, path, model_dir):

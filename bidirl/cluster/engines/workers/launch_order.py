@@ -29,35 +29,37 @@ on every rank, an empty share included), so the logs agree entry for entry.
 from __future__ import annotations
 
 import threading
-import time
 import functools
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Optional
 
+import torch
+
 MAIN, TRANSPORT = "main", "transport"
 KINDS = (MAIN, TRANSPORT)
-#: seconds a follower sleeps between two looks at the store for the next entry (a turn is a block of a chunk or
-#: one bucket's gather: milliseconds at least; a look is one TCP round trip, ~0.1 ms)
-_POLL_S = 2e-4
 
 
 class LaunchOrderError(RuntimeError):
-    """A follower found another kind in the log than the turn it waits for would allow, or waited too long."""
+    """A follower found an entry that is no kind of turn in the log, or waited for one longer than the store's
+    timeout (a leader gone)."""
 
 
 class LaunchOrder:
-    """The turns of one rank of a gang (module docstring). ``store``: a ``torch.distributed.Store`` every rank of
-    the gang shares (``set``/``get``/``check``), under a prefix of this gang's generation; ``rank`` 0 leads.
-    ``timeout_s``: how long a follower waits for the next entry before it gives up (a lost leader)."""
+    """The turns of one rank of a ``world``-rank gang (module docstring). ``store``: a ``torch.distributed.Store``
+    every rank of the gang shares, under a prefix of this gang's own; ``rank`` 0 leads. A follower waits for the
+    next entry as long as the store's timeout (the process group's), then raises :class:`LaunchOrderError`."""
 
-    def __init__(self, store, rank: int, timeout_s: float = 1800.0):
-        self.store, self.rank, self.timeout_s = store, int(rank), float(timeout_s)
+    def __init__(self, store, rank: int, world: int):
+        if not 0 <= rank < world:
+            raise ValueError(f"LaunchOrder: rank must be in [0, world), got rank={rank}, world={world}")
+        self.store, self.rank, self.world = store, int(rank), int(world)
         self._cond = threading.Condition()
         self._busy: Optional[str] = None          # the kind holding the turn now
-        self._owner: Optional[int] = None         # the thread holding it
-        self._depth = 0                           # nested turns of that thread (a gang call inside another)
+        self._depth = 0                           # nested main turns (a gang call inside another)
         self._next = 0                            # leader: the next log index; follower: the next entry to take
         self._waiting = {MAIN: 0, TRANSPORT: 0}   # leader: threads waiting per kind (a yield lets them go first)
+        self._known: dict = {}                    # follower: entries fetched and not taken yet
+        self._fetching = False                    # follower: a thread waits on the store for the next entry
         self.log: list = []                       # the kinds this rank took, in order (tests and benchmarks)
 
     # ---- leader -------------------------------------------------------------------------------
@@ -74,51 +76,70 @@ class LaunchOrder:
         self._next += 1
 
     # ---- follower -----------------------------------------------------------------------------
-    def _entry(self, index: int) -> Optional[str]:
-        key = f"turn/{index}"
-        if not self.store.check([key]):
-            return None
-        return self.store.get(key).decode()
+    def _fetch(self, index: int) -> str:
+        """Entry ``index`` of the log, waiting for the leader to write it (one blocking ``get``: the store answers
+        when the key is set). Called without the lock, by one waiting thread at a time."""
+        try:
+            entry = self.store.get(f"turn/{index}").decode()
+        except Exception as exc:          # the store's own timeout (or a store that went away with the gang)
+            raise LaunchOrderError(f"launch order: rank {self.rank} waited for entry {index} and got none "
+                                   f"(the leader, rank 0, logged none: {str(exc).splitlines()[0][:200]})") from None
+        if entry not in KINDS:
+            raise LaunchOrderError(f"launch order: entry {index} is {entry!r}, not one of {KINDS}")
+        return entry
 
     def _follow(self, kind: str) -> None:
-        deadline = time.monotonic() + self.timeout_s
         while True:
             if self._busy is None:
-                entry = self._entry(self._next)
-                if entry is not None and entry not in KINDS:
-                    raise LaunchOrderError(f"launch order: entry {self._next} is {entry!r}, not one of {KINDS}")
+                entry = self._known.get(self._next)
+                if entry is None and not self._fetching:
+                    index, self._fetching = self._next, True
+                    self._cond.release()
+                    try:
+                        entry = self._fetch(index)
+                    finally:
+                        self._cond.acquire()
+                        self._fetching = False
+                        self._cond.notify_all()
+                    self._known[index] = entry
                 if entry == kind:
+                    del self._known[self._next]
+                    self._done(self._next)
                     self._next += 1
                     return
-            if time.monotonic() > deadline:
-                raise LaunchOrderError(f"launch order: rank {self.rank} waited {self.timeout_s:g} s for a {kind} "
-                                       f"turn at entry {self._next} (the leader, rank 0, logged none)")
-            self._cond.wait(_POLL_S)
+            self._cond.wait()
+
+    def _done(self, index: int) -> None:
+        """The last follower to take entry ``index`` deletes it: the log holds only entries some rank still needs."""
+        if self.store.add(f"taken/{index}", 1) == self.world - 1:
+            self.store.delete_key(f"turn/{index}")
+            self.store.delete_key(f"taken/{index}")
 
     # ---- both ---------------------------------------------------------------------------------
     def _acquire(self, kind: str, behind_waiters: bool = False) -> None:
         with self._cond:
-            me = threading.get_ident()
-            if self._owner == me:                  # a gang call inside another: the turn it holds goes on
-                self._depth += 1
+            if kind == MAIN and self._busy == MAIN:
+                self._depth += 1                   # a gang call inside another: the main turn it holds goes on
                 return
             if self.rank == 0:
                 self._lead(kind, behind_waiters)
             else:
                 self._follow(kind)
-            self._busy, self._owner, self._depth = kind, me, 1
+            self._busy, self._depth = kind, 1
             self.log.append(kind)
 
     def _release(self) -> None:
         with self._cond:
             self._depth -= 1
             if self._depth == 0:
-                self._busy = self._owner = None
+                self._busy = None
                 self._cond.notify_all()
 
     @contextmanager
     def turn(self, kind: str):
-        """Hold a turn of ``kind`` while the block launches its collectives (re-entrant on one thread)."""
+        """Hold a turn of ``kind`` while the block launches its collectives. A ``main`` turn is the main side's:
+        re-entrant (a gang call inside another), and a yield point may come from the autograd thread that runs
+        the main thread's backward on a GPU. Only the transport's thread takes ``transport`` turns."""
         if kind not in KINDS:
             raise ValueError(f"LaunchOrder.turn: kind must be one of {KINDS}, got {kind!r}")
         self._acquire(kind)
@@ -128,13 +149,12 @@ class LaunchOrder:
             self._release()
 
     def yield_turn(self) -> None:
-        """A yield point of the main thread: if it holds the (outermost) main turn, give it up and take a new one,
+        """A yield point of the main side: if it holds the (outermost) main turn, give it up and take a new one,
         behind a transport turn that waits (so a bucket's gather slips in between two blocks of a chunk)."""
         with self._cond:
-            if self._owner != threading.get_ident() or self._depth != 1 or self._busy != MAIN:
+            if self._busy != MAIN or self._depth != 1:
                 return
-            self._busy = self._owner = None
-            self._depth = 0
+            self._busy, self._depth = None, 0
             self._cond.notify_all()
         self._acquire(MAIN, behind_waiters=True)
 
@@ -149,13 +169,26 @@ def gang_store(generation: str):
 
 
 def yield_at_blocks(blocks, order_of: Callable[[], Optional[LaunchOrder]]) -> list:
-    """Register a yield point before each block's forward (FSDP2's all-gather for the block launches in its own
-    forward pre-hook, registered earlier, so it launches in the new turn); returns the hook handles."""
-    def hook(module, args):
+    """Yield points between the blocks of a forward and of a backward: before each block's forward (FSDP2's
+    all-gather for the block launches in its own forward pre-hook, registered earlier, so in the new turn), and
+    when the gradient of a block's output is ready, before the block's backward (its gradient's reduce-scatter
+    follows it). The same blocks run on every rank (an empty share's one token included), so every rank yields
+    at the same points. Returns the hook handles."""
+    def yield_now(*_):
         order = order_of()
         if order is not None:
             order.yield_turn()
-    return [b.register_forward_pre_hook(hook, prepend=True) for b in blocks]
+
+    def on_output(module, args, output):
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if torch.is_tensor(out) and out.requires_grad:
+            out.register_hook(yield_now)
+
+    handles = []
+    for b in blocks:
+        handles.append(b.register_forward_pre_hook(yield_now, prepend=True))
+        handles.append(b.register_forward_hook(on_output))
+    return handles
 
 
 def gang_call(method):

@@ -77,7 +77,7 @@ class Distribution:
                 torch.distributed.all_reduce(torch.zeros(1, device=self._comm_device()), group=group)
         self._shard(self._device_mesh(replicas, world // replicas))
         if self._transport_group is not None:       # two threads launch the gang's collectives: one order
-            self._launches = launch_order.LaunchOrder(launch_order.gang_store(f"{addr}/{world}"), rank)
+            self._launches = launch_order.LaunchOrder(launch_order.gang_store(f"{addr}/{world}"), rank, world)
             for model in (self.model, self._reference):
                 if model is not None:
                     launch_order.yield_at_blocks(checkpoint.transformer_blocks(model), lambda: self._launches)
