@@ -183,7 +183,10 @@ def adamw_step_gap(grad, delta, exp_avg, exp_avg_sq, step: int, weights, lr: flo
     (the square root's derivative c₂·(1 − β2)·x / √(c₂·V) with |x|/√(c₂·V) ≤ 1/√(c₂·(1 − β2))). So the updates
     differ by ≤ min(δ'·sup|f'|, 2·lr·N/D) — the second: each is at most lr·N/D, what a weight whose gradient is
     within rounding of zero may do (its sign may flip: that is the arithmetic, not an exemption). Each run rounds
-    its update ``ADAM_OPS`` times (relative u) and the new weight once (u·|w|): + 2·(ADAM_OPS·u·lr·N/D + u·|w|).
+    its update ``ADAM_OPS`` times (relative u) and the new weight once (u·|w − update|, w − update within
+    lr·N/D of the one run's new weight ``weights``): + 2·(ADAM_OPS·u·lr·N/D + u·(|w| + 2·lr·N/D)). The last
+    rounding alone may put two new weights one ulp apart, 2u·2ᵉ for |w| in [2ᵉ, 2ᵉ⁺¹): a weight just above a
+    power of two may come close to its bound in an honest run, never beyond it.
     """
     import torch
 
@@ -204,7 +207,7 @@ def adamw_step_gap(grad, delta, exp_avg, exp_avg_sq, step: int, weights, lr: flo
     num = c1 * (b1 * m.abs() + (1 - b1) * (x + dx))
     slope = lr * (c1 * (1 - b1) / den + num * math.sqrt(c2 * (1 - b2)) / den ** 2)
     largest = lr * num / den
-    return torch.minimum(dx * slope, 2 * largest) + 2 * (ADAM_OPS * u * largest + u * w.abs())
+    return torch.minimum(dx * slope, 2 * largest) + 2 * (ADAM_OPS * u * largest + u * (w.abs() + 2 * largest))
 
 
 @dataclass(frozen=True)

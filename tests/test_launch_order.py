@@ -134,6 +134,12 @@ def test_the_last_follower_to_take_an_entry_deletes_it():
             pass
         assert f.log == [lo.MAIN]
     assert not store.check(["turn/0"]) and store.check(["turn/1"])
+    pair = _store(5)                              # a gang of two: its one follower deletes at once
+    with lo.LaunchOrder(pair, 0, 2).turn(lo.TRANSPORT):
+        pass
+    with lo.LaunchOrder(pair, 1, 2).turn(lo.TRANSPORT):
+        pass
+    assert not pair.check(["turn/0"])
 
 
 def _gang_sends_beside_a_chunk(rank, world, addr, path, model_dir):

@@ -110,8 +110,11 @@ class LaunchOrder:
             self._cond.wait()
 
     def _done(self, index: int) -> None:
-        """The last follower to take entry ``index`` deletes it: the log holds only entries some rank still needs."""
-        if self.store.add(f"taken/{index}", 1) == self.world - 1:
+        """The last follower to take entry ``index`` deletes it: the log holds only entries some rank still needs
+        (a gang of two has one follower: no count)."""
+        if self.world == 2:
+            self.store.delete_key(f"turn/{index}")
+        elif self.store.add(f"taken/{index}", 1) == self.world - 1:
             self.store.delete_key(f"turn/{index}")
             self.store.delete_key(f"taken/{index}")
 
