@@ -115,11 +115,15 @@ def test_a_follower_refuses_an_unknown_entry():
         lo.LaunchOrder(store, 2, 2)
 
 
-def test_a_follower_waits_for_the_leader_and_gives_up_naming_it():
+def test_a_follower_waits_for_the_leader_and_gives_up_with_the_stores_error():
+    """A leader gone (its process took the store with it) or silent past the store's timeout: the follower raises
+    the store's own c10d error, which the pool recovers as a peer's death, as it does a broken collective."""
     from bidirl.cluster.engines.workers import launch_order as lo
-    with pytest.raises(lo.LaunchOrderError, match="the leader, rank 0, logged none"):
+    from bidirl.cluster.recovery import PEER_LOST, failure_kind
+    with pytest.raises(torch.distributed.DistError) as raised:
         with lo.LaunchOrder(_store(0.05), 1, 2).turn(lo.MAIN):
             pass
+    assert failure_kind(raised.value) == PEER_LOST
 
 
 def test_the_last_follower_to_take_an_entry_deletes_it():

@@ -40,14 +40,13 @@ KINDS = (MAIN, TRANSPORT)
 
 
 class LaunchOrderError(RuntimeError):
-    """A follower found an entry that is no kind of turn in the log, or waited for one longer than the store's
-    timeout (a leader gone)."""
+    """A follower found an entry that is no kind of turn in the log."""
 
 
 class LaunchOrder:
     """The turns of one rank of a ``world``-rank gang (module docstring). ``store``: a ``torch.distributed.Store``
     every rank of the gang shares, under a prefix of this gang's own; ``rank`` 0 leads. A follower waits for the
-    next entry as long as the store's timeout (the process group's), then raises :class:`LaunchOrderError`."""
+    next entry as long as the store's timeout (the process group's), then raises the store's error."""
 
     def __init__(self, store, rank: int, world: int):
         if not 0 <= rank < world:
@@ -79,11 +78,11 @@ class LaunchOrder:
     def _fetch(self, index: int) -> str:
         """Entry ``index`` of the log, waiting for the leader to write it (one blocking ``get``: the store answers
         when the key is set). Called without the lock, by one waiting thread at a time."""
-        try:
-            entry = self.store.get(f"turn/{index}").decode()
-        except Exception as exc:          # the store's own timeout (or a store that went away with the gang)
-            raise LaunchOrderError(f"launch order: rank {self.rank} waited for entry {index} and got none "
-                                   f"(the leader, rank 0, logged none: {str(exc).splitlines()[0][:200]})") from None
+        # the store's own error propagates as it is (c10d's DistStoreError / DistNetworkError): a leader whose
+        # process is gone takes the store with it, and the pool recovers that as a peer's death, as it does a
+        # collective that broke (bidirl.cluster.recovery.failure_kind); a leader alive that logs nothing for the
+        # store's timeout is the same as a collective it never joins
+        entry = self.store.get(f"turn/{index}").decode()
         if entry not in KINDS:
             raise LaunchOrderError(f"launch order: entry {index} is {entry!r}, not one of {KINDS}")
         return entry
