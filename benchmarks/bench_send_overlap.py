@@ -14,7 +14,9 @@ overlap (1: fully overlapped, 0: serialised). ``gathers_inside_chunk`` is the sh
 (its check, broadcast and bucket gathers) that rank 0's launch order granted between two blocks of the chunk —
 the gathers do not wait for the chunk to end. ``turns_per_chunk`` counts the main turns a chunk took (its yield
 points) and ``chunk_turn_overhead_s`` what they cost (``chunk_s`` with the order minus without it, in the same
-processes: the second group's rank order is the only difference).
+processes: the second group's rank order is the only difference); ``turn_s`` is one turn's cost alone (a main
+turn's yield point with nothing between, the slower rank's: the follower's, whose blocking read waits for the
+leader's store write, then deletes the entry).
 
 Gloo on CPU: the order is the same logic as on NCCL, but the figures are a CPU's (no two GPUs were available; the
 NCCL launch path, where gathers run on the GPU's own streams, is unmeasured).
@@ -30,6 +32,7 @@ from pathlib import Path
 
 SIZES = {True: "tiny", False: "small"}
 BUCKET_BYTES = 256 * 1024            # many buckets, so the send has many gathers that can slip between blocks
+TURNS = 200                          # empty turns timed for the cost of one
 
 
 def _worker(rank: int, world: int, addr: str, md: str, transfers: list, reps: int, barrier, out: str) -> None:
@@ -94,6 +97,17 @@ def _worker(rank: int, world: int, addr: str, md: str, transfers: list, reps: in
                 inside = sum(1 for i, k in enumerate(log) if k == "transport" and mains[0] < i < mains[-1])
                 times["inside"].append(inside / max(1, log.count("transport")))
             times[phase].append(time.perf_counter() - t0)
+    if gang:                                       # the cost of a turn alone: yield points with nothing between
+        barrier.wait()
+        t0 = time.perf_counter()
+        with engine._launches.turn("main"):
+            for _ in range(TURNS):
+                engine._launches.yield_turn()
+        took = torch.tensor([(time.perf_counter() - t0) / TURNS], dtype=torch.float64)
+        torch.distributed.all_reduce(took, op=torch.distributed.ReduceOp.MAX)    # the follower's, which waits
+        times["turn"] = float(took)
+    else:
+        barrier.wait()
     if rank == 0:
         torch.save(times, out)
     if gang:
@@ -130,6 +144,7 @@ def send_beside_chunk(size: str, reps: int) -> dict:
             f"{size}.gathers_inside_chunk": (statistics.median(times["inside"]), ""),
             f"{size}.turns_per_chunk": (statistics.median(times["turns"]), ""),
             f"{size}.chunk_turn_overhead_s": (chunk - statistics.median(times["unordered"]), "s"),
+            f"{size}.turn_s": (times["turn"], "s"),
             f"{size}.buckets": (len(layout.buckets), "")}
 
 
