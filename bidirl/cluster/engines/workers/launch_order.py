@@ -28,8 +28,8 @@ on every rank, an empty share included), so the logs agree entry for entry.
 
 from __future__ import annotations
 
-import threading
 import functools
+import threading
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Optional
 
