@@ -136,3 +136,117 @@ def same_weights(a: dict, b: dict, lr: float, steps: int, weight_decay: float = 
             compared += gap.numel()
     return WeightGap(moved / max(compared, 1), MOVED_FRACTION_BOUND, largest,
                      2 * lr * steps * (ADAM_STEP_BOUND + weight_decay * max_w), compared)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One AdamW step from one state, weight by weight
+# --------------------------------------------------------------------------------------------------------------
+
+def gamma(n: int) -> float:
+    """γ_n = n·u / (1 − n·u): recursive summation of n + 1 fp32 terms errs by ≤ γ_n·Σ|x_i| (Higham, *Accuracy and
+    Stability of Numerical Algorithms*, 2nd ed., eq. 4.4) — a worst case, no probability."""
+    nu = n * FP32_UNIT_ROUNDOFF
+    return nu / (1 - nu)
+
+
+def summation_gap(abs_terms) -> "torch.Tensor":
+    """Per element, how far two fp32 sums of the same k terms added in different orders (chunk gradients in another
+    grouping, ``TrainerEngine.apply``'s left-to-right adds) can be apart: each is within γ_{k−1}·Σ|g_j| of the
+    exact sum, so ≤ 2·γ_{k−1}·Σ|g_j|. ``abs_terms``: the k terms' |values| (a list of tensors)."""
+    total = None
+    for t in abs_terms:
+        total = t.abs().double() if total is None else total + t.abs().double()
+    return 2 * gamma(len(abs_terms) - 1) * total
+
+
+#: torch's AdamW step on one element (``torch.optim.adamw``, single-tensor and foreach alike): m and v updated,
+#: √v̂ over √(1 − β2ᵗ), + ε, the division, × lr/(1 − β1ᵗ): at most this many roundings of relative u on the update
+ADAM_OPS = 8
+
+
+def adamw_step_gap(grad, delta, exp_avg, exp_avg_sq, step: int, weights, lr: float, betas=(0.9, 0.999),
+                   eps: float = 1e-8, max_grad_norm=None) -> "torch.Tensor":
+    """Per weight, how far apart two runs' weights can be after one AdamW step taken from one state (the same
+    weights ``weights``, moments ``exp_avg`` / ``exp_avg_sq`` after ``step − 1`` steps) with gradients that differ
+    by at most ``delta`` per element (``grad``: one run's, unclipped; all tensors flat, the same length).
+
+    Derivation. Clipping scales the gradient by c = min(1, max_norm / (‖g‖ + 10⁻⁶)) in each run (torch's
+    ``clip_grad_norm_``); the two norms differ by ≤ ‖δ‖₂ (triangle inequality) plus their own rounding, a sum of n
+    squares (relative λ·√n·u each, ``ROUNDING_LAMBDA``, as in this module's docstring) and a square root, and
+    min(1, ·) is 1-Lipschitz, so the two c differ relatively by ≤ r_c = ‖δ‖₂/‖g‖₂ + 2·λ·√n·u + 2·u, and an
+    element's clipped gradients x = c·g by ≤ δ' = c·(δ + (|g| + δ)·r_c). The update of that element is
+    f(x) = lr·c₁·(β1·m + (1 − β1)·x) / (√(c₂·(β2·v + (1 − β2)·x²)) + ε), c₁ = 1/(1 − β1ᵗ), c₂ = 1/(1 − β2ᵗ)
+    (bias corrections; weight decay scales both runs' equal weights alike). On the interval |x' − x| ≤ δ' the
+    denominator is ≥ D = √(c₂·(β2·v + (1 − β2)·max(0, |x| − δ')²)) + ε and the numerator's size ≤
+    N = c₁·(β1·|m| + (1 − β1)·(|x| + δ')), and
+        |f'| ≤ lr·(c₁·(1 − β1)/D + N·√(c₂·(1 − β2))/D²)
+    (the square root's derivative c₂·(1 − β2)·x / √(c₂·V) with |x|/√(c₂·V) ≤ 1/√(c₂·(1 − β2))). So the updates
+    differ by ≤ min(δ'·sup|f'|, 2·lr·N/D) — the second: each is at most lr·N/D, what a weight whose gradient is
+    within rounding of zero may do (its sign may flip: that is the arithmetic, not an exemption). Each run rounds
+    its update ``ADAM_OPS`` times (relative u) and the new weight once (u·|w − update|, w − update within
+    lr·N/D of the one run's new weight ``weights``): + 2·(ADAM_OPS·u·lr·N/D + u·(|w| + 2·lr·N/D)). The last
+    rounding alone may put two new weights one ulp apart, 2u·2ᵉ for |w| in [2ᵉ, 2ᵉ⁺¹): a weight just above a
+    power of two may come close to its bound in an honest run, never beyond it.
+    """
+    import torch
+
+    f64 = lambda t: torch.as_tensor(t).double()
+    g, d, m, v, w = (f64(t) for t in (grad, delta, exp_avg, exp_avg_sq, weights))
+    u, (b1, b2) = FP32_UNIT_ROUNDOFF, betas
+    c = 1.0
+    d_clip = d
+    if max_grad_norm is not None:
+        norm = float(torch.linalg.vector_norm(g))
+        c = min(1.0, max_grad_norm / (norm + 1e-6))
+        r_c = float(torch.linalg.vector_norm(d)) / max(norm, 1e-30) + 2 * ROUNDING_LAMBDA * math.sqrt(g.numel()) * u \
+            + 2 * u
+        d_clip = d + (g.abs() + d) * r_c
+    x, dx = c * g.abs(), c * d_clip
+    c1, c2 = 1 / (1 - b1 ** step), 1 / (1 - b2 ** step)
+    den = torch.sqrt(c2 * (b2 * v + (1 - b2) * (x - dx).clamp_min(0) ** 2)) + eps
+    num = c1 * (b1 * m.abs() + (1 - b1) * (x + dx))
+    slope = lr * (c1 * (1 - b1) / den + num * math.sqrt(c2 * (1 - b2)) / den ** 2)
+    largest = lr * num / den
+    return torch.minimum(dx * slope, 2 * largest) + 2 * (ADAM_OPS * u * largest + u * (w.abs() + 2 * largest))
+
+
+@dataclass(frozen=True)
+class StepGap:
+    """Two runs' weights after one step from one state, against their per-weight bound (:func:`same_step`)."""
+
+    worst: float            # the largest |a − b| / bound over the weights
+    name: str               # where
+    index: int
+    over: int               # weights over their bound
+    compared: int
+
+    @property
+    def ok(self) -> bool:
+        return self.over == 0
+
+    def __str__(self) -> str:
+        return (f"{self.over} of {self.compared} weights beyond their bound; the worst, {self.name}[{self.index}], "
+                f"at {self.worst:.3g}× its bound")
+
+
+def same_step(a: dict, b: dict, bound: dict) -> StepGap:
+    """Every weight of ``a`` and ``b`` (``{name: tensor}``) within its own bound (``bound``, the same names and
+    shapes: :func:`adamw_step_gap`), none exempt. Names without a bound must hold the same tensors as a bounded
+    name does in both runs (a tied head)."""
+    import torch
+
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
+    worst, where, over, compared = 0.0, ("", 0), 0, 0
+    for k in a:
+        x, y = a[k].double().reshape(-1), b[k].double().reshape(-1)
+        if k not in bound:
+            assert any(torch.equal(a[k], a[j]) and torch.equal(b[k], b[j]) for j in bound if a[j].shape == a[k].shape), k
+            continue
+        lim = bound[k].double().reshape(-1)
+        ratio = (x - y).abs() / lim.clamp_min(1e-300)
+        over += int((ratio > 1).sum())
+        compared += ratio.numel()
+        i = int(ratio.argmax()) if ratio.numel() else 0
+        if ratio.numel() and float(ratio[i]) > worst:
+            worst, where = float(ratio[i]), (k, i)
+    return StepGap(worst, where[0], where[1], over, compared)

@@ -9,8 +9,9 @@ output): vLLM's sampled-token log-probs and the trainer's recomputed ones on the
 only, ≤ 2·2ρ·Z_max (``rounding.run_logprob_tolerance``: ≈ 4e-3 for the tiny models, whose logits are bounded by
 ≈ 11; measured ≈ 2e-6 on an AMD EPYC), for both built-in architectures (Qwen2 with a tied head, Llama with an
 untied one); a two-rank FSDP2 gang and one process agree on the gradient within 2·ρ_g·max|g| (ρ_g: the forward
-path, its transpose and the sum over the batch's tokens) and on the updated weights as two runs of one job do
-(``rounding.same_weights``); ``tests/test_trainer_fsdp.py`` has the multi-step comparison.
+path, its transpose and the sum over the batch's tokens) and, after one AdamW step from the same state, on every
+updated weight within its own bound (``rounding.same_step``, none exempt); ``tests/test_trainer_fsdp.py`` has the
+multi-step comparison.
 """
 
 from __future__ import annotations
@@ -492,7 +493,9 @@ def _dp1_reference(_rank, model_dir, path):
     norm = grpo.loss_normalizer([s.response_len for s in samples])
     parts = [ref.chunk_gradients(samples[a:a + 4], adv[a:a + 4], old[a:a + 4], normalizer=norm) for a in (0, 4)]
     ref.apply(parts)
-    torch.save({"grad": full.flat, "state": ref.state_dict()}, path)
+    from bidirl.rl.model_folder import hf_name
+    torch.save({"grad": full.flat, "state": ref.state_dict(), "max_grad_norm": ref.max_grad_norm,
+                "params": [(hf_name(n), tuple(p.shape)) for n, p in ref.model.named_parameters()]}, path)
 
 
 def test_dp2_over_gloo_matches_dp1(model_dir, tmp_path):
@@ -515,8 +518,20 @@ def test_dp2_over_gloo_matches_dp1(model_dir, tmp_path):
     for r in ranks:
         torch.testing.assert_close(r["grad"], ref["grad"], atol=atol, rtol=0)
     assert ranks[1]["state"] == {}                 # the gathered weights go to rank 0 only
-    gap = rounding.same_weights(ranks[0]["state"], ref["state"], lr=1e-3, steps=1)
-    assert gap.ok, str(gap)
+    # one AdamW step from the same weights and a fresh state, every weight within its own bound (none exempt):
+    # the applied gradients differ by ≤ 2·atol per element (the gang's against DP=1's full gradient, and DP=1's
+    # two micro-batches summed against its full one, the same split of the batch: ≤ atol each)
+    bound, offset = {}, 0
+    for name, shape in ref["params"]:
+        n = math.prod(shape)
+        g = ref["grad"][offset:offset + n]
+        zero = torch.zeros(n)
+        bound[name] = rounding.adamw_step_gap(g, torch.full((n,), 2 * atol, dtype=torch.float64), zero, zero, 1,
+                                              ref["state"][name].reshape(-1), 1e-3,
+                                              max_grad_norm=ref["max_grad_norm"]).view(shape)
+        offset += n
+    gap = rounding.same_step(ranks[0]["state"], ref["state"], bound)
+    assert gap.ok and gap.compared == ref["grad"].numel(), str(gap)
     assert any(not torch.equal(ranks[0]["state"][k], v) for k, v in TrainerEngine(model_dir).state_dict().items())
 
 

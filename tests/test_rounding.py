@@ -4,11 +4,21 @@ test uses to say "two runs of one job ended at the same weights" (``tests/roundi
 On the tiny model with the unsharded trainer (no Ray): three GRPO steps of four update chunks each, applied in
 chunk order and in another order, pass; the same steps with one chunk lost, one doubled or one trained on other
 samples fail — each by a wide margin, so the check can fail and does for what it is there to catch.
+
+``rounding.same_step``, weight by weight with none exempt: the same job, each step taken by a second engine from
+the first one's weights and AdamW state with the chunks in another order, holds every weight within the bound of
+one step from that state (``rounding.adamw_step_gap``); a chunk lost, doubled or of other samples at step 1 puts
+nearly every weight beyond it by orders of magnitude. A property test holds torch's own AdamW (clipped or not,
+gradients within δ, some exactly zero or within rounding of it) to the bound.
 """
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import pytest
 import torch
 
@@ -74,3 +84,117 @@ def test_a_lost_doubled_or_foreign_chunk_is_not(model_dir, in_order, wrong):
     assert not gap.ok, str(gap)
     # by a wide margin: a wrong chunk moves a sizeable share of the weights, not a few more than rounding does
     assert gap.moved > 5 * gap.moved_bound, str(gap)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One step from one state, weight by weight (rounding.same_step): no weight exempt
+# --------------------------------------------------------------------------------------------------------------
+
+def _flat_state(engine) -> tuple:
+    """``{name: weights}``, and the AdamW moments and step count in parameter order (zeros before the first)."""
+    names = [n for n, _ in engine.model.named_parameters()]
+    weights = {n: p.detach().clone() for n, p in zip(names, engine.params)}
+    moments = []
+    for p in engine.params:
+        s = engine.optimizer.state.get(p, {})
+        moments.append((s.get("exp_avg", torch.zeros_like(p)).detach().clone(),
+                        s.get("exp_avg_sq", torch.zeros_like(p)).detach().clone(), int(s.get("step", 0))))
+    return weights, moments
+
+
+#: the second engine's chunks per step (``step, chunks, extra``: the in-order chunks and one of other samples)
+PLANS = {"reordered": lambda step, c, x: [c[i] for i in (2, 0, 3, 1)],
+         # each fault lands mid-run (step 1), as a chaos kill does
+         "lost": lambda step, c, x: c if step != 1 else c[:2] + c[3:],
+         "doubled": lambda step, c, x: c if step != 1 else c + [c[1]],
+         "foreign": lambda step, c, x: c if step != 1 else c[:2] + [x] + c[3:]}
+
+
+@pytest.fixture(scope="module")
+def one_state_gaps(model_dir) -> dict:
+    """Three steps of ``_train``'s job. Before each, for every plan of :data:`PLANS`, a second engine takes the
+    first one's weights and AdamW state and applies the plan's chunks; the first applies them in order; the two
+    are compared weight by weight against the bound of one step from that state (``rounding.adamw_step_gap``,
+    the in-order chunks' summation gap). Returns ``{plan: [rounding.StepGap per step]}``."""
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
+    ref, other = TrainerEngine(model_dir, lr=LR, seed=0), TrainerEngine(model_dir, lr=LR, seed=0)
+    gaps = {name: [] for name in PLANS}
+    for step in range(STEPS):
+        samples = _samples(4 * CHUNKS, seed=step)
+        adv = grpo.group_advantages([s.reward for s in samples], group_size=2).float()
+        old = ref.logprobs(samples)
+        norm = grpo.loss_normalizer([s.response_len for s in samples])
+        size = len(samples) // CHUNKS
+        chunks = [ref.chunk_gradients(samples[i:i + size], adv[i:i + size], old[i:i + size], normalizer=norm).flat
+                  for i in range(0, len(samples), size)]
+        foreign = _samples(size, seed=100 + step)
+        extra = ref.chunk_gradients(foreign, grpo.group_advantages([s.reward for s in foreign], 2).float(),
+                                    ref.logprobs(foreign), normalizer=norm).flat
+        weights, optimizer = ref.state_dict(), copy.deepcopy(ref.optimizer.state_dict())
+        _, moments = _flat_state(ref)
+        ref.apply(list(chunks))
+        after, _ = _flat_state(ref)
+        grad, gap = sum(chunks[1:], chunks[0].clone()), rounding.summation_gap(chunks)
+        bound, offset = {}, 0
+        for (name, w), (m, v, t) in zip(after.items(), moments):
+            n = w.numel()
+            bound[name] = rounding.adamw_step_gap(grad[offset:offset + n], gap[offset:offset + n], m.reshape(-1),
+                                                  v.reshape(-1), t + 1, w.reshape(-1), LR, ref.betas,
+                                                  max_grad_norm=ref.max_grad_norm).view(w.shape)
+            offset += n
+        for name, plan in PLANS.items():
+            other.load_state_dict(weights)
+            other.optimizer.load_state_dict(copy.deepcopy(optimizer))     # no moment shared with ref's
+            other.apply(plan(step, chunks, extra))
+            gaps[name].append(rounding.same_step(after, _flat_state(other)[0], bound))
+    return gaps
+
+
+def test_one_step_from_one_state_holds_every_weight_within_its_bound(model_dir, one_state_gaps):
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
+    numel = TrainerEngine(model_dir).numel
+    for step, gap in enumerate(one_state_gaps["reordered"]):
+        assert gap.ok, (step, str(gap))
+        assert gap.compared == numel             # every weight compared: none exempt
+
+
+@pytest.mark.parametrize("wrong", ["lost", "doubled", "foreign"])
+def test_one_step_with_a_lost_doubled_or_foreign_chunk_is_beyond_the_bound(one_state_gaps, wrong):
+    gaps = one_state_gaps[wrong]
+    assert gaps[0].ok and gaps[2].ok, [str(g) for g in gaps]        # the other steps start from the same state
+    # by a wide margin: a wrong chunk moves most weights far beyond what rounding can
+    assert not gaps[1].ok and gaps[1].over > 0.1 * gaps[1].compared and gaps[1].worst > 1e3, str(gaps[1])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(step=st.integers(1, 50), scale=st.floats(1e-9, 1e2), rel=st.floats(0.0, 1e-3), seed=st.integers(0, 2**16),
+       clip=st.sampled_from([None, 1.0, 1e-3]))
+def test_the_step_bound_holds_torchs_adamw_on_gradients_within_delta(step, scale, rel, seed, clip):
+    """``rounding.adamw_step_gap`` against torch's AdamW itself: one state (moments of ``step − 1`` steps of a
+    gradient's scale), two gradients within δ of each other (noise of relative ``rel``, a few exact zeros and
+    elements within δ of zero among them), both clipped and stepped in fp32; every weight within its bound."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 4096
+    g = torch.randn(n, generator=gen) * scale
+    g[:8] = 0.0
+    g[8:16] = scale * rel * torch.randn(8, generator=gen)
+    delta = (g.abs() * rel).double() + scale * 1e-7
+    g2 = g + (torch.rand(n, generator=gen) * 2 - 1) * delta.float() * 0.999
+    m = torch.randn(n, generator=gen) * scale * 0.5
+    v = (torch.randn(n, generator=gen) * scale) ** 2 * (1 - 0.999 ** (step - 1))
+    w0 = torch.randn(n, generator=gen)
+    out = []
+    for grad in (g, g2):
+        p = torch.nn.Parameter(w0.clone())
+        opt = torch.optim.AdamW([p], lr=LR, weight_decay=0.0)
+        if step > 1:
+            opt.state[p] = {"step": torch.tensor(float(step - 1)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+        p.grad = grad.clone()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_([p], clip)
+        opt.step()
+        out.append(p.detach())
+    bound = rounding.adamw_step_gap(g, delta, m if step > 1 else torch.zeros(n), v if step > 1 else torch.zeros(n),
+                                    step, out[0], LR, max_grad_norm=clip)
+    gap = rounding.same_step({"w": out[0]}, {"w": out[1]}, {"w": bound})
+    assert gap.ok, str(gap)

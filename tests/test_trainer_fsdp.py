@@ -23,6 +23,9 @@ Tolerances (fp32), each derived from the arithmetic (``_fp32_bounds``), none fro
   residual blocks, gain ≈ 1), ρ = λ·u·Σ√n_i over that path; the two runs differ by ≤ 2ρ·Z for a logit of
   magnitude Z, and a log-prob (z_y − logsumexp z) by ≤ 2·2ρ·Z_max. A gradient's path is the forward, its
   transpose and the reduction over the batch's tokens; its norm sums N squares (λ·√N·u more).
+- weights after one step from the gang's own state (its weights and AdamW moments, gathered whole each step),
+  against the unsharded trainer's one step from that state: every weight within its own bound
+  (``rounding.same_step``, none exempt; the derivation is ``rounding.adamw_step_gap``'s).
 - weights, against the unsharded trainer's own steps: as two runs of one job (``rounding.same_weights``). An
   AdamW step moves a weight by lr·m̂/(√v̂+ε), at most κ·lr (Kingma & Ba §2.1), and rounding changes the update of
   a weight whose gradient is far above its rounding noise by ≈ lr·δg/|g|; a weight whose gradient lies within
@@ -116,23 +119,57 @@ def _reference_run(model_dir, precision="fp32"):
     return {"states": states, "norms": norms, "logprobs": logprobs, "threads": torch.get_num_threads()}
 
 
-def _rounding_reference(model_dir, weights_per_step):
+def _rounding_reference(model_dir, weights_per_step, moments_per_step=None):
     """The unsharded trainer's log-probs, gradient norm and largest |logit| on each step's given weights (one step
-    of the gang: its log-probs are of the weights it held before that step's update)."""
+    of the gang: its log-probs are of the weights it held before that step's update). With the gang's AdamW state
+    at each step's start (``moments_per_step``: ``{fqn: {"step", "exp_avg", "exp_avg_sq"}}``, empty before the
+    first), also the weights its one step from that state reaches and each weight's bound (``rounding.adamw_step_gap``:
+    the gradients differ by the reductions' 2·ρ_g·max|g|, ρ_g = λ·u·(2·path + √tokens) as in the gradient test of
+    ``tests/test_engines.py``, plus the chunks' summation in another order, 2·γ₂·Σ|g_j|)."""
+    from bidirl.rl import model_folder as checkpoint
     trainer = TrainerEngine(model_dir, lr=LR, seed=0, threads=1)
     samples = _samples(model_dir)
     adv = _advantages(samples)
     norm = grpo.loss_normalizer([s.response_len for s in samples])
-    out = {"logprobs": [], "norms": [], "max_logit": [], "threads": torch.get_num_threads()}
-    for weights in weights_per_step:
+    cfg = checkpoint.causal_lm_config(model_dir, "model_dir")
+    rho = rounding.ROUNDING_LAMBDA * rounding.FP32_UNIT_ROUNDOFF * (
+        2 * rounding.logit_path(cfg, max(len(s.prompt_ids) + s.response_len for s in samples))
+        + math.sqrt(sum(len(s.prompt_ids) + s.response_len for s in samples)))
+    params = list(trainer.model.named_parameters())
+    out = {"logprobs": [], "norms": [], "max_logit": [], "states": [], "bounds": [], "threads": torch.get_num_threads()}
+    for step, weights in enumerate(weights_per_step):
         trainer.load_state_dict(weights)
+        if moments_per_step is not None:
+            trainer.optimizer.state.clear()
+            for name, p in params:
+                m = moments_per_step[step].get(name)
+                if m is not None:
+                    trainer.optimizer.state[p] = {k: v.clone() for k, v in m.items()}
         old = trainer.logprobs(samples)
         grads = [trainer.chunk_gradients(samples[a:b], adv[a:b], old[a:b], normalizer=norm) for a, b in CHUNKS]
         out["logprobs"].append(old)
+        before = [trainer.optimizer.state.get(p, {}) for _, p in params]
         out["norms"].append(trainer.apply(grads)["grad_norm"])
         with torch.no_grad():
             logits = [trainer.model(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits for s in samples]
             out["max_logit"].append(max(float(z.abs().max()) for z in logits))
+        if moments_per_step is None:
+            continue
+        flats = [g.flat for g in grads]
+        total = sum(flats[1:], flats[0].clone())
+        delta = rounding.summation_gap(flats) + 2 * rho * float(total.abs().max())
+        bound, offset = {}, 0
+        for (name, p), state in zip(params, before):
+            n = p.numel()
+            zero = torch.zeros(n)
+            m = state.get("exp_avg", zero).reshape(-1)
+            v = state.get("exp_avg_sq", zero).reshape(-1)
+            bound[checkpoint.hf_name(name)] = rounding.adamw_step_gap(
+                total[offset:offset + n], delta[offset:offset + n], m, v, int(state.get("step", 0)) + 1,
+                p.detach().reshape(-1), LR, trainer.betas, max_grad_norm=trainer.max_grad_norm).view(p.shape)
+            offset += n
+        out["states"].append(trainer.state_dict())
+        out["bounds"].append(bound)
     return out
 
 
@@ -153,6 +190,17 @@ def _fp32_bounds(model_dir, samples, max_logit: float) -> tuple:
     return logprob_tol, 2 * grad_rho
 
 
+def _full_moments(trainer) -> dict:
+    """The gang's AdamW state, gathered whole onto rank 0 (``{fqn: {"step", "exp_avg", "exp_avg_sq"}}``; a
+    collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    if not trainer.optimizer.state:
+        return {}
+    state = get_optimizer_state_dict(trainer.model, trainer.optimizer,
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: {n: t.detach().clone() for n, t in v.items()} for k, v in state.get("state", {}).items()}
+
+
 def _gang_worker(rank, world, addr, model_dir, out_dir, replicas, precision, device="cpu", checkpointing=None):
     """One rank of a gang: the reference run's steps, each chunk dealt over the gang's ranks."""
     trainer = TrainerEngine(model_dir, lr=LR, seed=0, threads=1, precision=precision, device=device,
@@ -166,6 +214,7 @@ def _gang_worker(rank, world, addr, model_dir, out_dir, replicas, precision, dev
         out = {"states": [], "norms": [], "logprobs": [], "switch": [], "local_numel": trainer.local_numel,
                "numel": trainer.numel, "dtypes": {}}
         for step in range(STEPS):
+            out.setdefault("moments", []).append(_full_moments(trainer))   # the state this step starts from
             grads, step_lps = [], {}
             for c, (a, b) in enumerate(CHUNKS):
                 idx = list(range(a, b))
@@ -255,7 +304,7 @@ def test_fsdp2_gang_matches_the_unsharded_trainer_after_three_steps(model_dir, t
     assert all(r["states"][0] == {} for r in ranks[1:]), "only rank 0 receives the gathered weights"
     start = TrainerEngine(model_dir).state_dict()
     # the gang's log-probs and norm of step t are of the weights it held before step t's update
-    redo = _in_own_process(tmp_path, _rounding_reference, str(model_dir), [start] + r0["states"][:-1])
+    redo = _in_own_process(tmp_path, _rounding_reference, str(model_dir), [start] + r0["states"][:-1], r0["moments"])
     assert redo["threads"] == 1
     samples = _samples(model_dir)
     for step in range(STEPS):
@@ -266,8 +315,11 @@ def test_fsdp2_gang_matches_the_unsharded_trainer_after_three_steps(model_dir, t
                 torch.testing.assert_close(lp, redo["logprobs"][step][k], atol=logprob_tol, rtol=0)
         covered = set().union(*(r["logprobs"][step] for r in ranks))
         assert covered == set(range(8))
-        state = r0["states"][step]
-        gap = rounding.same_weights(state, reference["states"][step], LR, step + 1)
+        # one step from the gang's own state (weights and AdamW moments): every weight within its bound
+        gap = rounding.same_step(r0["states"][step], redo["states"][step], redo["bounds"][step])
+        assert gap.ok and gap.compared == r0["numel"], (step, str(gap))
+        # and three steps apart from the start, against the reference run (two runs compared only at their end)
+        gap = rounding.same_weights(r0["states"][step], reference["states"][step], LR, step + 1)
         assert gap.ok, (step, str(gap))
     # the weights moved, and a step's offload freed the rank's (sharded) state and onload restored it exactly
     assert _max_weight_diff(r0["states"][-1], start) > 1e-4

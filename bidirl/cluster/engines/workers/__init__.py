@@ -5,7 +5,8 @@
 ``logprob`` (response log-probs without full logits), ``host_buffer`` (a hot switch's host buffer),
 ``state_copy`` (the recovery snapshot's copy to host memory, beside the next chunks),
 ``snapshot_files`` (a rank's recovery snapshots on its node's disk), ``weight_transport`` (weights in buckets over
-``torch.distributed``) and ``bridge`` (auxiliary gradient windows shard to shard).
+``torch.distributed``), ``launch_order`` (one order for a gang rank's collectives on its two threads) and
+``bridge`` (auxiliary gradient windows shard to shard).
 
 Nothing here imports the driver's side (:mod:`bidirl.cluster.engines`' other modules, :mod:`bidirl.cluster.pool`,
 the job's configuration): a worker's process loads only what it runs (``tests/test_architecture.py``).

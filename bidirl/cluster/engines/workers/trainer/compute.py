@@ -16,10 +16,12 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from bidirl.cluster.engines.workers.logprob import response_logprobs
+from bidirl.cluster.engines.workers.launch_order import gang_call
 from bidirl.cluster.engines.workers.trainer.ordered_sum import OrderedSum
 from bidirl.cluster.engines.workers.trainer.tensors import as_1d, is_dtensor, like_param, local_part, local_slice
 from bidirl.core.protocol import PRIMARY
 from bidirl.rl import grpo
+from bidirl.rl import model_folder as checkpoint
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Compute:
             if grad:
                 (logits.float().sum() * 0.0).backward()
 
+    @gang_call
     def logprobs(self, samples: Sequence, model: str = "actor") -> list:
         """Per-token log-probs of each sample's response tokens (list of 1-D fp32 CPU tensors).
 
@@ -113,6 +116,9 @@ class Compute:
         if self._reference is None:
             self._check_onloaded("reference_model")
             self._reference = self._load_model(frozen=True)
+            if self._launches is not None:               # its blocks are yield points too (launch_order)
+                from bidirl.cluster.engines.workers import launch_order
+                launch_order.yield_at_blocks(checkpoint.transformer_blocks(self._reference), lambda: self._launches)
         return self._reference
 
     def _pad(self, rows: Sequence, rlen: list, name: str) -> torch.Tensor:
@@ -126,6 +132,7 @@ class Compute:
             out[i, :n] = v
         return out.to(self.device)
 
+    @gang_call
     def chunk_gradients(self, samples: Sequence, advantages, old_logprobs: Sequence,
                         ref_logprobs: Optional[Sequence] = None, normalizer: Optional[float] = None,
                         accumulate: bool = False, chunk_id=None, position: Optional[tuple] = None) -> ChunkGradient:
@@ -243,6 +250,7 @@ class Compute:
                  for p, s in zip(self.params, self.local_shapes)]
         return torch.cat(parts).detach().to(torch.float32)
 
+    @gang_call
     def full_gradient(self, local_flat: torch.Tensor) -> torch.Tensor:
         """The full gradient (parameter order, fp32, CPU) from every rank's shard vector ``local_flat``.
 
@@ -278,6 +286,7 @@ class Compute:
             offset += n
         return torch.cat(parts)
 
+    @gang_call
     def apply(self, grads_in_chunk_order: Iterable = (), windows: Optional[dict] = None) -> dict:
         """Clip the step's summed gradient and take one AdamW step on the device (primary only).
 

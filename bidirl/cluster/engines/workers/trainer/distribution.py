@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from bidirl.cluster.engines.workers import launch_order
 from bidirl.cluster.engines.workers.trainer.tensors import on_meta
 from bidirl.rl import model_folder as checkpoint
 
@@ -75,6 +76,11 @@ class Distribution:
             if group is not None and world > 1:
                 torch.distributed.all_reduce(torch.zeros(1, device=self._comm_device()), group=group)
         self._shard(self._device_mesh(replicas, world // replicas))
+        if self._transport_group is not None:       # two threads launch the gang's collectives: one order
+            self._launches = launch_order.LaunchOrder(launch_order.gang_store(f"{addr}/{world}"), rank, world)
+            for model in (self.model, self._reference):
+                if model is not None:
+                    launch_order.yield_at_blocks(checkpoint.transformer_blocks(model), lambda: self._launches)
 
     def _device_mesh(self, replicas: int, shard: int):
         from torch.distributed.device_mesh import init_device_mesh
@@ -152,4 +158,5 @@ class Distribution:
         if self._group is not None and dist.is_initialized() and self.world > 1:
             dist.destroy_process_group()
         self._group = None
+        self._launches = None
         self.rank, self.world = 0, 1

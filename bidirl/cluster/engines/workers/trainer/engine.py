@@ -144,6 +144,7 @@ class TrainerEngine(StateOffload, MicroBatches, Compute, Weights, Windows, Recov
         self._published_on_host = False
         self.published: dict = {}         # actor version -> {name: (shard in the wire dtype, rows or None)}
         self._transport_group = None      # the gang's second group, for the weight transport's gathers
+        self._launches = None             # the gang's launch order over both threads (launch_order)
         self.accumulated: list = []       # chunk gradients accumulated into p.grad since the last step (their ids)
         self.order = OrderedSum()         # the step's gradient in unit order (chunks given a position: ordered_sum)
         self.version = 0

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Union
 
 from bidirl.cluster.engines.workers import snapshot_files
+from bidirl.cluster.engines.workers.launch_order import gang_call
 from bidirl.cluster.engines.workers.trainer.tensors import local_part, rebuild, tree_map
 
 
@@ -39,6 +40,7 @@ class Recovery:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.version = int(version)
 
+    @gang_call
     def save_train_state(self, path: Union[str, Path]) -> float:
         """Write weights and optimizer state into the folder ``path`` with ``torch.distributed.checkpoint``: on
         a gang every rank calls it and writes its own shards (one file per rank). Returns seconds."""
@@ -48,6 +50,7 @@ class Recovery:
         dcp.save(self._train_state("save_train_state"), checkpoint_id=str(path), process_group=self._dcp_group())
         return time.perf_counter() - t0
 
+    @gang_call
     def load_train_state(self, path: Union[str, Path], version: int) -> float:
         """Read what :meth:`save_train_state` wrote (every rank of a gang of the same layout calls it) and
         become actor ``version``. Returns seconds."""

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from bidirl.cluster.engines.workers.launch_order import gang_call
 from bidirl.cluster.engines.workers.trainer.offload import PUBLISHED_VERSIONS
 from bidirl.cluster.engines.workers.trainer.tensors import (checkpoint_tensors, is_dtensor, local_part,
                                                              local_slice)
@@ -21,6 +22,7 @@ from bidirl.rl import model_folder as checkpoint
 class Weights:
     """State dicts, ``publish``, ``send_weights`` and ``receive_weights``."""
 
+    @gang_call
     def state_dict(self) -> dict:
         """The full weights under the HF checkpoint's names, on CPU (the tied ``lm_head.weight`` included, as
         vLLM's reload needs). On a sharded gang every rank must call it: rank 0 gets the weights, the others
@@ -166,19 +168,33 @@ class Weights:
                              f"mismatches {wrong[:5]}, or another dtype than {transfer.layout.dtype}); build it from "
                              "this trainer's model folder (weight_transport.model_layout)")
         broadcast = agree = None
+        turn = self._transport_turn
         if self.world > 1:
             import torch.distributed as dist
 
             def broadcast(n: int) -> int:
                 flag = torch.tensor([n], dtype=torch.int64, device=self._comm_device())
-                dist.broadcast(flag, src=0, group=self._transport_group)
+                with turn():
+                    dist.broadcast(flag, src=0, group=self._transport_group)
                 return int(flag.item())
 
             def agree(t) -> None:
-                wt.check_same_transfer(t.tid, t.version, self.rank, self._transport_group, self._comm_device())
+                with turn():
+                    wt.check_same_transfer(t.tid, t.version, self.rank, self._transport_group, self._comm_device())
+
+        def gather(names):
+            with turn():                 # one bucket's gather per turn: it slips in between two blocks of a chunk
+                return self._gather_bucket(shards, names)
         with torch.no_grad(), self._reading_published(shards):
-            return wt.send_buckets(transfer, self.rank, lambda names: self._gather_bucket(shards, names),
-                                   self._comm_device(), broadcast, agree)
+            return wt.send_buckets(transfer, self.rank, gather, self._comm_device(), broadcast, agree)
+
+    def _transport_turn(self):
+        """A ``transport`` turn of the gang's launch order (:mod:`~bidirl.cluster.engines.workers.launch_order`);
+        nothing to order on a gang of one."""
+        from contextlib import nullcontext
+
+        from bidirl.cluster.engines.workers.launch_order import TRANSPORT
+        return self._launches.turn(TRANSPORT) if self._launches is not None else nullcontext()
 
     @staticmethod
     def _global_shape(name: str, local: torch.Tensor, rows) -> tuple:
