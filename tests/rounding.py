@@ -100,6 +100,22 @@ class WeightGap:
                 f"largest difference {self.largest:.3e} (bound {self.largest_bound:.3e})")
 
 
+def exact_weights(a: dict, b: dict) -> list:
+    """The names of the tensors on which two runs' final weights differ in any bit (none: the runs are the same).
+
+    The bound for two runs of one job in the reproducible mode (``rl.reproducible``; on by default at s = 0),
+    weight by weight and with no weight exempt, is zero: the mode fixes every reduction whose order could follow
+    timing — the step's chunks cut on one grid whichever gang computes them, their gradients summed in unit order
+    (``trainer/ordered_sum.py``), the batch and each group's version by rule — so both runs execute the same fp32
+    operations on the same operands in the same order, and IEEE-754 rounding is a function of the operands: the
+    same bits on any machine that runs the same kernels. A chunk lost, doubled or computed on other samples
+    changes the operands of every weight it reaches, so it fails this everywhere (``same_weights`` is for runs
+    whose sums may be grouped differently: the default mode at s > 0, or settings that change the grouping)."""
+    import torch
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
+    return sorted(k for k in a if not torch.equal(a[k], b[k]))
+
+
 def same_weights(a: dict, b: dict, lr: float, steps: int, weight_decay: float = 0.0) -> WeightGap:
     """Compare the final weights of two runs of one job that may differ in rounding only: chunk gradients summed
     in another grouping (borrowing), on other workers (kept or fresh, restarted), sharded or not, on another CPU.

@@ -150,11 +150,12 @@ def _batches(view) -> list:
 
 
 def _same_weights(a: dict, b: dict, cfg) -> str:
-    """Two runs of one job at s = 0 whose chunk gradients may be summed in other groupings (borrowing; restarted
-    workers): ``rounding.same_weights``. Returns how far apart they are, in words."""
-    gap = rounding.same_weights(a, b, cfg.rl.lr, STEPS)
-    assert gap.ok, str(gap)
-    return str(gap)
+    """Two runs of one job at s = 0, where the reproducible mode is on by default: whatever the kills, restarts and
+    borrowing, the same weights bit for bit (``rounding.exact_weights``). Returns it in words."""
+    assert cfg.rl.reproducible_on
+    differ = rounding.exact_weights(a, b)
+    assert not differ, f"{len(differ)} tensors differ from the fault-free run's: {differ[:5]}"
+    return "equal bit for bit"
 
 
 @pytest.fixture(scope="module")
@@ -254,9 +255,9 @@ def test_a_killed_driver_resumes_from_its_checkpoint_as_if_never_stopped(model_d
     straight = checkpoints.Checkpoint.open(ref_folder / f"step-{DEATH_STEPS:06d}")
     assert resumed.step == DEATH_STEPS
     assert _batches(resumed.control().coordinator.view()) == _batches(straight.control().coordinator.view())
-    gap = rounding.same_weights(resumed.trainer_weights(), straight.trainer_weights(), job(0.0).rl.lr, DEATH_STEPS)
-    print(f"{DEATH_AT} + {DEATH_STEPS - DEATH_AT} resumed steps against {DEATH_STEPS} straight: {gap}")
-    assert gap.ok, str(gap)
+    differ = rounding.exact_weights(resumed.trainer_weights(), straight.trainer_weights())
+    print(f"{DEATH_AT} + {DEATH_STEPS - DEATH_AT} resumed steps against {DEATH_STEPS} straight: {differ or 'equal'}")
+    assert job(0.0).rl.reproducible_on and not differ, differ[:5]
     # the resumed run's own outputs number the steps 0-3: its log continues the first run's
     from bidirl.results.trace import EventLog
     from bidirl.results.tracking import EVENTS_FILE, METRICS_FILE

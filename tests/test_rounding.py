@@ -86,6 +86,15 @@ def test_a_lost_doubled_or_foreign_chunk_is_not(model_dir, in_order, wrong):
     assert gap.moved > 5 * gap.moved_bound, str(gap)
 
 
+def test_the_same_sums_in_the_same_order_are_equal_bit_for_bit_and_one_lost_chunk_is_not(model_dir, in_order):
+    """``rounding.exact_weights``, the check of the reproducible mode's end-of-run comparisons (bound 0 for every
+    weight): a second run adding the same chunks in the same order is equal in every bit; one lost chunk at step 1
+    changes every tensor its samples reach."""
+    assert rounding.exact_weights(in_order, _train(model_dir, lambda step, chunks, other: chunks)) == []
+    lost = _train(model_dir, lambda step, chunks, other: chunks[:2] + chunks[3:] if step == 1 else chunks)
+    assert len(rounding.exact_weights(in_order, lost)) > len(in_order) // 2
+
+
 # --------------------------------------------------------------------------------------------------------------
 # One step from one state, weight by weight (rounding.same_step): no weight exempt
 # --------------------------------------------------------------------------------------------------------------
