@@ -1,0 +1,37 @@
+"""The trainer's route replay (R3, :mod:`bidirl.rl.route_replay`): a mixin of
+:class:`~bidirl.cluster.engines.workers.trainer.engine.TrainerEngine` giving its forward passes the rollout's routes.
+
+With ``route_replay`` on, every forward of the log-prob stages and of a chunk's update (:meth:`Compute._token_logprobs`)
+runs inside :meth:`Replay._replaying`, which hooks the model's MoE routers once per model object (the actor, the
+frozen reference) and sets the batch's routes. :meth:`Replay.route_replay_counts` says what was replayed."""
+
+from __future__ import annotations
+
+import contextlib
+
+from bidirl.rl.route_replay import RouteReplay
+
+
+class Replay:
+    """``route_replay`` (bool, set by the engine) and the per-model :class:`RouteReplay` hooks."""
+
+    def _replaying(self, model, samples, width: int):
+        """A block whose forwards of ``model`` replay ``samples``' routes (a no-op block when replay is off)."""
+        if not getattr(self, "route_replay", False):
+            return contextlib.nullcontext()
+        replays = self.__dict__.setdefault("_route_replays", {})
+        held = replays.get(id(model))
+        if held is None or held[0] is not model:
+            held = replays[id(model)] = (model, RouteReplay(model, self.config))
+        return held[1].batch(samples, width)
+
+    def route_replay_counts(self) -> dict:
+        """Batches, tokens and router decisions replayed so far, summed over this engine's models, and the
+        decisions the trainer's own routers would have taken differently (``ReplayCounts.to_dict``)."""
+        total = {"batches": 0, "tokens": 0, "decisions": 0, "differing": 0}
+        for _model, replay in self.__dict__.get("_route_replays", {}).values():
+            for k, v in replay.counts.to_dict().items():
+                if k in total:
+                    total[k] += v
+        total["differing_fraction"] = total["differing"] / total["decisions"] if total["decisions"] else None
+        return total
