@@ -15,9 +15,9 @@ do not (Megatron-LM #4168). R3 records the rollout's routes (:mod:`bidirl.rl.rou
 
 A :class:`RouteReplay` hooks every MoE router of one model once (``*.layers.<i>.mlp.gate`` returning
 ``(logits, weights, ids)``: transformers' Qwen2-MoE / Qwen3-MoE routers) and replays the routes of the batch set by
-:meth:`RouteReplay.batch`. The batch stays set after the block, so a backward pass that recomputes the forward
-(activation checkpointing) replays the same routes; the next :meth:`~RouteReplay.batch` replaces it, and a forward of
-another token count after the block (a gang rank's one-token empty share) routes by itself. A position
+:meth:`RouteReplay.batch`. The batch stays set after the block for a backward pass that recomputes the forward (activation checkpointing),
+which replays the same routes; any other forward after the block routes by itself, and the next
+:meth:`~RouteReplay.batch` replaces the batch. A position
 without a route (the last response token, never fed to the rollout's model; padding) keeps the trainer's own
 choice: the former's logits predict nothing the loss uses, the latter is masked.
 """
@@ -31,6 +31,13 @@ from typing import Optional, Sequence
 import numpy as np
 
 from bidirl.rl.routes import ROUTER_SUFFIX, _layer_index, moe_route_shape
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (where activation checkpointing recomputes)."""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
 
 
 class RouteReplayError(ValueError):
@@ -87,11 +94,11 @@ class RouteReplay:
 
         def hook(_module, _args, output):
             batch = self._batch
-            if batch is None:
-                return None
+            if batch is None or not (batch.active or _in_backward()):
+                return None               # a forward outside a replayed block routes by itself
             logits, _weights, own = output
             if logits.shape[0] != batch.known.shape[0]:
-                if not batch.active:      # another forward after the block (a gang's empty share): not this batch
+                if not batch.active:      # a backward's recompute of another forward: not this batch's
                     return None
                 raise RuntimeError(f"route replay (R3): the router of MoE layer {j} saw {logits.shape[0]} tokens, "
                                    f"the replayed batch has {batch.known.shape[0]}")
@@ -147,6 +154,10 @@ class RouteReplay:
             known[b, :need] = True
         return _Batch(torch.as_tensor(routes.reshape(-1, self.layers_count, self.top_k)),
                       torch.as_tensor(known.reshape(-1)))
+
+    def forget(self) -> None:
+        """Drop the last batch (a backward after this recomputes with the trainer's own routes)."""
+        self._batch = None
 
     def remove(self) -> None:
         """Detach the hooks (the routers choose for themselves again)."""

@@ -17,9 +17,11 @@ class Replay:
 
     def _replaying(self, model, samples, width: int):
         """A block whose forwards of ``model`` replay ``samples``' routes (a no-op block when replay is off)."""
-        if not getattr(self, "route_replay", False):
-            return contextlib.nullcontext()
         replays = self.__dict__.setdefault("_route_replays", {})
+        if not getattr(self, "route_replay", False):
+            for _model, replay in replays.values():       # switched off: an earlier batch's backward is over
+                replay.forget()
+            return contextlib.nullcontext()
         held = replays.get(id(model))
         if held is None or held[0] is not model:
             held = replays[id(model)] = (model, RouteReplay(model, self.config))
