@@ -158,3 +158,89 @@ def test_replay_errors_name_the_cause(moe_dir, tmp_path):
         engine.logprobs([wrong])
     with pytest.raises(RouteReplayError, match="dense model"):
         RouteReplay(tiny_model.transformers_model(tiny_model.TinyConfig()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the pieces routes travel through: kept prefix blocks, samples, the config switch, the run's count
+# ---------------------------------------------------------------------------------------------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 8), st.lists(st.integers(0, 5), min_size=1, max_size=40),
+       st.lists(st.integers(0, 5), min_size=0, max_size=40), st.integers(0, 40))
+def test_kept_prefix_blocks_fill_exactly_the_positions_of_full_shared_blocks(block, a, b, upto):
+    """A sequence ``b`` that shares a prefix with a stored ``a`` gets rows for exactly the positions of the full
+    blocks it shares whole (the prefix cache's own reuse rule), each row ``a``'s row at that position."""
+    from bidirl.rl.routes import PrefixRoutes
+
+    kept = PrefixRoutes(block=block)
+    rows_a = {p: np.full((2, 2), p, dtype=ROUTE_DTYPE) for p in range(len(a))}
+    kept.store(a, rows_a)
+    shared = 0
+    while shared < min(len(a), len(b)) and a[shared] == b[shared]:
+        shared += 1
+    whole = (min(shared, len(a)) // block) * block         # full blocks both sequences share
+    rows_b: dict = {}
+    kept.fill(b, rows_b, upto=upto)
+    want = set(range(min(whole, upto, len(b))))
+    assert set(rows_b) == want
+    for p in want:
+        np.testing.assert_array_equal(rows_b[p], rows_a[p])
+
+
+def test_sequence_routes_names_missing_positions():
+    from bidirl.rl.routes import sequence_routes
+
+    rows = {0: np.zeros((2, 2)), 2: np.zeros((2, 2))}
+    with pytest.raises(RuntimeError, match=r"engine X: no route recorded for positions \[1, 3\]"):
+        sequence_routes(rows, 4, "engine X")
+    assert sequence_routes({0: np.ones((2, 2))}, 1, "x").shape == (1, 2, 2)
+
+
+def test_samples_carry_their_groups_routes():
+    from bidirl.core.protocol import GroupState
+    from bidirl.rl.samples import GroupPayload, samples_from_groups
+
+    r0, r1 = np.zeros((3, 2, 2), ROUTE_DTYPE), np.ones((4, 2, 2), ROUTE_DTYPE)
+    payload = GroupPayload(prompt_ids=(4, 5), token_ids=((6, 7), (6, 7, 8)), logprobs=((0.0, 0.0), (0.0,) * 3),
+                           versions=(0, 0), finish_reasons=("stop", "stop"), max_tokens=4, rewards=(1.0, 0.0),
+                           routes=(r0, r1))
+    state = GroupState(group_id=3, prompt_len=2, generated=(2, 3), done=(True, True), version=0, payload=payload)
+    a, b = samples_from_groups([state])
+    assert a.routes is r0 and b.routes is r1
+    assert a == Sample(3, 0, (4, 5), (6, 7), (0.0, 0.0), 1.0, 0)        # routes are left out of equality
+
+
+def test_the_config_switch_is_on_for_moe_and_refused_for_dense_models():
+    from bidirl.errors import ConfigError
+    from bidirl.job import config as cfgmod
+
+    assert cfgmod.JobConfig(model="tiny-moe", hardware="cpu").route_replay
+    assert not cfgmod.JobConfig(model="tiny-moe", hardware="cpu", rl=cfgmod.RLConfig(route_replay=False)).route_replay
+    assert not cfgmod.JobConfig(model="tiny", hardware="cpu").route_replay
+    with pytest.raises(ConfigError, match=r"rl\.route_replay: .*'tiny' is dense"):
+        cfgmod.JobConfig(model="tiny", hardware="cpu", rl=cfgmod.RLConfig(route_replay=True))
+    with pytest.raises(ConfigError, match=r"rl\.route_replay_compare"):
+        cfgmod.JobConfig(model="tiny-moe", hardware="cpu",
+                         rl=cfgmod.RLConfig(route_replay=False, route_replay_compare=True))
+    shipped = cfgmod.load("tiny-moe-cpu")
+    assert shipped.model_spec.is_moe and shipped.route_replay and shipped.rl.route_replay_compare
+
+
+def test_the_runs_tally_counts_a_chunk_replayed_only_when_every_fed_token_was():
+    from bidirl.cluster.engines.route_tally import RouteTally
+
+    tally = RouteTally(on=True)
+    tally.chunk("old_logprob", 10, 10)
+    tally.chunk("actor_update", 9, 10)          # a token short: not replayed
+    tally.chunk("actor_update", 10, 10)
+    s = tally.summary()
+    assert (s["chunks"], s["replayed_chunks"], s["every_chunk_replayed"], s["tokens"]) == (3, 2, False, 29)
+    again = RouteTally(on=True)
+    again.restore(tally.state())
+    assert again.summary() == s
+    off = RouteTally(on=False)
+    off.chunk("old_logprob", 0, 10)
+    assert off.summary()["replayed_chunks"] == 0 and not off.summary()["every_chunk_replayed"]

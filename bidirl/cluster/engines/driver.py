@@ -98,6 +98,7 @@ class StepData:
     old: list
     ref: list
     stats: list = field(default_factory=list)     # loss statistics of each update-chunk share
+    gaps_without_replay: dict = field(default_factory=dict)   # position -> max |Δ log-prob| with R3 off (compared)
 
     def chunk_inputs(self, share: list, kl: bool) -> tuple:
         """``TrainerActor.chunk_gradient``'s inputs after the chunk id for the samples at positions ``share``:
@@ -133,11 +134,13 @@ class EngineDriver(PoolDriver):
                                      "set workload.dataset: arithmetic, or give workload.data_file (prompts from a "
                                      ".parquet / .jsonl file)")
         if self.model_dir is None:
-            if cfg.model != "tiny":
+            if cfg.model not in ("tiny", "tiny-moe"):
                 raise cfgmod.ConfigError("model", f"engine runs need model weights; {cfg.model!r} has none here",
-                                         "use model: tiny (built in), or pass model_dir= a causal-LM checkpoint folder")
+                                         "use model: tiny or tiny-moe (built in), or pass model_dir= a causal-LM "
+                                         "checkpoint folder")
             from bidirl.rl.bootstrap import ensure_tiny_model
-            self.model_dir = str(ensure_tiny_model())
+            from bidirl.rl.tiny_model import TinyConfig, TinyMoeConfig
+            self.model_dir = str(ensure_tiny_model(cfg=TinyMoeConfig() if cfg.model == "tiny-moe" else TinyConfig()))
         if not self.report_seconds > 0:
             raise ValueError(f"EngineDriver.report_seconds must be > 0, got {self.report_seconds!r}")
         from bidirl.rl.model_folder import causal_lm_config
@@ -160,6 +163,8 @@ class EngineDriver(PoolDriver):
         self.step_data: Optional[StepData] = None
         self.aux_grads: dict = {}         # chunk id -> object ref of an auxiliary chunk's gradient
         self.step_stats: list = []
+        from bidirl.cluster.engines.route_tally import RouteTally
+        self.route_tally = RouteTally(on=cfg.route_replay)
         self.final_weights = None
         self._resource_name: Optional[str] = None
         t = cfg.transport
@@ -275,7 +280,7 @@ class EngineDriver(PoolDriver):
                     seed=cfg.seed, lr=cfg.rl.lr,
                     kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
                     activation_checkpointing=cfg.rl.activation_checkpointing,
-                    publish_dtype=self._publish_dtype(P.PRIMARY_TRAINER))
+                    publish_dtype=self._publish_dtype(P.PRIMARY_TRAINER), route_replay=cfg.route_replay)
 
     def _bundles(self, worker: str) -> list:
         """The placement-group bundles a worker's actors sit on: a rollouter's first slot, one per gang rank."""
@@ -300,12 +305,13 @@ class EngineDriver(PoolDriver):
             kwargs = dict(lr=cfg.rl.lr, seed=cfg.seed, kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
                           device="cuda" if gpu else "cpu", threads="auto", role=P.worker_role(worker),
                           activation_checkpointing=cfg.rl.activation_checkpointing, gang=len(bundles) > 1,
-                          publish_dtype=self._publish_dtype(worker))
+                          publish_dtype=self._publish_dtype(worker), route_replay=cfg.route_replay)
             self.gangs[worker] = [TrainerActor.options(**self._at(b)).remote(f"{worker}/{j}", self.model_dir, **kwargs)
                                   for j, b in enumerate(bundles)]
         else:
             self.actors[worker] = RolloutActor.options(**self._at(bundles[0])).remote(
-                worker, self.model_dir, cfg.seed, reward_fn=self.reward, **self.rollout.engine_kwargs())
+                worker, self.model_dir, cfg.seed, reward_fn=self.reward, routes=cfg.route_replay,
+                **self.rollout.engine_kwargs())
         self.versions[worker] = 0            # a fresh process holds the model folder's weights
 
     def _publish_dtype(self, worker: str):
@@ -480,11 +486,16 @@ class EngineDriver(PoolDriver):
         return {"file_sha256": file_sha256(path), "rows": int(source.size)}
 
     def checkpoint_state(self) -> dict:
-        return dict(super().checkpoint_state(), step_stats=list(self.step_stats))
+        return dict(super().checkpoint_state(), step_stats=list(self.step_stats), route_replay=self.route_tally.state())
 
     def restore_state(self, state: dict) -> None:
         super().restore_state(state)
         self.step_stats = list(state["step_stats"])
+        if "route_replay" in state:
+            self.route_tally.restore(state["route_replay"])
+        elif self.route_tally.on:
+            raise ValueError("the checkpoint has no route replay counts (written before R3 was counted), and this run "
+                             "replays routes; resume it with rl.route_replay: false or start the run anew")
 
     def save_trainer_state(self, folder) -> bool:
         """Every primary rank writes its shards of weights and AdamW state (``torch.distributed.checkpoint``)."""
@@ -646,17 +657,25 @@ class EngineDriver(PoolDriver):
             ends = [sp["end"] for r in replies if r is not None for sp in r.spans]
             self._chunk_done(cmd, self._wall(min(starts)), self._wall(max(ends)))
 
+        from bidirl.cluster.engines.workers.trainer.replay import fed_tokens
+        fed = fed_tokens([data.samples[k] for k in idx])
         if ch.stage in P.FORWARD_STAGES:
             model = "actor" if ch.stage == "old_logprob" else "reference"
             target = data.old if ch.stage == "old_logprob" else data.ref
             live = [(ranks[r], shares[r]) for r in forward_ranks(shares, layout)]   # a replica's ranks gather together
+            compare = self.config.rl.route_replay_compare and model == "actor"
 
             def done(replies):
                 for (_, share), reply in zip(live, replies):
                     for k, lp in zip(share, reply.value):
                         target[k] = lp
+                    for k, gap in zip(share, reply.spans[0]["detail"].get("gap_without_replay", ())):
+                        data.gaps_without_replay[k] = gap
+                self.route_tally.chunk(ch.stage, sum(r.spans[0]["detail"].get("replayed_tokens", 0)
+                                                     for r in replies), fed)
                 finished(replies)
-            self._when_all([(gang, r.logprobs.remote([data.samples[k] for k in s], model)) for r, s in live], done)
+            self._when_all([(gang, r.logprobs.remote([data.samples[k] for k in s], model, compare))
+                            for r, s in live], done)
             return
 
         primary = gang == PRIMARY_TRAINER
@@ -675,6 +694,7 @@ class EngineDriver(PoolDriver):
 
         def done(replies):
             data.stats += [r.value for r in replies if r.value.get("samples")]
+            self.route_tally.chunk(ch.stage, sum(r.value.get("replayed_tokens", 0) for r in replies), fed)
             if grad_ref is not None:
                 self.aux_grads[ch.chunk_id] = grad_ref
             finished(replies)
@@ -748,6 +768,9 @@ class EngineDriver(PoolDriver):
         # generated entirely by the weights the trainer held: the weight sync's correctness check.
         gaps = [float((torch.tensor(s.logprobs) - lp).abs().max()) for s, lp in zip(samples, data.old)
                 if s.version == data.version and s.response_len]
+        # the same samples' gap with the trainer routing by itself (rl.route_replay_compare; R3 on)
+        plain = [g for k, g in data.gaps_without_replay.items()
+                 if samples[k].version == data.version and samples[k].response_len]
         max_len = self.config.workload.max_response_len
         return {"step": data.step, "version": update["version"],
                 "reward": float(np.mean(rewards)), "reward_max": float(np.max(rewards)),
@@ -760,7 +783,8 @@ class EngineDriver(PoolDriver):
                 "loss": float(sum(s["loss"] for s in data.stats)),
                 "pg_loss": float(sum(s["pg_loss"] for s in data.stats)), "kl": token_weighted(data.stats, "kl"),
                 "clip_frac": token_weighted(data.stats, "clip_frac"), "grad_norm": float(update["grad_norm"]),
-                "on_policy_samples": len(gaps), "logprob_diff_max": max(gaps) if gaps else None}
+                "on_policy_samples": len(gaps), "logprob_diff_max": max(gaps) if gaps else None,
+                "logprob_diff_max_no_r3": max(plain) if plain else None}
 
     # ------------------------------------------------------------------------------------------
     # weights and switching
@@ -891,6 +915,9 @@ class EngineDriver(PoolDriver):
         out["train"] = list(self.step_stats)
         gaps = [s["logprob_diff_max"] for s in self.step_stats if s["logprob_diff_max"] is not None]
         out["logprob_diff_max"] = max(gaps) if gaps else None
+        plain = [s["logprob_diff_max_no_r3"] for s in self.step_stats if s.get("logprob_diff_max_no_r3") is not None]
+        out["logprob_diff_max_no_r3"] = max(plain) if plain else None
+        out["route_replay"] = self.route_tally.summary()
         out["model_dir"] = self.model_dir
         out["rollout_engine"] = dict(self.rollout.summary(), kv_cache_tokens_allocated=dict(self.kv_allocated))
         out["reward_function"] = self.reward.name

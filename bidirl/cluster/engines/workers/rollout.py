@@ -64,6 +64,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import numpy as np
 
 from bidirl.core.protocol import GroupState
+from bidirl.cluster.engines.workers.rollout_routes import RolloutRoutes
 from bidirl.cluster.engines.workers.rollout_weights import RolloutWeights
 from bidirl.rl.samples import GroupPayload
 
@@ -154,7 +155,7 @@ def _preserved_global_rng():
         torch.random.set_rng_state(states[2])
 
 
-class RolloutEngine(RolloutWeights):
+class RolloutEngine(RolloutRoutes, RolloutWeights):
     """An interruptible vLLM rollout replica (see the module docstring)."""
 
     def __init__(self, model_dir: Union[str, Path], seed: int = 0, max_model_len: int = 64,
@@ -210,14 +211,7 @@ class RolloutEngine(RolloutWeights):
         from bidirl.cluster.engines.workers.sampler import PositionKeyedSampler
 
         checkpoint.check_vllm_architecture(path, "RolloutEngine.model_dir")
-        if routes:
-            from bidirl.rl.routes import moe_route_shape
-            try:
-                self.route_shape = moe_route_shape(config)
-            except ValueError as exc:
-                raise ValueError(f"RolloutEngine.routes: {exc}; record routes only for an MoE model") from None
-        else:
-            self.route_shape = None
+        self.route_shape = self.route_shape_of(config) if routes else None
         self.tied = checkpoint.tied_embeddings(config)
         self.checkpoint_shapes = checkpoint.checkpoint_shapes(path)
         self.model_dir, self.seed = path, int(seed)
@@ -273,17 +267,7 @@ class RolloutEngine(RolloutWeights):
         self.engine = self.llm.llm_engine
         cache = self.engine.vllm_config.cache_config
         self.kv_block_tokens = int(cache.block_size)
-        self._route_capture = self._prefix_routes = None
-        if self.route_shape is not None:
-            from bidirl.rl.routes import PrefixRoutes
-
-            self._prefix_routes = PrefixRoutes(block=self.kv_block_tokens)
-            self._prefix_routes_version = None
-            if not self.gpu:           # vLLM's CPU build refuses enable_return_routed_experts: hook the routers
-                from bidirl.cluster.engines.workers.rollout_routes import install_step_capture
-
-                top_k = self.route_shape[1]
-                self._route_capture = self.llm.collective_rpc(lambda w: install_step_capture(w, top_k))[0]
+        self._start_route_capture()
         self.kv_cache_tokens = int(cache.num_gpu_blocks or 0) * self.kv_block_tokens    # what vLLM allocated
         from bidirl.rl.tiny_model import load_tokenizer
         self.tokenizer = load_tokenizer(path)
@@ -520,40 +504,6 @@ class RolloutEngine(RolloutWeights):
         return GroupState(group_id=req.group_id, prompt_len=len(req.prompt_ids),
                           generated=tuple(len(r.tokens) for r in rs), done=tuple(r.done for r in rs),
                           version=min(r.version for r in rs), payload=payload)
-
-    def _take_routes(self, gid: int, resp: _Response, request_id: str, completion) -> None:
-        """Add the routes of ``request_id``'s computed positions to ``resp`` (the rows it already holds — a resumed
-        prefix's — win), then the prefix-cache-served positions from :attr:`_prefix_routes`; keep its full blocks."""
-        if self.route_shape is None:
-            return
-        if self._route_capture is not None:
-            new = self._route_capture.take(request_id)
-        else:                       # GPU: vLLM's own record (enable_return_routed_experts), positions 0 … n − 1
-            from bidirl.rl.routes import as_routes
-
-            got = getattr(completion, "routed_experts", None) if completion is not None else None
-            new = {} if got is None else dict(enumerate(as_routes(got, *self.route_shape, f"request {request_id}")))
-        for p, row in new.items():
-            resp.routes.setdefault(p, row)
-        if self._prefix_routes_version != self.version:     # blocks of older weights: the prefix cache was reset
-            self._prefix_routes.clear()
-            self._prefix_routes_version = self.version
-        tokens = list(self._groups[gid].request.prompt_ids) + list(resp.tokens)
-        self._prefix_routes.fill(tokens, resp.routes, upto=len(tokens) - 1)
-        self._prefix_routes.store(tokens, resp.routes)
-
-    def _routes_of(self, req: GroupRequest, resp: _Response):
-        """A response's routes: one row per token its model was fed (the prompt and every response token but the
-        last, which is sampled and never fed back) — all of them once it is done; the leading positions known so
-        far while it is unfinished (a prefix that a resume continues)."""
-        from bidirl.rl.routes import ROUTE_DTYPE, sequence_routes
-
-        n = len(req.prompt_ids) + len(resp.tokens) - 1
-        if not resp.done:
-            n = next((p for p in range(n) if p not in resp.routes), n)
-        if n <= 0:
-            return np.zeros((0,) + self.route_shape, dtype=ROUTE_DTYPE)
-        return sequence_routes(resp.routes, n, f"RolloutEngine: group {req.group_id}")
 
     def _scored_tokens(self, req: GroupRequest, tokens: list) -> list:
         """The tokens a reward scores: with forced lengths only those before the first EOS (the answer the

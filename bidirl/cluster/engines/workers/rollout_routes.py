@@ -91,3 +91,66 @@ def install_step_capture(worker, top_k: int) -> StepRouteCapture:
     runner.execute_model = execute_model
     runner._model_forward = model_forward
     return capture
+
+
+class RolloutRoutes:
+    """The route half of :class:`~bidirl.cluster.engines.workers.rollout.RolloutEngine` (a mixin; its ``route_shape``,
+    ``gpu``, ``llm``, ``kv_block_tokens``, ``version`` and ``_groups``): each response's ``position → row`` routes,
+    assembled from its requests' rows, a resumed prefix's rows and the kept prefix blocks."""
+
+    @staticmethod
+    def route_shape_of(config) -> tuple:
+        """``(MoE layers, k)`` of the checkpoint's config; ValueError for a dense model (no routes to record)."""
+        from bidirl.rl.routes import moe_route_shape
+        try:
+            return moe_route_shape(config)
+        except ValueError as exc:
+            raise ValueError(f"RolloutEngine.routes: {exc}; record routes only for an MoE model") from None
+
+    def _start_route_capture(self) -> None:
+        """Once the vLLM engine is built: the kept prefix blocks and, on CPU, the worker's capture."""
+        self._route_capture = self._prefix_routes = None
+        if self.route_shape is None:
+            return
+        from bidirl.rl.routes import PrefixRoutes
+
+        self._prefix_routes = PrefixRoutes(block=self.kv_block_tokens)
+        self._prefix_routes_version = None
+        if not self.gpu:           # vLLM's CPU build refuses enable_return_routed_experts: hook the routers
+            top_k = self.route_shape[1]
+            self._route_capture = self.llm.collective_rpc(lambda w: install_step_capture(w, top_k))[0]
+
+    def _take_routes(self, gid: int, resp, request_id: str, completion) -> None:
+        """Add the routes of ``request_id``'s computed positions to ``resp`` (the rows it already holds — a resumed
+        prefix's — win), then the prefix-cache-served positions from :attr:`_prefix_routes`; keep its full blocks."""
+        if self.route_shape is None:
+            return
+        if self._route_capture is not None:
+            new = self._route_capture.take(request_id)
+        else:                       # GPU: vLLM's own record (enable_return_routed_experts), positions 0 … n − 1
+            from bidirl.rl.routes import as_routes
+
+            got = getattr(completion, "routed_experts", None) if completion is not None else None
+            new = {} if got is None else dict(enumerate(as_routes(got, *self.route_shape, f"request {request_id}")))
+        for p, row in new.items():
+            resp.routes.setdefault(p, row)
+        if self._prefix_routes_version != self.version:     # blocks of older weights: the prefix cache was reset
+            self._prefix_routes.clear()
+            self._prefix_routes_version = self.version
+        tokens = list(self._groups[gid].request.prompt_ids) + list(resp.tokens)
+        self._prefix_routes.fill(tokens, resp.routes, upto=len(tokens) - 1)
+        self._prefix_routes.store(tokens, resp.routes)
+
+    def _routes_of(self, req, resp):
+        """A response's routes: one row per token its model was fed (the prompt and every response token but the
+        last, which is sampled and never fed back) — all of them once it is done; the leading positions known so
+        far while it is unfinished (a prefix that a resume continues)."""
+        from bidirl.rl.routes import sequence_routes
+
+        n = len(req.prompt_ids) + len(resp.tokens) - 1
+        if not resp.done:
+            n = next((p for p in range(n) if p not in resp.routes), n)
+        if n <= 0:
+            return np.zeros((0,) + self.route_shape, dtype=ROUTE_DTYPE)
+        return sequence_routes(resp.routes, n, f"RolloutEngine: group {req.group_id}")
+

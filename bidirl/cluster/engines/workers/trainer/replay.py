@@ -37,3 +37,29 @@ class Replay:
                     total[k] += v
         total["differing_fraction"] = total["differing"] / total["decisions"] if total["decisions"] else None
         return total
+
+
+def fed_tokens(samples) -> int:
+    """Tokens whose routes a replayed forward of ``samples`` uses: each sample's prompt and response but the last."""
+    return sum(max(len(s.prompt_ids) + len(s.response_ids) - 1, 0) for s in samples)
+
+
+def replay_detail(engine, samples, before: int, compare: bool, model: str) -> dict:
+    """A log-prob call's replay record for its span: tokens replayed since ``before`` (the engine's replayed-token
+    count when the call began) out of the fed tokens; with ``compare`` (the actor model, replay on), each sample's
+    largest gap between the rollout's log-probs and the trainer's without the replay (the forward is run again with
+    the replay off)."""
+    if not engine.route_replay:
+        return {}
+    out = {"replayed_tokens": engine.route_replay_counts()["tokens"] - before, "fed_tokens": fed_tokens(samples)}
+    if compare and model == "actor":        # every rank of a gang, an empty share too (it joins the gathers)
+        import torch
+
+        engine.route_replay = False
+        try:
+            plain = engine.logprobs(samples, model)
+        finally:
+            engine.route_replay = True
+        out["gap_without_replay"] = [float((torch.tensor(s.logprobs, dtype=torch.float32) - lp).abs().max())
+                                     if len(lp) else 0.0 for s, lp in zip(samples, plain)]
+    return out
