@@ -12,7 +12,10 @@ the same way. The routing rule is the models' own: softmax over the logits, then
 same set (softmax is monotone).
 
 A :class:`RouteRecorder` keeps the rows of every forward call in order; which row is which request's token is the
-caller's to know (one sequence per forward in :func:`routes_of`; a batched engine must map rows to requests).
+caller's to know (one sequence per forward in :func:`routes_of`; vLLM's batched steps are split by request in
+:mod:`bidirl.cluster.engines.workers.rollout_routes`). :class:`PrefixRoutes` keeps full blocks' rows for the positions
+a prefix cache serves, :func:`sequence_routes` assembles one sequence's rows; the replay half is
+:mod:`bidirl.rl.route_replay`.
 """
 
 from __future__ import annotations
