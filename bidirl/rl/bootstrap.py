@@ -225,9 +225,9 @@ def ensure_tiny_model(cache_dir: Optional[Union[str, Path]] = None, seed: int = 
     """The warm-started tiny model's folder, building it on first use (safe across processes).
 
     The folder is ``<cache>/tiny-<key>`` (``tiny-<architecture>-<key>`` for an architecture other than the
-    default Qwen2, ``tiny-moe-<key>`` for the mixture-of-experts model, ``cfg`` a ``TinyMoeConfig``) with ``<key>`` from :func:`cache_key`. A build happens in a
-    temporary folder under an exclusive ``fcntl`` lock and is renamed into place when complete, so a
-    reader never sees a half-written model.
+    default Qwen2, ``tiny-moe-<key>`` for the mixture-of-experts model, ``cfg`` a ``TinyMoeConfig``) with ``<key>``
+    from :func:`cache_key`. A build happens in a temporary folder under an exclusive ``fcntl`` lock and is renamed
+    into place when complete, so a reader never sees a half-written model.
     """
     root = cache_root(cache_dir)
     root.mkdir(parents=True, exist_ok=True)

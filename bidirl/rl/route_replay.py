@@ -15,11 +15,11 @@ do not (Megatron-LM #4168). R3 records the rollout's routes (:mod:`bidirl.rl.rou
 
 A :class:`RouteReplay` hooks every MoE router of one model once (``*.layers.<i>.mlp.gate`` returning
 ``(logits, weights, ids)``: transformers' Qwen2-MoE / Qwen3-MoE routers) and replays the routes of the batch set by
-:meth:`RouteReplay.batch`. The batch stays set after the block for a backward pass that recomputes the forward (activation checkpointing),
-which replays the same routes; any other forward after the block routes by itself, and the next
-:meth:`~RouteReplay.batch` replaces the batch. A position
-without a route (the last response token, never fed to the rollout's model; padding) keeps the trainer's own
-choice: the former's logits predict nothing the loss uses, the latter is masked.
+:meth:`RouteReplay.batch`. The batch stays set after the block for a backward pass that recomputes the forward
+(activation checkpointing), which replays the same routes; any other forward after the block routes by itself, and
+the next :meth:`~RouteReplay.batch` replaces the batch. A position without a route (the last response token, never
+fed to the rollout's model; padding) keeps the trainer's own choice: the former's logits predict nothing the loss
+uses, the latter is masked.
 """
 
 from __future__ import annotations
