@@ -244,3 +244,34 @@ def test_the_runs_tally_counts_a_chunk_replayed_only_when_every_fed_token_was():
     off = RouteTally(on=False)
     off.chunk("old_logprob", 0, 10)
     assert off.summary()["replayed_chunks"] == 0 and not off.summary()["every_chunk_replayed"]
+
+
+def test_moe_weights_leave_the_trainer_per_expert_and_come_back_fused(moe_dir):
+    """The trainer's state dict names an MoE model's experts as its checkpoint does (one entry per expert, the fused
+    tensors split), which the rollouters load; another trainer loads it back into its fused tensors bit for bit."""
+    from bidirl.rl import model_folder as mf
+
+    a, b = TrainerEngine(str(moe_dir)), TrainerEngine(str(moe_dir))
+    state = a.state_dict()
+    stored = mf.checkpoint_shapes(moe_dir)
+    assert {k for k in state if k != "lm_head.weight"} == set(stored)          # the tied head is added as sent
+    assert all(tuple(state[k].shape) == tuple(stored[k]) for k in stored)
+    with torch.no_grad():
+        for p in b.model.parameters():
+            p.add_(1.0)
+    b.load_state_dict(state)
+    for (name, x), y in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        assert torch.equal(x, y), name
+    del state[next(k for k in state if ".experts.3.up_proj" in k)]
+    with pytest.raises(ValueError, match=r"experts\.3\.up_proj\.weight' is missing"):
+        b.load_state_dict(state)
+
+
+def test_moe_engine_runs_refuse_the_collective_weight_transport_by_name():
+    from bidirl.errors import ConfigError
+    from bidirl.job import config as cfgmod
+
+    cfg = cfgmod.load("tiny-moe-cpu")
+    cfgmod.check_engine_run(cfg)
+    with pytest.raises(ConfigError, match=r"transport\.weights: .*fused expert tensors"):
+        cfgmod.check_engine_run(cfg.with_overrides({"transport.weights": "collective"}))

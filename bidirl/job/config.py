@@ -596,6 +596,12 @@ ENGINE_PENDING = {"cluster.rollout_tensor_parallel": (None, 1), "rl.max_tokens_p
 def check_engine_run(cfg: JobConfig) -> None:
     """Refuse, naming the key, a setting an engine run would not carry out (:data:`ENGINE_PENDING`): a run that
     ignored it would measure another job than the one configured."""
+    if cfg.model_spec.is_moe and cfg.transport.weights == "collective":
+        raise ConfigError("transport.weights", "the weight transport sends the trainer's published shards under the "
+                          "model's parameter names, and an MoE model's are its fused expert tensors, which the "
+                          "checkpoint layout the rollouters receive names per expert",
+                          "set transport.weights: object_store for an MoE engine run (the trainer's state dict, "
+                          "split per expert, goes through Ray's object store)")
     data = cfg.to_dict()
     for key, defaults in ENGINE_PENDING.items():
         section, name = key.split(".")
