@@ -251,3 +251,32 @@ def test_trainer_logprobs_with_r3_match_vllm_and_replay_its_experts_token_by_tok
         print(f"perturbed trainer router, R3 {'on' if replay else 'off'}: {sum(same)}/{len(same)} tokens on vLLM's "
               f"experts in every layer, log-prob gap {gap(lps):.3e}")
         assert all(same) if replay else not all(same)
+
+
+@pytest.mark.integration
+def test_a_weight_load_reaches_the_cpu_engines_packed_experts(route_engine, moe_dir):
+    """vLLM's CPU build packs an MoE layer's experts once; after load_weights the engine must sample with the loaded
+    experts: its log-probs match a trainer holding the same (changed) weights within the rounding bound."""
+    from bidirl.cluster.engines.workers.rollout import GroupRequest
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
+    from bidirl.rl.samples import samples_from_groups
+
+    import rounding
+
+    trainer = TrainerEngine(str(moe_dir), route_replay=True)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if ".experts." in name:
+                p.mul_(1.5)
+    route_engine.load_weights(trainer.state_dict(), version=1)
+    try:
+        tol = rounding.run_logprob_tolerance(moe_dir, trainer.state_dict(), lr=0.0, steps=0)
+        route_engine.reward_fn = lambda meta, text: 0.0
+        samples = samples_from_groups(route_engine.generate([GroupRequest(group_id=40, prompt_ids=(4, 5, 6, 7),
+                                                                          group_size=4, max_tokens=10,
+                                                                          ignore_eos=True)]))
+        gap = max(float((torch.tensor(s.logprobs) - lp).abs().max())
+                  for s, lp in zip(samples, trainer.logprobs(samples)))
+        assert gap <= tol, (gap, tol)
+    finally:
+        route_engine.load_weights(None, version=0)
