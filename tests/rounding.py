@@ -30,10 +30,18 @@ def logit_path(cfg, seq_len: int) -> float:
     """Σ√n over the reductions on one logit's path through the decoder ``cfg`` (a transformers config) for
     sequences of at most ``seq_len`` tokens. One decoder layer: RMSNorm (h), q/k/v (h), attention scores (head
     dim), softmax sum and P·V (≤ seq_len each), o_proj (h), RMSNorm (h), gate/up (h), down (intermediate f); then
-    the final RMSNorm (h), the LM head (h) and logsumexp (vocab)."""
+    the final RMSNorm (h), the LM head (h) and logsumexp (vocab). An MoE layer adds its router's reductions and the
+    sum over the k experts a token is sent to."""
     h, f, layers, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
     head = h // cfg.num_attention_heads
     per_layer = 4 * math.sqrt(h) + math.sqrt(head) + 2 * math.sqrt(seq_len) + 2 * math.sqrt(h) + math.sqrt(f)
+    experts_per_token = getattr(cfg, "num_experts_per_tok", 0) or 0
+    if experts_per_token:
+        # an MoE layer (the same experts on both sides, R3): the router's logits (h) and softmax (experts) set the
+        # mixing weights, the top-k weights' sum renormalises them, and k expert outputs are summed; an expert's
+        # down projection is over moe_intermediate_size ≤ intermediate_size (= k·I_e in the tiny config), so f
+        # above bounds it
+        per_layer += math.sqrt(h) + math.sqrt(cfg.num_experts) + 2 * math.sqrt(experts_per_token)
     return layers * per_layer + 2 * math.sqrt(h) + math.sqrt(vocab)
 
 

@@ -132,5 +132,12 @@ class WorkerBackend(ABC):
     def summarize(self, out: dict) -> None:
         """Add the backend's own keys to the run summary ``out``."""
 
+    def run_state(self) -> dict:
+        """The backend's own per-run state a checkpoint keeps beside the pool driver's (JSON-able)."""
+        return {}
+
+    def take_run_state(self, state: dict) -> None:
+        """Take back what :meth:`run_state` returned (a resumed run; ``{}`` from a checkpoint without any)."""
+
     def close(self) -> None:
         """The run ends (finished or failed), before the workers are stopped or kept."""

@@ -623,7 +623,8 @@ class PoolDriver(Driver):
     def checkpoint_state(self) -> dict:
         """The driver's own per-run state a checkpoint keeps."""
         return {"version": self.version, "measured": self.measured, "step_marks": list(self.step_marks),
-                "recoveries": list(self.restarts.record), "step_stats": list(self.step_stats)}
+                "recoveries": list(self.restarts.record), "step_stats": list(self.step_stats),
+                "backend": self.backend.run_state()}
 
     def restore_state(self, state: dict) -> None:
         """Take back what :meth:`checkpoint_state` returned (a resumed run)."""
@@ -632,6 +633,7 @@ class PoolDriver(Driver):
         self.step_marks = list(state["step_marks"])
         self.restarts.record = list(state["recoveries"])
         self.step_stats = list(state.get("step_stats", []))     # (an emulated run's checkpoint before it kept none)
+        self.backend.take_run_state(state.get("backend", {}))
 
     def save_trainer_state(self, folder: Path) -> bool:
         """Write the trainer's state into ``folder`` (a checkpoint's ``trainer/``); False if there is none.

@@ -186,6 +186,15 @@ class RLConfig:
     from fixed by a rule of (step, group, s), every group finished on the version it started on, the trainer's
     chunks cut on a fixed grid and its gradient summed in unit order. ``null`` (the default): on at s = 0, where
     it costs nothing but the order buffers, off otherwise.
+
+    Mixture-of-experts models (docs/architecture.md, "MoE"):
+
+    * ``route_replay`` (R3, Rollout Routing Replay): the rollouters record each token's expert routes and the
+      trainer's ``old_logprob`` and update forwards send every token to the experts the rollout sent it to; empty:
+      on for an MoE model, off for a dense one (which has no routes: asking for it is an error).
+    * ``route_replay_compare``: the ``old_logprob`` stage also runs its forward once without the replay, so the
+      run reports the train–inference log-prob gap without R3 beside the gap with it (one more forward pass per
+      ``old_logprob`` chunk, not modelled by the simulator).
     """
     staleness: float = 1.0
     partial_rollout: bool = True
@@ -205,6 +214,8 @@ class RLConfig:
     sequence_parallel: int = 1
     fsdp_size: Optional[int] = None
     reproducible: Optional[bool] = None
+    route_replay: Optional[bool] = None
+    route_replay_compare: bool = False
 
     @property
     def reproducible_on(self) -> bool:
@@ -307,6 +318,11 @@ class JobConfig:
             step_noise=stats.step_noise if own.step_noise is None else own.step_noise,
             sources=tuple(x for x in stats.sources if not x.startswith("responses"))
             + (f"responses: the job's workload.response_lengths (log-normal, mean {own.mean:g} tokens, cv {own.cv:g})",))
+
+    @property
+    def route_replay(self) -> bool:
+        """Whether the trainer replays the rollout's expert routes (``rl.route_replay``; empty: for an MoE model)."""
+        return self.model_spec.is_moe if self.rl.route_replay is None else self.rl.route_replay
 
     @property
     def prompts_per_local_update(self) -> int:
@@ -629,6 +645,12 @@ ENGINE_PENDING = {
 def check_engine_run(cfg: JobConfig) -> None:
     """Refuse, naming the key and why, a setting an engine run would not carry out (:data:`ENGINE_PENDING`): a run
     that ignored it would measure another job than the one configured."""
+    if cfg.model_spec.is_moe and cfg.transport.weights == "collective":
+        raise ConfigError("transport.weights", "the weight transport sends the trainer's published shards under the "
+                          "model's parameter names, and an MoE model's are its fused expert tensors, which the "
+                          "checkpoint layout the rollouters receive names per expert",
+                          "set transport.weights: object_store for an MoE engine run (the trainer's state dict, "
+                          "split per expert, goes through Ray's object store)")
     data = cfg.to_dict()
     for key, (defaults, why) in ENGINE_PENDING.items():
         section, name = key.split(".")
@@ -683,6 +705,14 @@ def validate(cfg: JobConfig) -> None:
     _positive("workload.steps", w.steps)
 
     r = cfg.rl
+    if r.route_replay and not cfg.model_spec.is_moe:
+        raise ConfigError("rl.route_replay", f"route replay (R3) is for mixture-of-experts models; {cfg.model!r} is "
+                          "dense (no experts, no routes to replay)",
+                          "leave rl.route_replay empty (on for an MoE model, off for a dense one) or set it false")
+    if r.route_replay_compare and not cfg.route_replay:
+        raise ConfigError("rl.route_replay_compare", "compares the log-prob gap with and without route replay, "
+                          "which is off for this job", "turn rl.route_replay on (an MoE model) or drop "
+                          "rl.route_replay_compare")
     _positive("rl.staleness", r.staleness, allow_zero=True)
     _positive("rl.micro_batch_per_device", r.micro_batch_per_device)
     _positive("rl.lr", r.lr)

@@ -34,7 +34,9 @@ and bidirl's own: ``bidirl/throughput`` (tokens/s of the whole job, §7.1's quan
 as ``bidirl.results.metrics.idle`` — not the GPU-weighted idle of the run summary), ``bidirl/borrows/<direction>/admitted|rejected`` (the scheduler's decisions during
 the step), ``bidirl/switch_s/<direction>/c_in|c_out`` (mean measured switch time of the switches that ended
 during the step) and ``…/trainer_on_rollout_pool/c_grad`` (the step's gradient merge),
-``bidirl/rollout_logprob_diff_max`` (vLLM vs trainer log-prob gap), ``bidirl/samples`` and ``bidirl/version``.
+``bidirl/rollout_logprob_diff_max`` (vLLM vs trainer log-prob gap; with route replay on, the gap with it) and
+``bidirl/rollout_logprob_diff_max_no_r3`` (the same samples' gap with the trainer routing by itself:
+``rl.route_replay_compare``), ``bidirl/samples`` and ``bidirl/version``.
 A key is left out of a row when the step has no value for it (no switch, no reference model, a simulated run).
 
 A run's output folder (``bidirl run CONFIG --out DIR``) holds ``metrics.jsonl`` (one JSON object per step),
@@ -80,6 +82,7 @@ TRAIN_METRICS = {
     "prompt_length/min": "prompt_length_min",
     "actor/pg_loss": "pg_loss", "actor/pg_clipfrac": "clip_frac", "actor/grad_norm": "grad_norm",
     "bidirl/rollout_logprob_diff_max": "logprob_diff_max",
+    "bidirl/rollout_logprob_diff_max_no_r3": "logprob_diff_max_no_r3",
 }
 
 

@@ -175,7 +175,10 @@ def build(out: Union[str, Path], seed: int = 0, spec: WarmStart = WarmStart(),
     """Create the tiny model in ``out`` and warm-start it; records the summary in ``out`` under
     :data:`~bidirl.rl.model_folder.TINY_MARKER`."""
     out = Path(out)
-    tiny_model.create(out, seed=seed, cfg=cfg)
+    if isinstance(cfg, tiny_model.TinyMoeConfig):
+        tiny_model.create_moe(out, seed=seed, cfg=cfg)
+    else:
+        tiny_model.create(out, seed=seed, cfg=cfg)
     stats = warm_start(out, spec, progress=progress)
     if evaluate:
         eval_task = ArithmeticTask(seed=0, max_operand=spec.max_operand, ops=spec.ops)
@@ -197,7 +200,9 @@ def cache_key(seed: int = 0, spec: WarmStart = WarmStart(), cfg: tiny_model.Tiny
     change its weights).
     """
     config = cfg.to_dict()
-    if cfg.architecture == "qwen2" and cfg.tie_word_embeddings:
+    if isinstance(cfg, tiny_model.TinyMoeConfig):
+        config["moe"] = True
+    elif cfg.architecture == "qwen2" and cfg.tie_word_embeddings:
         del config["architecture"], config["tie_word_embeddings"]
     source = hashlib.sha256()
     for name in BUILD_MODULES:
@@ -220,14 +225,15 @@ def ensure_tiny_model(cache_dir: Optional[Union[str, Path]] = None, seed: int = 
     """The warm-started tiny model's folder, building it on first use (safe across processes).
 
     The folder is ``<cache>/tiny-<key>`` (``tiny-<architecture>-<key>`` for an architecture other than the
-    default Qwen2) with ``<key>`` from :func:`cache_key`. A build happens in a
-    temporary folder under an exclusive ``fcntl`` lock and is renamed into place when complete, so a
-    reader never sees a half-written model.
+    default Qwen2, ``tiny-moe-<key>`` for the mixture-of-experts model, ``cfg`` a ``TinyMoeConfig``) with ``<key>``
+    from :func:`cache_key`. A build happens in a temporary folder under an exclusive ``fcntl`` lock and is renamed
+    into place when complete, so a reader never sees a half-written model.
     """
     root = cache_root(cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     key = cache_key(seed, spec, cfg)
-    name = f"tiny-{key}" if cfg.architecture == "qwen2" else f"tiny-{cfg.architecture}-{key}"
+    architecture = "moe" if isinstance(cfg, tiny_model.TinyMoeConfig) else cfg.architecture
+    name = f"tiny-{key}" if architecture == "qwen2" else f"tiny-{architecture}-{key}"
     final = root / name
     if (final / TINY_MARKER).exists():
         return final

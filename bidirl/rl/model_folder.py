@@ -233,6 +233,59 @@ def hf_weights(state: Union[Mapping, Iterable], tied: bool) -> dict:
     return out
 
 
+#: transformers 5 holds an MoE layer's routed experts fused — ``<layer>.mlp.experts.gate_up_proj`` ``[E, 2·I, H]``
+#: (each expert's gate rows, then its up rows) and ``<layer>.mlp.experts.down_proj`` ``[E, H, I]`` — while checkpoints
+#: (``save_pretrained`` converts back) and vLLM's loader name them per expert: ``<layer>.mlp.experts.<e>.gate_proj.weight``,
+#: ``….up_proj.weight``, ``….down_proj.weight``
+FUSED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def split_experts(weights: Mapping) -> dict:
+    """``weights`` with every fused expert tensor (:data:`FUSED_EXPERTS`) replaced by its per-expert checkpoint
+    entries (views, no copies); other entries as they are."""
+    out: dict = {}
+    for key, t in weights.items():
+        if key.endswith(FUSED_EXPERTS[0]) and t.dim() == 3:
+            base, half = key[:-len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :half]
+                out[f"{base}{e}.up_proj.weight"] = t[e, half:]
+        elif key.endswith(FUSED_EXPERTS[1]) and t.dim() == 3:
+            base = key[:-len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e]
+        else:
+            out[key] = t
+    return out
+
+
+def fuse_experts(weights: Mapping, names: Iterable) -> dict:
+    """The inverse of :func:`split_experts` for a model whose parameter names are ``names``: the per-expert entries
+    of each fused name stacked into it (experts ``0 … E − 1``, all present, else ValueError naming the first
+    missing); other entries as they are."""
+    import torch
+
+    out = dict(weights)
+    for name in names:
+        if not name.endswith(FUSED_EXPERTS):
+            continue
+        base = name[:name.rindex(".") + 1]
+        parts = ("gate_proj", "up_proj") if name.endswith(FUSED_EXPERTS[0]) else ("down_proj",)
+        count = sum(1 for k in weights if k.startswith(base) and k.endswith(f".{parts[0]}.weight")
+                    and k[len(base):].split(".")[0].isdigit())
+        if not count:
+            continue                                  # given fused already (or not at all: the caller's check)
+        rows = []
+        for e in range(count):
+            keys = [f"{base}{e}.{p}.weight" for p in parts]
+            missing = [k for k in keys if k not in weights]
+            if missing:
+                raise ValueError(f"weights: {missing[0]!r} is missing (experts of {name!r} are stored per expert)")
+            rows.append(torch.cat([out.pop(k) for k in keys]) if len(keys) > 1 else out.pop(keys[0]))
+        out[name] = torch.stack(rows)
+    return out
+
+
 def checkpoint_shapes(model_dir: Union[str, Path]) -> dict:
     """``{name: shape}`` of every tensor stored in the checkpoint (read from file headers, no weights loaded)."""
     import torch

@@ -12,7 +12,10 @@ the same way. The routing rule is the models' own: softmax over the logits, then
 same set (softmax is monotone).
 
 A :class:`RouteRecorder` keeps the rows of every forward call in order; which row is which request's token is the
-caller's to know (one sequence per forward in :func:`routes_of`; a batched engine must map rows to requests).
+caller's to know (one sequence per forward in :func:`routes_of`; vLLM's batched steps are split by request in
+:mod:`bidirl.cluster.engines.workers.rollout_routes`). :class:`PrefixRoutes` keeps full blocks' rows for the positions
+a prefix cache serves, :func:`sequence_routes` assembles one sequence's rows; the replay half is
+:mod:`bidirl.rl.route_replay`.
 """
 
 from __future__ import annotations
@@ -104,3 +107,87 @@ def routes_of(model, token_ids, top_k: int) -> np.ndarray:
         return recorder.routes()
     finally:
         recorder.remove()
+
+
+#: the dtype of stored routes: expert ids < 32,768 (Qwen3-30B-A3B has 128 experts, the largest public MoE configs
+#: a few hundred), two bytes per (token, layer, choice)
+ROUTE_DTYPE = np.int16
+
+
+def as_routes(rows, layers: int, top_k: int, name: str) -> np.ndarray:
+    """``rows`` as a ``(tokens, layers, k)`` :data:`ROUTE_DTYPE` array; ValueError naming ``name`` if its shape is
+    another."""
+    out = np.asarray(rows)
+    if out.ndim != 3 or out.shape[1:] != (layers, top_k):
+        raise ValueError(f"{name}: routes must have shape (tokens, {layers} MoE layers, {top_k} experts per token), "
+                         f"got {out.shape}")
+    return out.astype(ROUTE_DTYPE, copy=False)
+
+
+@dataclass
+class PrefixRoutes:
+    """The routes of token prefixes an engine computed, block by block, for the positions it later serves from its
+    prefix cache (a cached block's tokens are not run again, so their routers are not called again).
+
+    A block's key chains the keys of the blocks before it with its own tokens — the prefix cache's own rule (a
+    block is reused only after the same tokens in the same order), so a key names one prefix exactly. Only full
+    blocks are kept: a cache hit covers whole blocks. The routes are those of the weights they were computed
+    with; :meth:`clear` when the weights change (the engine's prefix cache is reset then too)."""
+    block: int
+    blocks: dict = field(default_factory=dict)
+
+    def _keys(self, tokens, n_blocks: int):
+        key = ()
+        for b in range(n_blocks):
+            key = (key, tuple(int(t) for t in tokens[b * self.block:(b + 1) * self.block]))
+            yield b, key
+
+    def store(self, tokens, rows: dict) -> None:
+        """Keep the full blocks of ``tokens`` whose every position has a row in ``rows`` (position → (layers, k))."""
+        for b, key in self._keys(tokens, len(tokens) // self.block):
+            span = range(b * self.block, (b + 1) * self.block)
+            if key not in self.blocks and all(p in rows for p in span):
+                self.blocks[key] = np.stack([rows[p] for p in span])
+
+    def fill(self, tokens, rows: dict, upto: int) -> None:
+        """Add to ``rows`` the kept rows of positions ``< upto`` it lacks (the blocks ``tokens`` shares with a kept
+        prefix); positions of blocks never kept stay missing."""
+        for b, key in self._keys(tokens, -(-upto // self.block)):
+            kept = self.blocks.get(key)
+            if kept is None:
+                return
+            for j in range(self.block):
+                p = b * self.block + j
+                if p < upto and p < len(tokens):
+                    rows.setdefault(p, kept[j])
+
+    def clear(self) -> None:
+        self.blocks = {}
+
+
+def sequence_routes(rows: dict, length: int, where: str) -> np.ndarray:
+    """The ``(length, layers, k)`` routes of positions ``0 … length − 1`` from ``rows`` (position → (layers, k));
+    RuntimeError naming ``where`` and the first missing positions if any is absent."""
+    missing = [p for p in range(length) if p not in rows]
+    if missing:
+        raise RuntimeError(f"{where}: no route recorded for positions {missing[:8]}"
+                           f"{' …' if len(missing) > 8 else ''} of {length}; every token the rollout fed its "
+                           "model must have passed a hooked router or come from a kept prefix block")
+    if not length:
+        return np.zeros((0, 0, 0), dtype=ROUTE_DTYPE)
+    return np.stack([rows[p] for p in range(length)]).astype(ROUTE_DTYPE, copy=False)
+
+
+def moe_route_shape(config) -> tuple:
+    """``(MoE layers, experts per token)`` of a transformers MoE config (Qwen2-MoE / Qwen3-MoE: layer ``i`` is sparse
+    unless listed in ``mlp_only_layers``, and when ``(i + 1) % decoder_sparse_step == 0``); ValueError for a dense
+    model's config (no ``num_experts``): only an MoE model has routes to record or replay."""
+    experts = int(getattr(config, "num_experts", 0) or 0)
+    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+    if experts < 1 or top_k < 1:
+        raise ValueError(f"{type(config).__name__} ({getattr(config, 'model_type', '?')}) is not a mixture-of-experts "
+                         "model (no num_experts / num_experts_per_tok): it has no expert routes to record or replay")
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    layers = [i for i in range(int(config.num_hidden_layers)) if i not in dense and (i + 1) % step == 0]
+    return len(layers), top_k

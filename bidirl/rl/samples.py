@@ -8,7 +8,7 @@ whose ``payload`` is a :class:`GroupPayload`; :func:`samples_from_groups` flatte
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 
@@ -21,7 +21,9 @@ class GroupPayload:
     version for a response with no tokens yet); ``finish_reasons[i]`` is ``"stop"`` (EOS), ``"length"``
     (hit ``max_tokens``) or ``None`` while unfinished. ``texts`` and ``rewards`` are filled when the engine
     was given a reward function (an unfinished response's reward is NaN until it completes); ``meta`` is
-    the caller's per-group datum (e.g. the expected answer).
+    the caller's per-group datum (e.g. the expected answer). ``routes`` (an engine recording a mixture-of-experts
+    model's routes, R3): per response a ``(positions, MoE layers, k)`` int array of the experts each fed token was
+    sent to — prompt and response tokens but the last (sampled, never fed); an unfinished response's known prefix.
     """
     prompt_ids: tuple
     token_ids: tuple
@@ -32,11 +34,14 @@ class GroupPayload:
     texts: Optional[tuple] = None
     rewards: Optional[tuple] = None
     meta: Any = None
+    routes: Optional[tuple] = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One response-level training sample."""
+    """One response-level training sample. ``routes``: the rollout's expert routes of its prompt and response
+    tokens (``GroupPayload.routes``), which the trainer replays (R3, :mod:`bidirl.rl.route_replay`); ``None`` for a
+    dense model or an engine not recording them. Left out of equality (an array)."""
     group_id: int
     index: int
     prompt_ids: tuple
@@ -44,6 +49,7 @@ class Sample:
     logprobs: tuple
     reward: float
     version: int
+    routes: Any = field(default=None, compare=False, repr=False)
 
     @property
     def response_len(self) -> int:
@@ -64,5 +70,6 @@ def samples_from_groups(groups: Iterable) -> list:
             raise ValueError(f"group {g.group_id} has no rewards; give the rollout engine a reward_fn")
         for i, (ids, lps) in enumerate(zip(p.token_ids, p.logprobs)):
             out.append(Sample(int(g.group_id), i, tuple(p.prompt_ids), tuple(ids), tuple(lps),
-                              float(p.rewards[i]), int(p.versions[i])))
+                              float(p.rewards[i]), int(p.versions[i]),
+                              routes=None if p.routes is None else p.routes[i]))
     return out

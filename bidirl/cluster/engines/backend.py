@@ -105,7 +105,8 @@ class EngineBackend(WorkerBackend):
         return dict(model_dir=str(d.model_dir), **d.rollout.shape(), seed=cfg.seed, lr=cfg.rl.lr,
                     kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
                     activation_checkpointing=cfg.rl.activation_checkpointing,
-                    publish_dtype=self.placement.publish_dtype(PRIMARY_TRAINER), **settings_from(cfg.rl))
+                    publish_dtype=self.placement.publish_dtype(PRIMARY_TRAINER), route_replay=cfg.route_replay,
+                    **settings_from(cfg.rl))
 
     def identity(self) -> dict:
         """The model folder's identity, and the prompt file's SHA-256 and rows (group ``g`` is row ``g mod rows``)
@@ -158,6 +159,17 @@ class EngineBackend(WorkerBackend):
         d.windows.shutdown()
         d.recovery.cleanup()
 
+    def run_state(self) -> dict:
+        return {"route_replay": self.pool.route_tally.state()}
+
+    def take_run_state(self, state: dict) -> None:
+        tally = self.pool.route_tally
+        if "route_replay" in state:
+            tally.restore(state["route_replay"])
+        elif tally.on:
+            raise ValueError("the checkpoint has no route replay counts (written before R3 was counted), and this run "
+                             "replays routes; resume it with rl.route_replay: false or start the run anew")
+
     def summarize(self, out: dict) -> None:
         d = self.pool
         costs = out["costs"]
@@ -173,6 +185,9 @@ class EngineBackend(WorkerBackend):
         out["train"] = list(d.step_stats)
         gaps = [s["logprob_diff_max"] for s in d.step_stats if s["logprob_diff_max"] is not None]
         out["logprob_diff_max"] = max(gaps) if gaps else None
+        plain = [s["logprob_diff_max_no_r3"] for s in d.step_stats if s.get("logprob_diff_max_no_r3") is not None]
+        out["logprob_diff_max_no_r3"] = max(plain) if plain else None
+        out["route_replay"] = d.route_tally.summary()
         out["model_dir"] = d.model_dir
         out["rollout_engine"] = dict(d.rollout.summary(), kv_cache_tokens_allocated=dict(d.kv_allocated))
         out["reward_function"] = d.reward.name

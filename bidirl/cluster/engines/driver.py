@@ -115,11 +115,13 @@ class EngineDriver(PoolDriver):
                                      "set workload.dataset: arithmetic, or give workload.data_file (prompts from a "
                                      ".parquet / .jsonl file)")
         if self.model_dir is None:
-            if cfg.model != "tiny":
+            if cfg.model not in ("tiny", "tiny-moe"):
                 raise cfgmod.ConfigError("model", f"engine runs need model weights; {cfg.model!r} has none here",
-                                         "use model: tiny (built in), or pass model_dir= a causal-LM checkpoint folder")
+                                         "use model: tiny or tiny-moe (built in), or pass model_dir= a causal-LM "
+                                         "checkpoint folder")
             from bidirl.rl.bootstrap import ensure_tiny_model
-            self.model_dir = str(ensure_tiny_model())
+            from bidirl.rl.tiny_model import TinyConfig, TinyMoeConfig
+            self.model_dir = str(ensure_tiny_model(cfg=TinyMoeConfig() if cfg.model == "tiny-moe" else TinyConfig()))
         if not self.report_seconds > 0:
             raise ValueError(f"EngineDriver.report_seconds must be > 0, got {self.report_seconds!r}")
         from bidirl.rl.model_folder import causal_lm_config
@@ -142,6 +144,8 @@ class EngineDriver(PoolDriver):
         self.sync = WeightSync(self, t.weights, t.bucket_mb, t.timeout_s, lambda: self.rollout)
         self.windows = GradientWindows(self, self.sync.bucket_bytes, t.timeout_s)
         self.recovery = TrainerRecovery(self, cfg.recovery.snapshot_every, cfg.recovery.snapshot_dir)
+        from bidirl.cluster.engines.route_tally import RouteTally
+        self.route_tally = RouteTally(on=cfg.route_replay)      # R3: the chunks whose every token was replayed
 
     def _prompts_and_reward(self):
         """Which prompt each group gets (``workload.data_file`` or the arithmetic task) and the reward function

@@ -83,12 +83,14 @@ class EnginePlacement:
             kwargs = dict(lr=cfg.rl.lr, seed=cfg.seed, kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
                           device="cuda" if gpu else "cpu", threads="auto", role=P.worker_role(worker),
                           activation_checkpointing=cfg.rl.activation_checkpointing, gang=len(bundles) > 1,
-                          publish_dtype=self.publish_dtype(worker), **settings_from(cfg.rl))
+                          publish_dtype=self.publish_dtype(worker), route_replay=cfg.route_replay,
+                          **settings_from(cfg.rl))
             d.gangs[worker] = [TrainerActor.options(**d._at(b)).remote(f"{worker}/{j}", d.model_dir, **kwargs)
                               for j, b in enumerate(bundles)]
         else:
             d.actors[worker] = RolloutActor.options(**d._at(bundles[0])).remote(
-                worker, d.model_dir, cfg.seed, reward_fn=d.reward, **d.rollout.engine_kwargs())
+                worker, d.model_dir, cfg.seed, reward_fn=d.reward, routes=cfg.route_replay,
+                **d.rollout.engine_kwargs())
         d.versions[worker] = 0            # a fresh process holds the model folder's weights
 
     def publish_dtype(self, worker: str):

@@ -21,6 +21,7 @@ class StepData:
     old: list
     ref: list
     stats: list = field(default_factory=list)     # loss statistics of each update-chunk share
+    gaps_without_replay: dict = field(default_factory=dict)   # position -> max |Δ log-prob| with R3 off (compared)
 
     def chunk_inputs(self, share: list, kl: bool) -> tuple:
         """``TrainerActor.chunk_gradient``'s inputs after the chunk id for the samples at positions ``share``:

@@ -77,17 +77,25 @@ class EngineTraining:
             ends = [sp["end"] for r in replies if r is not None for sp in r.spans]
             d._chunk_done(cmd, self.backend.wall(min(starts)), self.backend.wall(max(ends)))
 
+        from bidirl.cluster.engines.workers.trainer.replay import fed_tokens
+        fed = fed_tokens([data.samples[k] for k in idx])
         if ch.stage in P.FORWARD_STAGES:
             model = "actor" if ch.stage == "old_logprob" else "reference"
             target = data.old if ch.stage == "old_logprob" else data.ref
             live = [(ranks[r], shares[r]) for r in forward_ranks(shares, layout)]   # a replica's ranks gather together
+            compare = d.config.rl.route_replay_compare and model == "actor"
 
             def done(replies):
                 for (_, share), reply in zip(live, replies):
                     for k, lp in zip(share, reply.value):
                         target[k] = lp
+                    for k, gap in zip(share, reply.spans[0]["detail"].get("gap_without_replay", ())):
+                        data.gaps_without_replay[k] = gap
+                d.route_tally.chunk(ch.stage, sum(r.spans[0]["detail"].get("replayed_tokens", 0)
+                                                  for r in replies), fed)
                 finished(replies)
-            d._when_all([(gang, r.logprobs.remote([data.samples[k] for k in s], model)) for r, s in live], done)
+            d._when_all([(gang, r.logprobs.remote([data.samples[k] for k in s], model, compare))
+                         for r, s in live], done)
             return
 
         primary = gang == PRIMARY_TRAINER
@@ -111,6 +119,7 @@ class EngineTraining:
 
         def done(replies):
             data.stats += [r.value for r in replies if r.value.get("samples")]
+            d.route_tally.chunk(ch.stage, sum(r.value.get("replayed_tokens", 0) for r in replies), fed)
             if grad_ref is not None:
                 self.aux_grads[ch.chunk_id] = grad_ref
             finished(replies)
@@ -177,6 +186,9 @@ class EngineTraining:
         recomputed = "old_logprob" in self.pool.config.rl.stages
         gaps = [float((torch.tensor(s.logprobs) - lp).abs().max()) for s, lp in zip(samples, data.old)
                 if recomputed and s.version == data.version and s.response_len]
+        # the same samples' gap with the trainer routing by itself (rl.route_replay_compare; R3 on)
+        plain = [g for k, g in data.gaps_without_replay.items()
+                 if samples[k].version == data.version and samples[k].response_len]
         max_len = self.pool.config.workload.max_response_len
         return {"step": data.step, "version": update["version"],
                 "reward": float(np.mean(rewards)), "reward_max": float(np.max(rewards)),
@@ -189,4 +201,5 @@ class EngineTraining:
                 "loss": float(sum(s["loss"] for s in data.stats)),
                 "pg_loss": float(sum(s["pg_loss"] for s in data.stats)), "kl": token_weighted(data.stats, "kl"),
                 "clip_frac": token_weighted(data.stats, "clip_frac"), "grad_norm": float(update["grad_norm"]),
-                "on_policy_samples": len(gaps), "logprob_diff_max": max(gaps) if gaps else None}
+                "on_policy_samples": len(gaps), "logprob_diff_max": max(gaps) if gaps else None,
+                "logprob_diff_max_no_r3": max(plain) if plain else None}

@@ -278,9 +278,18 @@ class TrainerActor(_Timed):
         return self._reply("start", self.engine.init_process_group, rank, world, addr, replicas=replicas,
                            detail={"rank": rank, "world": world, "replicas": replicas})
 
-    def logprobs(self, samples: Sequence, model: str = "actor") -> Reply:
-        return self._reply("logprob", self.engine.logprobs, list(samples), model,
-                           detail={"model": model, "samples": len(samples)})
+    def logprobs(self, samples: Sequence, model: str = "actor", compare: bool = False) -> Reply:
+        """The samples' per-token log-probs. With route replay on, the span's detail says how many tokens' routes
+        the forward replayed (``replayed_tokens``); ``compare`` runs the forward again without the replay and adds
+        each sample's largest gap to the rollout's log-probs there (``gap_without_replay``; R3's comparison)."""
+        from bidirl.cluster.engines.workers.trainer.replay import replay_detail
+
+        samples = list(samples)
+        before = self.engine.route_replay_counts()["tokens"]
+        reply = self._reply("logprob", self.engine.logprobs, samples, model,
+                            detail={"model": model, "samples": len(samples)})
+        reply.spans[0]["detail"].update(replay_detail(self.engine, samples, before, compare, model))
+        return reply
 
     # The engine driver's gradient path: a primary gang accumulates each chunk's gradient into its ranks' sharded
     # p.grad on their devices (nothing leaves the gang, nothing goes to the host). An auxiliary gang does the same
@@ -310,7 +319,9 @@ class TrainerActor(_Timed):
             else:
                 g = self.engine.chunk_gradients(list(samples), advantages, old_logprobs, ref_logprobs, normalizer)
                 out = self.engine.full_gradient(g.flat)
-            return dict(g.stats, samples=g.samples, tokens=g.tokens), out
+            return dict(g.stats, samples=g.samples, tokens=g.tokens,
+                        replayed_tokens=self.engine.route_replay_counts()["tokens"] - before), out
+        before = self.engine.route_replay_counts()["tokens"]
         reply = self._reply("chunk", run, detail={"chunk_id": chunk_id, "samples": len(samples)})
         stats, flat = reply.value
         return Reply(stats, reply.spans), (flat if give else None)

@@ -64,6 +64,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import numpy as np
 
 from bidirl.core.protocol import GroupState
+from bidirl.cluster.engines.workers.rollout_routes import RolloutRoutes
 from bidirl.cluster.engines.workers.rollout_weights import RolloutWeights
 from bidirl.rl.samples import GroupPayload
 
@@ -124,6 +125,7 @@ class _Response:
     done: bool = False
     finish_reason: Optional[str] = None
     request_id: Optional[str] = None
+    routes: Optional[dict] = None       # position → (layers, k) expert ids, when the engine records routes
 
 
 @dataclass
@@ -153,7 +155,7 @@ def _preserved_global_rng():
         torch.random.set_rng_state(states[2])
 
 
-class RolloutEngine(RolloutWeights):
+class RolloutEngine(RolloutRoutes, RolloutWeights):
     """An interruptible vLLM rollout replica (see the module docstring)."""
 
     def __init__(self, model_dir: Union[str, Path], seed: int = 0, max_model_len: int = 64,
@@ -161,13 +163,16 @@ class RolloutEngine(RolloutWeights):
                  reward_fn: Optional[Callable[[Any, str], float]] = None, max_num_seqs: int = 256,
                  device: Optional[str] = None, dtype: Optional[str] = None, tensor_parallel_size: int = 1,
                  enforce_eager: Optional[bool] = None, enable_prefix_caching: bool = True,
-                 block_size: Optional[int] = None, memory_bytes: Optional[int] = None, quiet: bool = True):
+                 block_size: Optional[int] = None, memory_bytes: Optional[int] = None, quiet: bool = True,
+                 routes: bool = False):
         """``kv_cache_gib``: the KV cache per GPU (the default suits the tiny model standalone; engine runs pass
         the planner's budget, ``bidirl.cluster.engines.rollout_setup``); ``enforce_eager``: ``None`` is eager on
         CPU and CUDA graphs on GPU; ``block_size``: tokens per KV block (``None``: vLLM's default for the
         device); ``memory_bytes`` (GPU): what this engine may take of its device, weights and KV included —
         vLLM's start-up check then asks for that much free memory (``gpu_memory_utilization`` = memory_bytes /
-        the device's total) instead of 90 % of it."""
+        the device's total) instead of 90 % of it; ``routes`` (a mixture-of-experts model only): record each
+        token's expert routes and return them with the tokens (``GroupPayload.routes``; R3, see
+        :mod:`bidirl.cluster.engines.workers.rollout_routes`)."""
         from bidirl.perf import memory
         from bidirl.rl import model_folder as checkpoint
 
@@ -206,6 +211,7 @@ class RolloutEngine(RolloutWeights):
         from bidirl.cluster.engines.workers.sampler import PositionKeyedSampler
 
         checkpoint.check_vllm_architecture(path, "RolloutEngine.model_dir")
+        self.route_shape = self.route_shape_of(config) if routes else None
         self.tied = checkpoint.tied_embeddings(config)
         self.checkpoint_shapes = checkpoint.checkpoint_shapes(path)
         self.model_dir, self.seed = path, int(seed)
@@ -243,6 +249,8 @@ class RolloutEngine(RolloutWeights):
                       logits_processors=[PositionKeyedSampler])
         if block_size is not None:
             kwargs["block_size"] = int(block_size)
+        if self.route_shape is not None and self.gpu:
+            kwargs["enable_return_routed_experts"] = True  # vLLM records them itself (RequestOutput.routed_experts)
         if self.gpu:
             kwargs["enable_sleep_mode"] = True        # sleep(level=2) / wake_up(tags) for hot switching
             if memory_bytes is not None:
@@ -259,6 +267,7 @@ class RolloutEngine(RolloutWeights):
         self.engine = self.llm.llm_engine
         cache = self.engine.vllm_config.cache_config
         self.kv_block_tokens = int(cache.block_size)
+        self._start_route_capture()
         self.kv_cache_tokens = int(cache.num_gpu_blocks or 0) * self.kv_block_tokens    # what vLLM allocated
         from bidirl.rl.tiny_model import load_tokenizer
         self.tokenizer = load_tokenizer(path)
@@ -400,15 +409,22 @@ class RolloutEngine(RolloutWeights):
                 raise ValueError(f"group {req.group_id}: resume state has a different prompt")
 
     def _initial_responses(self, req: GroupRequest) -> list:
+        routes = self.route_shape is not None
         if req.resume is None:
-            return [_Response([], [], self.version) for _ in range(req.group_size)]
+            return [_Response([], [], self.version, routes={} if routes else None) for _ in range(req.group_size)]
         p = req.resume.payload
+        if routes and p.routes is None:
+            raise ValueError(f"group {req.group_id}: the resume state has no routes, and this engine records them "
+                             "(a resumed response's routes continue its prefix's); resume it on an engine that "
+                             "records routes from the start")
         out = []
         for i in range(req.group_size):
             tokens, lps = list(p.token_ids[i]), list(p.logprobs[i])
             version = int(p.versions[i]) if tokens else self.version
             done = bool(req.resume.done[i])
-            out.append(_Response(tokens, lps, version, done, p.finish_reasons[i] if done else None))
+            # the prefix keeps the routes it was generated with: a resumed sequence's routes are the concatenation
+            rows = dict(enumerate(p.routes[i])) if routes else None
+            out.append(_Response(tokens, lps, version, done, p.finish_reasons[i] if done else None, routes=rows))
         return out
 
     def step_until(self, stop: Optional[Callable[[list], bool]] = None, max_steps: Optional[int] = None,
@@ -457,6 +473,7 @@ class RolloutEngine(RolloutWeights):
             resp.logprobs += [float(d[t].logprob) for t, d in zip(ids, comp.logprobs)]
             self.generated_tokens += len(ids)
         if out.finished:
+            self._take_routes(gid, resp, out.request_id, comp)
             self.prefix_cached_tokens += int(getattr(out, "num_cached_tokens", None) or 0)
             resp.done = True
             resp.finish_reason = comp.finish_reason or ("stop" if resp.tokens and resp.tokens[-1] == self.eos_id
@@ -482,7 +499,8 @@ class RolloutEngine(RolloutWeights):
             prompt_ids=tuple(req.prompt_ids), token_ids=tuple(tuple(r.tokens) for r in rs),
             logprobs=tuple(tuple(r.logprobs) for r in rs), versions=tuple(r.version for r in rs),
             finish_reasons=tuple(r.finish_reason for r in rs), max_tokens=req.max_tokens,
-            texts=texts, rewards=rewards, meta=req.meta)
+            texts=texts, rewards=rewards, meta=req.meta,
+            routes=None if self.route_shape is None else tuple(self._routes_of(req, r) for r in rs))
         return GroupState(group_id=req.group_id, prompt_len=len(req.prompt_ids),
                           generated=tuple(len(r.tokens) for r in rs), done=tuple(r.done for r in rs),
                           version=min(r.version for r in rs), payload=payload)
@@ -510,6 +528,7 @@ class RolloutEngine(RolloutWeights):
         for gid in targets:
             for r in self._groups[gid].responses:
                 if r.request_id is not None:
+                    self._take_routes(gid, r, r.request_id, None)
                     abort.append(r.request_id)
                     del self._by_request[r.request_id]
                     r.request_id = None

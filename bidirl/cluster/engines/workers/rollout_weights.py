@@ -21,6 +21,23 @@ SLEEP_LEVEL = 2
 # functions run on the vLLM worker through collective_rpc (module level so they pickle by reference)
 def _worker_reload(worker, weights) -> None:
     worker.reload_weights(weights_iterator=iter(weights))
+    _repack_cpu_experts(worker)
+
+
+def _repack_cpu_experts(worker) -> None:
+    """Re-pack an MoE model's experts after a reload on CPU. vLLM 0.32's unquantized fused-MoE method packs the
+    experts into its CPU grouped-GEMM layout once, at the first load (``UnquantizedFusedMoEMethod._setup_kernel``
+    calls ``fused_experts.process_weights_after_loading`` only when the kernel is new); a weight update copies the new
+    weights into the parameters but leaves the packed copy the kernel computes with as it was — the tiny MoE model then
+    sampled with the old experts (its log-probs 0.1 away from the trainer's on the same weights). Calling the packing
+    again for every MoE layer makes the kernel compute with the loaded weights (gap back to rounding, 2e-7)."""
+    runner = worker.model_runner
+    if getattr(runner.device, "type", "cpu") == "cuda":
+        return
+    for module in runner.model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
 
 
 def _kv_tensors(worker) -> list:

@@ -59,7 +59,8 @@ reference model (``kl_coef > 0``) is loaded at start, in bf16 on a bf16-mixed en
 
 **Modules** (one concern each, combined by :class:`~.engine.TrainerEngine`): ``engine`` (settings, the class),
 ``loading`` (checkpoint → a rank's shards), ``distribution`` (process group, FSDP2), ``compute`` (stages, chunk
-gradients, ``apply``), ``weights`` (state dicts, publish / send / receive), ``windows`` (auxiliary windows),
+gradients, ``apply``), ``replay`` (the rollout's expert routes replayed in the forwards, R3), ``weights`` (state
+dicts, publish / send / receive), ``windows`` (auxiliary windows),
 ``recovery`` (run checkpoints, snapshots), ``offload`` (hot switch), ``shares`` (samples to ranks), ``tensors``
 (DTensor helpers), ``micro_batches`` (token-budget micro-batches, ``rl.max_tokens_per_micro_batch``),
 ``state_offload`` (weights and optimizer state in host memory between uses, ``rl.param_offload`` /

@@ -69,7 +69,7 @@ class Compute:
         """``[B, T_resp]`` log-probs of the response tokens (zeros past each response), their mask and lengths:
         the head on response positions only, in chunks (:mod:`bidirl.cluster.engines.workers.logprob`)."""
         ids, attn, (rows, steps, cols), tgt, mask, rlen = self._batch(samples)
-        with torch.enable_grad() if grad else torch.no_grad():
+        with torch.enable_grad() if grad else torch.no_grad(), self._replaying(model, samples, ids.shape[1]):
             flat = response_logprobs(model, ids, attn, rows, cols, tgt, grad=grad, chunk=self.logprob_chunk)
             lp = torch.zeros(mask.shape, dtype=torch.float32, device=flat.device).index_put((rows, steps), flat)
         return lp, mask, rlen

@@ -27,6 +27,7 @@ from bidirl.cluster.engines.workers.trainer.offload import Offload
 from bidirl.cluster.engines.workers.trainer.ordered_sum import OrderedSum
 from bidirl.cluster.engines.workers.trainer.recovery import Recovery
 from bidirl.cluster.engines.workers.trainer.state_offload import StateOffload
+from bidirl.cluster.engines.workers.trainer.replay import Replay
 from bidirl.cluster.engines.workers.trainer.tensors import local_part
 from bidirl.cluster.engines.workers.trainer.weights import Weights
 from bidirl.cluster.engines.workers.trainer.windows import Windows
@@ -55,7 +56,8 @@ def resolve_precision(precision: str, device) -> str:
 
 
 
-class TrainerEngine(StateOffload, MicroBatches, Compute, Weights, Windows, Recovery, Offload, Distribution, Loading):
+class TrainerEngine(StateOffload, MicroBatches, Compute, Replay, Weights, Windows, Recovery, Offload, Distribution,
+                    Loading):
     """A GRPO trainer over a transformers causal LM (see the package docstring for stages and sharding).
     
     ``lr``, ``weight_decay``, ``betas``: AdamW; ``kl_coef``: β of the k3 KL to the reference (the initial
@@ -71,6 +73,8 @@ class TrainerEngine(StateOffload, MicroBatches, Compute, Weights, Windows, Recov
     most that many padded tokens (:mod:`.micro_batches`; ``None``: the share in one pass); ``param_offload`` /
     ``optimizer_offload`` (``rl.param_offload`` / ``rl.optimizer_offload``): the weights between stage calls, AdamW's
     moments between optimizer steps, in host memory (:mod:`.state_offload`).
+    ``route_replay`` (a mixture-of-experts model only; R3, :mod:`bidirl.rl.route_replay`): every forward of the
+    log-prob and update passes sends each token to the experts the rollout sent it to (``Sample.routes``).
     """
 
     def __init__(self, model_dir: Union[str, Path], lr: float = 1e-3, seed: int = 0, kl_coef: float = 0.0,
@@ -81,7 +85,7 @@ class TrainerEngine(StateOffload, MicroBatches, Compute, Weights, Windows, Recov
                  activation_checkpointing: Optional[bool] = None, logprob_chunk: int = DEFAULT_CHUNK,
                  gang: bool = False, publish_dtype: Optional[str] = None,
                  max_tokens_per_micro_batch: Optional[int] = None, param_offload: bool = False,
-                 optimizer_offload: bool = False):
+                 optimizer_offload: bool = False, route_replay: bool = False):
         if role not in ROLES:
             raise ValueError(f"TrainerEngine.role must be one of {ROLES}, got {role!r}")
         if not lr > 0:
@@ -126,6 +130,17 @@ class TrainerEngine(StateOffload, MicroBatches, Compute, Weights, Windows, Recov
         self.model_dir = checkpoint.model_folder(model_dir, "TrainerEngine.model_dir")
         self.config = checkpoint.causal_lm_config(self.model_dir, "TrainerEngine.model_dir")
         self.tied = checkpoint.tied_embeddings(self.config)
+        if not isinstance(route_replay, bool):
+            raise ValueError(f"TrainerEngine.route_replay must be True or False, got {route_replay!r}")
+        if route_replay:
+            from bidirl.rl.route_replay import RouteReplayError
+            from bidirl.rl.routes import moe_route_shape
+            try:
+                moe_route_shape(self.config)
+            except ValueError as exc:
+                raise RouteReplayError(f"TrainerEngine.route_replay: {exc}; replay routes only for an MoE "
+                                       "model") from None
+        self.route_replay = route_replay
         self.role, self.seed, self.lr, self.kl_coef = role, int(seed), float(lr), float(kl_coef)
         self.clip_eps, self.clip_eps_high, self.loss_agg = float(clip_eps), clip_eps_high, loss_agg
         self.max_grad_norm = max_grad_norm

@@ -25,7 +25,7 @@ class Weights:
     @gang_call
     def state_dict(self) -> dict:
         """The full weights under the HF checkpoint's names, on CPU (the tied ``lm_head.weight`` included, as
-        vLLM's reload needs). On a sharded gang every rank must call it: rank 0 gets the weights, the others
+        vLLM's reload needs; an MoE model's fused experts split per expert, ``model_folder.split_experts``). On a sharded gang every rank must call it: rank 0 gets the weights, the others
         ``{}``."""
         self._ready("state_dict")
         if self.sharded:
@@ -34,7 +34,8 @@ class Weights:
                                                                               cpu_offload=True))
         else:
             state = self.model.state_dict()
-        return {k: v.detach().to("cpu", copy=True) for k, v in checkpoint.hf_weights(state, self.tied).items()}
+        weights = checkpoint.split_experts(checkpoint.hf_weights(state, self.tied))   # an MoE model's, per expert
+        return {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
 
     def load_state_dict(self, state: dict, version: Optional[int] = None) -> float:
         """Overwrite the weights with full weights (HF names, e.g. :meth:`state_dict` of another trainer of the
@@ -42,8 +43,8 @@ class Weights:
         self._ready("load_state_dict")
         t0 = time.perf_counter()
         self._wait_state_copy("load_state_dict")
-        weights = checkpoint.hf_weights(state, self.tied)
         targets = {checkpoint.hf_name(k): v for k, v in self.model.state_dict(keep_vars=True).items()}
+        weights = checkpoint.fuse_experts(checkpoint.hf_weights(state, self.tied), targets)
         missing = [k for k in targets if k not in weights and not (k == "lm_head.weight" and self.tied)]
         unexpected = [k for k in weights if k not in targets]
         wrong = [f"{k} {tuple(weights[k].shape)} != {tuple(t.shape)}" for k, t in targets.items()
