@@ -15,8 +15,8 @@ workers to kill and switches to kill them in.
   switch it takes part in is in flight. The rollouter or rank is a seeded choice too (``ray.kill``: the process
   dies). Every run completes with no sample lost or duplicated and no pool hosting both roles; every kill was
   recovered; at s = 0 the same prompt groups train in every step and the final weights equal a fault-free run's
-  as two runs of one job do (``tests/rounding.py``'s ``same_weights``: borrowing and restarted workers sum chunk
-  gradients in other groupings). The primary gang writes a recovery snapshot every 3 steps, so a restarted one
+  bit for bit (``tests/rounding.py``'s ``exact_weights``: the reproducible mode, on by default at s = 0, sums the
+  chunk gradients in one order whatever the kills, restarts and borrowing). The primary gang writes a recovery snapshot every 3 steps, so a restarted one
   loads a snapshot and replays the steps since (``bidirl.cluster.engines.trainer_recovery``); an auxiliary gang
   killed holding an unsent window rolls its step back.
 * **Driver death.** ``bidirl run --address auto``, a driver of its own on the session's Ray, is killed (SIGKILL;

@@ -7,10 +7,9 @@ Tolerances, fp32 throughout, derived in ``tests/rounding.py`` (none from one mac
 * vLLM's log-probs of sampled tokens vs the trainer's recomputation after each sync: rounding only, ≤ 2·2ρ·Z_max
   with Z_max bounded from the run's weights (≈ 4e-3 here; measured ≈ 3e-6 on an AMD EPYC);
 * borrowing vs no borrowing at s = 0, and kept vs fresh workers: the same prompt groups per step, identical
-  rewards, final weights as two runs of one job (``rounding.same_weights``: at most 1 % of the weights with a gradient
-  more than lr/3 apart — rounding flips ≲ 1e-4, a lost or foreign chunk tens of percent — and none more than
-  Adam's own 2·κ·lr·steps; measured ≈ 1.5e-6 largest difference: the chunk gradients are summed in another
-  grouping).
+  rewards, the same final weights bit for bit (``rounding.exact_weights``: the reproducible mode, on by default at
+  s = 0, sums the chunk gradients in one order whichever gang computed them; before it, borrowing left them ≈ 1.5e-6
+  apart).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Integration tests (``-m integration``) on the session's Ray, like ``tests/test_engine_driver.py`` and with its
 tolerances (fp32, derived in ``tests/rounding.py``): vLLM's log-probs of sampled tokens vs the trainer's
 recomputation after every weight sync within the rounding bound, and borrowing vs no borrowing at s = 0 ends at
-the same weights as two runs of one job do (``rounding.same_weights``).
+the same weights bit for bit (``rounding.exact_weights``: the reproducible mode, on by default at s = 0).
 
 One run pair covers two departures from the default at once, since each needs workers of its own (another model,
 another layout — most of the test's time):

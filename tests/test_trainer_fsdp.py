@@ -26,13 +26,10 @@ Tolerances (fp32), each derived from the arithmetic (``_fp32_bounds``), none fro
 - weights after one step from the gang's own state (its weights and AdamW moments, gathered whole each step),
   against the unsharded trainer's one step from that state: every weight within its own bound
   (``rounding.same_step``, none exempt; the derivation is ``rounding.adamw_step_gap``'s).
-- weights, against the unsharded trainer's own steps: as two runs of one job (``rounding.same_weights``). An
-  AdamW step moves a weight by lr·m̂/(√v̂+ε), at most κ·lr (Kingma & Ba §2.1), and rounding changes the update of
-  a weight whose gradient is far above its rounding noise by ≈ lr·δg/|g|; a weight whose gradient lies within
-  rounding of zero may flip sign and move by up to 2·lr — a per-weight bound below Adam's own step would be a
-  coin toss on those few (seen: 2.4e-5 on an Intel Xeon with AVX-512/AMX, 4.2e-6 on an AMD EPYC). So at most 1 %
-  of the weights may differ by more than lr/3 (rounding flips ≲ 1e-4 of them; a chunk lost or doubled, a share
-  dealt twice, tens of percent) and none by more than 2·κ·lr·steps.
+- weights, against the unsharded trainer's own steps from the start: not compared weight by weight — two runs whose
+  arithmetic differs (a gang's shards against one process) hold weights a rounding apart after their first step,
+  and the gradients of such weights differ by up to 4e4× the summation bound (measured on the tiny model), so no
+  per-weight bound follows from the arithmetic there; the per-step comparison above holds every step instead.
 
 bf16-mixed (bf16 compute, fp32 master weights and AdamW state): log-probs of the same weights within
 0.05 + 2**-6·|log-prob| of fp32 — a bf16 value carries 8 significant bits, so one rounding of a log-prob near −10
@@ -318,9 +315,6 @@ def test_fsdp2_gang_matches_the_unsharded_trainer_after_three_steps(model_dir, t
         # one step from the gang's own state (weights and AdamW moments): every weight within its bound
         gap = rounding.same_step(r0["states"][step], redo["states"][step], redo["bounds"][step])
         assert gap.ok and gap.compared == r0["numel"], (step, str(gap))
-        # and three steps apart from the start, against the reference run (two runs compared only at their end)
-        gap = rounding.same_weights(r0["states"][step], reference["states"][step], LR, step + 1)
-        assert gap.ok, (step, str(gap))
     # the weights moved, and a step's offload freed the rank's (sharded) state and onload restored it exactly
     assert _max_weight_diff(r0["states"][-1], start) > 1e-4
     for r in ranks:
