@@ -190,7 +190,7 @@ class EngineTraining:
         plain = [g for k, g in data.gaps_without_replay.items()
                  if samples[k].version == data.version and samples[k].response_len]
         max_len = self.pool.config.workload.max_response_len
-        return {"step": data.step, "version": update["version"],
+        row = {"step": data.step, "version": update["version"],
                 "reward": float(np.mean(rewards)), "reward_max": float(np.max(rewards)),
                 "reward_min": float(np.min(rewards)),
                 "response_length": float(np.mean(response_lens)), "response_length_max": int(np.max(response_lens)),
@@ -201,5 +201,7 @@ class EngineTraining:
                 "loss": float(sum(s["loss"] for s in data.stats)),
                 "pg_loss": float(sum(s["pg_loss"] for s in data.stats)), "kl": token_weighted(data.stats, "kl"),
                 "clip_frac": token_weighted(data.stats, "clip_frac"), "grad_norm": float(update["grad_norm"]),
-                "on_policy_samples": len(gaps), "logprob_diff_max": max(gaps) if gaps else None,
-                "logprob_diff_max_no_r3": max(plain) if plain else None}
+                "on_policy_samples": len(gaps), "logprob_diff_max": max(gaps) if gaps else None}
+        if self.pool.config.rl.route_replay_compare:          # R3's comparison ran (MoE): the gap without it
+            row["logprob_diff_max_no_r3"] = max(plain) if plain else None
+        return row
