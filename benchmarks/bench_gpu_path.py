@@ -214,9 +214,10 @@ def cycle(size: str = "tiny") -> dict:
         fig["host_reserve_s"] = eng._host.reserve_seconds
         budget = device_budget_for(size, device, (mb, P, R), eng.numel)
         fig["budget_peak_gb"] = budget.peak / 2**30
-        for name, held in step_predictions(budget).items():
+        predicted = step_predictions(budget)
+        for name, held in predicted.items():
             fig[f"{name}_predicted_gb"] = held / 2**30
-        fig["cycle_predicted_gb"] = max(step_predictions(budget).values()) / 2**30
+        fig["cycle_predicted_gb"] = max(predicted.values()) / 2**30
         if cuda:
             import dataclasses
 

@@ -56,7 +56,8 @@ def implementations() -> dict:
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
     from bidirl.cluster.engines.workers import sampler as keyed
-    from bidirl.cluster.engines.workers.sampler import SEED_KEY, TEMPERATURE_KEY, PositionKeyedSampler, position_seed
+    from bidirl.cluster.engines.workers.sampler import (PositionKeyedSampler, apply_batch_update,
+                                                        position_seed)
 
     def previous_gumbel_noise(seed: int, position: int, vocab: int, device) -> torch.Tensor:
         """The previous release's noise of one position: a ``torch.Generator`` seeded by the position key."""
@@ -82,21 +83,7 @@ def implementations() -> dict:
         def update_state(self, batch_update) -> None:
             if not batch_update:
                 return
-            for index in batch_update.removed:
-                self.rows.pop(index, None)
-            for index, params, prompt_ids, output_ids in batch_update.added:
-                extra = params.extra_args or {}
-                if SEED_KEY in extra:
-                    self.rows[index] = (int(extra[SEED_KEY]), float(extra.get(TEMPERATURE_KEY, 1.0)),
-                                        len(prompt_ids or ()), output_ids)
-                else:
-                    self.rows.pop(index, None)
-            for a, b, direction in batch_update.moved:
-                ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
-                if ra is not None:
-                    self.rows[b] = ra
-                if rb is not None and direction.name == "SWAP":
-                    self.rows[a] = rb
+            apply_batch_update(self.rows, batch_update, lambda *row: row)
 
         def apply(self, logits: torch.Tensor) -> torch.Tensor:
             if not self.rows:

@@ -224,6 +224,27 @@ def _to_device(array: np.ndarray, device: torch.device, pin: bool) -> torch.Tens
     return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
 
+def apply_batch_update(rows: dict, batch_update, make_row) -> None:
+    """Apply vLLM's ``BatchUpdate`` to ``rows`` (batch index -> a seeded request's row, ``make_row(seed,
+    temperature, prompt length, output ids)``) in vLLM's order: removed, then added (an added row may replace a row;
+    one without a seed drops it), then moved (a move or a swap)."""
+    for index in batch_update.removed:
+        rows.pop(index, None)
+    for index, params, prompt_ids, output_ids in batch_update.added:
+        extra = params.extra_args or {}
+        if SEED_KEY in extra:
+            rows[index] = make_row(int(extra[SEED_KEY]), float(extra.get(TEMPERATURE_KEY, 1.0)),
+                                   len(prompt_ids or ()), output_ids)
+        else:
+            rows.pop(index, None)
+    for a, b, direction in batch_update.moved:
+        ra, rb = rows.pop(a, None), rows.pop(b, None)
+        if ra is not None:
+            rows[b] = ra
+        if rb is not None and direction.name == "SWAP":
+            rows[a] = rb
+
+
 class PositionKeyedSampler(LogitsProcessor):
     """Gumbel-max sampling keyed by position (see the module docstring)."""
 
@@ -252,22 +273,7 @@ class PositionKeyedSampler(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if not batch_update:
             return
-        # vLLM's order: removed, then added (an added row may replace a row), then moved
-        for index in batch_update.removed:
-            self.rows.pop(index, None)
-        for index, params, prompt_ids, output_ids in batch_update.added:
-            extra = params.extra_args or {}
-            if SEED_KEY in extra:
-                self.rows[index] = _Row(int(extra[SEED_KEY]), float(extra.get(TEMPERATURE_KEY, 1.0)),
-                                        len(prompt_ids or ()), output_ids)
-            else:
-                self.rows.pop(index, None)
-        for a, b, direction in batch_update.moved:
-            ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
-            if ra is not None:
-                self.rows[b] = ra
-            if rb is not None and direction.name == "SWAP":
-                self.rows[a] = rb
+        apply_batch_update(self.rows, batch_update, _Row)
         self._batch = _Batch(self.rows, self.device, self.pin)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
