@@ -134,13 +134,36 @@ def _run_plan(args: argparse.Namespace) -> int:
             sweep_figure(result).write_html(args.html, include_plotlyjs=True)
         except OSError as exc:
             raise CommandError(f"cannot write {args.html}: {exc.strerror or exc}") from None
+    moe = _moe_contrast(result)
     if args.json:
-        print(result.to_json())
+        out = result.to_dict()
+        if moe is not None:
+            out["moe_contrast"] = moe.to_dict()
+        print(json.dumps(out))
     else:
         print(format_plan(result, rows=max(1, args.rows)))
+        if moe is not None:
+            print(format_moe_contrast(moe))
         if args.html:
             print(f"sweep figure written to {args.html}")
     return 0
+
+
+def _moe_contrast(result):
+    """The plan's MoE-vs-dense contrast (``bidirl.job.moe.contrast``) for an MoE model, else None."""
+    if not result.config.model_spec.is_moe:
+        return None
+    from bidirl.job.moe import contrast
+    return contrast(result.config, moe_plan=result)
+
+
+def format_moe_contrast(c) -> str:
+    """Why an MoE job's split differs from a dense job of the same active size (``bidirl plan``'s MoE section)."""
+    moe, dense = c.moe_plan, c.dense_plan
+    lines = ["", f"why this split, against the dense {dense.config.model} of about the same active size "
+             f"(MoE {moe.choice}, trainer EP {moe.envelope.trainer_expert_parallel}; dense {dense.choice}):"]
+    lines += [f"  - {reason}" for reason in c.reasons]
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -193,7 +193,11 @@ def test_planner_contrasts_qwen3_30b_a3b_with_a_dense_3b_model(hardware):
     # ... but ~10× the parameters to hold and move: bigger trainer replicas, slower trainer steps and syncs
     assert moe["params_total"] / dense["params_total"] > 9
     assert moe["trainer_layout"] > dense["trainer_layout"]
-    assert moe["trainer_time"] > 5 * dense["trainer_time"]
+    # the same FLOPs (within 2 %, above) plus FSDP traffic of ~10× the parameters per micro-batch: strictly slower.
+    # (The factor 5 this once asserted came from charging a two-node FSDP ring at one GPU's share of the node's
+    # NIC, 8× too slow; test_expert_parallel.py holds the ring's bandwidth.)
+    assert moe["trainer_time"] > dense["trainer_time"]
+    assert moe["trainer_expert_parallel"] in c.moe_plan.expert_parallel_options
     assert moe["weight_sync_seconds"] > 5 * dense["weight_sync_seconds"]
     assert moe["decode_experts_touched_fraction"] > 0.98
     # the split is whole trainer replicas of the MoE layout in each pool (hot-switch compatibility)

@@ -72,6 +72,11 @@ class ClusterConfig:
     one rollout replica (vLLM tensor parallelism inside one node). Empty: the planner picks the smallest layout
     whose memory fits (§4.1). It must divide ``gpus_per_node``, the model's attention heads and a fixed
     ``partition``'s pools, and the planner refuses it by name when a replica of that size does not fit memory.
+
+    ``rollout_expert_parallel`` (veRL's ``actor_rollout_ref.rollout.expert_parallel_size``, vLLM's
+    ``enable_expert_parallel``; MoE models only): the GPUs of a rollout replica over which its routed experts are
+    sharded, 1 or the replica's ρ_r (veRL: tensor × data parallel, data parallel 1 here). Empty: 1 (at data parallel
+    1 vLLM's EP changes no modelled time or memory: ``bidirl.perf.expert_parallel``).
     """
     gpus: int = 16
     gpus_per_node: int = 8
@@ -80,6 +85,7 @@ class ClusterConfig:
     rollout_kv_cache_gib: Optional[float] = None
     cpus_per_gpu: Union[Literal["auto"], float] = "auto"
     rollout_tensor_parallel: Optional[int] = None
+    rollout_expert_parallel: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -195,6 +201,11 @@ class RLConfig:
     * ``route_replay_compare``: the ``old_logprob`` stage also runs its forward once without the replay, so the
       run reports the train–inference log-prob gap without R3 beside the gap with it (one more forward pass per
       ``old_logprob`` chunk, not modelled by the simulator).
+    * ``expert_parallel`` (Megatron's and veRL's ``expert_model_parallel_size``): the trainer's EP degree — each
+      replica's routed experts sharded over groups of this many GPUs (FSDP gathers them only inside their
+      expert-data-parallel group; tokens travel to their experts by all-to-all: ``bidirl.perf.expert_parallel``).
+      Empty: the planner weighs every degree that divides the replica and the experts and keeps the fastest. It must
+      divide the model's experts, and one wider than a node must be whole nodes.
     """
     staleness: float = 1.0
     partial_rollout: bool = True
@@ -216,6 +227,7 @@ class RLConfig:
     reproducible: Optional[bool] = None
     route_replay: Optional[bool] = None
     route_replay_compare: bool = False
+    expert_parallel: Optional[int] = None
 
     @property
     def reproducible_on(self) -> bool:
@@ -624,6 +636,31 @@ def _check_execution_settings(cfg: JobConfig) -> None:
                               f"use a divisor of {local}, or leave it empty for one update per local update")
 
 
+def _check_expert_parallel(cfg: JobConfig) -> None:
+    """``cluster.rollout_expert_parallel`` and ``rl.expert_parallel`` (MoE models only): whole experts per EP rank,
+    an EP group wider than a node made of whole nodes. Whether a degree fits its replica needs the replica's layout,
+    the planner's (``bidirl.job.planner.expert_parallel_layouts``)."""
+    m, gpn = cfg.model_spec, cfg.cluster.gpus_per_node
+    for key, ep in (("cluster.rollout_expert_parallel", cfg.cluster.rollout_expert_parallel),
+                    ("rl.expert_parallel", cfg.rl.expert_parallel)):
+        if ep is None:
+            continue
+        _positive(key, ep)
+        if ep > 1 and not m.is_moe:
+            raise ConfigError(key, f"expert parallelism shards a mixture-of-experts model's experts; {cfg.model!r} is "
+                              "a dense model", "leave it empty (or 1) for a dense model")
+        if ep > 1 and m.experts % ep:
+            divisors = [d for d in range(1, m.experts + 1) if m.experts % d == 0 and d <= max(gpn, ep)]
+            raise ConfigError(key, f"{ep} does not divide {m.name}'s {m.experts} experts (each EP rank holds whole "
+                              "experts)", f"use a divisor of {m.experts}, e.g. {max(divisors)}, or leave it empty")
+        if ep > gpn and ep % gpn:
+            raise ConfigError(key, f"an EP group of {ep} GPUs spans nodes but is not whole nodes of "
+                              f"cluster.gpus_per_node = {gpn}", f"use a divisor of {gpn} or a multiple of it")
+        if key == "cluster.rollout_expert_parallel" and ep > gpn:
+            raise ConfigError(key, f"a rollout replica is one tensor-parallel engine inside a node ({gpn} GPUs); an EP "
+                              f"group of {ep} GPUs does not fit it", f"use 1 or the rollout replica's GPUs (≤ {gpn})")
+
+
 #: execution settings the models, the planner and the simulator (and emulated runs) honour but engine runs do not
 #: carry out yet: key -> (its defaults, why an engine run cannot). Bypass (``rl.recompute_old_logprob: false``)
 #: runs in the engine driver, so it is not here. Token-budget micro-batches and parameter / optimizer offload run in
@@ -646,6 +683,10 @@ ENGINE_PENDING = {
     "rl.sequence_parallel": ((1,), "the trainer engine has no Ulysses all-to-all: each rank holds whole samples"),
     "rl.fsdp_size": ((None,), "the engine run's trainer gangs shard over the planner's layout; an explicit shard-group "
                      "size is not passed to the engines yet"),
+    "rl.expert_parallel": ((None, 1), "the trainer engine shards every parameter with FSDP2 (no expert-parallel "
+                           "groups or token all-to-alls)"),
+    "cluster.rollout_expert_parallel": ((None, 1), "an engine run places each rollouter on one GPU slot (no "
+                                        "expert-parallel group to shard over)"),
 }
 
 
@@ -770,5 +811,6 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("recovery.snapshot_every", f"must be ≥ 1 optimizer step, got {cfg.recovery.snapshot_every}",
                           "give how many steps apart the primary trainer's recovery snapshots are, e.g. 10")
     _check_execution_settings(cfg)
+    _check_expert_parallel(cfg)
     if cfg.seed < 0:
         raise ConfigError("seed", f"must be ≥ 0, got {cfg.seed}", "use a non-negative integer seed")

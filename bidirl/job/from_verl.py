@@ -69,7 +69,8 @@ VERL_DEFAULTS: dict = {
     f"{A}.clip_ratio_low": 0.2, f"{A}.use_kl_loss": False, f"{A}.kl_loss_coef": 0.001, f"{A}.optim.lr": 1e-6,
     f"{A}.fsdp_config.param_offload": False, f"{A}.fsdp_config.optimizer_offload": False,
     f"{A}.ulysses_sequence_parallel_size": 1, f"{A}.fsdp_config.fsdp_size": -1,
-    f"{R}.name": MISSING, f"{R}.n": 1, f"{R}.tensor_model_parallel_size": 2, f"{R}.gpu_memory_utilization": 0.5,
+    f"{R}.name": MISSING, f"{R}.n": 1, f"{R}.tensor_model_parallel_size": 2, f"{R}.expert_parallel_size": 1,
+    f"{R}.gpu_memory_utilization": 0.5,
     f"{R}.multi_turn.enable": False,
     f"{R}.log_prob_use_dynamic_bsz": Interp(f"{A}.use_dynamic_bsz"),
     f"{R}.log_prob_max_token_len_per_gpu": Interp(f"{A}.ppo_max_token_len_per_gpu"),
@@ -241,6 +242,9 @@ RULES: list = [
     # --- parallelism, memory ----------------------------------------------------------------------------------
     _mapped(f"{R}.tensor_model_parallel_size", ["cluster.rollout_tensor_parallel"],
             "GPUs per vLLM replica (ρ_r)"),
+    _mapped(f"{R}.expert_parallel_size", ["cluster.rollout_expert_parallel"],
+            "GPUs of a vLLM replica over which an MoE model's experts are sharded (enable_expert_parallel): 1 or "
+            "tensor_model_parallel_size × data_parallel_size, data parallel 1 in bidirl"),
     _mapped(f"{A}.ulysses_sequence_parallel_size", ["rl.sequence_parallel"], "Ulysses sequence parallel degree"),
     _mapped(f"{F}.ulysses_sequence_parallel_size", ["rl.sequence_parallel"],
             "the reference's degree; bidirl's trainer stages share one degree, the actor's"),
@@ -324,7 +328,7 @@ RULES: list = [
                                    "calculate_log_probs", "over_sample_rate")], SAMPLING),
     *_unused([f"{R}.val_kwargs.*"], VAL),
     *_unused([f"{R}.{k}" for k in ("mode", "dtype", "enforce_eager", "cudagraph_capture_sizes",
-                                   "free_cache_engine", "data_parallel_size", "expert_parallel_size",
+                                   "free_cache_engine", "data_parallel_size",
                                    "pipeline_model_parallel_size", "max_num_batched_tokens", "max_model_len",
                                    "max_num_seqs", "enable_chunked_prefill", "enable_prefix_caching",
                                    "scheduling_policy", "load_format", "disable_log_stats",
@@ -600,6 +604,14 @@ def convert(source: "VerlInput | Sequence[str]", *, hardware: Optional[str] = No
     if rollout_pool % tp:
         raise ConfigError(f"{R}.tensor_model_parallel_size", f"{tp} does not divide the {rollout_pool} rollout GPUs",
                           "veRL builds whole replicas of tensor_model_parallel_size GPUs: use a divisor")
+    ep = _positive(f"{R}.expert_parallel_size", r.take(f"{R}.expert_parallel_size", int))
+    if ep > 1:
+        if ep != tp:
+            raise ConfigError(f"{R}.expert_parallel_size", f"{ep} is not tensor_model_parallel_size {tp} × "
+                              "data_parallel_size 1 (veRL's RolloutConfig requires the product; bidirl's rollout "
+                              "replica is one tensor-parallel engine)",
+                              f"use 1 or {tp} (data-parallel rollout engines are not modelled)")
+        cluster["rollout_expert_parallel"] = ep
 
     # --- workload -----------------------------------------------------------------------------------------
     workload: dict = {}

@@ -10,6 +10,7 @@ what moved the choice.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from bidirl.core.protocol import ROLLOUT_ON_TRAINER_POOL, TRAINER_ON_ROLLOUT_POOL
@@ -37,6 +38,8 @@ class MoEContrast:
 
 def _terms(p: planner.Plan) -> dict:
     from bidirl.perf.costs import derive_switch_costs, derive_weight_sync
+    from bidirl.perf.expert_parallel import fsdp_message_bytes
+    from bidirl.perf.params import ring_bandwidth
     from bidirl.perf.flops import forward_flops
     from bidirl.perf.moe import decode_weight_bytes, touched_fraction
 
@@ -46,7 +49,16 @@ def _terms(p: planner.Plan) -> dict:
     # decode concurrency: the step's sequences spread over the rollout replicas (all running at the start)
     running = max(1, int(prompts.size) // max(env.rollout_replicas, 1))
     switch = derive_switch_costs(hw, m, trainer_layout=env.trainer_layout, rollout_tp=env.rollout_layout)
+    ep = env.trainer_expert_parallel
     return {
+        "trainer_expert_parallel": ep, "rollout_expert_parallel": env.rollout_expert_parallel,
+        "expert_parallel_options": {k: {"trainer_time": t, "pipeline_rate": lam}
+                                    for k, (t, lam) in sorted(p.expert_parallel_options.items())},
+        # one forward pass's FSDP gathers on a GPU, seconds at the replica's ring bandwidth (perf.expert_parallel)
+        "fsdp_gather_seconds": fsdp_message_bytes(m, hw, env.trainer_layout, ep, "old_logprob")
+        / ring_bandwidth(hw, env.trainer_layout),
+        "fsdp_gather_seconds_without_ep": fsdp_message_bytes(m, hw, env.trainer_layout, 1, "old_logprob")
+        / ring_bandwidth(hw, env.trainer_layout),
         "params_total": float(m.params_total), "params_active": float(m.params_active),
         "flops_per_token": 2.0 * float(m.params_active_nonembedding),
         "step_forward_flops": forward_flops(m, prompts, responses),
@@ -79,9 +91,24 @@ def _reasons(moe: dict, dense: dict, moe_plan, dense_plan) -> tuple:
             size = moe["rollout_weights_gib_per_gpu" if role == "rollout" else "trainer_state_gib_per_gpu"]
             r.append(f"a {role} replica needs {a} GPUs instead of {b}: its {what} take {size:.1f} GiB per GPU at "
                      f"{a} GPUs (total parameters), so the pools are split in multiples of {a} GPUs")
+    ep = moe["trainer_expert_parallel"]
+    options = moe["expert_parallel_options"]
+    if ep > 1:
+        without = options.get(1, {}).get("trainer_time", float("nan"))
+        r.append(f"the trainer shards its experts over EP groups of {ep} GPUs (rl.expert_parallel): a forward pass's "
+                 f"FSDP gathers take {moe['fsdp_gather_seconds']:.2f} s per micro-batch instead of "
+                 f"{moe['fsdp_gather_seconds_without_ep']:.2f} s (each GPU gathers only its own experts, from its "
+                 "expert-data-parallel group), for token all-to-alls a dense model does not have; "
+                 f"trainer step {moe['trainer_time']:.3g} s vs {without:.3g} s without EP ("
+                 + ", ".join(f"EP {k}: {v['trainer_time']:.3g} s" for k, v in options.items()) + ")")
+    elif len(options) > 1:
+        r.append("no EP degree beats FSDP alone here (" + ", ".join(f"EP {k}: {v['trainer_time']:.3g} s"
+                                                                  for k, v in options.items())
+                 + "): the experts stay sharded over the whole trainer replica")
     r.append(f"trainer step time {moe['trainer_time']:.3g} s vs {dense['trainer_time']:.3g} s "
              f"(×{ratio('trainer_time'):.2f} for ×{ratio('step_forward_flops'):.2f} the FLOPs): FSDP all-gathers and "
-             "reduce-scatters move every parameter, experts included, in every pass")
+             "reduce-scatters move every parameter in every pass"
+             + (", the experts inside their expert-data-parallel groups" if ep > 1 else ", experts included"))
     r.append(f"rollout step time {moe['rollout_time']:.3g} s vs {dense['rollout_time']:.3g} s "
              f"(×{ratio('rollout_time'):.2f}): with {moe['decode_running_sequences']} sequences running per replica "
              f"a decode iteration touches {100 * moe['decode_experts_touched_fraction']:.1f} % of each layer's "
@@ -103,11 +130,23 @@ def _reasons(moe: dict, dense: dict, moe_plan, dense_plan) -> tuple:
     return tuple(r)
 
 
-def contrast(config, dense_model: str, *, hardware=None) -> MoEContrast:
-    """Plan ``config`` (whose model must be MoE) and the same job with ``dense_model``; :class:`MoEContrast`.
+def dense_counterpart(model) -> str:
+    """The shipped dense text model closest in total parameters to ``model``'s *active* parameters (by ratio): the
+    dense job of "the same active size" the planner sets an MoE job beside (e.g. qwen2.5-3b for qwen3-30b-a3b)."""
+    from bidirl.job import presets
+    dense = [presets.model(n) for n in presets.names("models")]
+    dense = [d for d in dense if not d.is_moe and not d.vision_params]
+    return min(dense, key=lambda d: abs(math.log(d.params_total / model.params_active))).name
+
+
+def contrast(config, dense_model: str = None, *, hardware=None, moe_plan=None) -> MoEContrast:
+    """Plan ``config`` (whose model must be MoE) and the same job with ``dense_model`` (default:
+    :func:`dense_counterpart`); :class:`MoEContrast`. ``moe_plan``: the config's plan when already made.
 
     ConfigError naming ``model`` if the config's model is dense or ``dense_model`` is an MoE model."""
     cfg = cfgmod.load(config)
+    if dense_model is None and cfg.model_spec.is_moe:
+        dense_model = dense_counterpart(cfg.model_spec)
     if not cfg.model_spec.is_moe:
         raise ConfigError("model", f"{cfg.model!r} is a dense model; the contrast is of an MoE model with a dense one",
                           "use an MoE preset (e.g. qwen3-30b-a3b)")
@@ -116,7 +155,7 @@ def contrast(config, dense_model: str, *, hardware=None) -> MoEContrast:
         raise ConfigError("model", f"{dense_model!r} is an MoE model; give a dense model of about "
                           f"{cfg.model_spec.params_active / 1e9:.2f} B parameters",
                           "e.g. qwen2.5-3b for qwen3-30b-a3b")
-    moe_plan = planner.plan(cfg, hardware=hardware)
+    moe_plan = moe_plan if moe_plan is not None else planner.plan(cfg, hardware=hardware)
     dense_plan = planner.plan(dense_cfg, hardware=hardware)
     moe, dense = _terms(moe_plan), _terms(dense_plan)
     return MoEContrast(moe_plan, dense_plan, {"moe": moe, "dense": dense}, _reasons(moe, dense, moe_plan, dense_plan))

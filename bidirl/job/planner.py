@@ -91,6 +91,10 @@ class Envelope:
     trainer_rate: float
     rollout_model: RolloutModel = field(repr=False, compare=False, default=None)
     trainer_model: TrainerModel = field(repr=False, compare=False, default=None)
+    #: EP degrees (MoE; 1 for a dense model): the GPUs of a replica over which its routed experts are sharded
+    #: (``bidirl.perf.expert_parallel``; ``cluster.rollout_expert_parallel``, ``rl.expert_parallel``)
+    rollout_expert_parallel: int = 1
+    trainer_expert_parallel: int = 1
 
     @property
     def label(self) -> str:
@@ -99,7 +103,9 @@ class Envelope:
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in ENVELOPE_KEYS}
         out.update(label=self.label, rollout_time=self.rollout_time, trainer_time=self.trainer_time,
-                   rollout_rate=self.rollout_rate, trainer_rate=self.trainer_rate)
+                   rollout_rate=self.rollout_rate, trainer_rate=self.trainer_rate,
+                   rollout_expert_parallel=self.rollout_expert_parallel,
+                   trainer_expert_parallel=self.trainer_expert_parallel)
         return _jsonable(out)
 
 
@@ -113,6 +119,9 @@ class Plan:
     batch: tuple = field(repr=False)            # (prompt_lens, response_lens) of the representative batch
     stages: tuple = STAGES
     fixed: bool = False                         # True when cluster.partition chose the envelope
+    #: the trainer EP degrees the planner weighed (:func:`choose_expert_parallel`): ``{ep: (M_t, λ_pipe)}`` at the
+    #: best compatible candidate of each; one entry for a dense model or a job that fixes ``rl.expert_parallel``
+    expert_parallel_options: dict = field(repr=False, default_factory=dict)
 
     @property
     def choice(self) -> str:
@@ -169,6 +178,8 @@ class Plan:
                                           "total": need.total / GiB, "usable": need.usable / GiB,
                                           "layout": need.layout}
                                    for role, need in self.memory.items()},
+            "expert_parallel_options": [{"trainer_expert_parallel": ep, "trainer_time": t, "pipeline_rate": lam}
+                                        for ep, (t, lam) in sorted(self.expert_parallel_options.items())],
         })
 
     def to_json(self, indent: Optional[int] = None) -> str:
@@ -323,8 +334,9 @@ def plan(config, *, progress: bool = False, hardware=None) -> Plan:
         raise ConfigError("cluster.gpus", f"{G} GPU cannot be split into a rollout and a trainer pool",
                           "use at least 2 GPUs")
     rho_r, rho_t, needs = min_feasible_layouts(cfg, hardware)
-    predictor = StagePredictor.from_config(cfg, rho_r, rho_t, hardware)
-    rollout, trainer = predictor.rollout, predictor.trainer
+    ep_r, ep_ts = expert_parallel_layouts(cfg, rho_r, rho_t)
+    predictors = {ep: StagePredictor.from_config(cfg, rho_r, rho_t, hardware, expert_parallel=ep) for ep in ep_ts}
+    rollout = predictors[ep_ts[0]].rollout
     p, r = representative_batch(cfg)
     stages = cfg.rl.stages
     w = cfg.workload
@@ -345,17 +357,25 @@ def plan(config, *, progress: bool = False, hardware=None) -> Plan:
     # rollout: groups dispatched in group-id order; trainer: samples consumed in completion order
     g = w.group_size
     order = consumption_order(p, r, g)
-    with _progress(progress, 2) as tick:
+    with _progress(progress, 1 + len(ep_ts)) as tick:
         times_r = rollout.stage_times(p, r, uniq_r.tolist(), g)
         tick()
-        times_t = trainer_stage_times(cfg, trainer, p[order], r[order], uniq_t.tolist(), stages)
-        tick()
+        times_t = {}
+        for ep in ep_ts:
+            times_t[ep] = trainer_stage_times(cfg, predictors[ep].trainer, p[order], r[order], uniq_t.tolist(), stages)
+            tick()
     t_r = _per_candidate(cap_r, uniq_r, times_r)
-    t_t = _per_candidate(cap_t, uniq_t, times_t)
     with np.errstate(divide="ignore"):
         lam_r = np.where(np.isfinite(t_r) & (t_r > 0), n_groups / t_r, np.where(t_r == 0, math.inf, 0.0))
-        lam_t = np.where(np.isfinite(t_t) & (t_t > 0), n_groups / t_t, np.where(t_t == 0, math.inf, 0.0))
-    lam = np.minimum(lam_r, lam_t)
+    rates = {}                                 # ep -> (t_t, λ_t, λ_pipe) per candidate
+    for ep in ep_ts:
+        t_t = _per_candidate(cap_t, uniq_t, times_t[ep])
+        with np.errstate(divide="ignore"):
+            lam_t = np.where(np.isfinite(t_t) & (t_t > 0), n_groups / t_t, np.where(t_t == 0, math.inf, 0.0))
+        rates[ep] = (t_t, lam_t, np.minimum(lam_r, lam_t))
+    ep_t, options = choose_expert_parallel(rates, ok, cands, cfg.cluster.partition)
+    t_t, lam_t, lam = rates[ep_t]
+    trainer = predictors[ep_t].trainer
 
     labels = [label(a, b) for a, b in cands]
     if cfg.cluster.partition is not None:
@@ -396,8 +416,56 @@ def plan(config, *, progress: bool = False, hardware=None) -> Plan:
                    trainer_layout=rho_t, rollout_replicas=int(d_r[idx]), trainer_replicas=int(d_t[idx]),
                    pipeline_rate=float(lam[idx]), rollout_time=float(t_r[idx]), trainer_time=float(t_t[idx]),
                    rollout_rate=float(lam_r[idx]), trainer_rate=float(lam_t[idx]),
-                   rollout_model=rollout, trainer_model=trainer)
-    return Plan(cfg, env, sweep, needs, (p, r), stages, fixed)
+                   rollout_model=rollout, trainer_model=trainer, rollout_expert_parallel=ep_r,
+                   trainer_expert_parallel=ep_t)
+    return Plan(cfg, env, sweep, needs, (p, r), stages, fixed, options)
+
+
+def expert_parallel_layouts(cfg, rho_r: int, rho_t: int) -> tuple:
+    """``(ep_r, [ep_t, …])``: the rollout replica's EP degree and the trainer EP degrees the planner weighs
+    (:mod:`bidirl.perf.expert_parallel`). ``cluster.rollout_expert_parallel`` (veRL's rollout
+    ``expert_parallel_size``) must be 1 or ρ_r — at data parallel 1 it changes no modelled time or memory, so empty
+    is 1; ``rl.expert_parallel`` fixes the trainer's, refused by name when it cannot shard the experts of a ρ_t
+    replica; empty: every degree that can (:func:`~bidirl.perf.expert_parallel.expert_parallel_sizes`)."""
+    from bidirl.perf import expert_parallel as ep_mod
+    m, gpn = cfg.model_spec, cfg.cluster.gpus_per_node
+    ep_r = cfg.cluster.rollout_expert_parallel or 1
+    allowed = ep_mod.rollout_expert_parallel_sizes(m, rho_r)
+    if ep_r not in allowed:
+        raise ConfigError("cluster.rollout_expert_parallel",
+                          f"{ep_r} is not an EP degree of a {rho_r}-GPU rollout replica of {m.name}: vLLM shards the "
+                          "experts over the whole tensor-parallel engine (veRL: expert_parallel_size = "
+                          "tensor_model_parallel_size × data_parallel_size, data parallel 1 here)",
+                          f"use one of {', '.join(map(str, allowed))}, or leave it empty")
+    fixed = cfg.rl.expert_parallel
+    if fixed is None:
+        return ep_r, ep_mod.expert_parallel_sizes(m, rho_t, gpn)
+    problem = ep_mod.ep_problem(m, rho_t, fixed, gpn)
+    if problem:
+        raise ConfigError("rl.expert_parallel", f"an EP group of {fixed} GPUs cannot shard the experts of a "
+                          f"{rho_t}-GPU trainer replica: {problem}",
+                          f"use one of {', '.join(map(str, ep_mod.expert_parallel_sizes(m, rho_t, gpn)))}, or leave "
+                          "it empty for the planner's choice")
+    return ep_r, [fixed]
+
+
+def choose_expert_parallel(rates: dict, ok: np.ndarray, cands: list, partition) -> tuple:
+    """``(ep_t, {ep: (M_t, λ_pipe)})``: the trainer EP degree whose best compatible candidate (or the fixed
+    ``cluster.partition``) has the largest pipeline rate; where the rollout bounds the pipeline and the rates tie,
+    the faster trainer (more idle trainer time to lend, §3), then the smallest degree; ``rates[ep] = (t_t, λ_t,
+    λ_pipe)`` per candidate. EP does not change which candidates are
+    compatible (an EP group lies inside its replica), so every degree is weighed on the same candidates."""
+    options = {}
+    for ep, (t_t, _, lam) in rates.items():
+        if partition is not None and (partition.rollout, partition.trainer) in cands:
+            i = cands.index((partition.rollout, partition.trainer))
+        elif ok.any():
+            i = int(np.argmax(np.where(ok, lam, -math.inf)))
+        else:
+            i = 0
+        options[int(ep)] = (float(t_t[i]), float(lam[i]))
+    best = max(sorted(options), key=lambda ep: (options[ep][1], -options[ep][0], -ep))
+    return best, options
 
 
 def trainer_stage_times(cfg, trainer: TrainerModel, prompt_lens, response_lens, ds, stages) -> np.ndarray:

@@ -280,7 +280,8 @@ def calibrate_trainer(records, model: TrainerModel) -> CalibrationResult:
 
     params, pred, err, prior_err, ok, message = _fit(space, predict, observed, setter)
     fitted = TrainerModel(model.model, model.hardware, layout=model.layout, params=params,
-                          sequence_parallel=getattr(model, "sequence_parallel", 1))
+                          sequence_parallel=getattr(model, "sequence_parallel", 1),
+                          expert_parallel=getattr(model, "expert_parallel", 1))
     return CalibrationResult("trainer", params, fitted, err, prior_err, tuple(space.names), ok, message, pred)
 
 

@@ -17,7 +17,8 @@ Trainer, for a replica of ρ = ``layout`` GPUs (FSDP data parallel inside the re
   ≈10 µs each (the default, :data:`KERNEL_OVERHEAD_PER_LAYER`);
 * ``alpha_comm_s = k_s · L · collective latency`` with ``k_s`` collectives per layer (1 all-gather for the
   forward stages; all-gather, all-gather, reduce-scatter for the update); 0 for ρ = 1 (no collectives);
-* ``beta_comm_s = 1 / link bandwidth`` (intra-node for ρ ≤ gpus_per_node, else inter-node);
+* ``beta_comm_s = 1 / ring bandwidth`` (intra-node for ρ ≤ gpus_per_node, else the node's network,
+  :func:`ring_bandwidth`);
 * ``r_s = 2`` (partial overlap of FSDP prefetch with compute).
 
 Rollout, for a vLLM replica with tensor parallelism ``tp`` (the decoder only: the vision encoder runs in
@@ -164,6 +165,19 @@ def link_bandwidth(hw, gpus: int) -> float:
     return hw.intra_node_bandwidth if gpus <= hw.gpus_per_node else hw.inter_node_bandwidth
 
 
+def ring_bandwidth(hw, gpus: int) -> float:
+    """Bus bandwidth of a ring collective (FSDP's all-gathers and reduce-scatters) over ``gpus`` contiguous GPUs:
+    the intra-node bandwidth inside a node; across nodes a ring enters and leaves each node once per channel and
+    NCCL spreads its channels over the node's NICs, so the slowest link of the ring is the node's network,
+    ``gpus_per_node · inter_node_bandwidth`` (the preset's per-GPU share times the node's GPUs), or NVLink if slower:
+    ``min(intra, gpus_per_node · inter)`` (NVIDIA nccl-tests ``doc/PERFORMANCE.md``: a collective's bus bandwidth
+    is what compares with the hardware's peak link bandwidth). Point-to-point copies that every GPU of a node makes
+    at once (weight sync, all-to-alls) get the per-GPU share instead (:func:`link_bandwidth`)."""
+    if gpus <= hw.gpus_per_node:
+        return float(hw.intra_node_bandwidth)
+    return min(float(hw.intra_node_bandwidth), hw.gpus_per_node * float(hw.inter_node_bandwidth))
+
+
 def collective_latency(hw, gpus: int) -> float:
     return COLLECTIVE_LATENCY_INTRA if gpus <= hw.gpus_per_node else COLLECTIVE_LATENCY_INTER
 
@@ -221,7 +235,7 @@ def knob_trainer_params(model, hw, layout: int = 1):
         alpha={s: alpha for s in STAGES},
         r={s: DEFAULT_OVERLAP_R for s in STAGES},
         alpha_comm={s: COLLECTIVES_PER_LAYER[s] * model.layers * lat for s in STAGES},
-        beta_comm={s: 1.0 / link_bandwidth(hw, rho) for s in STAGES},
+        beta_comm={s: 1.0 / ring_bandwidth(hw, rho) for s in STAGES},
     )
 
 

@@ -70,9 +70,13 @@ class StagePredictor:
     optimizer_updates: int = 1
 
     @classmethod
-    def from_config(cls, cfg, rollout_layout: int, trainer_layout: int, hardware=None) -> "StagePredictor":
-        """The presets' models for ``cfg`` (``hardware``: another :class:`~bidirl.job.presets.HardwareSpec` to use)."""
+    def from_config(cls, cfg, rollout_layout: int, trainer_layout: int, hardware=None,
+                    expert_parallel=None) -> "StagePredictor":
+        """The presets' models for ``cfg`` (``hardware``: another :class:`~bidirl.job.presets.HardwareSpec` to use;
+        ``expert_parallel``: the trainer's EP degree, default ``rl.expert_parallel`` or 1 — the planner passes the
+        one it chose, ``Envelope.trainer_expert_parallel``)."""
         from bidirl.perf import execution
+        from bidirl.perf.expert_parallel import with_expert_parallel
         from bidirl.perf.params import default_trainer_params
         m, hw = cfg.model_spec, hardware or cfg.hardware_spec
         stats, w, rl = cfg.workload_stats, cfg.workload, cfg.rl
@@ -81,10 +85,13 @@ class StagePredictor:
         if recompute:
             params = execution.with_recompute(params, m, hw)
         params = execution.with_sequence_parallel(params, m, hw, rl.sequence_parallel, trainer_layout, recompute)
+        ep = expert_parallel or getattr(rl, "expert_parallel", None) or 1
+        params = with_expert_parallel(params, m, hw, ep, trainer_layout, recompute)
         updates = cfg.optimizer_updates_per_step // rl.updates_per_sync     # per local update
         overhead = execution.offload_seconds(m, hw, trainer_layout, rl.stages, rl.param_offload, rl.optimizer_offload)
         return cls(RolloutModel(m, hw, tp=rollout_layout, max_seqs=MAX_SEQS),
-                   TrainerModel(m, hw, layout=trainer_layout, params=params, sequence_parallel=rl.sequence_parallel),
+                   TrainerModel(m, hw, layout=trainer_layout, params=params, sequence_parallel=rl.sequence_parallel,
+                                expert_parallel=ep),
                    w.group_size, context, overhead, updates)
 
     def refit(self, records) -> dict:

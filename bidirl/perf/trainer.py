@@ -22,6 +22,9 @@ moves parameters, not activations:
 * ``actor_update``: forward and backward all-gathers plus the reduce-scatter of fp32 gradients,
   ``(2·W + 4·N_total)·(ρ−1)/ρ``.
 
+With expert parallelism (``expert_parallel`` > 1, an MoE model) the experts are gathered inside their EDP group
+only (:func:`bidirl.perf.expert_parallel.fsdp_message_bytes`).
+
 For ρ = 1 there is no collective (n_s = 0 and α_comm,s = 0 by default). Cross-replica gradient averaging
 happens once per optimiser step, outside the micro-batch times (the control plane charges the optimizer step).
 
@@ -48,6 +51,7 @@ import numpy as np
 
 from bidirl.core.protocol import chunk_size, packed_chunk_len, packed_groups
 from bidirl.perf.balance import check_replicas, grouped_order, runs_of, stable_order
+from bidirl.perf.expert_parallel import fsdp_message_bytes
 from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_stage, lengths, sample_forward_flops
 from bidirl.perf.overlap import combine, overlap
 from bidirl.perf.params import TrainerParams, default_trainer_params
@@ -216,7 +220,7 @@ class TrainerModel:
     defaults of :func:`bidirl.perf.params.default_trainer_params` when omitted)."""
 
     def __init__(self, model, hardware, layout: int = 1, params: Optional[TrainerParams] = None,
-                 sequence_parallel: int = 1):
+                 sequence_parallel: int = 1, expert_parallel: int = 1):
         self.model, self.hardware = model, hardware
         self.layout = check_replicas(layout, "layout (GPUs per trainer replica)")
         #: Ulysses degree k (``rl.sequence_parallel``): a chunk holds 1/k of the samples (data parallel = GPUs / k)
@@ -224,10 +228,10 @@ class TrainerModel:
         self.params = params if params is not None else default_trainer_params(model, hardware, self.layout)
         if not isinstance(self.params, TrainerParams):
             raise ValueError(f"params must be a TrainerParams, got {type(self.params).__name__}")
-        w = model.params_total * model.dtype_bytes
-        share = (self.layout - 1) / self.layout
-        self._message = {s: (2 * w + 4 * model.params_total) * share if s == "actor_update" else w * share
-                         for s in STAGES}
+        #: EP degree (``rl.expert_parallel``): the experts' FSDP gathers shrink to their EDP group
+        #: (:func:`bidirl.perf.expert_parallel.fsdp_message_bytes`; its all-to-alls are in ``params``' α)
+        self.expert_parallel = check_replicas(expert_parallel, "expert_parallel")
+        self._message = {s: fsdp_message_bytes(model, hardware, self.layout, self.expert_parallel, s) for s in STAGES}
         self._memo: dict = {}      # (stage, d, prompt lens, response lens) -> one chunk's time (the model is fixed)
         # per stage: τ_s, α_s·m_s, C_s and r_s of t_s(b), as microbatch_times computes them
         self._terms = {s: (self.params.tau[s], self.params.alpha[s] * STAGE_MULTIPLIER[s],

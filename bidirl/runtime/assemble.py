@@ -78,7 +78,8 @@ def assemble(cfg: cfgmod.JobConfig, policy, *, steps: int, seed: int,
                         aux_rollout_replicas=env.trainer_gpus // env.rollout_layout,
                         aux_trainer_replicas=env.rollout_gpus // env.trainer_layout,
                         trainer_layout=env.trainer_layout)
-    predictor = predictor or StagePredictor.from_config(cfg, env.rollout_layout, env.trainer_layout)
+    predictor = predictor or StagePredictor.from_config(cfg, env.rollout_layout, env.trainer_layout,
+                                                         expert_parallel=env.trainer_expert_parallel)
     w = cfg.workload
     prior = sample_lengths(cfg.workload_stats, w.max_response_len, 64 * w.group_size, np.random.default_rng([seed, 2]))
     settings = Settings(batch=w.prompts_per_step, group_size=w.group_size, staleness=cfg.rl.staleness,

@@ -99,7 +99,8 @@ class Driver:
         # what the work really takes where the driver models it (simulator, emulated workers): the presets'
         # models, kept apart from the coordinator's predictor, which the online profiler refits (while the
         # coordinator starts from the presets too, both share the model objects and their memo)
-        self.truth = (StagePredictor.from_config(self.config, env.rollout_layout, env.trainer_layout) if own_models
+        self.truth = (StagePredictor.from_config(self.config, env.rollout_layout, env.trainer_layout,
+                                                 expert_parallel=env.trainer_expert_parallel) if own_models
                       else self.predictor.sharing_models())
         self.log = EventLog()
         self.messages: list = []      # every command and report executed, in order (cross-driver checks)

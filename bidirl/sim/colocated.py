@@ -39,7 +39,7 @@ def simulate_colocated(config, *, steps: int, seed: int, policy: str = "verl-col
     G = cfg.cluster.gpus
     rho_r = cfg.cluster.rollout_tensor_parallel or env.rollout_layout
     d_r, d_t = G // rho_r, G // env.trainer_layout
-    models = StagePredictor.from_config(cfg, rho_r, env.trainer_layout)
+    models = StagePredictor.from_config(cfg, rho_r, env.trainer_layout, expert_parallel=env.trainer_expert_parallel)
     r_cfg = cfg.rl
     verl = (VerlUpdate.of(cfg, env.trainer_layout)
             if (r_cfg.max_tokens_per_micro_batch is not None or r_cfg.mini_batch_prompts is not None
