@@ -119,3 +119,62 @@ def test_step_completes_after_both_segments():
     c = step.pull("auxiliary", 1, "x")
     step.finish(c.chunk.chunk_id)
     assert step.done and step.aux_update_chunks == [c.chunk.chunk_id]
+
+
+# TailWindow's reclaim (§5.2 "re-chunks the remaining tail work"; Table 2: queued chunks are recoverable) ----------
+
+def test_tail_reclaim_returns_the_queued_chunks_once_when_the_tail_fits():
+    step = make_step(groups=4, size=4, micro_batch_per_device=2)      # 32 forward units, chunks of 2 on d = 1
+    first = step.pull("primary", 1, "p")
+    second = step.pull("auxiliary", 1, "a")
+    step.started(first.chunk.chunk_id, 0.0)
+    step.started(second.chunk.chunk_id, 0.0)
+    queued_p = step.pull("primary", 1, "p")
+    queued_a = step.pull("auxiliary", 1, "a")
+    # 24 pending + 4 queued units do not fit one combined round (2 + 2 units): nothing is reclaimed yet
+    assert step.tail_reclaim(1, 1, tail_window=1) == []
+    del step.pending[:]                                        # as if the rest ran: only the queued chunks remain
+    got = step.tail_reclaim(1, 1, tail_window=1)               # 0 + 4 units fit one round of 2 + 2
+    assert {c.chunk.chunk_id for c in got} == {queued_p.chunk.chunk_id, queued_a.chunk.chunk_id}
+    assert step.reclaiming == {queued_p.chunk.chunk_id, queued_a.chunk.chunk_id}
+    assert step.tail_reclaim(1, 1, tail_window=1) == []        # once per segment
+    for c in got:                                              # the cancellations answer: the units come back
+        assert step.cancel(c.chunk.chunk_id)
+    assert not step.reclaiming
+    assert step.pending == sorted(queued_p.units + queued_a.units)
+    assert step.in_tail_window(1, 1, tail_window=1)            # and the split covers them
+    n_a, _ = step.plan_tail(1, 1, ready_p=0.0, ready_a=10.0, chunk_time=linear_time)
+    assert n_a == 0                                            # the auxiliary side is busy for 10 s: all to primaries
+    assert [u for run in step.tail_plan["primary"] for u in run] == sorted(queued_p.units + queued_a.units)
+
+
+def test_a_reclaimed_chunk_that_started_first_runs_and_is_no_longer_awaited():
+    step = make_step(groups=1, size=4, micro_batch_per_device=2)      # 8 forward units
+    running = step.pull("primary", 1, "p")
+    step.started(running.chunk.chunk_id, 0.0)
+    queued = step.pull("auxiliary", 1, "a")
+    del step.pending[:]
+    assert [c.chunk.chunk_id for c in step.tail_reclaim(1, 1, tail_window=1)] == [queued.chunk.chunk_id]
+    step.started(queued.chunk.chunk_id, 1.0)                   # the gang started it before the cancel reached it
+    assert not step.reclaiming
+    assert not step.cancel(queued.chunk.chunk_id)              # running: it is not recoverable any more
+    assert step.pending == []
+
+
+def test_a_new_segment_may_reclaim_again():
+    step = make_step(groups=1, size=4, micro_batch_per_device=2, stages=("old_logprob", "actor_update"))
+    running = step.pull("primary", 1, "p")                    # old_logprob has 4 units: 2 + 2
+    step.started(running.chunk.chunk_id, 0.0)
+    queued = step.pull("auxiliary", 1, "a")
+    assert step.tail_reclaim(1, 1, tail_window=1) == [queued]
+    assert step.cancel(queued.chunk.chunk_id)
+    again = step.pull("primary", 1, "p")
+    for c in (running, again):
+        if c is again:
+            step.started(c.chunk.chunk_id, 1.0)
+        step.finish(c.chunk.chunk_id)
+    assert step.segment_done and step.advance_segment()
+    assert not step.tail_reclaimed and not step.reclaiming      # the update segment's tail may reclaim again
+    step.started(step.pull("primary", 1, "p").chunk.chunk_id, 2.0)
+    last = step.pull("auxiliary", 1, "a")
+    assert step.tail_reclaim(1, 1, tail_window=1) == [last]
