@@ -178,3 +178,62 @@ def test_a_new_segment_may_reclaim_again():
     step.started(step.pull("primary", 1, "p").chunk.chunk_id, 2.0)
     last = step.pull("auxiliary", 1, "a")
     assert step.tail_reclaim(1, 1, tail_window=1) == [last]
+
+
+@settings(max_examples=80, deadline=None)
+@given(choices=st.lists(st.integers(0, 5), min_size=1, max_size=400), race=st.booleans())
+def test_with_tail_reclaims_every_unit_runs_once_and_merges_in_order(choices, race):
+    """Property: however lazy pull, starts, finishes, TailWindow's reclaims (answered by a cancel, or by a start that
+    got there first when ``race``) and tail splits interleave, every unit of every segment runs exactly once and the
+    chunks merge in unit order."""
+    step = make_step(groups=3, size=4, micro_batch_per_device=1)        # 12 samples: 24 forward, 12 update units
+    depth, ran = 2, []
+
+    def answer(reclaimed):
+        for k, rec in enumerate(reclaimed):      # with `race`, the first one's gang started it before the cancel
+            if race and k == 0:
+                step.started(rec.chunk.chunk_id, 0.0)
+            else:
+                step.cancel(rec.chunk.chunk_id)
+    for segment in range(len(step.segments)):
+        # the drawn choices first, then a cycle that always makes progress (pull, reclaim, start, finish)
+        it = itertools.chain(choices, itertools.cycle([5, 0, 1, 0, 1, 4, 2, 3, 2, 3]))
+        for _ in range(10_000):
+            if step.segment_done:
+                break
+            c = next(it)
+            live = step.live()
+            if c in (0, 1) and not step.reclaiming:                  # a side pulls, keeping `depth` chunks sent,
+                side = "primary" if c == 0 else "auxiliary"          # as the coordinator does: reclaim, split, pull
+                answer(step.tail_reclaim(1, 1, tail_window=1))
+                if step.in_tail_window(1, 1, tail_window=1):
+                    step.plan_tail(1, 1, 0.0, 0.0, linear_time)
+                if len(step.live(side)) < depth:
+                    step.pull(side, 1, side[0])
+            elif c == 2 and live:                                    # the oldest queued chunk of a side starts
+                queued = [x for x in live if x.status == "queued"]
+                if queued:
+                    step.started(queued[0].chunk.chunk_id, 0.0)
+            elif c == 3 and live:                                    # a running chunk finishes
+                running = [x for x in live if x.status == "running"]
+                if running:
+                    ran.append((segment, running[0].units))
+                    step.finish(running[0].chunk.chunk_id)
+            elif c == 4:                                             # TailWindow's reclaim, answered at once
+                answer(step.tail_reclaim(1, 1, tail_window=1))
+            elif c == 5 and not live and not step.reclaiming:        # nothing sent: someone pulls
+                if step.in_tail_window(1, 1, tail_window=1):
+                    step.plan_tail(1, 1, 0.0, 0.0, linear_time)
+                step.pull("primary", 1, "p") or step.pull("auxiliary", 1, "a")
+        assert step.segment_done, "the segment finished"
+        assert not step.reclaiming
+        n = len(step.units)
+        units = sorted(u for seg, us in ran if seg == segment for u in us)
+        assert units == list(range(n)), "every unit of the segment ran exactly once"
+        if not step.advance_segment():
+            break
+    firsts = [pos for seg, pos in step.merge_positions]
+    for seg in range(len(step.segments)):
+        order = [pos for s, pos in step.merge_positions if s == seg]
+        assert order == sorted(order), "chunks merge in unit order"
+    assert len(firsts) == len(step.merge_order)
