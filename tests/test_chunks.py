@@ -119,3 +119,121 @@ def test_step_completes_after_both_segments():
     c = step.pull("auxiliary", 1, "x")
     step.finish(c.chunk.chunk_id)
     assert step.done and step.aux_update_chunks == [c.chunk.chunk_id]
+
+
+# TailWindow's reclaim (§5.2 "re-chunks the remaining tail work"; Table 2: queued chunks are recoverable) ----------
+
+def test_tail_reclaim_returns_the_queued_chunks_once_when_the_tail_fits():
+    step = make_step(groups=4, size=4, micro_batch_per_device=2)      # 32 forward units, chunks of 2 on d = 1
+    first = step.pull("primary", 1, "p")
+    second = step.pull("auxiliary", 1, "a")
+    step.started(first.chunk.chunk_id, 0.0)
+    step.started(second.chunk.chunk_id, 0.0)
+    queued_p = step.pull("primary", 1, "p")
+    queued_a = step.pull("auxiliary", 1, "a")
+    # 24 pending + 4 queued units do not fit one combined round (2 + 2 units): nothing is reclaimed yet
+    assert step.tail_reclaim(1, 1, tail_window=1) == []
+    del step.pending[:]                                        # as if the rest ran: only the queued chunks remain
+    got = step.tail_reclaim(1, 1, tail_window=1)               # 0 + 4 units fit one round of 2 + 2
+    assert {c.chunk.chunk_id for c in got} == {queued_p.chunk.chunk_id, queued_a.chunk.chunk_id}
+    assert step.reclaiming == {queued_p.chunk.chunk_id, queued_a.chunk.chunk_id}
+    assert step.tail_reclaim(1, 1, tail_window=1) == []        # once per segment
+    for c in got:                                              # the cancellations answer: the units come back
+        assert step.cancel(c.chunk.chunk_id)
+    assert not step.reclaiming
+    assert step.pending == sorted(queued_p.units + queued_a.units)
+    assert step.in_tail_window(1, 1, tail_window=1)            # and the split covers them
+    n_a, _ = step.plan_tail(1, 1, ready_p=0.0, ready_a=10.0, chunk_time=linear_time)
+    assert n_a == 0                                            # the auxiliary side is busy for 10 s: all to primaries
+    assert [u for run in step.tail_plan["primary"] for u in run] == sorted(queued_p.units + queued_a.units)
+
+
+def test_a_reclaimed_chunk_that_started_first_runs_and_is_no_longer_awaited():
+    step = make_step(groups=1, size=4, micro_batch_per_device=2)      # 8 forward units
+    running = step.pull("primary", 1, "p")
+    step.started(running.chunk.chunk_id, 0.0)
+    queued = step.pull("auxiliary", 1, "a")
+    del step.pending[:]
+    assert [c.chunk.chunk_id for c in step.tail_reclaim(1, 1, tail_window=1)] == [queued.chunk.chunk_id]
+    step.started(queued.chunk.chunk_id, 1.0)                   # the gang started it before the cancel reached it
+    assert not step.reclaiming
+    assert not step.cancel(queued.chunk.chunk_id)              # running: it is not recoverable any more
+    assert step.pending == []
+
+
+def test_a_new_segment_may_reclaim_again():
+    step = make_step(groups=1, size=4, micro_batch_per_device=2, stages=("old_logprob", "actor_update"))
+    running = step.pull("primary", 1, "p")                    # old_logprob has 4 units: 2 + 2
+    step.started(running.chunk.chunk_id, 0.0)
+    queued = step.pull("auxiliary", 1, "a")
+    assert step.tail_reclaim(1, 1, tail_window=1) == [queued]
+    assert step.cancel(queued.chunk.chunk_id)
+    again = step.pull("primary", 1, "p")
+    for c in (running, again):
+        if c is again:
+            step.started(c.chunk.chunk_id, 1.0)
+        step.finish(c.chunk.chunk_id)
+    assert step.segment_done and step.advance_segment()
+    assert not step.tail_reclaimed and not step.reclaiming      # the update segment's tail may reclaim again
+    step.started(step.pull("primary", 1, "p").chunk.chunk_id, 2.0)
+    last = step.pull("auxiliary", 1, "a")
+    assert step.tail_reclaim(1, 1, tail_window=1) == [last]
+
+
+@settings(max_examples=80, deadline=None)
+@given(choices=st.lists(st.integers(0, 5), min_size=1, max_size=400), race=st.booleans())
+def test_with_tail_reclaims_every_unit_runs_once_and_merges_in_order(choices, race):
+    """Property: however lazy pull, starts, finishes, TailWindow's reclaims (answered by a cancel, or by a start that
+    got there first when ``race``) and tail splits interleave, every unit of every segment runs exactly once and the
+    chunks merge in unit order."""
+    step = make_step(groups=3, size=4, micro_batch_per_device=1)        # 12 samples: 24 forward, 12 update units
+    depth, ran = 2, []
+
+    def answer(reclaimed):
+        for k, rec in enumerate(reclaimed):      # with `race`, the first one's gang started it before the cancel
+            if race and k == 0:
+                step.started(rec.chunk.chunk_id, 0.0)
+            else:
+                step.cancel(rec.chunk.chunk_id)
+    for segment in range(len(step.segments)):
+        # the drawn choices first, then a cycle that always makes progress (pull, reclaim, start, finish)
+        it = itertools.chain(choices, itertools.cycle([5, 0, 1, 0, 1, 4, 2, 3, 2, 3]))
+        for _ in range(10_000):
+            if step.segment_done:
+                break
+            c = next(it)
+            live = step.live()
+            if c in (0, 1) and not step.reclaiming:                  # a side pulls, keeping `depth` chunks sent,
+                side = "primary" if c == 0 else "auxiliary"          # as the coordinator does: reclaim, split, pull
+                answer(step.tail_reclaim(1, 1, tail_window=1))
+                if step.in_tail_window(1, 1, tail_window=1):
+                    step.plan_tail(1, 1, 0.0, 0.0, linear_time)
+                if len(step.live(side)) < depth:
+                    step.pull(side, 1, side[0])
+            elif c == 2 and live:                                    # the oldest queued chunk of a side starts
+                queued = [x for x in live if x.status == "queued"]
+                if queued:
+                    step.started(queued[0].chunk.chunk_id, 0.0)
+            elif c == 3 and live:                                    # a running chunk finishes
+                running = [x for x in live if x.status == "running"]
+                if running:
+                    ran.append((segment, running[0].units))
+                    step.finish(running[0].chunk.chunk_id)
+            elif c == 4:                                             # TailWindow's reclaim, answered at once
+                answer(step.tail_reclaim(1, 1, tail_window=1))
+            elif c == 5 and not live and not step.reclaiming:        # nothing sent: someone pulls
+                if step.in_tail_window(1, 1, tail_window=1):
+                    step.plan_tail(1, 1, 0.0, 0.0, linear_time)
+                step.pull("primary", 1, "p") or step.pull("auxiliary", 1, "a")
+        assert step.segment_done, "the segment finished"
+        assert not step.reclaiming
+        n = len(step.units)
+        units = sorted(u for seg, us in ran if seg == segment for u in us)
+        assert units == list(range(n)), "every unit of the segment ran exactly once"
+        if not step.advance_segment():
+            break
+    firsts = [pos for seg, pos in step.merge_positions]
+    for seg in range(len(step.segments)):
+        order = [pos for s, pos in step.merge_positions if s == seg]
+        assert order == sorted(order), "chunks merge in unit order"
+    assert len(firsts) == len(step.merge_order)

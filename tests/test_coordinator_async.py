@@ -372,6 +372,8 @@ def test_an_auxiliary_gang_that_dies_after_handing_its_window_over_loses_nothing
 def test_a_cancelled_chunk_is_pulled_again_and_every_sample_runs_once():
     c = coordinator("tor-only")
     (first,) = of(P.RunChunk, _consume_start(c))
+    # the first chunk runs (a queued one would go back into TailWindow's split when the auxiliaries arrive)
+    c.handle(P.ChunkStarted(4.0, P.PRIMARY_TRAINER, first.chunk.chunk_id))
     (aux,) = of(P.RunChunk, c.handle(P.SwitchFinished(4.1, P.ROLLOUT_POOL, P.TRAINER, 0.1)))
     # the driver reclaimed the queued chunk (Table 2: queued → cancelled): its units are planned again
     live = [first] + of(P.RunChunk, c.handle(P.ChunkCancelled(4.2, P.AUX_TRAINER, aux.chunk.chunk_id)))
@@ -409,3 +411,18 @@ def test_a_group_that_completes_while_its_migration_is_in_flight_is_not_waited_f
     out = c.handle(P.GenerationStopped(1.2, worker, ()))
     assert first not in {t.group_id for g in of(P.Generate, out) for t in g.tasks}
     assert c.view().samples["generated"] == 2 and placed[first] == worker
+
+
+def test_tail_window_reclaims_a_queued_chunk_and_splits_it_with_the_rest():
+    """§5.2 JointTailSplit re-chunks the remaining tail work; Table 2: a queued chunk is recoverable. When the
+    auxiliaries arrive and the whole remaining segment fits the tail window, the primary's chunk that has not
+    started is cancelled, nothing is sent until the cancellation answers, and then the split covers its units."""
+    c = coordinator("tor-only")
+    (first,) = of(P.RunChunk, _consume_start(c))
+    out = c.handle(P.SwitchFinished(4.1, P.ROLLOUT_POOL, P.TRAINER, 0.1))
+    assert of(P.CancelChunk, out) == [P.CancelChunk(P.PRIMARY_TRAINER, first.chunk.chunk_id)]
+    assert not of(P.RunChunk, out)
+    out = c.handle(P.ChunkCancelled(4.2, P.PRIMARY_TRAINER, first.chunk.chunk_id))
+    sent = of(P.RunChunk, out)
+    assert {m.worker for m in sent} == {P.PRIMARY_TRAINER, P.AUX_TRAINER}
+    assert first.chunk.samples[0] in {s for m in sent for s in m.chunk.samples}

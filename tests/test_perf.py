@@ -16,6 +16,8 @@ from bidirl.perf import (RolloutModel, RolloutParams, TrainerModel, TrainerParam
                          default_trainer_params, derive_switch_costs, derive_weight_sync, forward_flops,
                          overlap, prefill_flops, sample_groups, sample_lengths, stage_multiplier)
 from bidirl.perf import memory
+from bidirl.perf.costs import (PAGEABLE_FRACTION, SLEEP_FIXED, WAKE_FIXED, state_layout,
+                               trainer_offload_reload_time)
 from bidirl.perf.balance import serpentine
 from bidirl.perf.workload import mean_response, step_jitter
 
@@ -468,6 +470,31 @@ def test_switch_costs_grow_with_the_model_and_fall_with_bandwidth():
     fast = derive_switch_costs(presets.hardware("h100"), Q2B)
     assert fast["rollout_on_trainer_pool"].c_in < small["rollout_on_trainer_pool"].c_in
     assert derive_weight_sync(A6000, Q4B) > derive_weight_sync(A6000, Q2B) > 0
+
+
+def test_only_the_rollout_engine_pays_the_wake_and_sleep_latency():
+    # a trainer's state moves as a plain host copy (benchmarks/trainer_scale.md: 45.0 GB offloaded in 1.00 s on an
+    # H200, the copy at bus speed); vLLM's sleep/wake latency is the rollout engine's alone. One more second of
+    # wake latency therefore adds exactly 1 s to the switch that wakes the rollout engine (ToR C_out, RoT C_in)
+    # and nothing to the others; likewise for sleep (ToR C_in, RoT C_out).
+    h100 = presets.hardware("h100")
+    base = derive_switch_costs(h100, Q4B)
+    woke = derive_switch_costs(h100, Q4B, constants={"wake_fixed": WAKE_FIXED + 1.0})
+    slept = derive_switch_costs(h100, Q4B, constants={"sleep_fixed": SLEEP_FIXED + 1.0})
+    tor, rot = "trainer_on_rollout_pool", "rollout_on_trainer_pool"
+    assert woke[tor].c_out - base[tor].c_out == pytest.approx(1.0) and woke[tor].c_in == base[tor].c_in
+    assert woke[rot].c_in - base[rot].c_in == pytest.approx(1.0) and woke[rot].c_out == base[rot].c_out
+    assert slept[tor].c_in - base[tor].c_in == pytest.approx(1.0) and slept[tor].c_out == base[tor].c_out
+    assert slept[rot].c_out - base[rot].c_out == pytest.approx(1.0) and slept[rot].c_in == base[rot].c_in
+    # the trainer's side of ToR C_in: the auxiliary trainer's 8·N/ρ_t bytes at the pageable rate, no latency
+    rho = state_layout(h100, Q4B)
+    pageable = h100.host_bandwidth * PAGEABLE_FRACTION
+    expected = (SLEEP_FIXED + Q4B.dtype_bytes * Q4B.params_total / h100.host_bandwidth
+                + 8 * Q4B.params_total / rho / pageable
+                + Q4B.dtype_bytes * Q4B.params_total / (rho * h100.inter_node_bandwidth))
+    assert base[tor].c_in == pytest.approx(expected, rel=1e-12)
+    # ROLL's per-step offload and reload: two pageable copies of 12·N/ρ_t bytes
+    assert trainer_offload_reload_time(h100, Q4B) == pytest.approx(2 * 12 * Q4B.params_total / rho / pageable)
 
 
 def test_presets_fall_back_to_derived_costs():

@@ -91,6 +91,10 @@ class TrainerStep:
     # auxiliary update chunks finished since the auxiliary gang last handed its window over (§5.2: it accumulates a
     # window's gradients on its own devices and sends them once, when the window ends): lost if it dies now
     aux_unsent: list = field(default_factory=list)
+    # TailWindow's reclaim (:meth:`tail_reclaim`): made once per segment; the queued chunks whose cancellation is
+    # awaited (nothing is pulled until each answers: cancelled, or started after all)
+    tail_reclaimed: bool = False
+    reclaiming: set = field(default_factory=set)
 
     def __post_init__(self):
         self.prompt_lens = [g.prompt_len for g in self.groups for _ in g.generated]
@@ -114,6 +118,7 @@ class TrainerStep:
         self.units = SegmentUnits(self.segment, self.n_samples)
         self.pending = list(range(len(self.units)))
         self.tail_plan, self.chunks, self.open_chunks, self.unmerged, self.merged_upto = {}, {}, {}, {}, 0
+        self.tail_reclaimed, self.reclaiming = False, set()
 
     @property
     def segment_done(self) -> bool:
@@ -294,11 +299,42 @@ class TrainerStep:
     # tail ----------------------------------------------------------------------------------------
     def in_tail_window(self, d_p: int, d_a: int, tail_window: int) -> bool:
         """TailWindow(Q): the pending work fits in ``tail_window`` rounds of full chunks on both sides (one
-        combined primary-and-auxiliary window, as the paper fires it, when ``tail_window`` is 1)."""
+        combined primary-and-auxiliary window, as the paper fires it, when ``tail_window`` is 1), or the
+        segment's queued chunks were reclaimed for the split (:meth:`tail_reclaim`)."""
         if self.tail_plan or not self.pending:
             return False
+        if self.tail_reclaimed:          # the queued chunks came back for the split (:meth:`tail_reclaim`)
+            return True
         u = self.pending[0]
         return len(self.pending) <= tail_window * (self.chunk_units_at(u, d_p) + self.chunk_units_at(u, d_a))
+
+    def tail_reclaim(self, d_p: int, d_a: int, tail_window: int) -> list:
+        """The queued chunks TailWindow takes back before JointTailSplit, once per segment.
+
+        JointTailSplit "re-chunks the remaining tail work" (§5.2), and a chunk sent but not started is part of it:
+        Table 2 lists ``queued`` (inputs moving or buffered, nothing run) as recoverable. Lazy pull keeps
+        ``chunks_in_flight`` chunks sent to each gang (§6's pipeline), so without the reclaim a slow side can hold
+        a queued full chunk the split can no longer move, and the step waits for it while the other side idles.
+        When TailWindow fires (:meth:`in_tail_window`), or the pending units plus those of the queued chunks fit in
+        ``tail_window`` combined rounds, the queued chunks are returned (the caller cancels them, their units come
+        back through :meth:`cancel`, and the split covers them with the rest); [] otherwise.
+        """
+        if self.tail_reclaimed or self.tail_plan:
+            return []
+        queued = [c for c in self.live() if c.status == "queued"]
+        if not queued:
+            return []
+        first = self.pending[0] if self.pending else min(c.units[0] for c in queued)
+        n = len(self.pending) + sum(len(c.units) for c in queued)
+        if self.grid is not None:       # the reproducible mode: either side pulls whole cells of the grid
+            per_round = 2 * (self.cell_end(first) - first)
+        else:
+            per_round = self.chunk_units_at(first, d_p) + self.chunk_units_at(first, d_a)
+        if n > tail_window * per_round and not self.in_tail_window(d_p, d_a, tail_window):
+            return []
+        self.tail_reclaimed = True
+        self.reclaiming = {c.chunk.chunk_id for c in queued}
+        return queued
 
     def split_runs(self, units: list, d: int) -> list:
         """Full chunks of s_max·d units plus at most one remainder per stage (never across stages)."""
@@ -372,11 +408,13 @@ class TrainerStep:
         rec = self.chunks[chunk_id]
         if rec.status == "queued":
             rec.status, rec.started = "running", t
+        self.reclaiming.discard(chunk_id)        # it started before the reclaim reached it: it runs
 
     def cancel(self, chunk_id: int) -> bool:
         """Reclaim a queued chunk: its units return to the queue (Table 2: recoverable). A tail split made
         before is folded back too, so the returned units are planned again with the rest."""
         rec = self.chunks[chunk_id]
+        self.reclaiming.discard(chunk_id)
         if rec.status != "queued":
             return False
         rec.status = "cancelled"
@@ -400,6 +438,7 @@ class TrainerStep:
         for rec in self.live(side):
             rec.status = "cancelled"
             del self.open_chunks[rec.chunk.chunk_id]
+            self.reclaiming.discard(rec.chunk.chunk_id)
 
     def release_plan(self) -> None:
         """Fold the tail plan back into the queue (the auxiliary lease was revoked): primaries lazy-pull it."""

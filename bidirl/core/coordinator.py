@@ -779,6 +779,12 @@ class Coordinator:
             return
         aux_on = self.leases[P.ROLLOUT_POOL].lent
         sides = [(P.PRIMARY, P.PRIMARY_TRAINER)] + ([(P.AUXILIARY, P.AUX_TRAINER)] if aux_on else [])
+        if aux_on and not self.policy.model_split:
+            self._split_segment_proportionally(step)
+        if aux_on and self.policy.model_split and self.policy.tail_reclaim:
+            self._reclaim_tail(step)
+        if step.reclaiming:
+            return                           # the split waits for the reclaimed chunks' answers
         if aux_on and self.policy.model_split and step.in_tail_window(
                 self._gang(P.PRIMARY), self._gang(P.AUXILIARY), self.settings.tail_window):
             step.plan_tail(self._gang(P.PRIMARY), self._gang(P.AUXILIARY),
@@ -803,6 +809,21 @@ class Coordinator:
                 and step.segment_index == len(step.segments) - 1:
             self._revoke(P.ROLLOUT_POOL, "the split of the step's remaining chunks left none to the borrowed pool"
                          + (" (JointTailSplit)" if self.policy.model_split else " (proportional)"))
+
+    def _split_segment_proportionally(self, step) -> None:
+        """The opportunistic ablation's "one-shot DP-proportional assignment" (§7.3) of the window's whole remaining
+        work U': each segment the window reaches is split by data-parallel capacity when it opens, as the first
+        one was when the switch in ended (:meth:`_start_aux_training`), instead of being lazily pulled."""
+        if not step.tail_plan and step.pending and not step.live():
+            step.plan_proportional(self._gang(P.PRIMARY), self._gang(P.AUXILIARY))
+
+    def _reclaim_tail(self, step) -> None:
+        """TailWindow's reclaim (:meth:`~bidirl.core.chunks.TrainerStep.tail_reclaim`): cancel the chunks sent
+        but not started, on either gang, so JointTailSplit re-chunks them with the rest of the tail (§5.2;
+        Table 2: queued chunks are recoverable). Their units come back with ``ChunkCancelled``."""
+        for rec in step.tail_reclaim(self._gang(P.PRIMARY), self._gang(P.AUXILIARY), self.settings.tail_window):
+            gang = P.PRIMARY_TRAINER if rec.side == P.PRIMARY else P.AUX_TRAINER
+            self._out.append(P.CancelChunk(gang, rec.chunk.chunk_id))
 
     def _yield_lag(self, step) -> float:
         """What the auxiliary side's completion costs the step beyond the primary side's, when the window ends

@@ -16,13 +16,17 @@ class Policy:
     ``gated``: admit a window only when the stage-time models predict a gain over the switch costs
     (Eq. 3 for Rollouter-on-TrainerPool, Algorithm 2's T_borrow < T_no for Trainer-on-RolloutPool);
     otherwise borrow whenever the other pool is idle. ``model_split``: lazy pull plus the model-guided
-    JointTailSplit; otherwise a one-shot split proportional to data-parallel capacity.
+    JointTailSplit; otherwise a one-shot split proportional to data-parallel capacity, made for each segment of the
+    window's work when it opens. ``tail_reclaim``: TailWindow takes the chunks sent but not started back into the
+    split (Table 2: queued chunks are recoverable); False keeps them where lazy pull sent them (only to show what
+    the reclaim changes, e.g. in a Gantt).
     """
     name: str
     rollout_on_trainer_pool: bool
     trainer_on_rollout_pool: bool
     gated: bool = True
     model_split: bool = True
+    tail_reclaim: bool = True
     # how a system forms batches and admits work — the control plane's own rules by default; the modelled
     # external systems (bidirl.sim.baselines) set theirs
     batch_rule: str = "lookahead"          # a key of bidirl.core.buffer.BATCH_RULES

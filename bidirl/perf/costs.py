@@ -12,19 +12,21 @@ the pool, so a cost is the per-GPU bytes over the per-GPU bandwidth.
   parameters and fp32 gradient buffers, ``S_ta = 8·N/ρ_t``;
 * rollout engine: its weights, ``S_r = b·N/tp`` (the KV cache is dropped and reallocated, not copied).
 
-**Moves.** ``sleep(S) = SLEEP_FIXED + S/bw`` and ``wake(S) = WAKE_FIXED + S/bw``, over the host link:
-the rollout engine's sleep mode copies to pinned memory (``bw = host_bandwidth``); FSDP offload copies to
-pageable memory (veRL ``offload_fsdp_model_to_cpu``), ``PAGEABLE_FRACTION`` of the pinned rate. The fixed
-parts are vLLM's measured sleep/wake latency for a model whose copy takes ≈0.05 s (Qwen3-0.6B on A100:
-sleep 0.22 s, wake 1.22 s, vLLM PR #48337), assumed to hold for trainer workers too.
+**Moves.** The rollout engine sleeps and wakes through vLLM's sleep mode: ``sleep(S) = SLEEP_FIXED + S/bw`` and
+``wake(S) = WAKE_FIXED + S/bw`` over the host link into pinned memory (``bw = host_bandwidth``); the fixed parts
+are vLLM's measured sleep/wake latency for a model whose copy takes ≈0.05 s (Qwen3-0.6B on A100: sleep 0.22 s,
+wake 1.22 s, vLLM PR #48337). A trainer's state moves as a plain host copy, ``move(S) = S/bw``: FSDP offload
+copies to pageable memory (veRL ``offload_fsdp_model_to_cpu``), ``PAGEABLE_FRACTION`` of the pinned rate, and
+pays no engine latency — measured, the trainer engine's steady offload of 45.0 GB took 1.00 s and its onload
+0.93 s on an H200, the copy at bus speed and nothing beside it (``benchmarks/trainer_scale.md``, "4b on a GPU").
 
-* Rollouter-on-TrainerPool (RoT): ``C_in = sleep_pageable(S_tp) + wake_pinned(S_r) + S_r/inter`` — the
+* Rollouter-on-TrainerPool (RoT): ``C_in = move_pageable(S_tp) + wake_pinned(S_r) + S_r/inter`` — the
   trainer yields, the auxiliary rollouter wakes and receives the current rollout weights from a primary
-  rollouter on the other pool over the network; ``C_out = sleep_pinned(S_r) + wake_pageable(S_tp)``;
+  rollouter on the other pool over the network; ``C_out = sleep_pinned(S_r) + move_pageable(S_tp)``;
   ``C_grad = 0``.
-* Trainer-on-RolloutPool (ToR): ``C_in = sleep_pinned(S_r) + wake_pageable(S_ta) + b·N/(ρ_t·inter)`` — the
+* Trainer-on-RolloutPool (ToR): ``C_in = sleep_pinned(S_r) + move_pageable(S_ta) + b·N/(ρ_t·inter)`` — the
   auxiliary trainer receives its shard of the current actor weights from the primary trainer;
-  ``C_out = sleep_pageable(S_ta) + wake_pinned(S_r)``; ``C_grad = G·(k−1)/(k·intra) + G/(k·inter)`` with
+  ``C_out = move_pageable(S_ta) + wake_pinned(S_r)``; ``C_grad = G·(k−1)/(k·intra) + G/(k·inter)`` with
   ``G = 4·N`` fp32 gradient bytes and k = ``gpus_per_node``: the auxiliary replicas reduce-scatter their
   gradients inside the node, then every GPU sends its 1/k share to the primary trainer.
 
@@ -174,12 +176,15 @@ def derive_switch_costs(hw, model, *, trainer_layout: Optional[int] = None, roll
     def wake(size, bw):
         return c["wake_fixed"] + size / bw
 
-    rot = SwitchCosts(c_in=sleep(s_tp, pageable) + wake(s_r, pinned) + s_r / inter,
-                      c_out=sleep(s_r, pinned) + wake(s_tp, pageable),
+    def move(size, bw):          # a trainer's state: a plain host copy, no engine latency (module doc)
+        return size / bw
+
+    rot = SwitchCosts(c_in=move(s_tp, pageable) + wake(s_r, pinned) + s_r / inter,
+                      c_out=sleep(s_r, pinned) + move(s_tp, pageable),
                       c_grad=0.0)
     grad = GRAD_BYTES * n
-    tor = SwitchCosts(c_in=sleep(s_r, pinned) + wake(s_ta, pageable) + model.dtype_bytes * n / (rho * inter),
-                      c_out=sleep(s_ta, pageable) + wake(s_r, pinned),
+    tor = SwitchCosts(c_in=sleep(s_r, pinned) + move(s_ta, pageable) + model.dtype_bytes * n / (rho * inter),
+                      c_out=move(s_ta, pageable) + wake(s_r, pinned),
                       c_grad=grad * (k - 1) / (k * intra) + grad / (k * inter))
     return {TRAINER_ON_ROLLOUT_POOL: tor, ROLLOUT_ON_TRAINER_POOL: rot}
 
@@ -192,7 +197,7 @@ def trainer_offload_reload_time(hw, model, *, trainer_layout: Optional[int] = No
     c = switch_constants(hw)
     size = PRIMARY_TRAINER_STATE * float(model.params_total) / rho
     pageable = float(hw.host_bandwidth) * c["pageable_fraction"]
-    return c["sleep_fixed"] + c["wake_fixed"] + 2 * size / pageable
+    return 2 * size / pageable          # plain host copies, out and back: no engine latency (module doc)
 
 
 def derive_weight_sync(hw, model, *, trainer_layout: Optional[int] = None, rollout_tp: int = 1) -> float:
