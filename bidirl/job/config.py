@@ -626,16 +626,9 @@ def _check_execution_settings(cfg: JobConfig) -> None:
 
 #: execution settings the models, the planner and the simulator (and emulated runs) honour but engine runs do not
 #: carry out yet: key -> (its defaults, why an engine run cannot). Bypass (``rl.recompute_old_logprob: false``)
-#: runs in the engine driver, so it is not here. Token-budget micro-batches and parameter / optimizer offload run in
-#: the trainer engine (``bidirl.cluster.engines.workers.trainer``: ``micro_batches``, ``state_offload``; tested on
-#: one engine and a two-rank gang), but a whole engine run with them stalled at its first step once the engine
-#: driver was built by composition and gangs order their collectives: refused until that is found.
-_STALLED = ("an engine run with it stalled at its first step in this version (the trainer engine carries it out; "
-            "the whole run with the composed engine driver and the gangs' launch order does not yet)")
+#: runs in the engine driver, token-budget micro-batches and parameter / optimizer offload in the trainer engine
+#: (``bidirl.cluster.engines.workers.trainer``: ``micro_batches``, ``state_offload``), so they are not here.
 ENGINE_PENDING = {
-    "rl.max_tokens_per_micro_batch": ((None,), _STALLED),
-    "rl.param_offload": ((False,), _STALLED),
-    "rl.optimizer_offload": ((False,), _STALLED),
     "cluster.rollout_tensor_parallel": ((None, 1), "an engine run places each rollouter on one GPU slot, and vLLM's "
                                         "CPU build runs one worker per engine (distributed_executor_backend 'uni': "
                                         "no tensor parallel on CPU)"),

@@ -163,6 +163,7 @@ class TrainerEngine(StateOffload, MicroBatches, Compute, Replay, Weights, Window
         self.accumulated: list = []       # chunk gradients accumulated into p.grad since the last step (their ids)
         self.order = OrderedSum()         # the step's gradient in unit order (chunks given a position: ordered_sum)
         self.version = 0
+        self.passes_run = 0               # model passes over samples (token-budget micro-batches: several a share)
         self._pending = gang              # built on the meta device for a gang: loaded once the mesh is known
         self.model = self._load_model(empty=gang)
         if self.kl_coef > 0:              # the reference is loaded at start (bf16 when computing in bf16)
