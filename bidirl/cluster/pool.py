@@ -239,11 +239,6 @@ class KeptWorkers:
         self.release()
 
 
-def _object_ref_generator() -> type:
-    import ray
-    return ray.ObjectRefGenerator
-
-
 def root_cause(exc: Exception) -> str:
     """The innermost error message of a failed actor construction or call (one line)."""
     cause = getattr(exc, "cause", None) or getattr(exc, "__cause__", None)
@@ -656,6 +651,10 @@ class PoolDriver(Driver):
         checkpoints.set_rng_states(control.rng)
         self.restore_state(control.driver)
         self.boundary, self.clock_start, self.resumed_from = control.boundary, float(control.boundary.t), found
+        if self.switch_times is not None:
+            # the resumed run's workers start anew at its boundary: their trainers reserve the first switches'
+            # pinned buffers from then on (SwitchTimes.take charges what is left of that from the boundary)
+            self.switch_times.loaded_at = self.clock_start
         if self.writer is not None and Path(self.writer.root).resolve() == found.path.parent.resolve():
             newer = [p for p in checkpoints.step_folders(self.writer.root) if checkpoints.step_of(p) > found.step]
             if newer:
