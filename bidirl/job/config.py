@@ -64,9 +64,9 @@ class ClusterConfig:
     ``cpus_per_gpu``: on real GPUs, the logical CPUs each GPU slot's placement bundle reserves for the two workers
     that share the slot (the pool's primary and the other role's borrowing worker, §3.2; half each), which Ray then
     gives them as their thread count (host work: optimizer bookkeeping, copies, batching, tokenisation). ``auto``:
-    each GPU node's CPUs, less ``bidirl.cluster.pool.RESERVED_CPUS`` for the driver and Ray's own processes,
+    each GPU node's CPUs, less ``bidirl.cluster.slots.RESERVED_CPUS`` for the driver and Ray's own processes,
     divided by its GPUs (whole CPUs; the least over the nodes). Logical GPU slots (engines on CPU) keep a small
-    fixed share (``bidirl.cluster.pool.BUNDLE_CPU``) whatever it says.
+    fixed share (``bidirl.cluster.slots.BUNDLE_CPU``) whatever it says.
 
     ``rollout_tensor_parallel`` (veRL's ``actor_rollout_ref.rollout.tensor_model_parallel_size``): ρ_r, the GPUs of
     one rollout replica (vLLM tensor parallelism inside one node). Empty: the planner picks the smallest layout
@@ -120,7 +120,7 @@ class WorkloadConfig:
     ``max_model_len`` = ``max_prompt_len + max_response_len``, and the KV budget — for prompts of up to this many
     tokens; a prompt the run can draw that is longer is refused before anything starts, naming its row. Empty: the
     longest prompt the run can draw. Jobs of one model and layout that set the same value can run on the same
-    kept engine workers (``bidirl.cluster.pool.KeptWorkers``) whatever their data.
+    kept engine workers (``bidirl.cluster.kept_workers.KeptWorkers``) whatever their data.
 
     ``response_length_trend``: the relative change of the mean response length per training step — step ``k``'s
     lengths are drawn with mean ``mean · (1 + trend · k)``, clipped to ``[1, max_response_len]`` (responses that

@@ -174,7 +174,7 @@ class TrainerEngine(StateOffload, MicroBatches, Compute, Replay, Weights, Window
     def host_threads(device) -> int:
         """``threads="auto"``: inside a Ray actor, the whole CPUs Ray granted it (at least one) — what Ray sets
         ``OMP_NUM_THREADS`` to; on a GPU cluster the actor's half of its GPU slot's bundle, ``cluster.cpus_per_gpu``
-        (``bidirl.cluster.pool.gpu_bundle_cpus``), so host work (optimizer bookkeeping, copies, batching) is not
+        (``bidirl.cluster.slots.gpu_bundle_cpus``), so host work (optimizer bookkeeping, copies, batching) is not
         single-threaded. Outside Ray: this machine's CPUs shared evenly by its GPUs on a CUDA device, one thread on
         CPU (the engine's compute then owns a core, as the CPU gangs are laid out)."""
         import os
