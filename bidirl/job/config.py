@@ -633,9 +633,13 @@ ENGINE_PENDING = {
                                         "CPU build runs one worker per engine (distributed_executor_backend 'uni': "
                                         "no tensor parallel on CPU)"),
     "rl.mini_batch_prompts": ((None,), "the engine run's step is one optimizer update over its whole batch (the "
-                              "chunk queue has no mini-batch boundary yet)"),
+                              "chunk queue has no mini-batch boundary yet: each mini-batch's update chunks would "
+                              "need a barrier, the auxiliary windows ending and an optimizer step before the next "
+                              "mini-batch's chunks, which compute on the updated weights)"),
     "rl.updates_per_sync": ((1,), "the engine driver takes one optimizer step per weight version (a streamed step's "
-                            "local updates would keep the version)"),
+                            "local updates would keep the version while changing the weights, and the runtime names "
+                            "weights by version: an auxiliary or restarted gang loading the version, and the "
+                            "recovery replay, would compute on other weights than the primary's)"),
     "rl.sequence_parallel": ((1,), "the trainer engine has no Ulysses all-to-all: each rank holds whole samples"),
     "rl.fsdp_size": ((None,), "the engine run's trainer gangs shard over the planner's layout; an explicit shard-group "
                      "size is not passed to the engines yet"),
