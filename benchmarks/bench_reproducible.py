@@ -36,7 +36,7 @@ def _rate(summary: dict) -> float:
 
 
 def bench_reproducible(quick: bool) -> dict:
-    from bidirl.cluster.pool import KeptWorkers
+    from bidirl.cluster.kept_workers import KeptWorkers
     from bidirl.cluster.run import run
     from bidirl.job import config as cfgmod
 

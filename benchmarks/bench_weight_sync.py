@@ -43,7 +43,7 @@ def object_store_per_step(steps: int) -> dict:
     from bidirl.cluster.engines.driver import EngineDriver
     from bidirl.cluster.engines.object_store_meter import ObjectStoreMeter
 
-    from bidirl.cluster.pool import KeptWorkers
+    from bidirl.cluster.kept_workers import KeptWorkers
 
     cfg = cfgmod.load("tiny-cpu")
     out = {}

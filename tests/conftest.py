@@ -81,7 +81,7 @@ def ray_session():
     subprocess gets that process's own embedded Ray, or joins this one as a driver of its own
     (``ray_session_env``)."""
     ray = pytest.importorskip("ray")
-    from bidirl.cluster.pool import workers_at_driver_priority
+    from bidirl.cluster.slots import workers_at_driver_priority
     os.environ.setdefault("RAY_enable_metrics_collection", "0")
     workers_at_driver_priority()          # as the library's embedded Ray: engines at pytest's priority
     ray.shutdown()
@@ -100,11 +100,11 @@ def ray_session():
 
 @pytest.fixture(scope="session")
 def kept_workers(ray_session, request):
-    """Engine workers kept for the session (``bidirl.cluster.pool.KeptWorkers``, the library's own reuse that
+    """Engine workers kept for the session (``bidirl.cluster.kept_workers.KeptWorkers``, the library's own reuse that
     notebooks and side-by-side runs use): a test's run takes the set started for its shape, reset to a fresh
     engine's state, so a shape's engines start once per session, not once per run. One set is held at a time, and
     none after the last test that uses them (``pytest_runtest_teardown``)."""
-    from bidirl.cluster.pool import KeptWorkers
+    from bidirl.cluster.kept_workers import KeptWorkers
     with KeptWorkers(capacity=1) as kept:
         request.config.stash[KEPT] = kept
         yield kept

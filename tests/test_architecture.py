@@ -216,8 +216,8 @@ def test_there_is_no_import_circle():
 ENGINES = "bidirl.cluster.engines"
 WORKERS = ENGINES + ".workers"
 #: the driver's side of the package besides cluster/engines/: what a worker's process must never load
-DRIVER_SIDE = ("bidirl.cluster.pool", "bidirl.cluster.emulated", "bidirl.job", "bidirl.results", "bidirl.sim",
-               "bidirl.runtime")
+DRIVER_SIDE = ("bidirl.cluster.pool", "bidirl.cluster.slots", "bidirl.cluster.resume", "bidirl.cluster.kept_workers",
+               "bidirl.cluster.emulated", "bidirl.job", "bidirl.results", "bidirl.sim", "bidirl.runtime")
 
 
 def test_the_engines_workers_side_imports_nothing_of_the_drivers_side():
@@ -282,6 +282,6 @@ def test_the_ray_drivers_plug_one_backend_into_the_pool_driver_and_override_none
     assert not EngineBackend.__abstractmethods__ and not EmulatedBackend.__abstractmethods__
 
     class Overriding(EmulatedDriver):          # the check sees an override
-        def _at(self, bundle, share=0.5, cpus=None):
+        def worker_shape(self):
             return {}
-    assert _overridden(Overriding, PoolDriver) == ["_at"]
+    assert _overridden(Overriding, PoolDriver) == ["worker_shape"]

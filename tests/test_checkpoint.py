@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from bidirl.cluster.engines.workers.trainer import TrainerEngine, forward_ranks, rank_shares, resolve_precision
+from bidirl.cluster.engines.workers.trainer import TrainerEngine, rank_shares, resolve_precision
 from bidirl.rl import model_folder as checkpoint
 from bidirl.rl import tiny_model
 
@@ -153,15 +153,10 @@ def test_precision_and_device_settings(qwen_dir):
     assert engine.precision == "fp32" and not engine.sharded and engine.local_numel == engine.numel
 
 
-def test_rank_shares_deal_per_device_runs_and_forward_ranks_keep_replicas_whole():
+def test_rank_shares_deal_per_device_runs():
     assert rank_shares(list(range(7)), 2, 4) == [[0, 1], [2, 3], [4, 5], [6]]
     assert rank_shares([5], 1, 4) == [[5], [], [], []]
     with pytest.raises(ValueError, match="do not fit"):
         rank_shares(list(range(9)), 2, 4)
     with pytest.raises(ValueError, match="per_device"):
         rank_shares([1], 0, 2)
-    shares = [[5], [], [], []]
-    assert forward_ranks(shares, 1) == [0]                # unsharded replicas: only ranks with samples
-    assert forward_ranks(shares, 2) == [0, 1]             # a replica of two shards runs whole
-    assert forward_ranks([[], [], [1], []], 2) == [2, 3]
-    assert forward_ranks([[], []], 2) == []

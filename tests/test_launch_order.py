@@ -194,3 +194,54 @@ def test_a_gangs_bucket_gathers_and_chunks_take_the_same_turns_on_every_rank(tmp
     for name, t in ranks[0]["gathered"].items():           # every rank gathered the published weights whole
         torch.testing.assert_close(t, start[name], atol=0, rtol=0)
         assert torch.equal(ranks[1]["gathered"][name], t)
+
+
+def _replicas_with_unequal_passes(rank, world, addr, path, model_dir):
+    """Two replicas of one rank each with a token budget: rank 0's share needs several passes, rank 1 is dealt none.
+    Both take every gang call (as the engine driver sends them), then a weight send runs its turns: the send's
+    first gather needs both ranks' transport threads."""
+    from bidirl.cluster.engines.workers.trainer import TrainerEngine
+    from bidirl.cluster.engines.workers.trainer.micro_batches import token_micro_batches
+    from bidirl.rl import grpo
+    from test_rounding import _samples
+
+    samples = _samples(6, seed=0)
+    widest = max(len(s.prompt_ids) + s.response_len for s in samples)
+    engine = TrainerEngine(model_dir, lr=1e-3, seed=0, threads=1, gang=True, max_tokens_per_micro_batch=widest)
+    engine.init_process_group(rank, world, addr, replicas=world)
+    mine = samples if rank == 0 else []
+    passes = len(token_micro_batches([len(s.prompt_ids) + s.response_len for s in mine], widest)) if mine else 0
+    sent = threading.Event()
+    try:
+        engine.publish(0, "float32")
+        shards = engine.published[0]
+        adv = grpo.group_advantages([s.reward for s in samples], group_size=2).float()
+        old = engine.logprobs(mine)                                   # a forward-only stage: rank 1 idle
+        engine.chunk_gradients(mine, adv if mine else [], old, normalizer=64.0, accumulate=True, chunk_id=0)
+
+        def send():                                                   # after the chunks, as a step's weight sync
+            for name in sorted(shards):
+                with engine._transport_turn():
+                    engine._gather_bucket(shards, [name])
+            sent.set()
+
+        threading.Thread(target=send, daemon=True).start()
+        sent.wait(60)
+        torch.save({"log": list(engine._launches.log), "sent": sent.is_set(), "passes": passes},
+                   f"{path}/rank{rank}.pt")
+    finally:
+        if sent.is_set():
+            engine.destroy_process_group()
+
+
+def test_replicas_with_unequal_passes_take_the_same_turns_and_a_send_after_them_completes(tmp_path, model_dir):
+    """The stall of a token-budget engine run (issue #37): every rank runs every gang call and the budget's passes
+    are agreed over the whole gang, so the ranks' logs agree though one replica ran several passes and the other
+    had no samples — and the weight send after them completes. When the idle replica ran fewer passes (passes
+    agreed per replica, or the log-prob call sent only to the busy replica), the leader logged ``main`` turns the
+    follower never took: the follower's send waited on them for ever and the leader's send in its first gather."""
+    ranks = _run(tmp_path, _replicas_with_unequal_passes, str(model_dir))
+    assert ranks[0]["passes"] >= 2 and ranks[1]["passes"] == 0
+    assert all(r["sent"] for r in ranks), "the weight send after the chunks did not complete"
+    assert ranks[0]["log"] == ranks[1]["log"]
+    assert ranks[0]["log"].count("transport") > 0

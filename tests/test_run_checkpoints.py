@@ -211,3 +211,27 @@ def test_a_run_may_be_resumed_to_more_steps_but_not_to_as_many_as_it_holds(writt
 
 def of_type(out, kind) -> list:
     return [m for m in out if isinstance(m, kind)]
+
+
+def test_a_resumed_run_reserves_its_first_switches_pinned_buffers_from_its_boundary(written, tmp_path):
+    """A resumed run's workers start anew at its boundary, so the first switch after it pays what is left of the
+    trainer's pinned allocation counted from the boundary — max(0, allocation − time since the boundary) — not from
+    the original run's start (``SwitchTimes.take``)."""
+    from dataclasses import replace
+
+    from bidirl.cluster.emulated import EmulatedDriver
+    _, _, control, cfg = written
+    first = EmulatedDriver(cfg, "bidirl", 1, 0)
+    root = tmp_path / "ck"
+    writer = CheckpointWriter(root)
+    tmp = writer.begin(1)
+    t = 1000.0 + control.boundary.t              # late in the run: every allocation would be over from t = 0
+    writer.commit(tmp, step=1, trainer_version=1, t=t, identity=first.identity(),
+                  control=replace(control, boundary=replace(control.boundary, t=t), driver=first.checkpoint_state()),
+                  config_yaml=cfg.to_yaml(), trainer=False)
+    resumed = EmulatedDriver(cfg, "bidirl", 3, 0, resume=str(root))
+    resumed._load_resume()
+    assert resumed.switch_times.loaded_at == t
+    (direction, phase), alloc = max(resumed.switch_times.first.items(), key=lambda kv: kv[1])
+    assert alloc > 0
+    assert resumed.switch_times.take(direction, phase, t + alloc / 4)[1] == pytest.approx(alloc * 3 / 4)

@@ -110,7 +110,7 @@ def test_max_prompt_len_sizes_the_engines_for_any_data_and_refuses_a_longer_prom
     own = _driver(fresh_model, **{"workload.data_file": str(path), "rl.reward": "last_number"})
     assert task.max_model_len == data.max_model_len == 40 + 16 and own.max_model_len < 40 + 16
     for d in (task, data, own):
-        d._resource_name = "gpu_slot"           # what a cluster without GPUs answers (read from Ray otherwise)
+        d.slots.resource_name = "gpu_slot"           # what a cluster without GPUs answers (read from Ray otherwise)
     assert task.rollout.shape() == data.rollout.shape() != own.rollout.shape()
     longest = max(len(ids) for ids in (own.prompts.prompt_ids(g) for g in range(16)))
     with pytest.raises(cfgmod.ConfigError) as info:
@@ -165,7 +165,7 @@ def test_an_output_folder_holding_another_run_is_refused_before_anything_starts(
 # --------------------------------------------------------------------------------------------------
 
 def test_a_gpu_bundle_reserves_the_nodes_cpus_per_gpu():
-    from bidirl.cluster.pool import BUNDLE_CPU, RESERVED_CPUS, gpu_bundle_cpus
+    from bidirl.cluster.slots import BUNDLE_CPU, RESERVED_CPUS, gpu_bundle_cpus
     # auto: ⌊(CPUs − RESERVED_CPUS) / GPUs⌋ on the tightest GPU node; nodes without GPUs hold no bundle
     assert gpu_bundle_cpus("auto", [(16, 1)]) == 16 - RESERVED_CPUS
     assert gpu_bundle_cpus("auto", [(96, 8)]) == (96 - RESERVED_CPUS) // 8 == 11
@@ -180,16 +180,16 @@ def test_a_gpu_bundle_reserves_the_nodes_cpus_per_gpu():
 def test_logical_slots_keep_their_small_cpu_share_and_gpu_slots_get_the_nodes_cpus(fresh_model, monkeypatch):
     import ray
 
-    from bidirl.cluster.pool import BUNDLE_CPU
+    from bidirl.cluster.slots import BUNDLE_CPU
     cpu = _driver(fresh_model, **{"cluster.cpus_per_gpu": 4})
-    cpu._resource_name = "gpu_slot"                     # engines on CPU: many actors share a 2-core machine
-    assert cpu.bundle_cpus() == BUNDLE_CPU and cpu._at(0)["num_cpus"] == BUNDLE_CPU / 2
+    cpu.slots.resource_name = "gpu_slot"                     # engines on CPU: many actors share a 2-core machine
+    assert cpu.slots.bundle_cpus() == BUNDLE_CPU and cpu.slots.at(0)["num_cpus"] == BUNDLE_CPU / 2
     gpu = _driver(fresh_model)
-    gpu._resource_name = "GPU"
+    gpu.slots.resource_name = "GPU"
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 16.0, "GPU": 1.0}},
                                                {"Alive": False, "Resources": {"CPU": 2.0, "GPU": 1.0}}])
-    opts = gpu._at(0)
-    assert gpu.bundle_cpus() == 14 and (opts["num_cpus"], opts["num_gpus"]) == (7, 0.5)  # half a slot: half its CPUs
+    opts = gpu.slots.at(0)
+    assert gpu.slots.bundle_cpus() == 14 and (opts["num_cpus"], opts["num_gpus"]) == (7, 0.5)  # half a slot: half its CPUs
     assert gpu.worker_shape()["bundle_cpus"] == 14      # kept workers started with other CPUs are not reused
 
 
@@ -208,15 +208,14 @@ def test_an_embedded_ray_runs_its_workers_at_the_drivers_priority_and_a_cluster_
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", init)
     with pytest.raises(Started) as info:
-        _driver(fresh_model)._start_ray()
+        _driver(fresh_model).slots.start(None)
     assert info.value.args == (str(os.nice(0)), None)   # Ray's own default, 15, starves the engines under load
     env.pop("RAY_worker_niceness")
     cluster = _driver(fresh_model)
-    cluster.address = "auto"
     with pytest.raises(Started) as info:
-        cluster._start_ray()
+        cluster.slots.start("auto")
     assert info.value.args == (None, "auto")
     env["RAY_worker_niceness"] = "19"                   # the user's own setting is kept
     with pytest.raises(Started) as info:
-        _driver(fresh_model)._start_ray()
+        _driver(fresh_model).slots.start(None)
     assert info.value.args == ("19", None)

@@ -48,7 +48,7 @@ import socket
 import pytest
 import torch
 
-from bidirl.cluster.engines.workers.trainer import TrainerEngine, forward_ranks, rank_shares
+from bidirl.cluster.engines.workers.trainer import TrainerEngine, rank_shares
 from bidirl.rl import grpo
 from bidirl.rl.samples import Sample
 from bidirl.rl.tasks import ArithmeticTask
@@ -203,7 +203,6 @@ def _gang_worker(rank, world, addr, model_dir, out_dir, replicas, precision, dev
     trainer = TrainerEngine(model_dir, lr=LR, seed=0, threads=1, precision=precision, device=device,
                             activation_checkpointing=checkpointing)
     trainer.init_process_group(rank, world, addr, replicas=replicas)
-    per_replica_ranks = world // replicas
     try:
         samples = _samples(model_dir)
         adv = _advantages(samples)
@@ -217,11 +216,8 @@ def _gang_worker(rank, world, addr, model_dir, out_dir, replicas, precision, dev
                 idx = list(range(a, b))
                 shares = rank_shares(idx, -(-len(idx) // world), world)
                 mine = shares[rank]
-                if rank in forward_ranks(shares, per_replica_ranks):
-                    old = trainer.logprobs([samples[k] for k in mine])
-                    step_lps.update(dict(zip(mine, old)))
-                else:
-                    old = []
+                old = trainer.logprobs([samples[k] for k in mine])      # every rank, as the driver calls them
+                step_lps.update(dict(zip(mine, old)))
                 share = ([samples[k] for k in mine], adv[mine] if mine else [], old)
                 if c != AUX_CHUNK:
                     g = trainer.chunk_gradients(*share, normalizer=norm, accumulate=True, chunk_id=c)

@@ -9,7 +9,7 @@ then sharded (``gang=False``, the unsharded engine's path) and one is built on t
 changed. Three ranks shard the tiny model's rows unevenly (32 vocabulary rows: 11, 11 and 10).
 
 Threads: a trainer in a Ray actor sets torch's thread count to the whole CPUs Ray granted it, as Ray sets OpenMP's;
-and it runs at the driver's priority, not below it (``bidirl.cluster.pool.workers_at_driver_priority``).
+and it runs at the driver's priority, not below it (``bidirl.cluster.slots.workers_at_driver_priority``).
 """
 
 from __future__ import annotations

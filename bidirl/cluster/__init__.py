@@ -3,9 +3,10 @@
 Names are imported on first use so that ``import bidirl.cluster`` stays cheap (no Ray, vLLM or torch):
 
 * ``run`` — a job on Ray (``bidirl.cluster.run``);
-* ``PoolDriver``, ``ClusterError`` — the Ray half every Ray driver shares (``bidirl.cluster.pool``), with one
+* ``PoolDriver`` — the Ray half every Ray driver shares (``bidirl.cluster.pool``), with one
   ``WorkerBackend`` plugged in for what its kind of worker does (``bidirl.cluster.backend``);
-* ``KeptWorkers`` — engine workers kept from run to run on one Ray, reset for each (``bidirl.cluster.pool``);
+* ``ClusterError`` — the cluster cannot run the job (``bidirl.cluster.errors``);
+* ``KeptWorkers`` — engine workers kept from run to run on one Ray, reset for each (``bidirl.cluster.kept_workers``);
 * ``EmulatedDriver`` — model-timed workers (``bidirl.cluster.emulated``);
 * ``EngineDriver`` — real engines (``bidirl.cluster.engines``: vLLM ``RolloutEngine``, torch ``TrainerEngine``,
   their Ray actors ``RolloutActor`` / ``TrainerActor``, position-keyed sampling).
@@ -18,8 +19,8 @@ import importlib
 _LAZY = {
     "run": "bidirl.cluster.run",
     "PoolDriver": "bidirl.cluster.pool",
-    "ClusterError": "bidirl.cluster.pool",
-    "KeptWorkers": "bidirl.cluster.pool",
+    "ClusterError": "bidirl.cluster.errors",
+    "KeptWorkers": "bidirl.cluster.kept_workers",
     "WorkerBackend": "bidirl.cluster.backend",
     "EmulatedDriver": "bidirl.cluster.emulated",
     "EngineDriver": "bidirl.cluster.engines.driver",

@@ -36,6 +36,13 @@ from typing import Callable
 from bidirl.core import protocol as P
 
 
+def is_stream(call) -> bool:
+    """Whether a backend's Ray call is a stream (a Ray ``ObjectRefGenerator``: a streaming actor method, handed to
+    :meth:`~bidirl.cluster.pool.PoolDriver._submit_stream`) rather than one object ref (``_submit``)."""
+    import ray
+    return isinstance(call, ray.ObjectRefGenerator)
+
+
 class WorkerBackend(ABC):
     """What one kind of worker does under the pool driver (module doc). ``pool``: the
     :class:`~bidirl.cluster.pool.PoolDriver` it is plugged into."""

@@ -113,7 +113,7 @@ class EmulatedBackend(WorkerBackend):
         g_r = env.rollout_gpus
         if P.worker_kind(worker) == P.TRAINER:
             bundle = g_r if P.is_primary(worker) else 0
-            self.pool.actors[worker] = self._actor_class(EmulatedTrainer).options(**self.pool._at(bundle)).remote(
+            self.pool.actors[worker] = self._actor_class(EmulatedTrainer).options(**self.pool.slots.at(bundle)).remote(
                 worker, self.pool.t0, self.time_scale)
             return
         h = self.host_of[worker]
@@ -128,7 +128,7 @@ class EmulatedBackend(WorkerBackend):
             seeds.append([self.pool.seed, 3, i if P.is_primary(w) else len(top.rollouters) + i])
         first = int(names[0].rsplit("/", 1)[1])
         bundle = (0 if P.is_primary(names[0]) else g_r) + first * env.rollout_layout
-        actor = self._actor_class(RolloutHost).options(**self.pool._at(bundle)).remote(
+        actor = self._actor_class(RolloutHost).options(**self.pool.slots.at(bundle)).remote(
             names, self.pool.truth.engine_costs(), self.pool.t0, self.time_scale, seeds)
         self.pool.actors.update({w: actor for w in names})
         self.host_advancing[h], self.host_holds[h] = False, {}

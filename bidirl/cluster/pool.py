@@ -1,10 +1,10 @@
 """The Ray half every Ray driver shares: start-up, one placement group over the pools, the ``ray.wait`` loop.
 
-Pools map to one placement group over ``G`` GPU slots — the logical resource ``gpu_slot`` on a machine
-without GPUs, ``GPU`` on real hardware — reserved once (placement groups cannot be resized) and split by
-bundle index: bundles ``[0, g_r)`` are the rollout pool, ``[g_r, G)`` the trainer pool. On each pool the
+Pools map to one placement group over ``G`` GPU slots, split by bundle index: bundles ``[0, g_r)`` are the rollout
+pool, ``[g_r, G)`` the trainer pool (Ray's start-up and the slots: :mod:`bidirl.cluster.slots`). On each pool the
 primary workers and the auxiliary workers of the other role are started once, each holding half of the
-bundle it sits on, and are kept: a hot switch changes which one works, never restarts a process (§3.2).
+bundle it sits on, and are kept: a hot switch changes which one works, never restarts a process (§3.2). Engine
+workers may be kept from one run to the next as well (:mod:`bidirl.cluster.kept_workers`).
 
 Every timed command becomes one or more actor calls; their completion becomes the matching event, fed to the
 coordinator through :meth:`bidirl.runtime.driver.Driver.feed`. Workers record their own spans and return them with
@@ -25,7 +25,8 @@ worker, the call and the traceback: restarting would only fail again.
 boundaries (every ``checkpoint_every`` steps and after the last, keeping ``keep``): just before a step's
 ``SyncFinished`` is fed, when the run is quiescent. With ``resume`` it continues from a checkpoint: the control
 plane is restored, the workers start fresh and the trainer loads its state, and the boundary event is fed
-instead of ``Started``, so step numbers, the event log and the clock continue where they stopped.
+instead of ``Started``, so step numbers, the event log and the clock continue where they stopped
+(:mod:`bidirl.cluster.resume`).
 
 Trainer chunks go through a queue per gang (paper Table 2): a ``RunChunk`` for a gang that is busy waits in the
 driver as ``queued`` — a ``CancelChunk`` then reclaims it and answers ``ChunkCancelled`` — and starts
@@ -34,8 +35,6 @@ driver as ``queued`` — a ``CancelChunk`` then reclaims it and answers ``ChunkC
 
 from __future__ import annotations
 
-import math
-import os
 import time
 import warnings
 from collections import deque
@@ -44,63 +43,16 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from bidirl.cluster.backend import WorkerBackend
+from bidirl.cluster.errors import ClusterError, WorkerError
+from bidirl.cluster.kept_workers import KeptWorkers, Workers, ray_job
+from bidirl.cluster import resume
 from bidirl.cluster.recovery import DEATH, ERROR, MAX_RESTARTS, Restarts, call_name, failure_kind
 from bidirl.core import protocol as P
-from bidirl.errors import BidirlError, ConfigError
 from bidirl.results.run_result import RunResult
 from bidirl.results.trace import EventLog
 from bidirl.runtime import checkpoints
 from bidirl.runtime.driver import Driver, RunListener, progress_bar
-
-
-#: logical CPUs each logical GPU slot's bundle reserves (engines on CPU: many workers share a few cores)
-BUNDLE_CPU = 0.1
-#: CPUs of each GPU node that ``cluster.cpus_per_gpu: auto`` leaves to the driver and Ray's own processes
-RESERVED_CPUS = 2
-
-
-def workers_at_driver_priority() -> None:
-    """Before this process starts a Ray of its own (embedded): its worker processes — the engines — will run at this
-    process's priority (``RAY_worker_niceness``, unless the user set it). Ray lowers every worker to niceness 15,
-    below its driver and control plane; on a machine that also runs anything else at the usual priority the
-    engines then get ≈ 3 % of the CPU (CFS weights 1024 for niceness 0 against 36 for 15): a test run that took
-    36 s on a quiet 2-core machine had not finished after 9 minutes beside two busy loops. A cluster started
-    elsewhere (``address``) keeps its own setting."""
-    os.environ.setdefault("RAY_worker_niceness", str(os.nice(0)))
-
-
-def gpu_bundle_cpus(setting, nodes) -> float:
-    """The logical CPUs each GPU's bundle reserves on real GPUs, for ``cluster.cpus_per_gpu`` = ``setting`` on a
-    cluster whose nodes have ``nodes`` = ``[(CPUs, GPUs), ...]`` (nodes without GPUs hold no bundle): ``"auto"`` is
-    ⌊(CPUs − RESERVED_CPUS) / GPUs⌋ on the tightest node (never below :data:`BUNDLE_CPU`); a number is taken as it
-    is if every node has that many CPUs per GPU (else a :class:`ConfigError`: the bundles could never be placed).
-    The slot's two workers (§3.2) request half each (``PoolDriver._at``); Ray sets their ``OMP_NUM_THREADS`` from
-    it, and the trainer its torch threads (``TrainerEngine.host_threads``)."""
-    nodes = [(float(c), float(g)) for c, g in nodes if g > 0]
-    if not nodes:
-        raise ValueError("gpu_bundle_cpus: no node with GPUs")
-    if setting == "auto":
-        return max(BUNDLE_CPU, min(math.floor((c - RESERVED_CPUS) / g) for c, g in nodes))
-    cpus, gpus = min(nodes, key=lambda n: n[0] / n[1])
-    if setting * gpus > cpus:
-        raise ConfigError("cluster.cpus_per_gpu", f"{setting:g} CPUs for each GPU, but a node of the cluster has "
-                          f"{cpus:g} CPUs for {gpus:g} GPUs", f"set at most {cpus / gpus:g}, or auto")
-    return float(setting)
-
-
-class ClusterError(BidirlError, RuntimeError):
-    """The cluster cannot run the job as configured (resources, worker start-up, a failed primary)."""
-
-
-class WorkerError(ClusterError):
-    """A worker's call raised an error of its own (its process lives): the run stops and says where and why."""
-
-    fix = "fix the cause the traceback shows; a restart would replay the same inputs into the same code"
-
-    def __init__(self, worker: str, call: str, error: str, traceback: str):
-        self.worker, self.call, self.error, self.traceback = worker, call, error, traceback
-        super().__init__(f"worker {worker} raised in {call}: {error} — the run stops (an error, not a lost "
-                         f"process: a restart would raise it again).\n{traceback}")
+from bidirl.cluster.slots import RaySlots
 
 
 class WorkInFlight(RunListener):
@@ -158,92 +110,6 @@ class StepMetricsOutput(RunListener):
                           stacklevel=2)
 
 
-@dataclass
-class Workers:
-    """A finished run's placement group and actors, as :class:`KeptWorkers` holds them for the next run of the
-    same ``shape`` (:meth:`PoolDriver.worker_shape`) on the same Ray (``ray_job``). :meth:`release` ends them."""
-    pg: object
-    actors: dict
-    gangs: dict
-    shape: dict                   # what the next run must match (PoolDriver.worker_shape)
-    ray_job: str = ""             # the Ray session they live in (a new ``ray.init`` ends them)
-
-    def release(self) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-        for actor in list(self.actors.values()) + [r for ranks in self.gangs.values() for r in ranks]:
-            try:
-                ray.kill(actor)
-            except Exception:
-                pass
-        try:
-            remove_placement_group(self.pg)
-        except Exception:
-            pass
-
-
-def _ray_job() -> str:
-    import ray
-    return ray.get_runtime_context().get_job_id() if ray.is_initialized() else ""
-
-
-@dataclass
-class KeptWorkers:
-    """Engine workers kept from run to run on one Ray, each reset to a fresh engine's state for the next run.
-
-    Starting engines is most of a short run's time (vLLM and torch processes, the gangs' process groups). A notebook
-    that runs jobs one after another, a side-by-side comparison of policies or a test session passes one
-    ``KeptWorkers`` to every run (``run(..., kept_workers=kw)``, ``EngineDriver(..., kept_workers=kw)``): a run whose
-    job needs the same workers (:meth:`PoolDriver.worker_shape`: layout, model, engine settings) takes them and
-    resets each one (``reset``: the model folder's weights, a new optimizer, no groups, version 0, auxiliaries
-    offloaded), other runs start their own; a run that finishes gives its workers back, one that fails ends them.
-    At most ``capacity`` sets are held, the least recently used is ended first; sets of an earlier Ray session
-    (after ``ray.shutdown``) are dropped. :meth:`release` ends them all (also at the end of a ``with`` block).
-    ``started`` / ``reused`` count the runs that started workers and those that took kept ones."""
-    capacity: int = 1
-    sets: list = field(default_factory=list)        # Workers, least recently used first
-    started: int = 0
-    reused: int = 0
-
-    def __post_init__(self):
-        if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 1:
-            raise ValueError(f"KeptWorkers.capacity must be an integer ≥ 1 (sets of workers held), "
-                             f"got {self.capacity!r}")
-
-    def take(self, shape: dict) -> Optional[Workers]:
-        """The kept set started for ``shape`` in the current Ray session (removed from the cache), or ``None``."""
-        job = _ray_job()
-        self.sets = [w for w in self.sets if w.ray_job == job]
-        for i, workers in enumerate(self.sets):
-            if workers.shape == shape:
-                self.reused += 1
-                return self.sets.pop(i)
-        self.started += 1
-        return None
-
-    def give(self, workers: Workers) -> None:
-        """Keep a finished run's workers; end the least recently used set beyond ``capacity``."""
-        self.sets.append(workers)
-        while len(self.sets) > self.capacity:
-            self.sets.pop(0).release()
-
-    def release(self) -> None:
-        """End every kept worker."""
-        while self.sets:
-            self.sets.pop().release()
-
-    def __enter__(self) -> "KeptWorkers":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-def _object_ref_generator() -> type:
-    import ray
-    return ray.ObjectRefGenerator
-
-
 def root_cause(exc: Exception) -> str:
     """The innermost error message of a failed actor construction or call (one line)."""
     cause = getattr(exc, "cause", None) or getattr(exc, "__cause__", None)
@@ -287,9 +153,8 @@ class PoolDriver(Driver):
         self.gangs: dict = {}             # trainer gang -> its ranks' actors (engine runs)
         self.measured: dict = {}          # (direction | "start" | ..., which) -> [seconds]
         self.failed: set = set()          # workers reported to the coordinator as failed
-        self.pg = None
-        self._bundle_cpus: Optional[float] = None      # bundle_cpus(), read from the cluster once
-        self._resource_name: Optional[str] = None      # _resource(), read from the cluster once
+        # the GPU slots: Ray's start-up, the placement group, where each actor goes (bidirl.cluster.slots)
+        self.slots = RaySlots(self.config, lambda: self.backend.uses_gpus)
         self.t0 = time.time()
         self.progress = False
         self.r_busy: dict = {}            # rollouter -> whether it holds requests
@@ -327,106 +192,21 @@ class PoolDriver(Driver):
         self.loop_stats: dict = {"wait_s": 0.0, "handle_s": 0.0, "replies": 0, "calls": 0, "events": 0}
 
     # ------------------------------------------------------------------------------------------
-    # Ray start-up and placement
+    # the GPU slots (bidirl.cluster.slots)
     # ------------------------------------------------------------------------------------------
-    def _resource(self) -> str:
-        """``GPU`` when the backend's workers use GPUs and the cluster offers enough of them and no logical slots,
-        else ``gpu_slot`` (read once)."""
-        if self._resource_name is None:
-            gpu = False
-            if self.backend.uses_gpus:
-                import ray
-                res = ray.cluster_resources()
-                gpu = res.get("GPU", 0) >= self.config.cluster.gpus and not res.get("gpu_slot")
-            self._resource_name = "GPU" if gpu else "gpu_slot"
-        return self._resource_name
-
-    def _start_ray(self):
-        import ray
-        G = self.config.cluster.gpus
-        # The metrics agent is not needed here and, on a loaded small machine, its start-up can time out.
-        os.environ.setdefault("RAY_enable_metrics_collection", "0")
-        if not ray.is_initialized():
-            if self.address:
-                ray.init(address=self.address, namespace="bidirl", log_to_driver=False)
-            else:
-                workers_at_driver_priority()
-                # each of the G bundles reserves BUNDLE_CPU logical CPUs: enough of them for every bundle
-                for attempt in range(3):
-                    try:
-                        ray.init(num_cpus=max(4, os.cpu_count() or 1, math.ceil(BUNDLE_CPU * G) + 1),
-                                 **self._local_slots(G), include_dashboard=False, log_to_driver=False,
-                                 namespace="bidirl")
-                        break
-                    except Exception as exc:
-                        # on a loaded machine the local node may miss Ray's fixed 30 s registration deadline
-                        if "timed out during startup" not in str(exc):
-                            raise
-                        ray.shutdown()
-                        if attempt == 2:
-                            raise ClusterError("the local Ray node did not start in 3 tries (it must register "
-                                               "within 30 s; this machine is too loaded now): retry when it is "
-                                               "less busy, or start Ray yourself (ray start --head) and pass "
-                                               "--address auto") from None
-        have = ray.cluster_resources().get(self._resource(), 0)
-        if have < G:
-            raise ClusterError(f"the Ray cluster offers {have:g} '{self._resource()}' resources but cluster.gpus "
-                               f"is {G}; start Ray with resources={{'{self._resource()}': {G}}} or lower cluster.gpus")
-
-    def _local_slots(self, gpus: int) -> dict:
-        """``ray.init`` arguments that give an embedded local Ray its GPU slots: on a machine with enough CUDA
-        devices, for a backend whose workers use GPUs, those as ``GPU`` resources; otherwise logical ``gpu_slot``
-        units."""
-        if self.backend.uses_gpus:
-            import torch
-            if torch.cuda.is_available() and torch.cuda.device_count() >= gpus:
-                return {"num_gpus": int(gpus)}
-        return {"resources": {"gpu_slot": float(gpus)}}
-
-    def bundle_cpus(self) -> float:
-        """Logical CPUs each GPU slot's bundle reserves: ``cluster.cpus_per_gpu`` (:func:`gpu_bundle_cpus`, over
-        the connected cluster's GPU nodes) when the slots are real GPUs, :data:`BUNDLE_CPU` on logical slots."""
-        if self._bundle_cpus is None:
-            import ray
-            self._bundle_cpus = BUNDLE_CPU if self._resource() != "GPU" else gpu_bundle_cpus(
-                self.config.cluster.cpus_per_gpu,
-                [(n["Resources"].get("CPU", 0), n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")])
-        return self._bundle_cpus
-
-    def _reserve(self):
-        """One placement group of ``G`` bundles: ``[0, g_r)`` the rollout pool, ``[g_r, G)`` the trainer pool."""
-        import ray
-        from ray.util.placement_group import placement_group
-
-        G, res = self.config.cluster.gpus, self._resource()
+    def _take_slots(self) -> None:
+        """The run's placement group: the kept workers' (with them) when a kept set matches the job, else reserved."""
         if self.kept_workers is not None:
             self.workers = self.kept_workers.take(self.worker_shape())
         if self.workers is not None:
-            self.pg = self.workers.pg
+            self.slots.pg = self.workers.pg
             return
-        cpus = self.bundle_cpus()
-        self.pg = placement_group([{res: 1.0, "CPU": cpus}] * G, strategy="PACK")
-        try:
-            ray.get(self.pg.ready(), timeout=self.start_timeout)
-        except Exception as exc:
-            fix = " or lower cluster.cpus_per_gpu" if res == "GPU" else ""
-            raise ClusterError(f"could not reserve {G} GPU slots of 1 {res} + {cpus:g} CPUs each within "
-                               f"{self.start_timeout:.0f} s ({exc}); check the cluster's free resources{fix}") from None
-
-    def _at(self, bundle: int, share: float = 0.5, cpus: Optional[float] = None) -> dict:
-        """Actor options that place it on ``bundle`` holding ``share`` of its GPU slot and, unless ``cpus`` says
-        otherwise, the same share of the bundle's CPUs (:meth:`bundle_cpus`)."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        cpus = share * self.bundle_cpus() if cpus is None else cpus
-        opts = {"num_cpus": cpus, "resources": {self._resource(): share},
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
-        if self._resource() == "GPU":          # Ray places GPU shares through num_gpus
-            opts["num_gpus"] = opts.pop("resources")["GPU"]
-        return opts
+        self.slots.reserve(self.start_timeout)
 
     def worker_shape(self) -> dict:
         """What kept workers must have been started for to serve this run (layout and engine settings)."""
-        return {"driver": self.label, "resource": self._resource(), "bundle_cpus": self.bundle_cpus(), **self.layout(),
+        return {"driver": self.label, "resource": self.slots.resource(), "bundle_cpus": self.slots.bundle_cpus(),
+                **self.layout(),
                 **self.backend.shape()}
 
     def now(self) -> float:
@@ -602,38 +382,22 @@ class PoolDriver(Driver):
     # ------------------------------------------------------------------------------------------
     def layout(self) -> dict:
         """The world size of every pool and gang (GPU slots, replicas, ranks)."""
-        env, top = self.plan.envelope, self.topology
-        return {"gpus": self.config.cluster.gpus, "rollout_gpus": env.rollout_gpus,
-                "trainer_gpus": env.trainer_gpus, "rollout_layout": env.rollout_layout,
-                "trainer_layout": env.trainer_layout, "rollouters": top.rollout_replicas,
-                "aux_rollouters": top.aux_rollout_replicas,
-                "trainer_ranks": top.trainer_replicas * env.trainer_layout,
-                "aux_trainer_ranks": top.aux_trainer_replicas * env.trainer_layout}
+        return resume.layout(self)
 
     def identity(self) -> checkpoints.RunIdentity:
         """What a checkpoint of this run records and a resumed run must match (computed once: it hashes the
         prompt file)."""
         if self._identity is None:
-            workers = self.backend.identity()
-            self._identity = checkpoints.RunIdentity(
-                config=self.config.to_dict(), policy=self.policy_name, steps=self.steps, seed=self.seed,
-                driver=self.label, model=workers["model"], data=workers["data"], layout=self.layout())
+            self._identity = resume.identity(self)
         return self._identity
 
     def checkpoint_state(self) -> dict:
         """The driver's own per-run state a checkpoint keeps."""
-        return {"version": self.version, "measured": self.measured, "step_marks": list(self.step_marks),
-                "recoveries": list(self.restarts.record), "step_stats": list(self.step_stats),
-                "backend": self.backend.run_state()}
+        return resume.driver_state(self)
 
     def restore_state(self, state: dict) -> None:
         """Take back what :meth:`checkpoint_state` returned (a resumed run)."""
-        self.version = state["version"]
-        self.measured = {k: list(v) for k, v in state["measured"].items()}
-        self.step_marks = list(state["step_marks"])
-        self.restarts.record = list(state["recoveries"])
-        self.step_stats = list(state.get("step_stats", []))     # (an emulated run's checkpoint before it kept none)
-        self.backend.take_run_state(state.get("backend", {}))
+        resume.restore_driver_state(self, state)
 
     def save_trainer_state(self, folder: Path) -> bool:
         """Write the trainer's state into ``folder`` (a checkpoint's ``trainer/``); False if there is none.
@@ -643,27 +407,9 @@ class PoolDriver(Driver):
 
     def _load_resume(self) -> None:
         """Restore the control plane and the driver's state from ``resume`` (before Ray starts: a bad
-        checkpoint fails fast, naming what is wrong)."""
-        if self.resume is None:
-            return
-        found = checkpoints.find(self.resume, self.identity())
-        if self.steps <= found.step:
-            raise checkpoints.CheckpointError(
-                f"checkpoint {str(found.path)!r} holds {found.step} steps already; this run asks for {self.steps} "
-                f"in all: pass --steps greater than {found.step} to continue it")
-        control = found.control()
-        self.continue_from(control)
-        checkpoints.set_rng_states(control.rng)
-        self.restore_state(control.driver)
-        self.boundary, self.clock_start, self.resumed_from = control.boundary, float(control.boundary.t), found
-        if self.writer is not None and Path(self.writer.root).resolve() == found.path.parent.resolve():
-            newer = [p for p in checkpoints.step_folders(self.writer.root) if checkpoints.step_of(p) > found.step]
-            if newer:
-                warnings.warn(f"resuming from {found.path.name}: removing the newer checkpoints "
-                              f"{', '.join(p.name for p in newer)}, which this run replaces", RuntimeWarning,
-                              stacklevel=2)
-                for p in newer:
-                    self.writer.abandon(p)
+        checkpoint fails fast, naming what is wrong; :func:`bidirl.cluster.resume.load`)."""
+        if self.resume is not None:
+            resume.load(self)
 
     # ------------------------------------------------------------------------------------------
     def run(self, progress: bool = False, kill: Optional[Callable] = None) -> RunResult:
@@ -673,9 +419,9 @@ class PoolDriver(Driver):
 
         self.progress = progress
         self._load_resume()
-        self._start_ray()
+        self.slots.start(self.address)
         try:
-            self._reserve()
+            self._take_slots()
             self.backend.place()
             self.backend.begin()
             if self.out_dir is not None:
@@ -767,23 +513,20 @@ class PoolDriver(Driver):
 
     def _stop_workers(self):
         import ray
-        from ray.util.placement_group import remove_placement_group
-        if self.kept_workers is not None and self.finished and self.pg is not None:
-            self.kept_workers.give(Workers(self.pg, dict(self.actors), {g: list(r) for g, r in self.gangs.items()},
-                                           self.worker_shape(), _ray_job()))
-            self.pg = None
+        if self.kept_workers is not None and self.finished and self.slots.pg is not None:
+            self.kept_workers.give(Workers(self.slots.pg, dict(self.actors),
+                                           {g: list(r) for g, r in self.gangs.items()}, self.worker_shape(), ray_job()))
+            self.slots.pg = None
             return
         for a in self._all_actors():
             try:
                 ray.kill(a)
             except Exception:
                 pass
-        if self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:
-                pass
-            self.pg = None
+        try:
+            self.slots.release()
+        except Exception:
+            pass
 
     def _all_actors(self) -> list:
         """Every actor of the run, once each (the rollouters, then each gang's ranks; a process several workers

@@ -27,7 +27,7 @@ def run(config, policy: Optional[str] = None, *, steps: Optional[int] = None, se
     ``keep`` (``bidirl.runtime.checkpoints``); ``resume``: continue from the newest good checkpoint in that folder (or
     from that ``step-*`` checkpoint) — it keeps checkpointing there unless ``checkpoint_dir`` names another
     folder. ``max_restarts``: restarts allowed per worker in a row (no whole step completed between its failures)
-    before its next failure ends the run. ``kept_workers``: a :class:`~bidirl.cluster.pool.KeptWorkers` shared by
+    before its next failure ends the run. ``kept_workers``: a :class:`~bidirl.cluster.kept_workers.KeptWorkers` shared by
     runs one after another on this Ray (engine runs): a run of the same shape takes the workers an earlier one
     left, reset to a fresh engine's state, instead of starting its own.
     """

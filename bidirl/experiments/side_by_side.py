@@ -45,7 +45,7 @@ def run_policies(config, policies: Iterable[str], steps: int, seed: Optional[int
                  simulate: bool = False, progress: bool = False) -> dict:
     """``{policy: RunResult}``: the job under each policy, one after the other, on real engines on an embedded
     local Ray (``simulate=True``: the discrete-event simulator instead). Same config, seed and steps for all; the
-    engine runs share their workers (:class:`~bidirl.cluster.pool.KeptWorkers`), each reset to a fresh engine's
+    engine runs share their workers (:class:`~bidirl.cluster.kept_workers.KeptWorkers`), each reset to a fresh engine's
     state, so the engines start once."""
     from bidirl.job import config as cfgmod
     cfg = cfgmod.load(config)
@@ -56,7 +56,7 @@ def run_policies(config, policies: Iterable[str], steps: int, seed: Optional[int
         for policy in policies:
             out[policy] = sim(cfg, policy, steps=steps, seed=seed, progress=progress)
         return out
-    from bidirl.cluster.pool import KeptWorkers
+    from bidirl.cluster.kept_workers import KeptWorkers
     from bidirl.cluster.run import run
     with KeptWorkers() as kept:          # the policies' runs share one start of the engines, each reset for its run
         for policy in policies:

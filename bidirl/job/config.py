@@ -64,9 +64,9 @@ class ClusterConfig:
     ``cpus_per_gpu``: on real GPUs, the logical CPUs each GPU slot's placement bundle reserves for the two workers
     that share the slot (the pool's primary and the other role's borrowing worker, §3.2; half each), which Ray then
     gives them as their thread count (host work: optimizer bookkeeping, copies, batching, tokenisation). ``auto``:
-    each GPU node's CPUs, less ``bidirl.cluster.pool.RESERVED_CPUS`` for the driver and Ray's own processes,
+    each GPU node's CPUs, less ``bidirl.cluster.slots.RESERVED_CPUS`` for the driver and Ray's own processes,
     divided by its GPUs (whole CPUs; the least over the nodes). Logical GPU slots (engines on CPU) keep a small
-    fixed share (``bidirl.cluster.pool.BUNDLE_CPU``) whatever it says.
+    fixed share (``bidirl.cluster.slots.BUNDLE_CPU``) whatever it says.
 
     ``rollout_tensor_parallel`` (veRL's ``actor_rollout_ref.rollout.tensor_model_parallel_size``): ρ_r, the GPUs of
     one rollout replica (vLLM tensor parallelism inside one node). Empty: the planner picks the smallest layout
@@ -126,7 +126,7 @@ class WorkloadConfig:
     ``max_model_len`` = ``max_prompt_len + max_response_len``, and the KV budget — for prompts of up to this many
     tokens; a prompt the run can draw that is longer is refused before anything starts, naming its row. Empty: the
     longest prompt the run can draw. Jobs of one model and layout that set the same value can run on the same
-    kept engine workers (``bidirl.cluster.pool.KeptWorkers``) whatever their data.
+    kept engine workers (``bidirl.cluster.kept_workers.KeptWorkers``) whatever their data.
 
     ``response_length_trend``: the relative change of the mean response length per training step — step ``k``'s
     lengths are drawn with mean ``mean · (1 + trend · k)``, clipped to ``[1, max_response_len]`` (responses that
@@ -663,23 +663,20 @@ def _check_expert_parallel(cfg: JobConfig) -> None:
 
 #: execution settings the models, the planner and the simulator (and emulated runs) honour but engine runs do not
 #: carry out yet: key -> (its defaults, why an engine run cannot). Bypass (``rl.recompute_old_logprob: false``)
-#: runs in the engine driver, so it is not here. Token-budget micro-batches and parameter / optimizer offload run in
-#: the trainer engine (``bidirl.cluster.engines.workers.trainer``: ``micro_batches``, ``state_offload``; tested on
-#: one engine and a two-rank gang), but a whole engine run with them stalled at its first step once the engine
-#: driver was built by composition and gangs order their collectives: refused until that is found.
-_STALLED = ("an engine run with it stalled at its first step in this version (the trainer engine carries it out; "
-            "the whole run with the composed engine driver and the gangs' launch order does not yet)")
+#: runs in the engine driver, token-budget micro-batches and parameter / optimizer offload in the trainer engine
+#: (``bidirl.cluster.engines.workers.trainer``: ``micro_batches``, ``state_offload``), so they are not here.
 ENGINE_PENDING = {
-    "rl.max_tokens_per_micro_batch": ((None,), _STALLED),
-    "rl.param_offload": ((False,), _STALLED),
-    "rl.optimizer_offload": ((False,), _STALLED),
     "cluster.rollout_tensor_parallel": ((None, 1), "an engine run places each rollouter on one GPU slot, and vLLM's "
                                         "CPU build runs one worker per engine (distributed_executor_backend 'uni': "
                                         "no tensor parallel on CPU)"),
     "rl.mini_batch_prompts": ((None,), "the engine run's step is one optimizer update over its whole batch (the "
-                              "chunk queue has no mini-batch boundary yet)"),
+                              "chunk queue has no mini-batch boundary yet: each mini-batch's update chunks would "
+                              "need a barrier, the auxiliary windows ending and an optimizer step before the next "
+                              "mini-batch's chunks, which compute on the updated weights)"),
     "rl.updates_per_sync": ((1,), "the engine driver takes one optimizer step per weight version (a streamed step's "
-                            "local updates would keep the version)"),
+                            "local updates would keep the version while changing the weights, and the runtime names "
+                            "weights by version: an auxiliary or restarted gang loading the version, and the "
+                            "recovery replay, would compute on other weights than the primary's)"),
     "rl.sequence_parallel": ((1,), "the trainer engine has no Ulysses all-to-all: each rank holds whole samples"),
     "rl.fsdp_size": ((None,), "the engine run's trainer gangs shard over the planner's layout; an explicit shard-group "
                      "size is not passed to the engines yet"),

@@ -36,7 +36,9 @@ the step), ``bidirl/switch_s/<direction>/c_in|c_out`` (mean measured switch time
 during the step) and ``…/trainer_on_rollout_pool/c_grad`` (the step's gradient merge),
 ``bidirl/rollout_logprob_diff_max`` (vLLM vs trainer log-prob gap; with route replay on, the gap with it) and
 ``bidirl/rollout_logprob_diff_max_no_r3`` (the same samples' gap with the trainer routing by itself:
-``rl.route_replay_compare``), ``bidirl/samples`` and ``bidirl/version``.
+``rl.route_replay_compare``), ``bidirl/micro_batch_passes`` (with ``rl.max_tokens_per_micro_batch``: the
+update's forward-and-backward passes, summed over the ranks of every gang that ran its chunks),
+``bidirl/samples`` and ``bidirl/version``.
 A key is left out of a row when the step has no value for it (no switch, no reference model, a simulated run).
 
 A run's output folder (``bidirl run CONFIG --out DIR``) holds ``metrics.jsonl`` (one JSON object per step),
@@ -83,6 +85,7 @@ TRAIN_METRICS = {
     "actor/pg_loss": "pg_loss", "actor/pg_clipfrac": "clip_frac", "actor/grad_norm": "grad_norm",
     "bidirl/rollout_logprob_diff_max": "logprob_diff_max",
     "bidirl/rollout_logprob_diff_max_no_r3": "logprob_diff_max_no_r3",
+    "bidirl/micro_batch_passes": "micro_batch_passes",
 }
 
 

@@ -177,12 +177,12 @@ class EngineDriver(PoolDriver):
 
     def _resolve_rollout(self):
         """Resolve the rollouters' settings once: in ``__post_init__`` on an embedded Ray (CUDA when
-        :meth:`_local_slots` offers GPUs), else once the named cluster is connected (CUDA when it offers ``GPU``
+        :meth:`~bidirl.cluster.slots.RaySlots.local_slots` offers GPUs), else once the named cluster is connected (CUDA when it offers ``GPU``
         resources) — before any actor starts either way. Raises ``ConfigError`` (``RolloutSetup.resolve``)."""
         if self._rollout is None:
             from bidirl.cluster.engines.rollout_setup import RolloutSetup
-            gpu = ("num_gpus" in self._local_slots(self.config.cluster.gpus) if self.address is None
-                   else self._resource() == "GPU")
+            gpu = ("num_gpus" in self.slots.local_slots(self.config.cluster.gpus) if self.address is None
+                   else self.slots.resource() == "GPU")
             from bidirl.core.policies import Policy, get_policy
             policy = self.policy_name if isinstance(self.policy_name, Policy) else get_policy(self.policy_name)
             windows = int(policy.trainer_on_rollout_pool)          # auxiliary windows in the device budget

@@ -78,17 +78,17 @@ class EnginePlacement:
         cfg = d.config
         bundles = self.bundles(worker)
         if worker in d.gangs:
-            gpu = d._resource() == "GPU"
+            gpu = d.slots.resource() == "GPU"
             # a gang of several ranks builds the model on the meta device; each rank reads its shards when it joins
             kwargs = dict(lr=cfg.rl.lr, seed=cfg.seed, kl_coef=cfg.rl.kl_coef, clip_eps=cfg.rl.clip_eps,
                           device="cuda" if gpu else "cpu", threads="auto", role=P.worker_role(worker),
                           activation_checkpointing=cfg.rl.activation_checkpointing, gang=len(bundles) > 1,
                           publish_dtype=self.publish_dtype(worker), route_replay=cfg.route_replay,
                           **settings_from(cfg.rl))
-            d.gangs[worker] = [TrainerActor.options(**d._at(b)).remote(f"{worker}/{j}", d.model_dir, **kwargs)
+            d.gangs[worker] = [TrainerActor.options(**d.slots.at(b)).remote(f"{worker}/{j}", d.model_dir, **kwargs)
                               for j, b in enumerate(bundles)]
         else:
-            d.actors[worker] = RolloutActor.options(**d._at(bundles[0])).remote(
+            d.actors[worker] = RolloutActor.options(**d.slots.at(bundles[0])).remote(
                 worker, d.model_dir, cfg.seed, reward_fn=d.reward, routes=cfg.route_replay,
                 **d.rollout.engine_kwargs())
         d.versions[worker] = 0            # a fresh process holds the model folder's weights

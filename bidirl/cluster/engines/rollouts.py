@@ -10,7 +10,7 @@ becomes a ``RolloutRecord`` for the profiler (§5.1).
 
 from __future__ import annotations
 
-from bidirl.cluster.pool import _object_ref_generator
+from bidirl.cluster.backend import is_stream
 from bidirl.core import protocol as P
 
 
@@ -68,7 +68,7 @@ class EngineRollouts:
             d.r_advancing[worker] = False
             self.ensure_advance(worker)
         call = self.advance_call(worker)
-        if isinstance(call, _object_ref_generator()):
+        if is_stream(call):
             d._submit_stream(worker, call, lambda result: self.advanced(worker, result, starts), ended)
             return
 

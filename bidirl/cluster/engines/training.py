@@ -59,12 +59,11 @@ class EngineTraining:
 
     def run_chunk(self, cmd: P.RunChunk):
         d = self.pool
-        from bidirl.cluster.engines.workers.trainer import forward_ranks, rank_shares
+        from bidirl.cluster.engines.workers.trainer import rank_shares
         ch, gang = cmd.chunk, cmd.worker
         data = self.step_data
         idx = [data.index[(g, i)] for g, i in ch.samples]
         ranks = d.gangs[gang]
-        layout = d.plan.envelope.trainer_layout
         shares = rank_shares(idx, ch.per_device, len(ranks))      # per_device samples on each rank (device)
 
         # a gang behind the chunk's version loads it first (an auxiliary gang restarted since it was switched in
@@ -82,7 +81,9 @@ class EngineTraining:
         if ch.stage in P.FORWARD_STAGES:
             model = "actor" if ch.stage == "old_logprob" else "reference"
             target = data.old if ch.stage == "old_logprob" else data.ref
-            live = [(ranks[r], shares[r]) for r in forward_ranks(shares, layout)]   # a replica's ranks gather together
+            # every rank of the gang, a replica without samples too: the gang's ranks take the same turns of its
+            # launch order (bidirl.cluster.engines.workers.launch_order), so each runs every gang call
+            live = list(zip(ranks, shares))
             compare = d.config.rl.route_replay_compare and model == "actor"
 
             def done(replies):
@@ -202,6 +203,8 @@ class EngineTraining:
                 "pg_loss": float(sum(s["pg_loss"] for s in data.stats)), "kl": token_weighted(data.stats, "kl"),
                 "clip_frac": token_weighted(data.stats, "clip_frac"), "grad_norm": float(update["grad_norm"]),
                 "on_policy_samples": len(gaps), "logprob_diff_max": max(gaps) if gaps else None}
+        if self.pool.config.rl.max_tokens_per_micro_batch is not None:   # the update's passes over every rank
+            row["micro_batch_passes"] = int(sum(s.get("passes", 0) for s in data.stats))
         if self.pool.config.rl.route_replay_compare:          # R3's comparison ran (MoE): the gap without it
             row["logprob_diff_max_no_r3"] = max(plain) if plain else None
         return row

@@ -319,9 +319,9 @@ class TrainerActor(_Timed):
             else:
                 g = self.engine.chunk_gradients(list(samples), advantages, old_logprobs, ref_logprobs, normalizer)
                 out = self.engine.full_gradient(g.flat)
-            return dict(g.stats, samples=g.samples, tokens=g.tokens,
+            return dict(g.stats, samples=g.samples, tokens=g.tokens, passes=self.engine.passes_run - passes,
                         replayed_tokens=self.engine.route_replay_counts()["tokens"] - before), out
-        before = self.engine.route_replay_counts()["tokens"]
+        before, passes = self.engine.route_replay_counts()["tokens"], self.engine.passes_run
         reply = self._reply("chunk", run, detail={"chunk_id": chunk_id, "samples": len(samples)})
         stats, flat = reply.value
         return Reply(stats, reply.spans), (flat if give else None)

@@ -35,9 +35,10 @@ adds it.
 Without the weight transport (``transport.weights: object_store``) :meth:`full_gradient` gathers a shard vector
 into the full gradient (a gang collective: how an auxiliary gang's chunk gradient leaves it) and
 :meth:`local_gradient` cuts a rank's shard out of a full one (how a primary rank keeps it); :meth:`apply`
-accepts either. Every call that runs the model is a collective of the gang's replica — a rank with no samples
-still joins with an empty share (:func:`forward_ranks`) — and a chunk gradient one of the whole gang
-(:func:`rank_shares` deals a chunk's samples to the ranks).
+accepts either. Every call that runs the model is a collective of the gang's replica and a chunk gradient one of
+the whole gang (:func:`rank_shares` deals a chunk's samples to the ranks); every rank of a gang runs every such
+call — a rank with no samples joins with an empty share — so the ranks take the same turns of the gang's launch
+order (:mod:`.shares`).
 
 **Loading.** An unsharded engine loads the checkpoint whole (``from_pretrained``). A rank of a sharded gang holds
 only its shards, from the start: built with ``gang=True`` (the engine driver builds every rank of a gang of several
@@ -69,7 +70,6 @@ dicts, publish / send / receive), ``windows`` (auxiliary windows),
 
 from bidirl.cluster.engines.workers.trainer.compute import ChunkGradient
 from bidirl.cluster.engines.workers.trainer.engine import PRECISIONS, TrainerEngine, resolve_precision, settings_from
-from bidirl.cluster.engines.workers.trainer.shares import forward_ranks, rank_shares
+from bidirl.cluster.engines.workers.trainer.shares import rank_shares
 
-__all__ = ["ChunkGradient", "PRECISIONS", "TrainerEngine", "forward_ranks", "rank_shares", "resolve_precision",
-           "settings_from"]
+__all__ = ["ChunkGradient", "PRECISIONS", "TrainerEngine", "rank_shares", "resolve_precision", "settings_from"]

@@ -69,6 +69,7 @@ class Compute:
         """``[B, T_resp]`` log-probs of the response tokens (zeros past each response), their mask and lengths:
         the head on response positions only, in chunks (:mod:`bidirl.cluster.engines.workers.logprob`)."""
         ids, attn, (rows, steps, cols), tgt, mask, rlen = self._batch(samples)
+        self.passes_run += 1
         with torch.enable_grad() if grad else torch.no_grad(), self._replaying(model, samples, ids.shape[1]):
             flat = response_logprobs(model, ids, attn, rows, cols, tgt, grad=grad, chunk=self.logprob_chunk)
             lp = torch.zeros(mask.shape, dtype=torch.float32, device=flat.device).index_put((rows, steps), flat)
@@ -161,7 +162,7 @@ class Compute:
         if accumulate and position is not None:
             first, units = (int(x) for x in position)
             if self.role == PRIMARY and self.order.expects(first):
-                out = self._chunk_backward(samples, advantages, old_logprobs, ref_logprobs, normalizer)
+                out = self._share_backward(samples, advantages, old_logprobs, ref_logprobs, normalizer)
                 self.order.advance(first, units)
                 self._fold_ready()
             else:
@@ -191,7 +192,7 @@ class Compute:
         for p in self.params:
             p.grad = None
         try:
-            out = self._chunk_backward(samples, advantages, old_logprobs, ref_logprobs, normalizer)
+            out = self._share_backward(samples, advantages, old_logprobs, ref_logprobs, normalizer)
             out.flat = self._local_grad_vector()
         finally:
             for p, g in zip(self.params, kept):

@@ -163,6 +163,7 @@ class TrainerEngine(StateOffload, MicroBatches, Compute, Replay, Weights, Window
         self.accumulated: list = []       # chunk gradients accumulated into p.grad since the last step (their ids)
         self.order = OrderedSum()         # the step's gradient in unit order (chunks given a position: ordered_sum)
         self.version = 0
+        self.passes_run = 0               # model passes over samples (token-budget micro-batches: several a share)
         self._pending = gang              # built on the meta device for a gang: loaded once the mesh is known
         self.model = self._load_model(empty=gang)
         if self.kl_coef > 0:              # the reference is loaded at start (bf16 when computing in bf16)
@@ -173,7 +174,7 @@ class TrainerEngine(StateOffload, MicroBatches, Compute, Replay, Weights, Window
     def host_threads(device) -> int:
         """``threads="auto"``: inside a Ray actor, the whole CPUs Ray granted it (at least one) — what Ray sets
         ``OMP_NUM_THREADS`` to; on a GPU cluster the actor's half of its GPU slot's bundle, ``cluster.cpus_per_gpu``
-        (``bidirl.cluster.pool.gpu_bundle_cpus``), so host work (optimizer bookkeeping, copies, batching) is not
+        (``bidirl.cluster.slots.gpu_bundle_cpus``), so host work (optimizer bookkeeping, copies, batching) is not
         single-threaded. Outside Ray: this machine's CPUs shared evenly by its GPUs on a CUDA device, one thread on
         CPU (the engine's compute then owns a core, as the CPU gangs are laid out)."""
         import os

@@ -15,10 +15,13 @@ into ``p.grad``; the GRPO loss (token-mean or seq-mean-token-mean) is a sum over
 fixed, so the micro-batches' gradients sum to the one-pass gradient up to fp32 rounding.
 
 **A gang.** Every pass of a sharded engine is a collective (FSDP2's all-gathers and, in a backward, the gradient
-reduction), so all ranks must run as many: the ranks agree on the largest count (an all-reduce MAX over the gang
-for gradients, over the replica's ranks for log-probs, which only the busy replicas run) and a rank with fewer
+reduction), and every pass yields the gang's launch order at each block
+(:mod:`~bidirl.cluster.engines.workers.launch_order`), so all ranks of the gang must run as many: the ranks agree on
+the largest count (an all-reduce MAX over the whole gang, for log-probs as for gradients) and a rank with fewer
 joins the remaining rounds with an empty share (``Compute._join_with_empty_share``), as veRL makes every rank run
-the same number of micro-batches under dynamic batch sizes.
+the same number of micro-batches under dynamic batch sizes. A count agreed per replica is not enough: the passes of
+two replicas need no common collective, but the leader logs a turn for each of its own yields, and a replica that
+ran fewer passes would wait for ever on the turns it never takes (its weight send stalls behind them).
 
 A mixin of :class:`~bidirl.cluster.engines.workers.trainer.engine.TrainerEngine`; it uses the compute mixin's
 single-pass ``_chunk_backward`` and ``_token_logprobs`` unchanged.
@@ -78,25 +81,19 @@ class MicroBatches:
     def _share_widths(self, samples) -> list:
         return [len(s.prompt_ids) + len(s.response_ids) for s in samples]
 
-    def _rounds(self, samples, group) -> list:
-        """This rank's micro-batches, padded with empty ones to the count every rank of ``group`` runs."""
+    def _rounds(self, samples) -> list:
+        """This rank's micro-batches, padded with empty ones to the count every rank of the gang runs."""
         batches = token_micro_batches(self._share_widths(samples), self.max_tokens_per_micro_batch) if samples else []
-        if self.sharded and group is not None and self.world > 1:
+        if self.sharded and self._group is not None and self.world > 1:
             n = torch.tensor([len(batches)], dtype=torch.int64, device=self._comm_device())
-            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX, group=group)
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX, group=self._group)
             batches += [[] for _ in range(int(n) - len(batches))]
         return batches
-
-    def _replica_group(self):
-        """The ranks that gather one replica's weights together (the whole gang without replication)."""
-        if self.mesh is None or self.replicas == 1:
-            return self._group
-        return self.mesh.get_group("shard")
 
     def _budget_logprobs(self, net, samples: list) -> list:
         """:meth:`Compute.logprobs`'s result for ``samples``, one token-budget micro-batch at a time."""
         out: list = [None] * len(samples)
-        for batch in self._rounds(samples, self._replica_group()):
+        for batch in self._rounds(samples):
             if not batch:
                 self._join_with_empty_share(net, grad=False)
                 continue
@@ -129,7 +126,7 @@ class MicroBatches:
             if rows is not None and samples and len(rows) != len(samples):
                 raise ValueError(f"chunk_gradients: got {len(rows)} {name} for {len(samples)} samples")
         stats, tokens = [], 0
-        for batch in self._rounds(samples, self._group):
+        for batch in self._rounds(samples):
             part = self._chunk_backward(
                 [samples[i] for i in batch], adv[batch] if batch else [], [old_logprobs[i] for i in batch],
                 [ref_logprobs[i] for i in batch] if ref_logprobs is not None else None, normalizer)

@@ -1,4 +1,12 @@
-"""How a chunk's samples are dealt to a trainer gang's ranks (paper §5: one micro-batch per device)."""
+"""How a chunk's samples are dealt to a trainer gang's ranks (paper §5: one micro-batch per device).
+
+Every rank of a gang runs every call of a chunk, a rank dealt no samples too (it joins with an empty share): the
+gang's ranks take the same turns of its launch order (:mod:`bidirl.cluster.engines.workers.launch_order`), which
+holds only if each rank makes the same gang calls and yields at the same points. A forward-only stage is no
+exception, even where a replica without samples has no collective of its own to join (replicas of one rank): its
+launch order would otherwise lack the turns the leader logs for the call, and its weight sends would wait on them
+for ever.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +23,3 @@ def rank_shares(indices: Sequence, per_device: int, ranks: int) -> list:
         raise ValueError(f"rank_shares: {len(indices)} samples do not fit {ranks} ranks of {per_device}")
     return [list(indices[r * per_device:(r + 1) * per_device]) for r in range(ranks)]
 
-
-def forward_ranks(shares: Sequence, ranks_per_replica: int = 1) -> list:
-    """The ranks that run a forward-only stage: every rank of each replica that has a sample (the ranks of a
-    replica gather its sharded weights together, so an empty rank joins with an empty share)."""
-    busy = {r // ranks_per_replica for r, s in enumerate(shares) if len(s)}
-    return [r for r in range(len(shares)) if r // ranks_per_replica in busy]
