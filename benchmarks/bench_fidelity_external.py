@@ -138,7 +138,7 @@ def _drift_section(ev) -> list:
         times = list(e["interval_step_times"]) + [None] * (4 - len(e["interval_step_times"]))
         drift = e["drift"]
         lines.append(f"| {e['id']} | " + " | ".join(_fmt(t, ".0f") for t in times[:4])
-                     + f" | {'–' if drift is None else format(100 * drift, '.0f') + ' %'} |")
+                     + f" | {'–' if drift is None else format(100 * drift, '.1f') + ' %'} |")
     return lines
 
 
