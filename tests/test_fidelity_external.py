@@ -15,7 +15,7 @@ def rows():
 
 
 def test_the_shipped_row_file_has_one_calibrating_row_and_valid_settings(rows):
-    assert [r.id for r in rows.rows if r.calibrating] == ["colocated-32"]
+    assert [r.id for r in rows.rows if r.calibrating] == ["colocated-64"]
     assert len(rows.rows) >= 10
     for r in rows.rows:
         cfg = rows.config(r)
@@ -50,12 +50,12 @@ def test_the_fit_reads_only_the_calibrating_row(rows, tmp_path):
 
     again = F.fit(rows, scrambled, tmp_path / "b", quick=True)
     assert again.knobs == fitted.knobs
-    assert fitted.rows == ("colocated-32",)
+    assert fitted.rows == ("colocated-64",)
 
 
 def test_a_fit_that_reads_a_predicted_row_is_caught(rows, tmp_path):
     """The guard the test above relies on: calling the fit on rows whose only calibrating row is sealed fails."""
-    only_predicted = tuple(r.sealed() if r.id == "colocated-32" else r for r in rows.for_fit())
+    only_predicted = tuple(r.sealed() if r.calibrating else r for r in rows.for_fit())
     with pytest.raises(F.SealedRowError):
         F.fit(rows, only_predicted, tmp_path, quick=True)
 
@@ -71,7 +71,7 @@ def _minimal():
             "common": {"workload.dataset": "dapo-math", "workload.max_response_len": 4096},
             "systems": {"colocated": {"policy": "verl-colocated", "overrides": {"rl.staleness": 0}}},
             "rows": [{"id": "a", "system": "colocated", "role": "calibrate", "overrides": {"cluster.gpus": 8},
-                      "published": {"step": 10.0}},
+                      "published": {"step": 10.0}, "total_time": ["17m", "34m"]},
                      {"id": "b", "system": "colocated", "overrides": {"cluster.gpus": 16},
                       "published": {"step": 6.0}}]}
 
@@ -91,9 +91,37 @@ def test_a_row_file_with_two_calibrating_rows_is_refused_by_name(tmp_path):
     (lambda d: d["rows"][1].update(overrides={"rl.staleness": "soon"}), r"rows\[b\].overrides"),
     (lambda d: d["systems"]["colocated"].update(policy="verl-sync"), r"systems.colocated.policy"),
     (lambda d: d.update(speedups=[{"faster": "b", "slower": "zz"}]), r"speedups\[0\].slower"),
+    (lambda d: d["rows"][1].update(total_time=["2h", "1h"]), r"rows\[1\].total_time\[1\]"),
+    (lambda d: d["rows"][1].update(total_time=["two hours"]), r"rows\[1\].total_time\[0\]"),
+    (lambda d: d["rows"][1].update(total_time="1h"), r"rows\[1\].total_time"),
+    (lambda d: d["rows"][0].pop("total_time"), r"rows\[0\].total_time"),
+    (lambda d: d["rows"][0].update(total_time=["1h"]), r"rows\[0\].total_time"),
 ])
 def test_bad_row_files_name_the_field(tmp_path, edit, field):
     data = _minimal()
     edit(data)
     with pytest.raises(F.FidelityDataError, match=field):
         F.load(_write(tmp_path, data))
+
+
+def test_interval_step_times_are_the_differences_of_the_cumulative_times(rows):
+    """colocated-64's published total times 10h22m, 20h45m, 1d7h6m, 1d17h32m after 100, 200, 300, 400 steps."""
+    times = rows.row("colocated-64").interval_step_times()
+    assert times == pytest.approx((37320 / 100, (74700 - 37320) / 100, (111960 - 74700) / 100,
+                                   (149520 - 111960) / 100))
+    with pytest.raises(F.SealedRowError, match="total_time"):
+        rows.row("colocated-32").sealed().interval_step_times()
+
+
+def test_a_calibrating_row_that_is_not_one_operating_point_is_refused_by_name(rows, tmp_path):
+    """colocated-32's interval step times (494, 503, 1,067, 1,142 s) depart 42 % from their mean, colocated-128's
+    16 %: beyond STEADY_BOUND, so neither may calibrate; the same file with a steady calibrating row loads."""
+    for rid in ("colocated-32", "colocated-128"):
+        with pytest.raises(F.FidelityDataError, match=rf"rows\[{rid}\].role.*not one operating point"):
+            rows.calibrated_on(rid)
+    data = _minimal()
+    data["rows"][0]["total_time"] = ["10m", "40m"]          # 600 s then 1,800 s per 100 steps: 50 % off the mean
+    with pytest.raises(F.FidelityDataError, match=r"rows\[0\].role.*not one operating point"):
+        F.load(_write(tmp_path, data))
+    data["rows"][0]["total_time"] = ["10m", "21m"]          # 600 and 660 s: 4.8 % off the mean, within 10 %
+    assert F.load(_write(tmp_path, data)).row("a").drift() == pytest.approx(30 / 630)

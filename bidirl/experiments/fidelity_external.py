@@ -13,6 +13,12 @@ the published ones; predicted rows are never read before the fit is done. The fi
 (:meth:`PublishedRow.sealed`): reading a predicted row's published numbers during the fit raises
 :class:`SealedRowError`, which is how ``tests/test_fidelity_external.py`` checks that the fit reads only the
 calibrating row.
+
+A row may also publish its run's cumulative wall time at regular step counts (``total_time``, the source's "total
+time" columns). Their differences are the run's mean step time per interval (:meth:`PublishedRow.interval_step_times`),
+which shows whether the row is one operating point. The stage models describe a stationary job (one response-length
+distribution for every step), so the calibrating row must be one: :func:`check_calibrating` refuses a calibrating row
+whose interval step times spread beyond :data:`STEADY_BOUND` of their mean.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
 import statistics
 import tempfile
 from dataclasses import dataclass, field
@@ -45,6 +52,11 @@ KNOB_BOUNDS = {"train_mfu": (0.02, 1.0), "scheduler_overhead": (1e-4, 5e-2)}
 #: simulated steps per row (full run / --quick); the first async steps fill the pipeline and are outside the
 #: summary's measured window
 STEPS = {"colocated": (8, 2), "async": (16, 6)}
+#: the most a calibrating row's interval step times may depart from their mean (fraction). Half of the benchmark's
+#: 20 % per-row tolerance (issue 37's "median step-time error <= 20 %"), so that the drift of the one operating
+#: point the fit reproduces cannot by itself use up more than half of the error any prediction is allowed.
+STEADY_BOUND = 0.10
+_DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?$")
 
 
 class FidelityDataError(BidirlError, ValueError):
@@ -70,6 +82,7 @@ class PublishedRow:
     averaged_steps: Optional[int]
     _published: Mapping = field(repr=False)
     _sealed: bool = field(default=False, repr=False)
+    _total_time: tuple = field(default=(), repr=False)
 
     @property
     def calibrating(self) -> bool:
@@ -87,6 +100,28 @@ class PublishedRow:
         if metric not in self._published:
             raise KeyError(f"row {self.id!r} publishes no {metric!r}")
         return float(self._published[metric])
+
+    def interval_step_times(self) -> tuple:
+        """The run's mean step time (seconds) in each interval between two published cumulative times (the first
+        interval starts at step 0); ``()`` when the source gives none. Raises :class:`SealedRowError` on a sealed
+        row, like :meth:`published`."""
+        if self._sealed:
+            raise SealedRowError(f"row {self.id!r} is a predicted row: its published total_time may not be read "
+                                 "while fitting (only the calibrating row may)")
+        out, prev_step, prev_s = [], 0, 0.0
+        for step, seconds in self._total_time:
+            out.append((seconds - prev_s) / (step - prev_step))
+            prev_step, prev_s = step, seconds
+        return tuple(out)
+
+    def drift(self) -> Optional[float]:
+        """The largest departure of :meth:`interval_step_times` from their mean (fraction); None without two
+        intervals."""
+        times = self.interval_step_times()
+        if len(times) < 2:
+            return None
+        mean = statistics.fmean(times)
+        return max(abs(t / mean - 1.0) for t in times)
 
     def sealed(self) -> "PublishedRow":
         """This row with its published numbers locked (what :func:`fit` sees of a predicted row)."""
@@ -112,9 +147,9 @@ class FidelitySet:
         raise KeyError(f"no row {row_id!r} in {self.path.name}")
 
     def calibrated_on(self, row_id: str) -> "FidelitySet":
-        """This set with ``row_id`` as its calibrating row and every other row predicted (a sensitivity check:
-        which row calibrates is a choice, and the page shows what each choice gives)."""
-        self.row(row_id)
+        """This set with ``row_id`` as its calibrating row and every other row predicted (which row calibrates is a
+        choice; :func:`check_calibrating` refuses a row that is not one operating point)."""
+        check_calibrating(self.row(row_id), f"rows[{row_id}]")
         rows = tuple(dataclasses.replace(r, role="calibrate" if r.id == row_id else "predict") for r in self.rows)
         return dataclasses.replace(self, rows=rows)
 
@@ -134,6 +169,51 @@ class FidelitySet:
         except cfgmod.ConfigError as exc:
             raise FidelityDataError(f"rows[{row.id}].overrides", str(exc),
                                     "the row's settings must be valid bidirl config keys") from None
+
+
+def check_calibrating(row: PublishedRow, where: str) -> None:
+    """Refuse (:class:`FidelityDataError`) a calibrating row that does not show it is one operating point: it must
+    publish its run's cumulative times at two or more step counts (``total_time``), and its interval step times must
+    stay within :data:`STEADY_BOUND` of their mean."""
+    drift = row.drift()
+    if drift is None:
+        raise FidelityDataError(f"{where}.total_time", f"calibrating row {row.id!r} publishes fewer than two "
+                                "interval times, so nothing shows it is one operating point",
+                                "add the source's cumulative run times (total_time), or calibrate on a row that "
+                                "publishes them")
+    if drift > STEADY_BOUND:
+        times = ", ".join(f"{t:.0f}" for t in row.interval_step_times())
+        raise FidelityDataError(f"{where}.role", f"calibrating row {row.id!r} is not one operating point: its "
+                                f"interval step times ({times} s) depart up to {100 * drift:.0f} % from their mean "
+                                f"(bound {100 * STEADY_BOUND:.0f} %)",
+                                "calibrate on a row whose run kept one step time (role: predict here)")
+
+
+def _duration(text, where: str) -> float:
+    m = _DURATION.match(str(text).replace(" ", ""))
+    if not m or not any(m.groups()):
+        raise FidelityDataError(where, f"cannot read {text!r} as a duration", "write it as the source does, e.g. "
+                                "'1d3h43m', '13h44m'")
+    d, h, mi = (int(g or 0) for g in m.groups())
+    return 86400.0 * d + 3600.0 * h + 60.0 * mi
+
+
+def _total_time(raw, where: str) -> tuple:
+    """``total_time`` (cumulative run times after 100, 200, ... steps) as ((step, seconds), ...), increasing."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw:
+        raise FidelityDataError(where, "must be a list of cumulative run times after 100, 200, ... steps",
+                                "e.g. total_time: [\"13h44m\", \"1d3h43m\"]")
+    out, prev = [], 0.0
+    for i, text in enumerate(raw):
+        seconds = _duration(text, f"{where}[{i}]")
+        if seconds <= prev:
+            raise FidelityDataError(f"{where}[{i}]", f"{text!r} is not after the time before it",
+                                    "cumulative times must increase")
+        out.append((100 * (i + 1), seconds))
+        prev = seconds
+    return tuple(out)
 
 
 def default_path() -> Path:
@@ -187,12 +267,16 @@ def load(path: "str | Path | None" = None) -> FidelitySet:
             raise FidelityDataError(f"{where}.published", f"bad entries {bad}",
                                     f"keys from {', '.join(METRICS)}, values in seconds > 0")
         rows.append(PublishedRow(rid, system, systems[system]["policy"], role, dict(r.get("overrides") or {}),
-                                 r.get("averaged_steps"), dict(pub)))
+                                 r.get("averaged_steps"), dict(pub),
+                                 _total_time=_total_time(r.get("total_time"), f"{where}.total_time")))
     calibrating = [r.id for r in rows if r.calibrating]
     if len(calibrating) != 1:
         raise FidelityDataError("rows.role", f"{len(calibrating)} calibrating rows ({calibrating}) for "
                                 f"{raw.get('model')} on {raw.get('hardware')}",
                                 "mark exactly one row per model and hardware role: calibrate")
+    for i, r in enumerate(rows):
+        if r.calibrating:
+            check_calibrating(r, f"rows[{i}]")
     speedups = []
     for i, s in enumerate(raw.get("speedups") or []):
         for key in ("faster", "slower"):
@@ -300,6 +384,7 @@ def fit(fs: FidelitySet, rows, folder: "str | Path", quick: bool = False) -> Fit
     if len(calibrating) != 1:
         raise FidelityDataError("rows.role", f"{len(calibrating)} calibrating rows", "mark exactly one")
     row = calibrating[0]
+    check_calibrating(row, f"rows[{row.id}]")
     base = presets.hardware(fs.hardware)
     knobs = {k: getattr(base, k) for k in FIT_KNOBS}
     bounds = []
@@ -342,6 +427,7 @@ def evaluate(fs: Optional[FidelitySet] = None, quick: bool = False) -> Evaluatio
             sim = simulate_row(fs, row, fitted.hardware_file, quick=quick)
             pub_step = row.published("step")
             entry = {"id": row.id, "system": row.system, "role": row.role, "averaged_steps": row.averaged_steps,
+                     "interval_step_times": row.interval_step_times(), "drift": row.drift(),
                      "error_pct": 100.0 * (sim["step"] - pub_step) / pub_step,
                      "trainer_idle": sim["trainer_idle"]}
             for m in METRICS:
@@ -354,7 +440,10 @@ def evaluate(fs: Optional[FidelitySet] = None, quick: bool = False) -> Evaluatio
         f, sl = by_id[s["faster"]], by_id[s["slower"]]
         pub = sl["published_step"] / f["published_step"]
         pred = sl["predicted_step"] / f["predicted_step"]
+        first = [fs.row(s[k]).interval_step_times() for k in ("slower", "faster")]
+        pub_first = first[0][0] / first[1][0] if all(first) else None
         speedups.append({**s, "published": pub, "predicted": pred, "error_pct": 100.0 * (pred - pub) / pub,
+                         "published_first_interval": pub_first,
                          "checked": pub > 1.2, "reproduced": pred > 1.0 and abs(pred - pub) / pub <= 0.2})
     errors = [abs(e["error_pct"]) for e in table if e["role"] == "predict"]
     return Evaluation(fitted, table, speedups, statistics.median(errors), max(errors))
