@@ -77,11 +77,20 @@ def with_sequence_parallel(params: TrainerParams, model, hardware, degree: int, 
     ``2·N_nonemb · m_s · T`` FLOPs that is ``Δα = seconds_per_token / (ρ · 2·N_nonemb · m_s)`` per FLOP."""
     if degree <= 1:
         return params
+    return with_all_to_all_time(params, model, layout, recompute,
+                                lambda s: all_to_all_seconds_per_token(model, hardware, degree, s, recompute))
+
+
+def with_all_to_all_time(params: TrainerParams, model, layout: int, recompute: bool,
+                         seconds_per_token) -> TrainerParams:
+    """``params`` with each stage's α raised by an all-to-all of ``seconds_per_token(stage)`` per token on a GPU:
+    a replica micro-batch of T tokens puts T/ρ on each GPU, over the linear layers' ``2·N_act · m_s · T`` FLOPs,
+    so ``Δα = seconds_per_token / (ρ · 2·N_act · m_s)`` per FLOP (Ulysses' and expert parallelism's all-to-alls
+    alike; the attention's quadratic FLOPs carry none)."""
     alpha = dict(params.alpha)
     for s in STAGES:
         multiplier = STAGE_MULTIPLIER[s] + (1 if recompute and s == "actor_update" else 0)
-        alpha[s] += (all_to_all_seconds_per_token(model, hardware, degree, s, recompute)
-                     / (layout * 2.0 * model.params_active_nonembedding * multiplier))
+        alpha[s] += seconds_per_token(s) / (layout * 2.0 * model.params_active_nonembedding * multiplier)
     return dataclasses.replace(params, alpha=alpha)
 
 

@@ -53,10 +53,9 @@ side in any case (``perf.costs``).
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
+from bidirl.perf.execution import with_all_to_all_time
 from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES
 from bidirl.perf.params import ring_bandwidth
 
@@ -177,12 +176,8 @@ def with_expert_parallel(params, model, hw, ep: int, layout: int, recompute: boo
     dispatch, so they do not overlap it."""
     if ep == 1 or not model.is_moe:
         return params
-    alpha = dict(params.alpha)
-    for s in STAGES:
-        multiplier = STAGE_MULTIPLIER[s] + (1 if recompute and s == "actor_update" else 0)
-        alpha[s] += (all_to_all_seconds_per_token(model, hw, ep, s, recompute)
-                     / (layout * 2.0 * model.params_active_nonembedding * multiplier))
-    return dataclasses.replace(params, alpha=alpha)
+    return with_all_to_all_time(params, model, layout, recompute,
+                                lambda s: all_to_all_seconds_per_token(model, hw, ep, s, recompute))
 
 
 def compatible(rollout_gpus: int, trainer_gpus: int, rollout_layout: int, trainer_layout: int,
