@@ -8,9 +8,10 @@ quotes them, with the analyses below:
 
 * the same errors over ten seeded fit / held-out splits (how much one split's numbers move);
 * the median of the repetitions instead of the fastest (how much interference from other work costs);
-* the signed error by response length (rollout) and by chunk size (trainer), and a diagnostic fit of M_r's
-  features plus one term outside the appendix model — a fixed cost per request — to show which term limits
-  the fit. The diagnostic is not part of the models.
+* the signed error by response length (rollout), with and without the per-request admission cost γ_req that
+  the calibration fits (:func:`bidirl.perf.rollout.request_admission_time`), and by chunk size (trainer);
+* the repetitions' spread at the held-out points with the largest errors (how reproducible their fastest
+  repetition is).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ PREDICTOR_LABEL = {"prior": "prior (nominal `cpu` preset)", "knobs": "knobs",
                    "calibrated": "calibrated"}
 
 
-def _calibrate(seed: int = 0, statistic: str = "min"):
+def _calibrate(seed: int = 0, statistic: str = "min", request_cost: bool = True):
     from bidirl.calibrate.from_records import calibrate_profile
     from bidirl.experiments.stage_models import shipped_profile
-    return calibrate_profile(shipped_profile(), holdout=0.25, seed=seed, statistic=statistic)
+    return calibrate_profile(shipped_profile(), holdout=0.25, seed=seed, statistic=statistic,
+                             request_cost=request_cost)
 
 
 def bench_calibration_cpu(quick: bool) -> dict:
@@ -100,39 +102,40 @@ def _signed(cal, kind: str, by: pd.Series, label: str) -> list:
     return lines
 
 
-def _nnls_relative(X: np.ndarray, y: np.ndarray) -> np.ndarray:
-    from scipy.optimize import nnls
-    scale = np.maximum(X.max(axis=0), 1e-300)
-    coef, _ = nnls((X / scale) / y[:, None], np.ones_like(y))
-    return coef / scale
+def _request_cost_table(cal, without) -> list:
+    """Held-out rollout errors of the calibration without γ_req (the appendix's M_r) and with it (shipped)."""
+    lines = ["| rollout model | held-out median | held-out p90 | fit median | fit p90 |", "|---|---|---|---|---|"]
+    for name, c in (("appendix M_r (γ_req = 0)", without), ("+ γ_req·B_j in P_pre (shipped)", cal)):
+        h, f = c.error("rollout"), c.error("rollout", "fit")
+        lines.append(f"| {name} | {h['median']:.1f} % | {h['p90']:.1f} % | {f['median']:.1f} % | {f['p90']:.1f} % |")
+    return lines
 
 
-def _per_request_diagnostic(cal) -> tuple:
-    """Held-out errors of M_r's features fitted linearly (non-negative, relative residuals) with and without
-    a fixed cost per request, and that cost."""
-    from bidirl.perf.rollout import RolloutModel
-    t = cal.table[cal.table["kind"] == "rollout"].reset_index(drop=True)
-    model = RolloutModel(cal.model, cal.base)
-    rows = []
-    for p, r in zip(t["prompt_lens"], t["response_lens"]):
-        f = model.replica_features(p, r)
-        rows.append([f.w_pre[0], f.f_pre[0], f.w_dec[0], f.n_tok[0], f.h_dec[0], f.requests[0]])
-    X, y = np.array(rows), t["observed"].to_numpy()
-    fit, held = (t["split"] == "fit").to_numpy(), (t["split"] == "held-out").to_numpy()
-    out = {}
-    for name, cols in (("appendix M_r terms", slice(0, 5)), ("+ a fixed cost per request", slice(0, 6))):
-        coef = _nnls_relative(X[fit][:, cols], y[fit])
-        err = np.abs(X[held][:, cols] @ coef - y[held]) / y[held]
-        out[name] = (100 * np.median(err), 100 * np.quantile(err, 0.9), coef)
-    return out
+def _spread_table(cal, kind: str, top: int = 6) -> list:
+    """The held-out points of ``kind`` with the largest errors: signed error, and the second-fastest and the
+    median repetition relative to the fastest (the point's time)."""
+    prof = cal.profile.rollout if kind == "rollout" else cal.profile.trainer
+    keys = ["point"] + (["stage"] if kind == "trainer" else [])
+    reps = prof.groupby(keys)["observed"].agg(lambda x: tuple(np.sort(x.to_numpy())))
+    held = cal.held_out(kind).sort_values("rel_error", ascending=False).head(top)
+    lines = [f"| point | {'stage | ' if kind == 'trainer' else ''}requests × (prompt + response) | signed error | "
+             "2nd fastest / fastest | median / fastest |", "|---|" + ("---|" if kind == "trainer" else "")
+             + "---|---|---|---|"]
+    for row in held.itertuples():
+        r = np.asarray(reps.loc[tuple(getattr(row, k) for k in keys) if kind == "trainer" else row.point])
+        stage = f"{row.stage} | " if kind == "trainer" else ""
+        lines.append(f"| {row.point} | {stage}{row.requests} × ({row.prompt_len} + {row.response_len}) | "
+                     f"{100 * (row.predicted - row.observed) / row.observed:+.1f} % | {r[1] / r[0]:.3f} | "
+                     f"{np.median(r) / r[0]:.3f} |")
+    return lines
 
 
 def page() -> str:
     cal = _calibrate()
     meta = cal.profile.meta
     m, eng = meta["machine"], meta["engines"]
-    diag = _per_request_diagnostic(cal)
-    per_request_us = 1e6 * diag["+ a fixed cost per request"][2][5]
+    without = _calibrate(request_cost=False)
+    per_request_us = 1e6 * cal.stage_params["rollout"]["gamma_req"]
     t = cal.table
     tr = t[t["kind"] == "trainer"]
     tokens = pd.Series(tr["requests"] * (tr["prompt_len"] + tr["response_len"]), index=tr.index)
@@ -196,24 +199,30 @@ def page() -> str:
         "",
         "## Which model terms limit the fit",
         "",
-        "**Rollout: no per-request cost in P_pre.** The appendix's prefill term τ_pre·W_pre + α_pre·F_pre charges "
-        "a request only the head FLOPs (2·H·V per request, inside F_pre, at the prompt tokens' rate). vLLM's "
-        "admission of a request (request objects, scheduler bookkeeping, sampling state, the position-keyed "
-        "sampler's per-request set-up) costs a fixed time per request that dwarfs those FLOPs on a tiny model. "
-        "It shows at 2-token responses, where admission is a large share of the batch time (calibrated model, "
-        "all points):",
+        "**Rollout: the per-request admission cost γ_req.** The appendix's prefill term τ_pre·W_pre + "
+        "α_pre·F_pre charges a request only its FLOPs (the head's 2·H·V among them). vLLM also pays a fixed "
+        "host-side time per request it admits (request object and sampling parameters, scheduler bookkeeping and "
+        "KV-block allocation, the sampler's per-request state, detokenisation set-up), which dwarfs those FLOPs "
+        "on a tiny model. Without it the fit misses the large batches of 2-token responses, where admission is a "
+        "large share of the batch time (signed error by response length, all points, γ_req = 0):",
+        "",
+        *_signed(without, "rollout", r_len, "response length"),
+        "",
+        "The rollout model therefore carries a per-request term γ_req·B_j in P_pre (bidirl/perf/rollout.py, "
+        "`request_admission_time`; 0 in every preset that was not calibrated), which `bidirl calibrate` fits on "
+        f"the fit points only, with the other parameters. Fitted here: γ_req = {per_request_us:.0f} µs per "
+        "request. The same split, with and without it:",
+        "",
+        *_request_cost_table(cal, without),
+        "",
+        "With it (the shipped calibration), by response length:",
         "",
         *_signed(cal, "rollout", r_len, "response length"),
         "",
-        "A diagnostic fit of M_r's own features (W_pre, F_pre, W_dec, N_tok, H_dec; linear, non-negative, "
-        "relative residuals, same split) with and without one extra feature, the number of requests:",
+        "The held-out points with the largest errors, and how reproducible their time (the fastest of "
+        f"{grid['repeats']} repetitions) is:",
         "",
-        "| features | held-out median | held-out p90 |",
-        "|---|---|---|",
-        *[f"| {name} | {v[0]:.1f} % | {v[1]:.1f} % |" for name, v in diag.items()],
-        "",
-        f"The fitted cost per request is {per_request_us:.0f} µs. The models (bidirl/perf/rollout.py) keep the "
-        "appendix's form; a per-request term in P_pre is the change that would remove this error.",
+        *_spread_table(cal, "rollout"),
         "",
         f"**Trainer: one FLOP rate for every micro-batch size.** t_s(b) = τ_s + α_s·m_s·F(b) assumes a constant "
         f"achieved FLOP rate. On the CPU the largest chunks ({max_samples} samples of up to {max_len} tokens, "
@@ -224,7 +233,10 @@ def page() -> str:
         *_signed(cal, "trainer", bins, "tokens per chunk"),
         "",
         "Noise is the other limit: the machine was shared with other work while it measured, and single "
-        "repetitions vary by tens of percent (the median-of-repetitions row above).",
+        "repetitions vary by tens of percent (the median-of-repetitions row above). The held-out chunks with the "
+        "largest errors, and their repetitions' spread:",
+        "",
+        *_spread_table(cal, "trainer"),
         "",
     ]
     return "\n".join(lines)

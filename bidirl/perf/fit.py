@@ -145,22 +145,32 @@ def validate_records(records, kind: str) -> pd.DataFrame:
 
 @dataclass
 class _Space:
-    """Maps the optimisation vector to parameters: log-scaled coefficients and linear exponents."""
+    """Maps the optimisation vector to parameters: log-scaled coefficients, linear exponents and, where
+    ``additive`` is set, non-negative costs fitted from a prior that may be 0 (value = x · OVERHEAD_SCALE, x ≥ 0)."""
     names: list                 # display names
     priors: np.ndarray          # prior values
     is_exponent: np.ndarray     # r-type parameters (fitted linearly in [1, MAX_R])
+    additive: np.ndarray = None  # costs fitted linearly in [0, ∞) (None: none)
+
+    def __post_init__(self):
+        if self.additive is None:
+            self.additive = np.zeros(len(self.names), dtype=bool)
 
     def x0(self):
-        return np.where(self.is_exponent, np.clip(self.priors, 1.0, MAX_R), 0.0)
+        # an additive cost starts inside its bound (at least OVERHEAD_SCALE): from exactly 0, on the bound, the
+        # trust-region steps never leave it, though the cost falls as it grows (a 0 prior is the usual case)
+        return np.where(self.is_exponent, np.clip(self.priors, 1.0, MAX_R),
+                        np.where(self.additive, np.maximum(self.priors / OVERHEAD_SCALE, 1.0), 0.0))
 
     def bounds(self):
         lim = np.log(MAX_FACTOR)
-        lo = np.where(self.is_exponent, 1.0, -lim)
-        hi = np.where(self.is_exponent, MAX_R, lim)
+        lo = np.where(self.is_exponent, 1.0, np.where(self.additive, 0.0, -lim))
+        hi = np.where(self.is_exponent, MAX_R, np.where(self.additive, np.inf, lim))
         return lo, hi
 
     def values(self, x):
-        return np.where(self.is_exponent, x, self.priors * np.exp(x))
+        scaled = self.priors * np.exp(np.where(self.additive, 0.0, x))
+        return np.where(self.is_exponent, x, np.where(self.additive, x * OVERHEAD_SCALE, scaled))
 
 
 def _fit(space: _Space, predict, observed: np.ndarray, setter):
@@ -202,18 +212,27 @@ def _rollout_features(df: pd.DataFrame, model: RolloutModel):
     return merged, np.asarray(starts)
 
 
-def calibrate_rollout(records, model: RolloutModel) -> CalibrationResult:
-    """Fit ``model``'s :class:`RolloutParams` to rollout records (module doc); starts from ``model.params``."""
+def calibrate_rollout(records, model: RolloutModel, *, fit_request_cost: bool = False) -> CalibrationResult:
+    """Fit ``model``'s :class:`RolloutParams` to rollout records (module doc); starts from ``model.params``.
+
+    ``fit_request_cost``: also fit the per-request admission cost γ_req (``gamma_req``,
+    :func:`bidirl.perf.rollout.request_admission_time`), from its prior even when that is 0, as a non-negative
+    cost. Its feature B_j must vary apart from the others, which profiling records over batch sizes and lengths
+    give; off by default, so a fit that cannot separate it (one job's log) leaves it where it is."""
     if not isinstance(model, RolloutModel):
         raise ValueError(f"model must be a RolloutModel, got {type(model).__name__}")
+    if not isinstance(fit_request_cost, bool):
+        raise ValueError(f"fit_request_cost must be True or False, got {fit_request_cost!r}")
     df = validate_records(records, "rollout")
     observed = df["observed"].to_numpy(dtype=float)
     feats, starts = _rollout_features(df, model)
     prior = model.params
     names = [f.name for f in dataclasses.fields(RolloutParams)]
     comm_present = prior.c_pre > 0 or prior.c_dec > 0
-    free = [n for n in names if (n == "r" and comm_present) or (n != "r" and getattr(prior, n) > 0)]
-    space = _Space(free, np.array([getattr(prior, n) for n in free], float), np.array([n == "r" for n in free]))
+    free = [n for n in names if (n == "r" and comm_present) or (n == "gamma_req" and fit_request_cost)
+            or (n not in ("r", "gamma_req") and getattr(prior, n) > 0)]
+    space = _Space(free, np.array([getattr(prior, n) for n in free], float), np.array([n == "r" for n in free]),
+                   np.array([n == "gamma_req" for n in free], dtype=bool))
 
     def setter(values):
         return dataclasses.replace(prior, **{n: float(v) for n, v in zip(free, values)})

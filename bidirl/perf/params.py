@@ -40,6 +40,10 @@ prefill and is inside N_nonemb there):
   0 for ``tp = 1``. The appendix names C_pre and C_dec without a form; this package uses
   ``C_pre = c_pre·Σp`` and ``C_dec = c_dec·N_tok`` (see :mod:`bidirl.perf.rollout`).
 * ``r = 2``.
+* ``gamma_req = 0``: seconds of engine work per request admitted (P_pre's per-request term,
+  :func:`bidirl.perf.rollout.request_admission_time`). No datasheet number gives it, so the priors leave it out;
+  ``bidirl calibrate`` fits it on profiling records (:func:`bidirl.perf.fit.calibrate_rollout` with
+  ``fit_request_cost``) and writes it to the preset's ``stage_params``, the only place it is non-zero.
 
 **Per-model overrides.** Where the knobs cannot express what was measured for one model (e.g. a stage whose
 fixed cost is not m_s times the forward's), a hardware preset may carry fitted appendix parameters in its
@@ -114,6 +118,7 @@ class RolloutParams:
     r: float = 2.0
     c_pre: float = 0.0
     c_dec: float = 0.0
+    gamma_req: float = 0.0
 
     def __post_init__(self):
         for f in fields(self):
@@ -280,7 +285,7 @@ def knob_rollout_params(model, hw, tp: int = 1):
 # validation of preset values
 # --------------------------------------------------------------------------------------------------
 
-ROLLOUT_FIELDS = ("tau_pre", "alpha_pre", "tau_dec", "beta_tok", "beta_hist", "r", "c_pre", "c_dec")
+ROLLOUT_FIELDS = ("tau_pre", "alpha_pre", "tau_dec", "beta_tok", "beta_hist", "r", "c_pre", "c_dec", "gamma_req")
 TRAINER_FIELDS = ("tau", "alpha", "r", "alpha_comm", "beta_comm")
 
 

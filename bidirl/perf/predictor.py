@@ -211,4 +211,4 @@ class StagePredictor:
                            beta_hist=p.beta_hist,
                            prefill_flops=lambda prompts: prefill_flops(spec, prompts),
                            kv_tokens=int(self.rollout.kv_budget_bytes // self.rollout.kv_bytes_per_token),
-                           max_seqs=self.rollout.max_seqs or MAX_SEQS)
+                           max_seqs=self.rollout.max_seqs or MAX_SEQS, gamma_req=p.gamma_req)

@@ -85,6 +85,7 @@ class EngineCosts:
     kv_tokens: int               # KV-cache capacity in tokens
     max_seqs: int = 256
     noise: float = 0.03          # σ of the per-epoch log-normal cost jitter
+    gamma_req: float = 0.0       # seconds per admitted request (P_pre's γ_req, bidirl.perf.rollout)
 
 
 @dataclass
@@ -318,7 +319,7 @@ class BatchingEngine:
         if admitted:
             contexts = np.asarray(admitted)
             wave = c.prefill_flops(contexts)
-            start += st.factor * (c.tau_pre + c.alpha_pre * wave)
+            start += st.factor * (c.tau_pre + c.alpha_pre * wave + c.gamma_req * contexts.size)
             kept = np.asarray(held)
             if kept.any():                   # the share of the wave that recomputes kept prefixes' KV cache
                 again = st.factor * c.alpha_pre * (wave - c.prefill_flops(contexts - kept))

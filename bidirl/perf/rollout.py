@@ -5,7 +5,8 @@ For the request set R_j of one replica (prompt lengths p_i, response lengths r_i
 * KV footprint per token ``b_kv = 2·L·H_kv·d_head·b_dtype / tp`` and KV-limited concurrency
   ``N_max(ℓ) = max(1, ⌊B_kv / (b_kv·ℓ)⌋)`` at average live length ℓ;
 * prefill: ``N_pre = min(B_j, N_max(mean p))``, ``W_pre = ⌈B_j / N_pre⌉`` waves,
-  ``P_pre = τ_pre·W_pre + α_pre·F_pre`` (F_pre from :func:`bidirl.perf.flops.prefill_flops`);
+  ``P_pre = τ_pre·W_pre + α_pre·F_pre + γ_req·B_j`` (F_pre from :func:`bidirl.perf.flops.prefill_flops`;
+  γ_req below);
 * decode step t: ``A_t = {i : r_i ≥ t}``, ``ℓ_t = mean_{A_t}(p_i + t − 1)``,
   ``w_t = ⌈|A_t| / min(|A_t|, N_max(ℓ_t))⌉``; features ``W_dec = Σ_t w_t``, ``N_tok = Σ r_i``,
   ``H_dec = Σ (r_i·p_i + r_i(r_i−1)/2)``; ``P_dec = τ_dec·W_dec + β_tok·N_tok + β_hist·H_dec``;
@@ -20,6 +21,16 @@ per replica, whatever the response lengths.
 **Communication.** The appendix names C_pre and C_dec without a form. Here they are tensor-parallel traffic
 proportional to the tokens processed: ``C_pre = c_pre · Σ p_i`` and ``C_dec = c_dec · N_tok`` (both 0 at
 tp = 1; defaults in :mod:`bidirl.perf.params`).
+
+**Per-request admission cost γ_req.** The appendix's P_pre charges a request only its FLOPs (the head's
+2·H·V among them). vLLM also pays a fixed host-side cost per request it admits, whatever the model: the
+request object and its sampling parameters, the scheduler's bookkeeping and KV-block allocation, the
+sampler's per-request state and the output's detokenisation set-up. ``γ_req·B_j`` (seconds per request,
+:func:`request_admission_time`) is that term. It is 0 unless calibrated: no datasheet gives it, the
+preset-derived priors leave it out (:mod:`bidirl.perf.params`), and ``bidirl calibrate`` fits it on the
+profile's fit points (:func:`bidirl.perf.fit.calibrate_rollout` with ``fit_request_cost``). On the shipped
+CPU profile (``data/profiles/cpu-tiny``) it is what the 2-token-response points of large batches miss
+(``benchmarks/calibration_cpu.md``).
 
 **Partition.** ``stage_time(..., d, group_size)`` keeps GRPO groups whole and deals them to the replicas
 round-robin in the order given — group ``i`` to replica ``i mod d`` — which is what the coordinator's dispatch
@@ -70,9 +81,14 @@ class RolloutFeatures:
                                  for f in fields(self)))
 
 
+def request_admission_time(params: RolloutParams, requests):
+    """γ_req·B_j: the engine's fixed work for admitting ``requests`` requests (module doc; 0 when uncalibrated)."""
+    return params.gamma_req * requests
+
+
 def replica_times_from_features(params: RolloutParams, feat: RolloutFeatures) -> np.ndarray:
     """T_r,rep for every replica described by ``feat``."""
-    p_pre = params.tau_pre * feat.w_pre + params.alpha_pre * feat.f_pre
+    p_pre = params.tau_pre * feat.w_pre + params.alpha_pre * feat.f_pre + request_admission_time(params, feat.requests)
     p_dec = params.tau_dec * feat.w_dec + params.beta_tok * feat.n_tok + params.beta_hist * feat.h_dec
     # the parameters were checked when made and the features are non-negative: the overlap without its checks
     r = np.asarray(params.r, dtype=float)
@@ -309,7 +325,8 @@ class RolloutModel:
         p = lengths(prompt_lens)
         f = self.replica_features(p, np.zeros_like(p))
         q = self.params
-        return float(overlap(q.tau_pre * f.w_pre[0] + q.alpha_pre * f.f_pre[0], q.c_pre * f.prompt_tokens[0], q.r))
+        return float(overlap(q.tau_pre * f.w_pre[0] + q.alpha_pre * f.f_pre[0]
+                             + request_admission_time(q, f.requests[0]), q.c_pre * f.prompt_tokens[0], q.r))
 
     def decode_time(self, prompt_lens, response_lens) -> float:
         """overlap(P_dec, C_dec, r) for one replica's request set."""
@@ -322,7 +339,8 @@ class RolloutModel:
         p = lengths(prompt_lens)
         f = self.replica_features(p, np.zeros_like(p), replica, d)
         q = self.params
-        return combine(np.asarray(q.tau_pre * f.w_pre + q.alpha_pre * f.f_pre, dtype=float),
+        return combine(np.asarray(q.tau_pre * f.w_pre + q.alpha_pre * f.f_pre + request_admission_time(q, f.requests),
+                                  dtype=float),
                        np.asarray(q.c_pre * f.prompt_tokens, dtype=float), np.asarray(q.r, dtype=float))
 
     def decode_times(self, prompt_lens, response_lens, replica, d: int) -> np.ndarray:
