@@ -896,15 +896,27 @@ class Coordinator:
                       "drained": gate.drained, "step": self.trainer_version})
 
     def _start_aux_training(self):
+        """The switch in ended: the auxiliary gang starts pulling (Algorithm 2's lazy pull, §5.2). The gate admitted
+        the window for the step's whole remaining workload U, later segments included, so a window that opens while
+        the primaries run the current segment's last chunks waits at the segment barrier and pulls from the next
+        segment when it opens (as :meth:`_schedule_chunks` keeps a window open across a barrier); it is given back
+        only when no unassigned chunk is left in the step."""
         step = self.step
-        if step is None or self.phase is not Phase.CONSUMING or not step.pending or P.AUX_TRAINER in self.failed:
+        if step is None or self.phase is not Phase.CONSUMING or not self._window_has_work(step) \
+                or P.AUX_TRAINER in self.failed:
             self._revoke(P.ROLLOUT_POOL,        # (a gang that failed during the switch gives the pool back)
                          "the auxiliary trainer gang failed" if P.AUX_TRAINER in self.failed else
                          "no chunk of the step was left unassigned when the switch in ended")
             return
-        if not self.policy.model_split:
+        if not self.policy.model_split and step.pending:
             step.plan_proportional(self._gang(P.PRIMARY), self._gang(P.AUXILIARY))
         self._schedule_chunks()
+
+    @staticmethod
+    def _window_has_work(step) -> bool:
+        """Whether a Trainer-on-RolloutPool window opening now can still get a chunk of ``step``: units of the
+        current segment not yet sent, or a later segment (opened at the barrier)."""
+        return bool(step.pending) or step.segment_index < len(step.segments) - 1
 
     # =============================================================================================
     # leases and sync
