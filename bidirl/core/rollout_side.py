@@ -1,0 +1,238 @@
+"""The coordinator's rollout side (paper §3, §5.1): committing groups, dispatching prompt groups to the primary
+rollouters under the staleness rule, and **Rollouter-on-TrainerPool** windows — admission (Eq. 3), the
+auxiliary rollouters' share (Eq. 4) and the migration of unfinished groups with their prefixes.
+
+A part of :class:`bidirl.core.coordinator.Coordinator`, split out by concern: the methods read and write the
+coordinator's state (its fields are declared there) and append commands to ``self._out``.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from bidirl.core import gates
+from bidirl.core import protocol as P
+from bidirl.core.phase import Phase
+
+ROT = P.ROLLOUT_ON_TRAINER_POOL
+
+
+class RolloutSide:
+    """Rollout dispatch and Rollouter-on-TrainerPool (methods of the coordinator; no state of their own)."""
+
+    def _commit(self, group: P.GroupState) -> None:
+        if self.buffer.commit(group):
+            self.samples_generated += len(group.generated)
+            self.profiler.observe_group(group.prompt_len, group.generated)
+
+    def _alive(self, workers) -> list:
+        if not self.failed:                  # the common case: a copy at C speed (a scan per event at scale)
+            return list(workers)
+        return [w for w in workers if w not in self.failed]
+
+    def _active_rollouters(self, pool: str) -> list:
+        """Rollouters that may take work on ``pool``: primaries while they own it, auxiliaries while lent."""
+        if pool == P.ROLLOUT_POOL:
+            return self._alive(self.topology.rollouters) if self.leases[pool].primary else []
+        return self._alive(self.topology.aux_rollouters) if self.leases[pool].lent else []
+
+    def _interrupt_all(self, workers) -> None:
+        for w in workers:
+            if self.buffer.running_count(w) and w not in self.stopping:
+                self.stopping.add(w)
+                self._out.append(P.Interrupt(w, None))
+
+    def _dispatch_rollouts(self):
+        """Resume parked groups (oldest tag first), then admit new ones up to the run-ahead bound."""
+        # nothing starts while the new weights are on their way (a worker that is back waits for the sync too); in
+        # the reproducible mode the groups of the version still held run before the sync is sent
+        if self.phase is Phase.DONE:
+            return
+        if (self.phase is Phase.SYNCING or self.sync_wanted) and not (self.settings.reproducible and self.sync_wanted):
+            return
+        fresh = self._admissible()
+        if not fresh and not self.buffer.partial:       # nothing to start: no event pays for the worker list
+            return
+        workers = self._active_rollouters(P.ROLLOUT_POOL)
+        if self.stopping:
+            workers = [w for w in workers if w not in self.stopping]
+        if not workers:
+            return
+        parked = [gid for gid in self.buffer.partial_ids() if gid not in self.migrating]
+        if not parked and not fresh:
+            return
+        # the least-loaded worker first (ties: the first listed), one group at a time
+        load = [(self.buffer.running_count(w), i, w) for i, w in enumerate(workers)]
+        heapq.heapify(load)
+        tasks = {w: [] for w in workers}
+
+        def least_loaded():
+            n, i, w = load[0]
+            heapq.heapreplace(load, (n + 1, i, w))
+            return w
+
+        for gid in parked:
+            w = least_loaded()
+            tasks[w].append(P.GroupTask(gid, self.buffer.resume(gid, w, self._now)))
+        for _ in range(fresh):
+            w = least_loaded()
+            tasks[w].append(P.GroupTask(self.buffer.admit(self.rollout_version, w, self._now)))
+        for w in workers:
+            if tasks[w]:
+                self._out.append(P.Generate(w, tuple(tasks[w]), self.rollout_version))
+
+    def _admissible(self) -> int:
+        """New groups that may start now: the run-ahead bound, and the policy's in-flight cap if it has one."""
+        n = self.buffer.admissible(self.rollout_version)
+        if self.policy.max_in_flight is not None:
+            n = min(n, max(0, self.policy.max_in_flight - self.buffer.in_flight()))
+        return n
+
+    def _rollout_pool_idle(self) -> bool:
+        if not self.leases[P.ROLLOUT_POOL].primary:
+            return False
+        busy = self.buffer.any_running(self.topology.rollouter_set) or self.stopping
+        return not busy and not self.buffer.partial and not self._admissible()
+
+    def _after_rollout_change(self):
+        if self.phase is Phase.DONE:
+            return
+        if self.leases[P.TRAINER_POOL].lent:
+            aux_busy = self.buffer.any_running(self.topology.aux_rollouter_set)
+            ready = self._batch() is not None
+            if ready or (not aux_busy and not self.migrating and not self.aux_assigned):
+                self._revoke(P.TRAINER_POOL, "the primaries completed the batch before any group moved")
+        self._dispatch_rollouts()
+        self._maybe_sync()
+        self._try_start_step()
+        if self.phase is Phase.CONSUMING:
+            self._consider_trainer_on_rollout_pool()
+
+    # ---- Rollouter-on-TrainerPool ------------------------------------------------------------
+    def _consider_rollout_on_trainer_pool(self):
+        """Eq. 3 (:func:`bidirl.core.gates.rollout_gate`) once per idle window of the trainer pool: when the step
+        starts waiting, and again each time a lease comes back while the trainer still waits."""
+        key = (ROT, self.trainer_version, self.idle_windows[P.TRAINER_POOL])
+        if (not self.policy.rollout_on_trainer_pool or key in self.evaluated or self.phase is not Phase.WAITING
+                or not self.leases[P.TRAINER_POOL].primary or not self.topology.aux_rollout_replicas):
+            return
+        q = self.buffer.deficit(self.trainer_version)
+        if q <= 0:
+            return
+        self.evaluated.add(key)
+        costs = self.profiler.costs[ROT]
+        primaries = self._alive(self.topology.rollouters)
+        d_p, d_a = len(primaries), len(self._alive(self.topology.aux_rollouters))
+        scales = self.profiler.scales
+
+        def replica_time(context, remaining, prefill):
+            return scales[("r", P.PRIMARY)] * self.predictor.replica_time(context, remaining, prefill)
+
+        def replica_times(request_sets):
+            return [scales[("r", P.PRIMARY)] * t for t in self._many("replica_times", "replica_time", request_sets)]
+
+        groups = self._rollout_work()
+        gate = gates.rollout_gate(groups, primaries, d_a, gates.rollout_dispatch(q, d_p, d_a), replica_time,
+                                  self.profiler.response_sample(self.prior), costs, self.policy.gated,
+                                  replica_times=replica_times)
+        self._decide(ROT, gate.admitted, gate.gain, gate.cost,
+                     {"deficit": q, "load": len(groups), "q_a": gate.q_a, "d_p": d_p, "d_a": d_a,
+                      "t_no": gate.t_primary, "t_joint": gate.t_joint, "step": self.trainer_version})
+
+    def _rollout_work(self) -> list:
+        """Every unfinished group on (or waiting for) the primary rollouters, with its estimated progress: the
+        prefix it came back with, plus one token per predicted decode iteration of its worker since it started."""
+        needed = {r.group_id for r in self.buffer.needed()}
+        prompt = self.profiler.typical_prompt(self.prior)
+        mine = {}
+        for gid, rec in self.buffer.groups.items():
+            if rec.status == "partial" or (rec.status == "running" and rec.worker and P.is_primary(rec.worker)):
+                mine[gid] = rec
+        context = {}
+        for rec in mine.values():
+            st = rec.state
+            p = st.prompt_len if st is not None else prompt
+            held = st.generated if st is not None else (0,) * self.settings.group_size
+            done = st.done if st is not None else (False,) * self.settings.group_size
+            context[rec.group_id] = (p, held, done)
+        lives = {w: [] for w in self.topology.rollouters}       # each rollouter's unfinished requests' contexts
+        for gid, rec in mine.items():
+            if rec.worker in lives:
+                p, hs, ds = context[gid]
+                lives[rec.worker] += [p + h for h, d in zip(hs, ds) if not d]
+        busy = [w for w, live in lives.items() if live]
+        per_token = dict.fromkeys(lives, 0.0)
+        prefill = dict.fromkeys(lives, 0.0)
+        per_token.update(zip(busy, self._many("iteration_times", "iteration_time", [lives[w] for w in busy])))
+        # the KV cache of the groups (re)started together is rebuilt before they decode
+        prefill.update(zip(busy, self._many("replica_times", "replica_time",
+                                            [(lives[w], [0] * len(lives[w]), [True] * len(lives[w])) for w in busy])))
+        out = []
+        for gid, rec in mine.items():
+            p, held, done = context[gid]
+            grown = 0
+            if rec.status == "running" and per_token.get(rec.worker):
+                grown = int(max(0.0, self._now - rec.started - prefill[rec.worker]) / per_token[rec.worker])
+                held = tuple(h if d else h + grown for h, d in zip(held, done))
+            out.append(gates.GroupWork(gid, rec.worker if rec.status == "running" else None, p, held, done,
+                                       gid in needed, (rec.version, -gid), prefilling=grown == 0))
+        return out
+
+    def _many(self, batched: str, single: str, items: list) -> list:
+        """The predictor's ``batched`` method on ``items`` where it has one (one vectorised pass), else its
+        ``single`` method item by item (the same numbers either way)."""
+        many = getattr(self.predictor, batched, None)
+        if many is not None:
+            return many(items)
+        one = getattr(self.predictor, single)
+        return [one(*item) if isinstance(item, tuple) else one(item) for item in items]
+
+    def _start_aux_rollout(self):
+        """Eq. 4: Q_a = round(d_a / (d_p + d_a) · Q_r) groups go to the auxiliary rollouters."""
+        q = self.buffer.deficit(self.trainer_version)
+        d_a = len(self._active_rollouters(P.TRAINER_POOL))
+        q_a = gates.rollout_dispatch(q, len(self._alive(self.topology.rollouters)), d_a) if d_a else 0
+        if q_a <= 0 or self._batch() is not None:
+            self._revoke(P.TRAINER_POOL, "the primaries had completed the batch when the switch in ended"
+                         if self._batch() is not None else
+                         f"Eq. 4 gave the borrowed pool no group when the switch in ended (deficit {q})")
+            return
+        # the groups the batch waits for move, parked ones first, then those with the least progress (latest
+        # admitted) among the ones running on primaries — the order the gate assumed (gates.rollout_gate)
+        needed = [r for r in self.buffer.needed() if r.group_id not in self.migrating]
+        order = lambda r: (r.version, -r.group_id)  # noqa: E731
+        parked = sorted((r for r in needed if r.status == "partial"), key=order)
+        running = sorted((r for r in needed if r.status == "running" and r.worker and P.is_primary(r.worker)
+                          and r.worker not in self.stopping), key=order)
+        movers = (parked + running)[:q_a]
+        self._send_to_aux_rollouters([r.group_id for r in movers if r.status == "partial"])
+        by_worker = {}
+        for r in movers:
+            if r.status == "running":
+                by_worker.setdefault(r.worker, []).append(r.group_id)
+        for w, gids in sorted(by_worker.items()):
+            self.migrating.update(gids)
+            self.aux_assigned.update(gids)
+            self.stopping.add(w)
+            self._out.append(P.Interrupt(w, tuple(sorted(gids))))
+        if self.aux_assigned or self.migrating:
+            self.window_sent[P.TRAINER_POOL] = self.window_sent.get(P.TRAINER_POOL, 0) + len(movers)
+        else:
+            self._revoke(P.TRAINER_POOL, "no group the batch waits for was parked or running on a primary")
+
+    def _send_to_aux_rollouters(self, gids: list):
+        """Hand groups to the auxiliary rollouters, each to the least-loaded one (dispatch by capacity, Eq. 4)."""
+        workers = self._active_rollouters(P.TRAINER_POOL)
+        if not workers or not gids:
+            return
+        tasks = {w: [] for w in workers}
+        load = [(self.buffer.running_count(w), i, w) for i, w in enumerate(workers)]   # least loaded first
+        heapq.heapify(load)
+        for gid in gids:
+            n, i, w = load[0]
+            heapq.heapreplace(load, (n + 1, i, w))
+            tasks[w].append(P.GroupTask(gid, self.buffer.resume(gid, w, self._now)))
+            self.aux_assigned.add(gid)
+        for w in workers:
+            if tasks[w]:
+                self._out.append(P.Generate(w, tuple(tasks[w]), self.rollout_version))
