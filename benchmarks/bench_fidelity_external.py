@@ -116,6 +116,28 @@ def page(quick: bool = False) -> str:
               "token at H20's 4.0 TB/s, against about 205 µs for the token's forward pass (2 × 7.6e9 FLOP at "
               "148 TFLOPS and half of peak): under 1 % of the log-prob stage, so they cannot explain the published "
               "old_log_prob being about half of update_actor where the FLOPs make it a quarter.",
+              "- **Parameter and optimizer offload**, and why they are not that missing cost either. veRL's "
+              "`compute_log_prob` loads and offloads the parameter shard (4 B per parameter), `update_actor` the "
+              "parameter shard and the Adam moments (4 + 8 B), so copies in proportion to bytes cost the update "
+              "three times what they cost the log-prob stage. With the forward-only work F and the update's 4F "
+              "(forward, recompute, backward), colocated-64's 70.3 s and 133.4 s then need a log-prob copy time "
+              "c with c + F = 70.3 and 3c + 4F = 133.4, i.e. c = 148 s, longer than the whole stage: no copy "
+              "bandwidth fits. The models charge these copies at the pageable share of PCIe 5.0 (21.3 GB/s): "
+              "0.36 s around the log-prob stage and 1.07 s around the update on the planner's 8-GPU shard group "
+              "(1.43 s and 4.28 s on the scripts' 2).",
+              "- **A fixed cost per trainer call (not modelled: no published rate).** What the published stages "
+              "do fit is one cost o per call that does not shrink with the GPUs: o + F = 70.3 and o + 4F = 133.4 "
+              "− 3.3 (the models' AdamW and copies at 64 GPUs) give F = 19.9 s and o = 50.4 s (at 128 GPUs, "
+              "from 53.9 and 113.8 − 3.3: F = 18.9 s, o = 35.0 s), and the asynchronous rows' update_actor has one "
+              "too (async-16-16's 269.8 s and async-32-32's 157.0 s give 44.0 s + 3,610 s / G). One candidate "
+              "from veRL's code: its driver sends each "
+              "worker-group call the whole step batch (`Dispatch.DP_COMPUTE_PROTO`, `DataProto.__getstate__`: "
+              "`consolidate()` and `torch.save` of every chunk through Ray's object store), padded to "
+              "max_prompt_length + max_response_length = 30,720 positions: six int64 tensors (prompts, responses, "
+              "input_ids, attention_mask, position_ids, response_mask; 151,552 values, 1.2 MB per sample), about "
+              "9.9 GB for 8,192 samples at every GPU count and any response length. That needs about "
+              "0.2 GB/s end to end to take o, a rate no published measurement of this job gives, so it is not "
+              "charged.",
               ]
     lines += _drift_section(ev)
     return "\n".join(lines) + "\n"
