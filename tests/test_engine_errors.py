@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.integration,
 def test_an_exception_inside_a_chunk_is_reported_not_restarted(model_dir, kept_workers, monkeypatch):
     from bidirl.cluster.engines import driver as engine_driver
     from bidirl.cluster.engines.step_data import StepData
-    from bidirl.cluster.pool import WorkerError
+    from bidirl.cluster.errors import WorkerError
     from bidirl.core import protocol as P
 
     real = StepData.chunk_inputs

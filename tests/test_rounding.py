@@ -46,18 +46,25 @@ def _train(model_dir, plan) -> dict:
     from bidirl.cluster.engines.workers.trainer import TrainerEngine
     engine = TrainerEngine(model_dir, lr=LR, seed=0)
     for step in range(STEPS):
-        samples = _samples(4 * CHUNKS, seed=step)
-        adv = grpo.group_advantages([s.reward for s in samples], group_size=2).float()
-        old = engine.logprobs(samples)
-        norm = grpo.loss_normalizer([s.response_len for s in samples])
-        size = len(samples) // CHUNKS
-        chunks = [engine.chunk_gradients(samples[i:i + size], adv[i:i + size], old[i:i + size], normalizer=norm)
-                  for i in range(0, len(samples), size)]
-        foreign = _samples(size, seed=100 + step)
-        other = engine.chunk_gradients(foreign, grpo.group_advantages([s.reward for s in foreign], 2).float(),
-                                       engine.logprobs(foreign), normalizer=norm)
+        chunks, other = _step_chunks(engine, step)
         engine.apply([c.flat for c in plan(step, chunks, other)])
     return engine.state_dict()
+
+
+def _step_chunks(engine, step: int) -> tuple:
+    """Step ``step``'s chunk gradients on ``engine`` (CHUNKS equal chunks of its seeded samples, in order), and one
+    chunk of other samples (a foreign chunk) of the same size and normalizer."""
+    samples = _samples(4 * CHUNKS, seed=step)
+    adv = grpo.group_advantages([s.reward for s in samples], group_size=2).float()
+    old = engine.logprobs(samples)
+    norm = grpo.loss_normalizer([s.response_len for s in samples])
+    size = len(samples) // CHUNKS
+    chunks = [engine.chunk_gradients(samples[i:i + size], adv[i:i + size], old[i:i + size], normalizer=norm)
+              for i in range(0, len(samples), size)]
+    foreign = _samples(size, seed=100 + step)
+    other = engine.chunk_gradients(foreign, grpo.group_advantages([s.reward for s in foreign], 2).float(),
+                                   engine.logprobs(foreign), normalizer=norm)
+    return chunks, other
 
 
 @pytest.fixture(scope="module")
@@ -114,16 +121,8 @@ def one_state_gaps(model_dir) -> dict:
     ref, other = TrainerEngine(model_dir, lr=LR, seed=0), TrainerEngine(model_dir, lr=LR, seed=0)
     gaps = {name: [] for name in PLANS}
     for step in range(STEPS):
-        samples = _samples(4 * CHUNKS, seed=step)
-        adv = grpo.group_advantages([s.reward for s in samples], group_size=2).float()
-        old = ref.logprobs(samples)
-        norm = grpo.loss_normalizer([s.response_len for s in samples])
-        size = len(samples) // CHUNKS
-        chunks = [ref.chunk_gradients(samples[i:i + size], adv[i:i + size], old[i:i + size], normalizer=norm).flat
-                  for i in range(0, len(samples), size)]
-        foreign = _samples(size, seed=100 + step)
-        extra = ref.chunk_gradients(foreign, grpo.group_advantages([s.reward for s in foreign], 2).float(),
-                                    ref.logprobs(foreign), normalizer=norm).flat
+        step_chunks, foreign = _step_chunks(ref, step)
+        chunks, extra = [c.flat for c in step_chunks], foreign.flat
         weights, optimizer = ref.state_dict(), copy.deepcopy(ref.optimizer.state_dict())
         _, moments = _flat_state(ref)
         ref.apply(list(chunks))

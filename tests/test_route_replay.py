@@ -70,6 +70,21 @@ class ExpertsSeen:
             h.remove()
 
 
+def tokens_on_rollout_experts(engine, samples, replay: bool) -> tuple:
+    """One ``engine.logprobs(samples)`` with R3 on or off: per fed token, whether the trainer chose the rollout's
+    experts (``Sample.routes``) in every MoE layer, and the log-probs."""
+    engine.route_replay = replay
+    seen = ExpertsSeen(engine.model)
+    try:
+        lps = engine.logprobs(samples)
+    finally:
+        seen.remove()
+    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    chosen = seen.routes(len(samples) * width).reshape(len(samples), width, CFG.num_hidden_layers, -1)
+    return [np.array_equal(chosen[b, t], s.routes[t]) for b, s in enumerate(samples)
+            for t in range(len(s.routes))], lps
+
+
 def test_replaying_the_models_own_routes_changes_nothing(moe_dir):
     import rounding
 
@@ -91,17 +106,8 @@ def test_with_a_perturbed_trainer_router_the_replayed_experts_are_the_rollouts_t
     engine = TrainerEngine(str(moe_dir), route_replay=True)
     samples = _samples(engine.model)                     # the rollout's routes: the unperturbed routers'
     _perturb_routers(engine.model)
-    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     for replay in (False, True):
-        engine.route_replay = replay
-        seen = ExpertsSeen(engine.model)
-        try:
-            engine.logprobs(samples)
-        finally:
-            seen.remove()
-        chosen = seen.routes(len(samples) * width).reshape(len(samples), width, CFG.num_hidden_layers, -1)
-        same = [np.array_equal(chosen[b, t], s.routes[t]) for b, s in enumerate(samples)
-                for t in range(len(s.routes))]
+        same, _ = tokens_on_rollout_experts(engine, samples, replay)
         if replay:
             assert all(same)                              # every fed token, every layer: the rollout's experts
         else:

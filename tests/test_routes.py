@@ -219,7 +219,7 @@ def test_trainer_logprobs_with_r3_match_vllm_and_replay_its_experts_token_by_tok
     from bidirl.rl.samples import samples_from_groups
 
     import rounding
-    from test_route_replay import ExpertsSeen, _perturb_routers
+    from test_route_replay import _perturb_routers, tokens_on_rollout_experts
 
     reqs = [GroupRequest(group_id=20 + g, prompt_ids=tuple(range(4, 4 + 6 + g)), group_size=4, max_tokens=16)
             for g in range(3)]
@@ -238,16 +238,8 @@ def test_trainer_logprobs_with_r3_match_vllm_and_replay_its_experts_token_by_tok
     assert with_r3 <= tol
 
     _perturb_routers(trainer.model)
-    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     for replay in (True, False):
-        trainer.route_replay = replay
-        seen = ExpertsSeen(trainer.model)
-        try:
-            lps = trainer.logprobs(samples)
-        finally:
-            seen.remove()
-        chosen = seen.routes(len(samples) * width).reshape(len(samples), width, CFG.num_hidden_layers, -1)
-        same = [np.array_equal(chosen[b, t], s.routes[t]) for b, s in enumerate(samples) for t in range(len(s.routes))]
+        same, lps = tokens_on_rollout_experts(trainer, samples, replay)
         print(f"perturbed trainer router, R3 {'on' if replay else 'off'}: {sum(same)}/{len(same)} tokens on vLLM's "
               f"experts in every layer, log-prob gap {gap(lps):.3e}")
         assert all(same) if replay else not all(same)

@@ -14,7 +14,7 @@ import socket
 import pytest
 
 from bidirl.cluster import recovery
-from bidirl.cluster.pool import WorkerError
+from bidirl.cluster.errors import WorkerError
 from bidirl.job import config as cfgmod
 
 

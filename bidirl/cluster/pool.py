@@ -43,10 +43,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from bidirl.cluster.backend import WorkerBackend
-from bidirl.cluster.errors import ClusterError, WorkerError
+from bidirl.cluster.errors import ClusterError
 from bidirl.cluster.kept_workers import KeptWorkers, Workers, ray_job
 from bidirl.cluster import resume
-from bidirl.cluster.recovery import DEATH, ERROR, MAX_RESTARTS, Restarts, call_name, failure_kind
+from bidirl.cluster.recovery import MAX_RESTARTS, Restarts
+from bidirl.cluster.worker_failures import WorkerFailures
 from bidirl.core import protocol as P
 from bidirl.results.run_result import RunResult
 from bidirl.results.trace import EventLog
@@ -110,19 +111,8 @@ class StepMetricsOutput(RunListener):
                           stacklevel=2)
 
 
-def root_cause(exc: Exception) -> str:
-    """The innermost error message of a failed actor construction or call (one line)."""
-    cause = getattr(exc, "cause", None) or getattr(exc, "__cause__", None)
-    text = str(cause if cause is not None else exc)
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if "Error" in ln or "error" in ln:
-            return ln
-    return lines[-1] if lines else type(exc).__name__
-
-
 @dataclass
-class PoolDriver(Driver):
+class PoolDriver(WorkerFailures, Driver):
     """What every Ray driver shares (module doc), with one :class:`~bidirl.cluster.backend.WorkerBackend` plugged in
     (``backend``) for what its kind of worker does: the drivers of each kind (``EmulatedDriver``, ``EngineDriver``)
     add their settings and plug their backend in; they override none of the pool driver's methods.
@@ -256,47 +246,6 @@ class PoolDriver(Driver):
 
     def _alive(self, workers) -> list:
         return [w for w in workers if w not in self.failed]
-
-    def _call_failed(self, worker: str, exc: Exception) -> None:
-        """A call on ``worker``'s current process raised: a lost process, or a trainer collective broken by a lost
-        peer, is recovered; an error of the worker's own (its process alive) stops the run with a
-        :class:`WorkerError` naming the worker, the call and its traceback
-        (:func:`bidirl.cluster.recovery.failure_kind`)."""
-        if self.backend.is_death(exc):
-            self._worker_failed(worker, root_cause(exc))
-            return
-        kind = failure_kind(exc)
-        if kind == ERROR:
-            raise WorkerError(worker, call_name(exc), root_cause(exc),
-                              getattr(exc, "traceback_str", "") or str(exc)) from exc
-        self._worker_failed(worker, root_cause(exc) if kind == DEATH else f"a peer was lost: {root_cause(exc)}")
-
-    def _worker_failed(self, worker: str, error: str) -> None:
-        """``worker``'s current process failed: it is recovered (:meth:`_recover`), with the workers that shared
-        its process (``WorkerBackend.worker_failed``)."""
-        self.backend.worker_failed(worker, error, self._recover)
-
-    def _recover(self, worker: str, error: str) -> None:
-        """Past the bound the run stops; otherwise ``worker``'s calls become void, the coordinator is told, and a
-        fresh process is started and restored (``WorkerRestarted``)."""
-        if self.restarts.exhausted(worker, self.steps_done):
-            raise ClusterError(self.restarts.message(worker, error))
-        self.restarts.begin(worker, self.now(), error, self.steps_done)
-        self.backend.discard(worker)
-        self.r_busy[worker] = self.r_advancing[worker] = False
-        self.r_starts.pop(worker, None)           # a fresh process has applied none of them
-        self.chunk_queue.pop(worker, None)
-        self.chunk_running.pop(worker, None)
-        if worker not in self.failed:
-            self.failed.add(worker)
-            self.feed(P.WorkerFailed(self.now(), worker, error))
-        self.backend.spawn(worker)
-        self.backend.restore(worker, lambda: self._restarted(worker))
-
-    def _restarted(self, worker: str) -> None:
-        self.failed.discard(worker)
-        self.feed(P.WorkerRestarted(self.now(), worker))
-        self.backend.restarted(worker)
 
     def switch_sides(self, cmd: P.Switch) -> tuple:
         """The workers a switch offloads (passive) and onloads (active): a pool's trainer gang and its rollouters."""

@@ -125,3 +125,14 @@ class Restarts:
         self.incarnations[worker] = self.incarnation(worker) + 1
         self.record.append({"worker": worker, "t": float(t), "error": error, "restart": self.counts[worker]})
         return self.incarnations[worker]
+
+
+def root_cause(exc: Exception) -> str:
+    """The innermost error message of a failed actor construction or call (one line)."""
+    cause = getattr(exc, "cause", None) or getattr(exc, "__cause__", None)
+    text = str(cause if cause is not None else exc)
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "Error" in ln or "error" in ln:
+            return ln
+    return lines[-1] if lines else type(exc).__name__

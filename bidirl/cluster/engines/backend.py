@@ -22,7 +22,7 @@ from bidirl.cluster.engines.rollouts import EngineRollouts
 from bidirl.cluster.engines.switching import EngineSwitch
 from bidirl.cluster.engines.training import EngineTraining
 from bidirl.cluster.engines.weight_loads import WeightLoads
-from bidirl.cluster.pool import root_cause
+from bidirl.cluster.recovery import root_cause
 from bidirl.core import protocol as P
 
 PRIMARY_TRAINER = P.PRIMARY_TRAINER

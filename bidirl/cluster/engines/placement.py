@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import time
 
-from bidirl.cluster.pool import ClusterError, root_cause
+from bidirl.cluster.errors import ClusterError
+from bidirl.cluster.recovery import root_cause
 from bidirl.core import protocol as P
 
 PRIMARY_TRAINER, AUX_TRAINER = P.PRIMARY_TRAINER, P.AUX_TRAINER
