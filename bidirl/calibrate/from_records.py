@@ -19,7 +19,9 @@ their median / p90 relative errors. :func:`calibrate_profile` does this for a pr
 3. **Per-model parameters.** Starting from the knob-derived priors, :func:`~bidirl.perf.fit.calibrate_rollout`
    and :func:`~bidirl.perf.fit.calibrate_trainer` fit the appendix parameters of the profiled model
    itself (per-stage τ_s and α_s; the rollout's τ_pre, α_pre, τ_dec, β_tok, β_hist and its per-request
-   admission cost γ_req, fitted from 0 — :func:`bidirl.perf.rollout.request_admission_time`). They go to the
+   admission cost γ_req, fitted from 0 — :func:`bidirl.perf.rollout.request_admission_time`; the trainer's cost per
+   byte of the update's saved activations beyond the cache, β_mem, fitted from 0 where the preset states
+   ``cache_bytes`` — :func:`bidirl.perf.trainer.spill_bytes`). They go to the
    preset's ``stage_params`` block for that model and layout (skipped with ``overrides=False``).
 4. **Errors.** Every point is predicted through the preset as it will be loaded — the prior preset, the
    knobs alone, the calibrated preset — and the relative errors are reported on the fit and held-out points.
@@ -199,11 +201,15 @@ def stage_params_entry(rollout_fit=None, trainer_fit=None, *, tp: int = 1, layou
 
 def calibrate_profile(profile: Union[Profile, str, Path], *, hardware: Optional[str] = None,
                       holdout: float = 0.25, seed: int = 0, overrides: bool = True,
-                      statistic: str = "min", request_cost: bool = True) -> ProfileCalibration:
+                      statistic: str = "min", request_cost: bool = True,
+                      spill_cost: Optional[bool] = None) -> ProfileCalibration:
     """Fit knobs (and, with ``overrides``, the profiled model's parameters) on a seeded split of the grid
     points and predict every point (module doc). ``hardware`` names the base preset (default: the one the
     profile names). ``request_cost=False`` leaves the per-request admission cost γ_req out of the fit (the
-    appendix's M_r as written; for comparison)."""
+    appendix's M_r as written; for comparison). ``spill_cost``: fit the actor update's cost per byte of saved
+    activations beyond the cache, β_mem (:func:`bidirl.perf.trainer.spill_bytes`); None: where the base preset
+    states its ``cache_bytes``, False: never (the appendix's M_t as written), True: required (a preset without
+    ``cache_bytes`` is refused by name)."""
     from bidirl.job import presets
     from bidirl.perf.fit import calibrate_knobs, calibrate_rollout, calibrate_trainer, knob_hardware
 
@@ -224,8 +230,9 @@ def calibrate_profile(profile: Union[Profile, str, Path], *, hardware: Optional[
     entry: dict = {}
     if overrides:
         r_model, t_model = _models(model, knob_hw, profile.meta)
+        spill = float(getattr(base, "cache_bytes", 0.0) or 0.0) > 0 if spill_cost is None else bool(spill_cost)
         entry = stage_params_entry(calibrate_rollout(fit["rollout"], r_model, fit_request_cost=bool(request_cost)),
-                                   calibrate_trainer(fit["trainer"], t_model), tp=1, layout=1)
+                                   calibrate_trainer(fit["trainer"], t_model, fit_spill_cost=spill), tp=1, layout=1)
     kept = {m: v for m, v in (base.stage_params or {}).items() if m != model.name}
     stage_params = {**kept, model.name: entry} if entry else kept
     calibrated = dataclasses.replace(knob_hw, stage_params=stage_params)

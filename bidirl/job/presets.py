@@ -220,6 +220,7 @@ class HardwareSpec:
     decode_token_overhead: float = DECODE_TOKEN_OVERHEAD           # s per running sequence per decode iteration
     stage_params: dict = field(default_factory=dict)               # model -> fitted appendix parameters
     switch_model: dict = field(default_factory=dict)               # fitted constants of bidirl.perf.costs
+    cache_bytes: float = 0.0     # B, last-level cache of one trainer device (0: unknown, no spill term)
     sources: tuple = ()
 
     def knobs(self) -> dict:
@@ -340,6 +341,11 @@ def _check_hardware(raw: dict, path: Path) -> None:
                 raise PresetError(f"{path.name}: {exc}",
                                   f"set {key} in {path} to a value in that range (efficiency factors are fractions "
                                   "of peak, overheads seconds), or re-run `bidirl calibrate`") from None
+    if "cache_bytes" in raw:
+        value = raw["cache_bytes"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise PresetError(f"{path.name}: cache_bytes must be a number of bytes ≥ 0, got {value!r}",
+                              f"set cache_bytes in {path} to the device's last-level cache size (0: unknown)")
     if "switch_model" in raw:
         from bidirl.perf.costs import check_switch_model
         try:

@@ -48,7 +48,7 @@ from scipy.optimize import least_squares
 from bidirl.perf.balance import serpentine
 from bidirl.perf.flops import STAGES, lengths, sample_forward_flops
 from bidirl.perf.rollout import RolloutModel, RolloutParams, replica_times_from_features
-from bidirl.perf.trainer import TrainerModel, TrainerParams, microbatch_times
+from bidirl.perf.trainer import SPILL_STAGE, TrainerModel, TrainerParams, microbatch_times, spill_bytes
 
 MAX_FACTOR = 1e3
 MAX_R = 16.0
@@ -151,16 +151,19 @@ class _Space:
     priors: np.ndarray          # prior values
     is_exponent: np.ndarray     # r-type parameters (fitted linearly in [1, MAX_R])
     additive: np.ndarray = None  # costs fitted linearly in [0, ∞) (None: none)
+    scale: np.ndarray = None     # each additive cost's unit in the optimisation (None: OVERHEAD_SCALE seconds)
 
     def __post_init__(self):
         if self.additive is None:
             self.additive = np.zeros(len(self.names), dtype=bool)
+        if self.scale is None:
+            self.scale = np.full(len(self.names), OVERHEAD_SCALE)
 
     def x0(self):
         # an additive cost starts inside its bound (at least OVERHEAD_SCALE): from exactly 0, on the bound, the
         # trust-region steps never leave it, though the cost falls as it grows (a 0 prior is the usual case)
         return np.where(self.is_exponent, np.clip(self.priors, 1.0, MAX_R),
-                        np.where(self.additive, np.maximum(self.priors / OVERHEAD_SCALE, 1.0), 0.0))
+                        np.where(self.additive, np.maximum(self.priors / self.scale, 1.0), 0.0))
 
     def bounds(self):
         lim = np.log(MAX_FACTOR)
@@ -170,7 +173,7 @@ class _Space:
 
     def values(self, x):
         scaled = self.priors * np.exp(np.where(self.additive, 0.0, x))
-        return np.where(self.is_exponent, x, np.where(self.additive, x * OVERHEAD_SCALE, scaled))
+        return np.where(self.is_exponent, x, np.where(self.additive, x * self.scale, scaled))
 
 
 def _fit(space: _Space, predict, observed: np.ndarray, setter):
@@ -251,29 +254,44 @@ def calibrate_rollout(records, model: RolloutModel, *, fit_request_cost: bool = 
 # --------------------------------------------------------------------------------------------------
 
 def _trainer_shares(df: pd.DataFrame, model: TrainerModel):
-    stage_idx, flops, starts, pos = [], [], [], 0
+    """Per replica micro-batch of the records: stage index, FLOPs, message bytes, cache-spill bytes
+    (:func:`bidirl.perf.trainer.spill_bytes`); and where each record's replicas start."""
+    stage_idx, flops, spill, starts, pos = [], [], [], [], 0
     index = {s: i for i, s in enumerate(STAGES)}
     for stage, p, r, d in zip(df["stage"], df["prompt_lens"], df["response_lens"], df["d"]):
         p, r = lengths(np.atleast_1d(p), np.atleast_1d(r))
         d_eff = min(int(d), p.size)
         replica, _ = serpentine(p + r, d_eff)
         f = np.bincount(replica, weights=sample_forward_flops(model.model, p, r), minlength=d_eff)
+        tokens = np.bincount(replica, weights=(p + r).astype(float), minlength=d_eff)
         stage_idx.append(np.full(d_eff, index[stage]))
         flops.append(f)
+        spill.append(spill_bytes(model.model, model.hardware, stage, tokens))
         starts.append(pos)
         pos += d_eff
     idx = np.concatenate(stage_idx)
     msg = np.array([model.message_bytes(s) for s in STAGES])[idx]
-    return idx, np.concatenate(flops), msg, np.asarray(starts)
+    return idx, np.concatenate(flops), msg, np.concatenate(spill), np.asarray(starts)
 
 
-def calibrate_trainer(records, model: TrainerModel) -> CalibrationResult:
-    """Fit ``model``'s :class:`TrainerParams` to trainer chunk records (module doc); starts from ``model.params``."""
+def calibrate_trainer(records, model: TrainerModel, *, fit_spill_cost: bool = False) -> CalibrationResult:
+    """Fit ``model``'s :class:`TrainerParams` to trainer chunk records (module doc); starts from ``model.params``.
+
+    ``fit_spill_cost``: also fit the actor update's cost per byte of saved activations beyond the device's cache,
+    β_mem (:func:`bidirl.perf.trainer.spill_bytes`), from its prior even when that is 0, as a non-negative cost.
+    It needs ``cache_bytes`` on the model's hardware (ValueError otherwise) and update records on both sides of
+    the cache (profiling records over batch sizes and lengths give them); off by default."""
     if not isinstance(model, TrainerModel):
         raise ValueError(f"model must be a TrainerModel, got {type(model).__name__}")
+    if not isinstance(fit_spill_cost, bool):
+        raise ValueError(f"fit_spill_cost must be True or False, got {fit_spill_cost!r}")
+    if fit_spill_cost and not float(getattr(model.hardware, "cache_bytes", 0.0) or 0.0) > 0:
+        raise ValueError(f"fit_spill_cost needs the device's last-level cache: hardware "
+                         f"{getattr(model.hardware, 'name', model.hardware)!r} has no cache_bytes; set it in the "
+                         "hardware preset or fit without the spill cost")
     df = validate_records(records, "trainer")
     observed = df["observed"].to_numpy(dtype=float)
-    idx, flops, msg, starts = _trainer_shares(df, model)
+    idx, flops, msg, spill, starts = _trainer_shares(df, model)
     prior = model.params
     present = [s for s in STAGES if s in set(df["stage"])]
     free: list = []          # (field, stage)
@@ -285,8 +303,15 @@ def calibrate_trainer(records, model: TrainerModel) -> CalibrationResult:
         if comm_prior > 0:
             free += [(comm_field, s), ("r", s)]
     free = [(f, s) for f, s in free if f == "r" or getattr(prior, f)[s] > 0]
+    if SPILL_STAGE in present and (fit_spill_cost or prior.beta_mem[SPILL_STAGE] > 0) \
+            and np.any(spill[idx == STAGES.index(SPILL_STAGE)] > 0):
+        free.append(("beta_mem", SPILL_STAGE))
+    additive = np.array([f == "beta_mem" for f, _ in free], dtype=bool)
+    # a spilled byte's cost is fitted in units of one pass over the datasheet memory bandwidth
+    unit = np.where(additive, 1.0 / float(getattr(model.hardware, "memory_bandwidth", 1.0 / OVERHEAD_SCALE)),
+                    OVERHEAD_SCALE)
     space = _Space([f"{f}[{s}]" for f, s in free], np.array([getattr(prior, f)[s] for f, s in free], float),
-                   np.array([f == "r" for f, _ in free]))
+                   np.array([f == "r" for f, _ in free]), additive, unit)
 
     def setter(values):
         maps = {f.name: dict(getattr(prior, f.name)) for f in dataclasses.fields(TrainerParams)}
@@ -295,7 +320,7 @@ def calibrate_trainer(records, model: TrainerModel) -> CalibrationResult:
         return TrainerParams(**maps)
 
     def predict(params):
-        return np.maximum.reduceat(microbatch_times(params, idx, flops, msg), starts)
+        return np.maximum.reduceat(microbatch_times(params, idx, flops, msg, spill), starts)
 
     params, pred, err, prior_err, ok, message = _fit(space, predict, observed, setter)
     fitted = TrainerModel(model.model, model.hardware, layout=model.layout, params=params,
@@ -374,7 +399,7 @@ def calibrate_knobs(model_spec, hardware, rollout_records=None, trainer_records=
     if trainer_records is not None:
         df = validate_records(trainer_records, "trainer")
         shape_model = TrainerModel(model_spec, base, layout=layout)
-        idx, flops, msg, starts = _trainer_shares(df, shape_model)
+        idx, flops, msg, _, starts = _trainer_shares(df, shape_model)
 
         def predict_trainer(hw, idx=idx, flops=flops, msg=msg, starts=starts):
             params = knob_trainer_params(model_spec, hw, layout)

@@ -19,7 +19,11 @@ Trainer, for a replica of ρ = ``layout`` GPUs (FSDP data parallel inside the re
   forward stages; all-gather, all-gather, reduce-scatter for the update); 0 for ρ = 1 (no collectives);
 * ``beta_comm_s = 1 / ring bandwidth`` (intra-node for ρ ≤ gpus_per_node, else the node's network,
   :func:`ring_bandwidth`);
-* ``r_s = 2`` (partial overlap of FSDP prefetch with compute).
+* ``r_s = 2`` (partial overlap of FSDP prefetch with compute);
+* ``beta_mem_s = 0``: seconds per byte of the actor update's saved activations that spill out of the device's
+  last-level cache (:func:`bidirl.perf.trainer.spill_bytes`). No datasheet number gives it, so the priors leave it
+  out; ``bidirl calibrate`` fits it on profiling records (:func:`bidirl.perf.fit.calibrate_trainer` with
+  ``fit_spill_cost``) where the preset states ``cache_bytes``, and writes it to ``stage_params``.
 
 Rollout, for a vLLM replica with tensor parallelism ``tp`` (the decoder only: the vision encoder runs in
 prefill and is inside N_nonemb there):
@@ -57,7 +61,7 @@ else. :func:`check_stage_params` validates the block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Mapping
 
 import numpy as np
@@ -71,13 +75,15 @@ from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES
 @dataclass(frozen=True)
 class TrainerParams:
     """Per-stage parameters of t_s(b): ``tau`` (s), ``alpha`` (s/FLOP), ``r`` (≥ 1), ``alpha_comm`` (s),
-    ``beta_comm`` (s/byte). Each is a mapping ``stage -> value`` holding every stage of
-    :data:`bidirl.perf.flops.STAGES`."""
+    ``beta_comm`` (s/byte), ``beta_mem`` (s per byte of saved activations beyond the device's cache,
+    :func:`bidirl.perf.trainer.spill_bytes`; 0 unless calibrated on records). Each is a mapping
+    ``stage -> value`` holding every stage of :data:`bidirl.perf.flops.STAGES`."""
     tau: Mapping[str, float]
     alpha: Mapping[str, float]
     r: Mapping[str, float]
     alpha_comm: Mapping[str, float]
     beta_comm: Mapping[str, float]
+    beta_mem: Mapping[str, float] = field(default_factory=lambda: {s: 0.0 for s in STAGES})
 
     def __post_init__(self):
         for f in fields(self):
@@ -286,7 +292,7 @@ def knob_rollout_params(model, hw, tp: int = 1):
 # --------------------------------------------------------------------------------------------------
 
 ROLLOUT_FIELDS = ("tau_pre", "alpha_pre", "tau_dec", "beta_tok", "beta_hist", "r", "c_pre", "c_dec", "gamma_req")
-TRAINER_FIELDS = ("tau", "alpha", "r", "alpha_comm", "beta_comm")
+TRAINER_FIELDS = ("tau", "alpha", "r", "alpha_comm", "beta_comm", "beta_mem")
 
 
 def _number(value, where: str, low: float, high: float = float("inf"), low_open: bool = False) -> float:

@@ -4,7 +4,9 @@ A micro-batch ``b`` of stage ``s`` takes
 
     t_s(b) = τ_s + overlap(α_s · m_s · F(b), C_s(b), r_s),       C_s(b) = α_comm,s + β_comm,s · n_s(b)
 
-with F(b) from :mod:`bidirl.perf.flops` and the p-norm overlap of :mod:`bidirl.perf.overlap`. A replica's time
+with F(b) from :mod:`bidirl.perf.flops` and the p-norm overlap of :mod:`bidirl.perf.overlap`, plus, where the
+hardware states its last-level cache and the calibration fitted it, the actor update's cost of saved activations
+beyond that cache, β_mem,s · :func:`spill_bytes` (0 in every preset not calibrated on records). A replica's time
 is the ordered sum of its micro-batch times, T_t,rep(U_j) = Σ_s Σ_{b ∈ U_j,s} t_s(b), and
 M_t(U, d) = max_j T_t,rep(U_j) (replica-max).
 
@@ -53,6 +55,7 @@ from bidirl.core.protocol import chunk_size, packed_chunk_len, packed_groups
 from bidirl.perf.balance import check_replicas, grouped_order, runs_of, stable_order
 from bidirl.perf.expert_parallel import fsdp_message_bytes
 from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_stage, lengths, sample_forward_flops
+from bidirl.perf.memory import UNCHECKPOINTED_BYTES_PER_HIDDEN
 from bidirl.perf.overlap import combine, overlap
 from bidirl.perf.params import TrainerParams, default_trainer_params
 
@@ -61,12 +64,44 @@ _STAGE_INDEX = {s: i for i, s in enumerate(STAGES)}
 _MULT = np.array([STAGE_MULTIPLIER[s] for s in STAGES], dtype=float)
 
 
-def microbatch_times(params: TrainerParams, stage_idx, flops, message_bytes) -> np.ndarray:
-    """t_s(b) for arrays of micro-batches: stage index (into STAGES), forward FLOPs F(b), message bytes n_s(b)."""
+def microbatch_times(params: TrainerParams, stage_idx, flops, message_bytes, spill=None) -> np.ndarray:
+    """t_s(b) for arrays of micro-batches: stage index (into STAGES), forward FLOPs F(b), message bytes n_s(b) and,
+    when given, the bytes of saved activations beyond the cache (:func:`spill_bytes`, charged β_mem,s each)."""
     i = np.asarray(stage_idx, dtype=np.int64)
     tau, alpha, r = params.vector("tau")[i], params.vector("alpha")[i], params.vector("r")[i]
     comm = params.vector("alpha_comm")[i] + params.vector("beta_comm")[i] * np.asarray(message_bytes, float)
-    return tau + overlap(alpha * _MULT[i] * np.asarray(flops, float), comm, r)
+    t = tau + overlap(alpha * _MULT[i] * np.asarray(flops, float), comm, r)
+    if spill is not None:
+        t = t + params.vector("beta_mem")[i] * np.asarray(spill, float)
+    return t
+
+
+#: the only stage that keeps activations for a backward pass
+SPILL_STAGE = "actor_update"
+
+
+def saved_activation_bytes_per_token(model) -> float:
+    """Bytes the actor update keeps per token for its backward pass without activation checkpointing:
+    ``34·L·H`` in 16-bit values (:data:`bidirl.perf.memory.UNCHECKPOINTED_BYTES_PER_HIDDEN`, Korthikanti et al.
+    2022, Eq. 1 without the attention-score term) scaled to the model's dtype (``b_w / 2``: fp32 doubles them),
+    plus the fp32 logits (``4·V``)."""
+    return UNCHECKPOINTED_BYTES_PER_HIDDEN * model.layers * model.hidden * model.dtype_bytes / 2 + 4 * model.vocab
+
+
+def spill_bytes(model, hardware, stage: str, tokens) -> np.ndarray:
+    """Bytes of a micro-batch's saved activations that do not fit the device's last-level cache
+    (``hardware.cache_bytes``): ``max(0, A(b) − C)`` with ``A(b) = tokens · saved_activation_bytes_per_token``, for
+    the actor update only; 0 for the forward-only stages and where the preset states no cache (``cache_bytes`` 0).
+
+    The mechanism: the forward writes each layer's activations in order and the backward reads them in reverse,
+    so the byte read k-th-to-last was written k bytes ago; under LRU replacement a read misses exactly when more
+    than C bytes were touched since, i.e. the first ``A − C`` bytes written are read back from memory and the
+    last C from cache. Each spilled byte costs ``beta_mem`` seconds (a bandwidth term, fitted on records)."""
+    tokens = np.asarray(tokens, dtype=float)
+    cache = float(getattr(hardware, "cache_bytes", 0.0) or 0.0)
+    if stage != SPILL_STAGE or cache <= 0:
+        return np.zeros_like(tokens)
+    return np.maximum(0.0, tokens * saved_activation_bytes_per_token(model) - cache)
 
 
 _BATCH = 1 << 16        # replica micro-batches of the planner's gangs evaluated together (still in cache)
@@ -237,6 +272,10 @@ class TrainerModel:
         self._terms = {s: (self.params.tau[s], self.params.alpha[s] * STAGE_MULTIPLIER[s],
                            self.params.alpha_comm[s] + self.params.beta_comm[s] * self._message[s], self.params.r[s])
                        for s in STAGES}
+        #: whether any micro-batch pays the cache-spill term β_mem·spill_bytes: then a chunk's time depends on its
+        #: replicas' tokens as well as their FLOPs, and every chunk is timed as chunk_time times it
+        self._spills = float(getattr(hardware, "cache_bytes", 0.0) or 0.0) > 0 and \
+            any(v > 0 for v in self.params.beta_mem.values())
 
     def __repr__(self) -> str:
         return f"TrainerModel({self.model.name}, {self.hardware.name}, layout={self.layout})"
@@ -261,11 +300,12 @@ class TrainerModel:
         if p.size == 0:
             return 0.0
         f = float(sample_forward_flops(self.model, p, r).sum())
-        return float(microbatch_times(self.params, [_STAGE_INDEX[stage]], [f], [self._message[stage]])[0])
+        spill = spill_bytes(self.model, self.hardware, stage, [float((p + r).sum())])
+        return float(microbatch_times(self.params, [_STAGE_INDEX[stage]], [f], [self._message[stage]], spill)[0])
 
     def replica_time(self, microbatches: Iterable) -> float:
         """T_t,rep: the ordered sum of t_s(b) over ``(stage, prompt_lens, response_lens)`` micro-batches."""
-        idx, flops, msg = [], [], []
+        idx, flops, msg, spill = [], [], [], []
         for item in microbatches:
             try:
                 stage, p, r = item
@@ -278,16 +318,28 @@ class TrainerModel:
             idx.append(_STAGE_INDEX[stage])
             flops.append(float(sample_forward_flops(self.model, p, r).sum()))
             msg.append(self._message[stage])
+            spill.append(float(spill_bytes(self.model, self.hardware, stage, [float((p + r).sum())])[0]))
         if not idx:
             return 0.0
-        return float(microbatch_times(self.params, idx, flops, msg).sum())
+        return float(microbatch_times(self.params, idx, flops, msg, spill).sum())
 
     # ------------------------------------------------------------------------------------------
     def chunk_times(self, stage: str, prompt_lens, response_lens, d: int, chunk_size: int) -> np.ndarray:
         """The time of each chunk when the samples, in this order, are cut into chunks of ``chunk_size`` and each
         chunk runs on a gang of ``d`` replicas (replica-max of one micro-batch per busy replica)."""
         check_stage(stage)
+        if self._spills:
+            p, r = lengths(prompt_lens, response_lens)
+            size = check_replicas(chunk_size, "chunk_size (samples per chunk)")
+            return self._each_chunk(stage, p, r, range(0, p.size, size), range(size, p.size + size, size), d)
         return self._chunk_maxima(stage, self._cut(prompt_lens, response_lens, d, chunk_size))
+
+    def _each_chunk(self, stage: str, p: np.ndarray, r: np.ndarray, starts, stops, d: int) -> np.ndarray:
+        """:meth:`chunk_time` of each chunk ``[start, stop)`` of these samples, one by one (the chunks' times when
+        the cache-spill term makes them depend on the replicas' tokens, which the vectorised deals do not carry)."""
+        d = check_replicas(d)
+        return np.array([self._one_chunk_time(stage, p[a:min(b, p.size)], r[a:min(b, p.size)], d)
+                         for a, b in zip(starts, stops)], dtype=float)
 
     def _cut(self, prompt_lens, response_lens, d: int, chunk_size: int) -> "_Busiest":
         """The replica micro-batches of the samples cut into chunks of ``chunk_size`` on gangs of ``d``."""
@@ -321,8 +373,12 @@ class TrainerModel:
         if p.size == 0:
             return 0.0
         d = check_replicas(d)
-        cut = self._deal_chunks(sample_forward_flops(self.model, p, r), _token_ranks(p, r),
-                                self.packed_chunk_ids(p, r, d, max_tokens), d)
+        ids = self.packed_chunk_ids(p, r, d, max_tokens)
+        if self._spills:
+            bounds = np.flatnonzero(np.diff(ids)) + 1
+            starts, stops = np.concatenate(([0], bounds)), np.concatenate((bounds, [p.size]))
+            return float(sum(self._each_chunk(s, p, r, starts, stops, d).sum() for s in stages))
+        cut = self._deal_chunks(sample_forward_flops(self.model, p, r), _token_ranks(p, r), ids, d)
         return float(sum(self._chunk_maxima(s, cut).sum() for s in stages))
 
     def _deal_chunks(self, flops: np.ndarray, rank: np.ndarray, chunk: np.ndarray, d: int) -> "_Busiest":
@@ -352,6 +408,9 @@ class TrainerModel:
         flops = np.bincount(replica, weights=sample_forward_flops(self.model, p, r), minlength=width)
         tau, alpha, comm, r_s = self._terms[stage]
         t = tau + combine(np.float64(alpha) * flops, np.full(width, comm), np.full(width, r_s))
+        if self._spills:
+            tokens = np.bincount(replica, weights=(p + r).astype(float), minlength=width)
+            t = t + self.params.beta_mem[stage] * spill_bytes(self.model, self.hardware, stage, tokens)
         return float(t.max())
 
     def warm_chunk_times(self, stage: str, prompt_lens, response_lens, d: int, chunk_size: int) -> None:
@@ -370,6 +429,8 @@ class TrainerModel:
         d, p, r, starts, stops = _span_inputs(stage, prompt_lens, response_lens, starts, stops, d, covered=True)
         if starts.size == 0:
             return []
+        if self._spills:
+            return self._each_chunk(stage, p, r, starts, stops, d).tolist()
         size = stops - starts
         chunk = np.repeat(np.arange(starts.size), size)
         idx = np.arange(chunk.size) - np.repeat(np.cumsum(size) - size - starts, size)
@@ -381,7 +442,8 @@ class TrainerModel:
         replicas, all at once and without dealing any chunk: the busiest replica holds at least the mean of the
         chunk's FLOPs over its busy replicas and at least its heaviest sample, and t_s(b) grows with F(b). The
         bound is lowered by a relative 1e-9, far more than the rounding of either computation, so it never
-        exceeds the computed chunk time (what a search may prune with)."""
+        exceeds the computed chunk time (what a search may prune with). The cache-spill term (≥ 0) is left out,
+        which keeps it a lower bound."""
         d, p, r, starts, stops = _span_inputs(stage, prompt_lens, response_lens, starts, stops, d)
         if starts.size == 0:
             return []
@@ -404,7 +466,10 @@ class TrainerModel:
         """M_t(U, d): every stage's samples, in consumption order, as chunks of one micro-batch per device on
         the gang of ``d`` replicas; chunk times (replica-max) summed (module doc)."""
         stages = tuple(check_stage(s) for s in stages)
-        cut = self._cut(prompt_lens, response_lens, d, self.chunk_size(micro_batch_per_device, d))
+        size = self.chunk_size(micro_batch_per_device, d)
+        if self._spills:
+            return float(sum(self.chunk_times(s, prompt_lens, response_lens, d, size).sum() for s in stages))
+        cut = self._cut(prompt_lens, response_lens, d, size)
         return float(sum(self._chunk_maxima(s, cut).sum() for s in stages))
 
     def stage_times(self, prompt_lens, response_lens, ds, micro_batch_per_device: int, stages=STAGES) -> np.ndarray:
@@ -421,7 +486,7 @@ class TrainerModel:
         stages = tuple(check_stage(s) for s in stages)
         p, r = lengths(prompt_lens, response_lens)
         ds = [check_replicas(d) for d in ds]
-        if self.sequence_parallel > 1:        # a replica may hold a fraction of a group's micro-batch: one by one
+        if self.sequence_parallel > 1 or self._spills:    # fractions of a group's micro-batch, or token-dependent
             return np.array([self.stage_time(p, r, d, micro_batch_per_device, stages) for d in ds])
         per_replica = self.chunk_size(micro_batch_per_device, 1)       # samples per replica micro-batch
         f = sample_forward_flops(self.model, p, r)
