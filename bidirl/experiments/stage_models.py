@@ -262,7 +262,8 @@ def online_profile(config: Any = "a6000-default", *, steps: int = 4, seed: int =
     t = wrong.trainer
     alpha = {s: v / believed_speedup for s, v in t.params.alpha.items()}
     wrong.trainer = TrainerModel(t.model, t.hardware, layout=t.layout,
-                                 params=dataclasses.replace(t.params, alpha=alpha))
+                                 params=dataclasses.replace(t.params, alpha=alpha),
+                                 image_tokens_per_prompt=t.image_tokens_per_prompt)
     result = SimDriver(cfg, "bidirl", steps=steps, seed=seed, predictor=wrong).run()
     ends = result.log.steps_df()["end"].to_numpy()
     rows = [{"step": int(np.searchsorted(ends, r.t)), "work": RECORD_KINDS[r.k] + (f": {r.workload['stage']}" if r.k == "t" else ""), "role": r.x,

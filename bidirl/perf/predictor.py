@@ -91,7 +91,7 @@ class StagePredictor:
         overhead = execution.offload_seconds(m, hw, trainer_layout, rl.stages, rl.param_offload, rl.optimizer_offload)
         return cls(RolloutModel(m, hw, tp=rollout_layout, max_seqs=MAX_SEQS),
                    TrainerModel(m, hw, layout=trainer_layout, params=params, sequence_parallel=rl.sequence_parallel,
-                                expert_parallel=ep),
+                                expert_parallel=ep, image_tokens_per_prompt=stats.image_tokens_per_prompt),
                    w.group_size, context, overhead, updates)
 
     def refit(self, records) -> dict:

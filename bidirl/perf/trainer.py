@@ -52,7 +52,7 @@ import numpy as np
 from bidirl.core.protocol import chunk_size, packed_chunk_len, packed_groups
 from bidirl.perf.balance import check_replicas, grouped_order, runs_of, stable_order
 from bidirl.perf.expert_parallel import fsdp_message_bytes
-from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_stage, lengths, sample_forward_flops
+from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_image_tokens, check_stage, lengths, sample_forward_flops
 from bidirl.perf.overlap import combine, overlap
 from bidirl.perf.params import TrainerParams, default_trainer_params
 
@@ -220,8 +220,10 @@ class TrainerModel:
     defaults of :func:`bidirl.perf.params.default_trainer_params` when omitted)."""
 
     def __init__(self, model, hardware, layout: int = 1, params: Optional[TrainerParams] = None,
-                 sequence_parallel: int = 1, expert_parallel: int = 1):
+                 sequence_parallel: int = 1, expert_parallel: int = 1, image_tokens_per_prompt: int = 0):
         self.model, self.hardware = model, hardware
+        #: LLM image tokens per sample's prompt (the workload's): the ViT's FLOPs, :func:`bidirl.perf.flops.vit_forward_flops`
+        self.image_tokens_per_prompt = check_image_tokens(image_tokens_per_prompt)
         self.layout = check_replicas(layout, "layout (GPUs per trainer replica)")
         #: Ulysses degree k (``rl.sequence_parallel``): a chunk holds 1/k of the samples (data parallel = GPUs / k)
         self.sequence_parallel = check_replicas(sequence_parallel, "sequence_parallel")
@@ -260,7 +262,7 @@ class TrainerModel:
         p, r = lengths(prompt_lens, response_lens)
         if p.size == 0:
             return 0.0
-        f = float(sample_forward_flops(self.model, p, r).sum())
+        f = float(sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt).sum())
         return float(microbatch_times(self.params, [_STAGE_INDEX[stage]], [f], [self._message[stage]])[0])
 
     def replica_time(self, microbatches: Iterable) -> float:
@@ -276,7 +278,7 @@ class TrainerModel:
             if p.size == 0:
                 continue
             idx.append(_STAGE_INDEX[stage])
-            flops.append(float(sample_forward_flops(self.model, p, r).sum()))
+            flops.append(float(sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt).sum()))
             msg.append(self._message[stage])
         if not idx:
             return 0.0
@@ -294,7 +296,7 @@ class TrainerModel:
         p, r = lengths(prompt_lens, response_lens)
         d = check_replicas(d)
         size = check_replicas(chunk_size, "chunk_size (samples per chunk)")
-        return self._deal_chunks(sample_forward_flops(self.model, p, r), _token_ranks(p, r),
+        return self._deal_chunks(sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt), _token_ranks(p, r),
                                  np.arange(p.size) // size, d)
 
     def packed_chunk_ids(self, prompt_lens, response_lens, d: int, max_tokens: int) -> np.ndarray:
@@ -321,7 +323,7 @@ class TrainerModel:
         if p.size == 0:
             return 0.0
         d = check_replicas(d)
-        cut = self._deal_chunks(sample_forward_flops(self.model, p, r), _token_ranks(p, r),
+        cut = self._deal_chunks(sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt), _token_ranks(p, r),
                                 self.packed_chunk_ids(p, r, d, max_tokens), d)
         return float(sum(self._chunk_maxima(s, cut).sum() for s in stages))
 
@@ -349,7 +351,7 @@ class TrainerModel:
         rank[np.argsort(-(p + r), kind="stable")] = np.arange(n)
         rounds, pos = np.divmod(rank, width)
         replica = np.where(rounds % 2 == 0, pos, width - 1 - pos)
-        flops = np.bincount(replica, weights=sample_forward_flops(self.model, p, r), minlength=width)
+        flops = np.bincount(replica, weights=sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt), minlength=width)
         tau, alpha, comm, r_s = self._terms[stage]
         t = tau + combine(np.float64(alpha) * flops, np.full(width, comm), np.full(width, r_s))
         return float(t.max())
@@ -373,7 +375,7 @@ class TrainerModel:
         size = stops - starts
         chunk = np.repeat(np.arange(starts.size), size)
         idx = np.arange(chunk.size) - np.repeat(np.cumsum(size) - size - starts, size)
-        flops, rank = sample_forward_flops(self.model, p, r), _token_ranks(p, r)
+        flops, rank = sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt), _token_ranks(p, r)
         return self._chunk_maxima(stage, self._deal_chunks(flops[idx], rank[idx], chunk, d)).tolist()
 
     def span_time_bounds(self, stage: str, prompt_lens, response_lens, starts, stops, d: int) -> list:
@@ -385,7 +387,7 @@ class TrainerModel:
         d, p, r, starts, stops = _span_inputs(stage, prompt_lens, response_lens, starts, stops, d)
         if starts.size == 0:
             return []
-        f = sample_forward_flops(self.model, p, r)
+        f = sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt)
         total = np.concatenate(([0.0], np.cumsum(f)))
         mean = (total[stops] - total[starts]) / np.minimum(d, stops - starts)
         heaviest = _range_max(f, starts, stops)
@@ -424,7 +426,7 @@ class TrainerModel:
         if self.sequence_parallel > 1:        # a replica may hold a fraction of a group's micro-batch: one by one
             return np.array([self.stage_time(p, r, d, micro_batch_per_device, stages) for d in ds])
         per_replica = self.chunk_size(micro_batch_per_device, 1)       # samples per replica micro-batch
-        f = sample_forward_flops(self.model, p, r)
+        f = sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt)
         # a replica never holds more than ``per_replica`` samples of a chunk, so its sums stay below this bound
         if p.size == 0 or not (np.all(f == np.floor(f)) and per_replica * f.max() < 2.0 ** 53) \
                 or p.size >= 2 ** 16 * per_replica:
