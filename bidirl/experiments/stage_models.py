@@ -49,8 +49,10 @@ def _with_params(model, params):
     cls = type(model)
     if hasattr(model, "tp"):      # a RolloutModel: keep its KV budget and sequence cap
         return cls(model.model, model.hardware, tp=model.tp, params=params,
-                   kv_budget_bytes=model.kv_budget_bytes, max_seqs=model.max_seqs)
-    return cls(model.model, model.hardware, layout=model.layout, params=params)
+                   kv_budget_bytes=model.kv_budget_bytes, max_seqs=model.max_seqs,
+                   image_tokens_per_prompt=model.image_tokens_per_prompt)
+    return cls(model.model, model.hardware, layout=model.layout, params=params,
+               image_tokens_per_prompt=model.image_tokens_per_prompt)
 
 
 def relative_errors(observed, predicted) -> np.ndarray:

@@ -242,7 +242,8 @@ def calibrate_rollout(records, model: RolloutModel, *, fit_request_cost: bool = 
 
     params, pred, err, prior_err, ok, msg = _fit(space, predict, observed, setter)
     fitted = RolloutModel(model.model, model.hardware, tp=model.tp, params=params,
-                          kv_budget_bytes=model.kv_budget_bytes, max_seqs=model.max_seqs)
+                          kv_budget_bytes=model.kv_budget_bytes, max_seqs=model.max_seqs,
+                          image_tokens_per_prompt=model.image_tokens_per_prompt)
     return CalibrationResult("rollout", params, fitted, err, prior_err, tuple(free), ok, msg, pred)
 
 

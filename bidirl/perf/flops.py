@@ -20,14 +20,17 @@ Prefill FLOPs of a rollout request set ``R_j`` with ``B_j`` requests (appendix, 
     F_pre = 2·N·Σ p_i + c·4·L·H·Σ p_i² + 2·H·V·B_j
 
 (the head runs once per request, on the last prompt position; ``c`` the causal half, as above). ``N`` is ``N_nonemb``
-as for the trainer. ``H`` is the hidden size, ``L`` the number of layers, ``V`` the vocabulary size.
+as for the trainer (a vision-language model's decoder's, with the encoder's term per request: below). ``H`` is the
+hidden size, ``L`` the number of layers, ``V`` the vocabulary size.
 
 Vision-language models: ``N_nonemb`` above is the *decoder's* (:func:`decoder_params_nonembedding`, the vision
 encoder's parameters taken out), since text and response tokens never enter the ViT. The ViT runs in every trainer
 forward over each sample's image patches only, adding ``2·N_vision·T_vit`` per sample (:func:`vit_forward_flops`;
 ``T_vit`` = 4 × the prompt's LLM image tokens, the workload's ``image_tokens_per_prompt``), times ``m_s`` like the
-rest (the ViT is taken as trained: the paper does not say it is frozen). The rollout's prefill keeps the
-appendix's ``N`` (the engine's encoder runs in prefill; :mod:`bidirl.perf.params`).
+rest (the ViT is taken as trained: the paper does not say it is frozen). The rollout's prefill charges the same two
+parts: ``N_dec`` on every prompt token and the ViT once per request over its image patches (vLLM runs the encoder in
+the prefill that schedules a request's image tokens; decode never runs it), so ``F_pre`` gains ``2·N_vision·T_vit·B_j``
+(:func:`prefill_flops`). Both sides take a sample's encoder FLOPs from one function, :func:`vit_forward_flops`.
 
 For a mixture-of-experts model ``N_nonemb`` is the *active* non-embedding count
 (:attr:`~bidirl.job.presets.ModelSpec.params_active_nonembedding`: a token passes through its router's top-k experts
@@ -124,8 +127,17 @@ def vit_forward_flops(model, image_tokens_per_prompt: int, samples: int = 1) -> 
     veRL's FSDP actor runs the ViT in every trainer forward (``DataParallelPPOActor._forward_micro_batch`` in
     verl/workers/actor/dp_actor.py passes each micro-batch's ``multi_modal_inputs``, the pixel values and
     ``image_grid_thw``, into the model for ``compute_log_prob`` and ``update_policy`` alike), once per sample: each
-    of a group's responses carries its own copy of the prompt's image. The ViT's attention (bidirectional,
-    windowed per image, ``T_vit`` ≈ 10³) is left out: at ``T_vit`` = 1,024 it is < 5 % of the matmuls."""
+    of a group's responses carries its own copy of the prompt's image. The rollout's prefill charges the same count
+    once per request (:func:`prefill_flops_of_sums`): this is the one function both sides take it from.
+
+    Two simplifications, which partly cancel (Qwen3-VL-2B/4B's ViT, ``vision_config``: depth 24, hidden 1,024,
+    MLP 4,096 — 24 blocks of 12.6 M = 302 M parameters; the patch merger and the three DeepStack mergers, 4,096 →
+    4,096 → the decoder's width, ≈ 105-109 M; patch and position embeddings ≈ 4 M: the presets' 407 / 415 M):
+    the mergers run on the merged tokens, ``T_vit``/4, not on every patch, so ``2·N_vision·T_vit`` over-counts
+    them by ``2·(3/4)·~107 M·T_vit`` (≈ 19 % of the term); the ViT's attention — full and bidirectional within
+    each image (``Qwen3VLVisionAttention``, ``is_causal=False``, one ``cu_seqlens`` span per image) —
+    ``4·24·1,024·T_vit²`` is left out (≈ 12 % of the term at ``T_vit`` = 1,024). Net, the term is ≈ 7 % high at
+    geo3k's 256 image tokens: ≈ 0.3 % of a 4B sample of 700 prompt and 2,000 response tokens."""
     if int(samples) < 0:
         raise ValueError(f"samples must be >= 0, got {samples!r}")
     return 2.0 * float(model.vision_params) * vit_tokens_per_sample(image_tokens_per_prompt) * int(samples)
@@ -153,9 +165,27 @@ def stage_flops(model, stage: str, prompt_lens, response_lens, image_tokens_per_
     return stage_multiplier(stage) * forward_flops(model, prompt_lens, response_lens, image_tokens_per_prompt)
 
 
-def prefill_flops(model, prompt_lens) -> float:
-    """F_pre = 2·N·Σp + c·4·L·H·Σp² + 2·H·V·B_j for the requests whose prompts are ``prompt_lens``."""
+def prefill_flops(model, prompt_lens, image_tokens_per_prompt: int = 0) -> float:
+    """F_pre = 2·N_dec·Σp + c·4·L·H·Σp² + 2·H·V·B_j + 2·N_vision·T_vit·B_j for the requests whose prompts are
+    ``prompt_lens`` (:func:`prefill_flops_of_sums`)."""
     p = lengths(prompt_lens).astype(float)
-    return float(2.0 * model.params_active_nonembedding * p.sum()
-                 + CAUSAL_ATTENTION_FRACTION * 4.0 * model.layers * model.hidden * (p * p).sum()
-                 + 2.0 * model.hidden * model.vocab * p.size)
+    return float(prefill_flops_of_sums(model, float(p.size), p.sum(), (p * p).sum(), image_tokens_per_prompt))
+
+
+def prefill_flops_of_sums(model, requests, prompt_tokens, prompt_squares, image_tokens_per_prompt: int = 0):
+    """F_pre of request sets given by their sums — ``requests`` (B_j), ``prompt_tokens`` (Σ p_i) and
+    ``prompt_squares`` (Σ p_i²), numbers or arrays of one entry per set:
+    ``2·N_dec·Σp + c·4·L·H·Σp² + 2·H·V·B_j + B_j·vit_forward_flops(model, image_tokens_per_prompt)``.
+
+    Every prompt token, its image tokens among them, passes through the decoder (``N_dec``,
+    :func:`decoder_params_nonembedding`); the vision encoder runs once per request, over that request's image
+    patches only: vLLM schedules a request's encoder inputs in the prefill step that computes its image
+    placeholder tokens (vllm/v1/core/sched/scheduler.py ``_try_schedule_encoder_inputs``) and a decode step has
+    none to run. A request re-prefilled after losing its KV cache (a resumed or moved partial rollout) is a new
+    prefill and runs the encoder again. Sharing between a group's requests (vLLM's prefix cache, or its encoder
+    cache keyed by the image's hash) is not modelled, as for the decoder's prompt tokens: each request pays its
+    own prompt."""
+    return (2.0 * decoder_params_nonembedding(model) * prompt_tokens
+            + CAUSAL_ATTENTION_FRACTION * 4.0 * model.layers * model.hidden * prompt_squares
+            + 2.0 * model.hidden * model.vocab * requests
+            + vit_forward_flops(model, image_tokens_per_prompt) * requests)
