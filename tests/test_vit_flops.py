@@ -145,15 +145,20 @@ def test_the_rollout_model_and_the_engine_charge_the_encoder_per_request_in_pref
     assert rollout.image_tokens_per_prompt == 256
     m, q = rollout.model, rollout.params
     text = RolloutModel(m, rollout.hardware, params=q, max_seqs=rollout.max_seqs)
-    # one request set, whole: the features' F_pre is prefill_flops of the same prompts
+    # one request set, whole: the features' F_pre is prefill_flops of the same prompts (the same float64 terms
+    # summed in another order: relative rounding ~1e-16 per operation, far below 1e-12)
     feat = rollout.replica_features(P, R)
     assert feat.f_pre[0] == pytest.approx(prefill_flops(m, P, 256), rel=1e-12)
     assert text.replica_features(P, R).f_pre[0] == pytest.approx(prefill_flops(m, P), rel=1e-12)
-    # prefill moves by α_pre times the encoder's FLOPs of the three requests; decode does not move at all
+    # prefill moves by α_pre times the encoder's FLOPs of the three requests; decode does not move at all (the
+    # same parameters and features: exact). The prefill times are ~0.2 s and differ by ~0.05 s; float64 rounding
+    # of ~0.2 s sums is ~1e-17 s, so their difference matches to ~1e-15 relative: 1e-9 leaves room for the
+    # overlap's arithmetic, and a missing or doubled encoder term (100 % off) still fails
     encoder = vit_forward_flops(m, 256, len(P))
     assert rollout.prefill_time(P) - text.prefill_time(P) == pytest.approx(q.alpha_pre * encoder, rel=1e-9)
     assert rollout.decode_time(P, R) == text.decode_time(P, R)
-    # the planner's vectorised path agrees with the per-replica one (groups of 1 over 2 replicas)
+    # the planner's vectorised path agrees with the per-replica one (groups of 1 over 2 replicas): the same
+    # whole-number feature sums (exact below 2**53) and float64 products, ~1e-16 relative apart
     assert rollout.stage_times(P, R, [2])[0] == pytest.approx(rollout.stage_time(P, R, 2), rel=1e-12)
     # the continuous-batching engine's prefill waves use the same count
     assert predictor.engine_costs().prefill_flops(np.asarray(P)) == pytest.approx(prefill_flops(m, P, 256),
