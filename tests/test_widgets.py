@@ -702,12 +702,13 @@ def _paper_run(seed=0):
 
 @pytest.mark.parametrize("pace", [100.0, 2000.0])
 def test_a_replay_reaches_the_runs_end_and_play_starts_over(pace):
-    # seed 0: a run whose end is an odd number of ticks (3,617 with the models of this writing; seed 5's, 3,605
-    # before, became 3,552 with TailWindow's reclaim of queued chunks), so at the capped pace (half the run per
+    # seed 2: a run whose end is an odd number of ticks (3,575 with the models of this writing; seed 0's, 3,617
+    # before, became 3,604 when the trainer's FLOPs stopped charging the vision encoder on every token, and seed
+    # 5's 3,605 became 3,552 with TailWindow's reclaim of queued chunks), so at the capped pace (half the run per
     # frame, 2000) the end is not a whole number of steps from 0 — the case this test guards; the
     # premise's assertion below fails if a change of the models makes the end even
     g = LiveGantt(labels=("bidirl",))
-    result = g.run(_paper_run(seed=0), pace=math.inf)["bidirl"]
+    result = g.run(_paper_run(seed=2), pace=math.inf)["bidirl"]
     last = max(s.end for s in result.log.spans)
     g.controls["pace"].value = pace
     step, top = g.controls["play"].step, g.controls["play"].max

@@ -49,8 +49,10 @@ def _with_params(model, params):
     cls = type(model)
     if hasattr(model, "tp"):      # a RolloutModel: keep its KV budget and sequence cap
         return cls(model.model, model.hardware, tp=model.tp, params=params,
-                   kv_budget_bytes=model.kv_budget_bytes, max_seqs=model.max_seqs)
-    return cls(model.model, model.hardware, layout=model.layout, params=params)
+                   kv_budget_bytes=model.kv_budget_bytes, max_seqs=model.max_seqs,
+                   image_tokens_per_prompt=model.image_tokens_per_prompt)
+    return cls(model.model, model.hardware, layout=model.layout, params=params,
+               image_tokens_per_prompt=model.image_tokens_per_prompt)
 
 
 def relative_errors(observed, predicted) -> np.ndarray:
@@ -262,7 +264,8 @@ def online_profile(config: Any = "a6000-default", *, steps: int = 4, seed: int =
     t = wrong.trainer
     alpha = {s: v / believed_speedup for s, v in t.params.alpha.items()}
     wrong.trainer = TrainerModel(t.model, t.hardware, layout=t.layout,
-                                 params=dataclasses.replace(t.params, alpha=alpha))
+                                 params=dataclasses.replace(t.params, alpha=alpha),
+                                 image_tokens_per_prompt=t.image_tokens_per_prompt)
     result = SimDriver(cfg, "bidirl", steps=steps, seed=seed, predictor=wrong).run()
     ends = result.log.steps_df()["end"].to_numpy()
     rows = [{"step": int(np.searchsorted(ends, r.t)), "work": RECORD_KINDS[r.k] + (f": {r.workload['stage']}" if r.k == "t" else ""), "role": r.x,

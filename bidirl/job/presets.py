@@ -264,6 +264,9 @@ class WorkloadStats:
     response_drift_per_step: float
     step_noise: float            # relative per-step jitter of the response mean
     multimodal: bool = False
+    #: LLM image tokens in each prompt (inside ``prompt_*``); the trainer's ViT runs over 4× as many patches
+    #: (:func:`bidirl.perf.flops.vit_forward_flops`). 0: no image (a text workload)
+    image_tokens_per_prompt: int = 0
     sources: tuple = ()
 
 
@@ -310,6 +313,8 @@ def _load_file(cls, path: Path, name: str):
         raw["dense_layers"] = tuple(raw["dense_layers"])
     if cls is HardwareSpec:
         _check_hardware(raw, path)
+    if cls is WorkloadStats:
+        _check_image_tokens(raw, path)
     hints = typing.get_type_hints(cls)
     for key, value in raw.items():
         if hints[key] in (float, int) and not isinstance(value, (int, float)):
@@ -329,6 +334,21 @@ def load_hardware_file(path: "str | Path") -> HardwareSpec:
     if not path.is_file():
         raise PresetError(f"{path}: no such hardware preset file", "pass the path of a .yaml preset")
     return _load_file(HardwareSpec, path, path.stem)
+
+
+def _check_image_tokens(raw: dict, path: Path) -> None:
+    """``image_tokens_per_prompt`` of a workload preset: a whole number >= 0, no more than ``prompt_min`` (the
+    image tokens are part of every prompt), and 0 unless the workload is ``multimodal``."""
+    n = raw.get("image_tokens_per_prompt", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise PresetError(f"{path.name}: image_tokens_per_prompt must be a whole number >= 0, got {n!r}",
+                          "write the LLM image tokens per prompt (0 for a text workload)")
+    if n and not raw.get("multimodal", False):
+        raise PresetError(f"{path.name}: image_tokens_per_prompt is {n} but the workload is not multimodal",
+                          "set multimodal: true or image_tokens_per_prompt: 0")
+    if isinstance(raw.get("prompt_min"), (int, float)) and n > raw["prompt_min"]:
+        raise PresetError(f"{path.name}: image_tokens_per_prompt ({n}) exceeds prompt_min ({raw['prompt_min']}); "
+                          "the image tokens are part of every prompt", "lower image_tokens_per_prompt or raise prompt_min")
 
 
 def _check_hardware(raw: dict, path: Path) -> None:

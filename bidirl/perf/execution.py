@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 
 from bidirl.perf.costs import PAGEABLE_FRACTION
-from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES
+from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, decoder_params_nonembedding
 from bidirl.perf.params import TrainerParams, knob, link_bandwidth
 
 #: forward-equivalents of ``actor_update`` with activation checkpointing: forward + backward (3) + the recompute (1)
@@ -86,11 +86,13 @@ def with_all_to_all_time(params: TrainerParams, model, layout: int, recompute: b
     """``params`` with each stage's α raised by an all-to-all of ``seconds_per_token(stage)`` per token on a GPU:
     a replica micro-batch of T tokens puts T/ρ on each GPU, over the linear layers' ``2·N_act · m_s · T`` FLOPs,
     so ``Δα = seconds_per_token / (ρ · 2·N_act · m_s)`` per FLOP (Ulysses' and expert parallelism's all-to-alls
-    alike; the attention's quadratic FLOPs carry none)."""
+    alike; the attention's quadratic FLOPs carry none). ``N_act`` is the decoder's
+    (:func:`bidirl.perf.flops.decoder_params_nonembedding`): a vision encoder's parameters are not charged per
+    token."""
     alpha = dict(params.alpha)
     for s in STAGES:
         multiplier = STAGE_MULTIPLIER[s] + (1 if recompute and s == "actor_update" else 0)
-        alpha[s] += seconds_per_token(s) / (layout * 2.0 * model.params_active_nonembedding * multiplier)
+        alpha[s] += seconds_per_token(s) / (layout * 2.0 * decoder_params_nonembedding(model) * multiplier)
     return dataclasses.replace(params, alpha=alpha)
 
 

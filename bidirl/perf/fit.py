@@ -245,7 +245,8 @@ def calibrate_rollout(records, model: RolloutModel, *, fit_request_cost: bool = 
 
     params, pred, err, prior_err, ok, msg = _fit(space, predict, observed, setter)
     fitted = RolloutModel(model.model, model.hardware, tp=model.tp, params=params,
-                          kv_budget_bytes=model.kv_budget_bytes, max_seqs=model.max_seqs)
+                          kv_budget_bytes=model.kv_budget_bytes, max_seqs=model.max_seqs,
+                          image_tokens_per_prompt=model.image_tokens_per_prompt)
     return CalibrationResult("rollout", params, fitted, err, prior_err, tuple(free), ok, msg, pred)
 
 
@@ -262,7 +263,8 @@ def _trainer_shares(df: pd.DataFrame, model: TrainerModel):
         p, r = lengths(np.atleast_1d(p), np.atleast_1d(r))
         d_eff = min(int(d), p.size)
         replica, _ = serpentine(p + r, d_eff)
-        f = np.bincount(replica, weights=sample_forward_flops(model.model, p, r), minlength=d_eff)
+        f = np.bincount(replica, weights=sample_forward_flops(model.model, p, r, model.image_tokens_per_prompt),
+                        minlength=d_eff)
         tokens = np.bincount(replica, weights=(p + r).astype(float), minlength=d_eff)
         stage_idx.append(np.full(d_eff, index[stage]))
         flops.append(f)
@@ -325,7 +327,8 @@ def calibrate_trainer(records, model: TrainerModel, *, fit_spill_cost: bool = Fa
     params, pred, err, prior_err, ok, message = _fit(space, predict, observed, setter)
     fitted = TrainerModel(model.model, model.hardware, layout=model.layout, params=params,
                           sequence_parallel=getattr(model, "sequence_parallel", 1),
-                          expert_parallel=getattr(model, "expert_parallel", 1))
+                          expert_parallel=getattr(model, "expert_parallel", 1),
+                          image_tokens_per_prompt=model.image_tokens_per_prompt)
     return CalibrationResult("trainer", params, fitted, err, prior_err, tuple(space.names), ok, message, pred)
 
 

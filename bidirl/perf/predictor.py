@@ -89,9 +89,10 @@ class StagePredictor:
         params = with_expert_parallel(params, m, hw, ep, trainer_layout, recompute)
         updates = cfg.optimizer_updates_per_step // rl.updates_per_sync     # per local update
         overhead = execution.offload_seconds(m, hw, trainer_layout, rl.stages, rl.param_offload, rl.optimizer_offload)
-        return cls(RolloutModel(m, hw, tp=rollout_layout, max_seqs=MAX_SEQS),
+        return cls(RolloutModel(m, hw, tp=rollout_layout, max_seqs=MAX_SEQS,
+                                image_tokens_per_prompt=stats.image_tokens_per_prompt),
                    TrainerModel(m, hw, layout=trainer_layout, params=params, sequence_parallel=rl.sequence_parallel,
-                                expert_parallel=ep),
+                                expert_parallel=ep, image_tokens_per_prompt=stats.image_tokens_per_prompt),
                    w.group_size, context, overhead, updates)
 
     def refit(self, records) -> dict:
@@ -206,9 +207,9 @@ class StagePredictor:
 
     def engine_costs(self) -> EngineCosts:
         p = self.rollout.params
-        spec = self.rollout.model
+        spec, images = self.rollout.model, self.rollout.image_tokens_per_prompt
         return EngineCosts(tau_pre=p.tau_pre, alpha_pre=p.alpha_pre, tau_dec=p.tau_dec, beta_tok=p.beta_tok,
                            beta_hist=p.beta_hist,
-                           prefill_flops=lambda prompts: prefill_flops(spec, prompts),
+                           prefill_flops=lambda prompts: prefill_flops(spec, prompts, images),
                            kv_tokens=int(self.rollout.kv_budget_bytes // self.rollout.kv_bytes_per_token),
                            max_seqs=self.rollout.max_seqs or MAX_SEQS, gamma_req=p.gamma_req)

@@ -5,8 +5,9 @@ For the request set R_j of one replica (prompt lengths p_i, response lengths r_i
 * KV footprint per token ``b_kv = 2·L·H_kv·d_head·b_dtype / tp`` and KV-limited concurrency
   ``N_max(ℓ) = max(1, ⌊B_kv / (b_kv·ℓ)⌋)`` at average live length ℓ;
 * prefill: ``N_pre = min(B_j, N_max(mean p))``, ``W_pre = ⌈B_j / N_pre⌉`` waves,
-  ``P_pre = τ_pre·W_pre + α_pre·F_pre + γ_req·B_j`` (F_pre from :func:`bidirl.perf.flops.prefill_flops`;
-  γ_req below);
+  ``P_pre = τ_pre·W_pre + α_pre·F_pre + γ_req·B_j`` (F_pre from :func:`bidirl.perf.flops.prefill_flops_of_sums`:
+  a vision-language model's decoder on every prompt token and its vision encoder once per request over the
+  workload's ``image_tokens_per_prompt``; γ_req below);
 * decode step t: ``A_t = {i : r_i ≥ t}``, ``ℓ_t = mean_{A_t}(p_i + t − 1)``,
   ``w_t = ⌈|A_t| / min(|A_t|, N_max(ℓ_t))⌉``; features ``W_dec = Σ_t w_t``, ``N_tok = Σ r_i``,
   ``H_dec = Σ (r_i·p_i + r_i(r_i−1)/2)``; ``P_dec = τ_dec·W_dec + β_tok·N_tok + β_hist·H_dec``;
@@ -57,7 +58,7 @@ from typing import Optional
 import numpy as np
 
 from bidirl.perf.balance import check_replicas, grouped_order, runs_of, small_keys, stable_order
-from bidirl.perf.flops import CAUSAL_ATTENTION_FRACTION, lengths
+from bidirl.perf.flops import check_image_tokens, lengths, prefill_flops_of_sums
 from bidirl.perf.overlap import combine, overlap
 from bidirl.perf.params import RolloutParams, default_rollout_params
 
@@ -162,12 +163,16 @@ class RolloutModel:
     ``params`` defaults to :func:`bidirl.perf.params.default_rollout_params`; ``kv_budget_bytes`` (B_kv, per
     GPU) to what :func:`bidirl.perf.memory.kv_budget_bytes` leaves after weights and the activation reserve.
     ``max_seqs`` optionally caps N_max (vLLM's ``max_num_seqs``); the appendix's model has no cap (None).
+    ``image_tokens_per_prompt``: the LLM image tokens in every request's prompt (the workload's; 0 for text), whose
+    vision-encoder FLOPs each request's prefill pays once (:func:`bidirl.perf.flops.prefill_flops_of_sums`).
     """
 
     def __init__(self, model, hardware, tp: int = 1, params: Optional[RolloutParams] = None,
-                 kv_budget_bytes: Optional[float] = None, max_seqs: Optional[int] = None):
+                 kv_budget_bytes: Optional[float] = None, max_seqs: Optional[int] = None,
+                 image_tokens_per_prompt: int = 0):
         from bidirl.perf.memory import kv_budget_bytes as default_budget
         self.model, self.hardware = model, hardware
+        self.image_tokens_per_prompt = check_image_tokens(image_tokens_per_prompt)
         self.tp = check_replicas(tp, "tp (GPUs per rollout replica)")
         self.params = params if params is not None else default_rollout_params(model, hardware, self.tp)
         if not isinstance(self.params, RolloutParams):
@@ -288,10 +293,7 @@ class RolloutModel:
             mean_p = p_sum / np.maximum(b, 1.0)
             n_pre = np.minimum(b, self._n_max(mean_p))
             w_pre = np.where(b > 0, np.ceil(b / np.maximum(n_pre, 1.0)), 0.0)
-        m = self.model
-        f_pre = (2.0 * m.params_active_nonembedding * p_sum
-                 + CAUSAL_ATTENTION_FRACTION * 4.0 * m.layers * m.hidden * p2_sum + 2.0 * m.hidden * m.vocab * b)
-        return w_pre, f_pre
+        return w_pre, prefill_flops_of_sums(self.model, b, p_sum, p2_sum, self.image_tokens_per_prompt)
 
     def replica_features(self, prompt_lens, response_lens, replica=None, d: int = 1) -> RolloutFeatures:
         """Features of ``d`` replicas; request i runs on replica ``replica[i]`` (all on replica 0 if None)."""

@@ -54,7 +54,7 @@ import numpy as np
 from bidirl.core.protocol import chunk_size, packed_chunk_len, packed_groups
 from bidirl.perf.balance import check_replicas, grouped_order, runs_of, stable_order
 from bidirl.perf.expert_parallel import fsdp_message_bytes
-from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_stage, lengths, sample_forward_flops
+from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_image_tokens, check_stage, lengths, sample_forward_flops
 from bidirl.perf.memory import UNCHECKPOINTED_BYTES_PER_HIDDEN
 from bidirl.perf.overlap import combine, overlap
 from bidirl.perf.params import TrainerParams, default_trainer_params
@@ -255,8 +255,10 @@ class TrainerModel:
     defaults of :func:`bidirl.perf.params.default_trainer_params` when omitted)."""
 
     def __init__(self, model, hardware, layout: int = 1, params: Optional[TrainerParams] = None,
-                 sequence_parallel: int = 1, expert_parallel: int = 1):
+                 sequence_parallel: int = 1, expert_parallel: int = 1, image_tokens_per_prompt: int = 0):
         self.model, self.hardware = model, hardware
+        #: LLM image tokens per sample's prompt (the workload's): the ViT's FLOPs, :func:`bidirl.perf.flops.vit_forward_flops`
+        self.image_tokens_per_prompt = check_image_tokens(image_tokens_per_prompt)
         self.layout = check_replicas(layout, "layout (GPUs per trainer replica)")
         #: Ulysses degree k (``rl.sequence_parallel``): a chunk holds 1/k of the samples (data parallel = GPUs / k)
         self.sequence_parallel = check_replicas(sequence_parallel, "sequence_parallel")
@@ -299,7 +301,7 @@ class TrainerModel:
         p, r = lengths(prompt_lens, response_lens)
         if p.size == 0:
             return 0.0
-        f = float(sample_forward_flops(self.model, p, r).sum())
+        f = float(sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt).sum())
         spill = spill_bytes(self.model, self.hardware, stage, [float((p + r).sum())])
         return float(microbatch_times(self.params, [_STAGE_INDEX[stage]], [f], [self._message[stage]], spill)[0])
 
@@ -316,7 +318,7 @@ class TrainerModel:
             if p.size == 0:
                 continue
             idx.append(_STAGE_INDEX[stage])
-            flops.append(float(sample_forward_flops(self.model, p, r).sum()))
+            flops.append(float(sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt).sum()))
             msg.append(self._message[stage])
             spill.append(float(spill_bytes(self.model, self.hardware, stage, [float((p + r).sum())])[0]))
         if not idx:
@@ -346,7 +348,7 @@ class TrainerModel:
         p, r = lengths(prompt_lens, response_lens)
         d = check_replicas(d)
         size = check_replicas(chunk_size, "chunk_size (samples per chunk)")
-        return self._deal_chunks(sample_forward_flops(self.model, p, r), _token_ranks(p, r),
+        return self._deal_chunks(sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt), _token_ranks(p, r),
                                  np.arange(p.size) // size, d)
 
     def packed_chunk_ids(self, prompt_lens, response_lens, d: int, max_tokens: int) -> np.ndarray:
@@ -378,7 +380,7 @@ class TrainerModel:
             bounds = np.flatnonzero(np.diff(ids)) + 1
             starts, stops = np.concatenate(([0], bounds)), np.concatenate((bounds, [p.size]))
             return float(sum(self._each_chunk(s, p, r, starts, stops, d).sum() for s in stages))
-        cut = self._deal_chunks(sample_forward_flops(self.model, p, r), _token_ranks(p, r), ids, d)
+        cut = self._deal_chunks(sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt), _token_ranks(p, r), ids, d)
         return float(sum(self._chunk_maxima(s, cut).sum() for s in stages))
 
     def _deal_chunks(self, flops: np.ndarray, rank: np.ndarray, chunk: np.ndarray, d: int) -> "_Busiest":
@@ -405,7 +407,7 @@ class TrainerModel:
         rank[np.argsort(-(p + r), kind="stable")] = np.arange(n)
         rounds, pos = np.divmod(rank, width)
         replica = np.where(rounds % 2 == 0, pos, width - 1 - pos)
-        flops = np.bincount(replica, weights=sample_forward_flops(self.model, p, r), minlength=width)
+        flops = np.bincount(replica, weights=sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt), minlength=width)
         tau, alpha, comm, r_s = self._terms[stage]
         t = tau + combine(np.float64(alpha) * flops, np.full(width, comm), np.full(width, r_s))
         if self._spills:
@@ -434,7 +436,7 @@ class TrainerModel:
         size = stops - starts
         chunk = np.repeat(np.arange(starts.size), size)
         idx = np.arange(chunk.size) - np.repeat(np.cumsum(size) - size - starts, size)
-        flops, rank = sample_forward_flops(self.model, p, r), _token_ranks(p, r)
+        flops, rank = sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt), _token_ranks(p, r)
         return self._chunk_maxima(stage, self._deal_chunks(flops[idx], rank[idx], chunk, d)).tolist()
 
     def span_time_bounds(self, stage: str, prompt_lens, response_lens, starts, stops, d: int) -> list:
@@ -447,7 +449,7 @@ class TrainerModel:
         d, p, r, starts, stops = _span_inputs(stage, prompt_lens, response_lens, starts, stops, d)
         if starts.size == 0:
             return []
-        f = sample_forward_flops(self.model, p, r)
+        f = sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt)
         total = np.concatenate(([0.0], np.cumsum(f)))
         mean = (total[stops] - total[starts]) / np.minimum(d, stops - starts)
         heaviest = _range_max(f, starts, stops)
@@ -489,7 +491,7 @@ class TrainerModel:
         if self.sequence_parallel > 1 or self._spills:    # fractions of a group's micro-batch, or token-dependent
             return np.array([self.stage_time(p, r, d, micro_batch_per_device, stages) for d in ds])
         per_replica = self.chunk_size(micro_batch_per_device, 1)       # samples per replica micro-batch
-        f = sample_forward_flops(self.model, p, r)
+        f = sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt)
         # a replica never holds more than ``per_replica`` samples of a chunk, so its sums stay below this bound
         if p.size == 0 or not (np.all(f == np.floor(f)) and per_replica * f.max() < 2.0 ** 53) \
                 or p.size >= 2 ** 16 * per_replica:

@@ -87,7 +87,8 @@ class VerlUpdate:
         if recompute:
             params = execution.with_recompute(params, m, hw)
         params = execution.with_sequence_parallel(params, m, hw, r.sequence_parallel, r.sequence_parallel, recompute)
-        return cls(TrainerModel(m, hw, layout=r.sequence_parallel, params=params), cfg.cluster.gpus,
+        return cls(TrainerModel(m, hw, layout=r.sequence_parallel, params=params,
+                                image_tokens_per_prompt=cfg.workload_stats.image_tokens_per_prompt), cfg.cluster.gpus,
                    r.sequence_parallel, cfg.workload.group_size, cfg.workload.prompts_per_step, r.mini_batch_prompts,
                    r.max_tokens_per_micro_batch, r.micro_batch_per_device, int(trainer_layout), r.param_offload,
                    r.optimizer_offload,
