@@ -220,6 +220,8 @@ class HardwareSpec:
     decode_token_overhead: float = DECODE_TOKEN_OVERHEAD           # s per running sequence per decode iteration
     stage_params: dict = field(default_factory=dict)               # model -> fitted appendix parameters
     switch_model: dict = field(default_factory=dict)               # fitted constants of bidirl.perf.costs
+    #: B/s of a single-controller trainer's data path per call (bidirl.perf.controller_data); None: not charged
+    controller_data_rate: Optional[float] = None
     sources: tuple = ()
 
     def knobs(self) -> dict:
@@ -340,6 +342,11 @@ def _check_hardware(raw: dict, path: Path) -> None:
                 raise PresetError(f"{path.name}: {exc}",
                                   f"set {key} in {path} to a value in that range (efficiency factors are fractions "
                                   "of peak, overheads seconds), or re-run `bidirl calibrate`") from None
+    rate = raw.get("controller_data_rate")
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0):
+        raise PresetError(f"{path.name}: controller_data_rate must be a rate in B/s > 0 or absent, got {rate!r}",
+                          f"fix controller_data_rate in {path} (bidirl.perf.controller_data), or drop it so the "
+                          "driver's data path is not charged")
     if "switch_model" in raw:
         from bidirl.perf.costs import check_switch_model
         try:
