@@ -2,7 +2,7 @@
 
 The rows are veRL's own measurements of its colocated synchronous trainer and its disaggregated fully-async
 trainer (Qwen2.5-Math-7B, DAPO math, 28K-token responses, H20, 32 to 128 GPUs; ``data/fidelity/
-verl_fully_async.yaml`` cites each). :func:`bidirl.experiments.fidelity_external.evaluate` fits two knobs
+verl_fully_async.yaml`` cites each). :func:`bidirl.experiments.fidelity_external.evaluate` fits three knobs
 of the H20 preset on the one calibrating row, then simulates every row with the fitted preset. ``bidirl
 bench --only fidelity_external`` reports the predicted rows' median and worst |step-time error| and each
 published speedup with its predicted value; ``python -m benchmarks.bench_fidelity_external --write

@@ -6,9 +6,9 @@ breakdown (``gen``, ``old_log_prob``, ``update_actor``, veRL's timing names) —
 produced it, written as bidirl config keys, and its source. Exactly one row per model × hardware has
 ``role: calibrate``; every other row has ``role: predict``.
 
-:func:`fit` reads the calibrating row only: it solves for two knobs of the hardware preset (:data:`FIT_KNOBS`:
-``train_mfu`` from the row's trainer stages, ``scheduler_overhead`` from its ``gen``) so that the simulator
-reproduces that row. :func:`evaluate` then simulates every row with the fitted preset and sets the predicted numbers beside
+:func:`fit` reads the calibrating row only: it solves for three knobs of the hardware preset (:data:`FIT_KNOBS`:
+``train_mfu`` with ``controller_data_rate`` from the row's two trainer stages, ``scheduler_overhead`` from its
+``gen``) so that the simulator reproduces that row. :func:`evaluate` then simulates every row with the fitted preset and sets the predicted numbers beside
 the published ones; predicted rows are never read before the fit is done. The fit receives the rows *sealed*
 (:meth:`PublishedRow.sealed`): reading a predicted row's published numbers during the fit raises
 :class:`SealedRowError`, which is how ``tests/test_fidelity_external.py`` checks that the fit reads only the
@@ -313,7 +313,8 @@ def simulate_row(fs: FidelitySet, row: PublishedRow, hardware: Optional[str] = N
     """The simulated step time and veRL-named breakdown of ``row`` (seconds, mean per measured step):
     ``step`` (median step time of the measured window), ``gen`` (time the trainer waited for its batch;
     colocated: generation plus the switches into and out of it), ``old_log_prob`` and ``update_actor`` (the
-    trainer's chunk time of those stages; the update with its optimizer and offload copies), ``trainer_idle``."""
+    trainer's chunk time of those stages with their offload copies and the driver's data path of their calls
+    — spans with direction ``offload`` or ``dispatch`` —; the update with its optimizer steps), ``trainer_idle``."""
     from bidirl.sim import simulate
     steps = STEPS[_kind(row)][1 if quick else 0]
     cfg = fs.config(row, hardware, steps=steps, seed=seed)
