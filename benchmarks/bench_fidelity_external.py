@@ -2,7 +2,7 @@
 
 The rows are veRL's own measurements of its colocated synchronous trainer and its disaggregated fully-async
 trainer (Qwen2.5-Math-7B, DAPO math, 28K-token responses, H20, 32 to 128 GPUs; ``data/fidelity/
-verl_fully_async.yaml`` cites each). :func:`bidirl.experiments.fidelity_external.evaluate` fits two knobs
+verl_fully_async.yaml`` cites each). :func:`bidirl.experiments.fidelity_external.evaluate` fits three knobs
 of the H20 preset on the one calibrating row, then simulates every row with the fitted preset. ``bidirl
 bench --only fidelity_external`` reports the predicted rows' median and worst |step-time error| and each
 published speedup with its predicted value; ``python -m benchmarks.bench_fidelity_external --write
@@ -93,7 +93,9 @@ def page(quick: bool = False) -> str:
               "per trigger_parameter_sync_step local updates), bypass of the old-log-prob stage, activation "
               "checkpointing, parameter and optimizer offload in the colocated trainer (the Adam moments once "
               "around the update stage), attention FLOPs with the causal half, and per optimizer update the "
-              "gradient all-reduce across the trainer replicas and AdamW over each GPU's shard.", "",
+              "gradient all-reduce across the trainer replicas and AdamW over each GPU's shard, and the single "
+              "controller's data path of every trainer call (below).", "",
+              ] + _data_path_section(fs, ev) + [
               "Not modelled, each a reason a row can miss:", "",
               "- **The response lengths of each run.** The source publishes none; `dapo-math`'s distribution is an "
               "assumption (its preset names what the source does fix). The source says lengths change "
@@ -106,7 +108,18 @@ def page(quick: bool = False) -> str:
               "colocated 32 is 1.72× over the first 100 steps and 2.68× over 400, because colocated-32's steps "
               "grew to 1,142 s while async-16-16's stayed near 300 s.",
               "- **fsdp_size 2.** Both scripts shard over 2 GPUs; bidirl's memory model refuses that shard group at "
-              "the 61,440-token budget (the row file explains), so the trainer shards over the planner's 8.",
+              "the 61,440-token budget (the row file explains), so the trainer shards over the planner's 8. The "
+              "refusal holds against veRL's own memory use: FSDP2 keeps fp32 parameters, fp32 gradients and the two "
+              "fp32 Adam moments sharded (16 B per parameter, 60.8 GB per GPU over 2), and a micro-batch at the "
+              "budget holds the checkpointed layer inputs (28 × 3,584 × 2 B per token), one recomputed layer and "
+              "the vocabulary logits (152,064 per token, 2 B each even where the model does not upcast them to "
+              "fp32) — 43.6 GB, 104 GB in all against the H20's 96 GB. The jobs ran because their micro-batches "
+              "stayed far below the budget. (The model also counts 2 B per parameter of sharded bf16 weights that "
+              "FSDP2 only holds unsharded one block at a time: 7.6 GB over 2, an over-count that is not the "
+              "refusal's cause.) At 2 the gradient all-reduce across replicas, AdamW and the offload copies would "
+              "each be 4× the 8-GPU group's: about 8 s more per step in the asynchronous trainer and 12 s in the colocated "
+              "one (mostly the all-reduce of the 15.2 GB fp32 gradient shard, 0.61 s per optimizer update at the "
+              "preset's 50 GB/s per GPU, against 0.15 s over 8), at every GPU count.",
               "- **Mini-batch boundaries in the asynchronous trainer.** The colocated baseline cuts micro-batches per "
               "mini-batch (`sim/verl_update.py`); the asynchronous trainer's chunk queue packs a local update's "
               "samples without regard to its mini-batches (the coordinator's chunk cutting).",
@@ -125,22 +138,69 @@ def page(quick: bool = False) -> str:
               "bandwidth fits. The models charge these copies at the pageable share of PCIe 5.0 (21.3 GB/s): "
               "0.36 s around the log-prob stage and 1.07 s around the update on the planner's 8-GPU shard group "
               "(1.43 s and 4.28 s on the scripts' 2).",
-              "- **A fixed cost per trainer call (not modelled: no published rate).** What the published stages "
-              "do fit is one cost o per call that does not shrink with the GPUs: o + F = 70.3 and o + 4F = 133.4 "
-              "− 3.3 (the models' AdamW and copies at 64 GPUs) give F = 19.9 s and o = 50.4 s (at 128 GPUs, "
-              "from 53.9 and 113.8 − 3.3: F = 18.9 s, o = 35.0 s), and the asynchronous rows' update_actor has one "
-              "too (async-16-16's 269.8 s and async-32-32's 157.0 s give 44.0 s + 3,610 s / G). One candidate "
-              "from veRL's code: its driver sends each "
-              "worker-group call the whole step batch (`Dispatch.DP_COMPUTE_PROTO`, `DataProto.__getstate__`: "
-              "`consolidate()` and `torch.save` of every chunk through Ray's object store), padded to "
-              "max_prompt_length + max_response_length = 30,720 positions: six int64 tensors (prompts, responses, "
-              "input_ids, attention_mask, position_ids, response_mask; 151,552 values, 1.2 MB per sample), about "
-              "9.9 GB for 8,192 samples at every GPU count and any response length. That needs about "
-              "0.2 GB/s end to end to take o, a rate no published measurement of this job gives, so it is not "
-              "charged.",
               ]
     lines += _drift_section(ev)
     return "\n".join(lines) + "\n"
+
+
+def _data_path_section(fs, ev) -> list:
+    """The driver's data path (``bidirl.perf.controller_data``): bytes per call, the fitted rate, what it charges,
+    and what the fit's ``train_mfu`` says."""
+    from bidirl.perf import controller_data as D
+    rate = ev.fit.knobs.get("controller_data_rate")
+    by = {e["id"]: e for e in ev.table}
+    cal = next(e for e in ev.table if e["role"] == "calibrate")
+    colo, asyn = fs.config(fs.row(cal["id"])), fs.config(next(r for r in fs.rows if r.system != fs.row(cal["id"]).system))
+    samples = colo.workload.prompts_per_step * colo.workload.group_size
+    w = colo.workload
+    per = {k: D.sample_bytes(st, w.max_prompt_len, w.max_response_len, rollout_log_probs=rl)
+           for k, st, rl in (("lp", "old_logprob", False), ("up", "actor_update", False),
+                             ("async", "actor_update", True))}
+    step = {"lp": D.job_call_bytes("old_logprob", samples, colo), "up": D.job_call_bytes("actor_update", samples, colo),
+            "async": D.job_call_bytes("actor_update", samples, asyn)}
+    lines = [
+        "**The single controller's data path** (docs/architecture.md, \"Execution settings of real jobs\"; "
+        "`perf/controller_data.py`). veRL's `old_log_prob` and `update_actor` timers bracket a whole worker-group "
+        "call (`ray_trainer.py`: `marked_timer(\"update_actor\")` around `actor_rollout_wg.update_actor(batch)`; "
+        "the fully-async recipe's `_process_batch_common` likewise), and a call sends every data rank its piece "
+        "of the whole batch through Ray's object store (`dispatch_nd_compute_dataproto`, `parallel_put`, "
+        "`DataProto.__getstate__`: `consolidate()` + `torch.save`), to each of the 4 GPUs of a Ulysses group, "
+        "and `ray.get`s every worker's output. The batch is padded to max_prompt_length + max_response_length = "
+        f"{w.max_prompt_len + w.max_response_len:,} positions and carries every key: "
+        f"{per['lp'] / 1e6:.2f} MB per sample for the log-prob call (int64 token tensors sent, fp32 "
+        f"old_log_probs and entropys returned), {per['up'] / 1e6:.2f} MB for the colocated update (fp32 "
+        f"old_log_probs, scores, rewards, advantages, returns added), {per['async'] / 1e6:.2f} MB for the "
+        f"fully-async update (the rollout's log-probs too). Per step ({samples:,} samples, × 4 Ulysses copies): "
+        f"{step['lp'] / 1e9:.1f} GB, {step['up'] / 1e9:.1f} GB and {step['async'] / 1e9:.1f} GB, at every "
+        "trainer GPU count — a fully-async step's require_batches local updates move the same bytes as one call "
+        "would. No published figure gives this path's rate for the measured jobs, so it is a knob fitted on the "
+        "calibrating row's own two trainer stages together with `train_mfu` (two figures, two knobs, nothing "
+        "else read): "
+        + (f"{rate / 1e9:.2f} GB/s end to end, i.e. {step['lp'] / rate:.1f} s of the log-prob stage, "
+           f"{step['up'] / rate:.1f} s of the colocated update and {step['async'] / rate:.1f} s of a fully-async "
+           "step's updates." if rate else "not fitted."),
+        "",
+    ]
+    if "train_mfu" in ev.fit.at_bound:
+        lines += [
+            f"`train_mfu` ends at its bound 1.0, which no trainer reaches: with the data path taking its share, the "
+            f"calibrating row's split (old_log_prob {cal['published_old_log_prob']:.1f} s, update_actor "
+            f"{cal['published_update_actor']:.1f} s, ratio {cal['published_update_actor'] / cal['published_old_log_prob']:.2f}) "
+            "needs less worker compute than the models' FLOPs of the assumed `dapo-math` lengths give at peak. "
+            "The models' update does about five times the log-prob's worker time (four forward-equivalents with "
+            "recompute, and each of the 16 mini-batches waits for its slowest data rank, where the log-prob pass is "
+            "balanced over the whole step), and the data path weighs the update "
+            f"{per['up'] / per['lp']:.2f}× the log-prob; the published ratio leaves the log-prob stage more "
+            "fixed cost than bytes explain. At the bound the fit reproduces the calibrating row to "
+            f"{100 * (cal['predicted_old_log_prob'] / cal['published_old_log_prob'] - 1):+.0f} % (old_log_prob) "
+            f"and {100 * (cal['predicted_update_actor'] / cal['published_update_actor'] - 1):+.0f} % "
+            "(update_actor). What is missing is either the job's real response lengths (the fitted `train_mfu` "
+            "scales the assumed token count as much as the kernels' efficiency) or a log-prob-side cost the code "
+            "reading did not pin down (the driver's own work on the returned log-probs — `agg_loss` of the "
+            "entropies, `DataProto.concat`, `union` — at a rate of its own).",
+            "",
+        ]
+    return lines
 
 
 def _drift_section(ev) -> list:

@@ -101,12 +101,13 @@ def error_of(errors: pd.DataFrame, kind: str, split: str, predictor: str) -> dic
 
 
 def base_document(base) -> dict:
-    """A preset's datasheet fields as a YAML-ready mapping (no name, sources, stage_params, or an empty
-    switch model: the documented defaults apply)."""
+    """A preset's datasheet fields as a YAML-ready mapping (no name, sources, stage_params, an empty switch
+    model or an unset optional field such as ``controller_data_rate``: the documented defaults apply)."""
     doc = {}
     for f in dataclasses.fields(base):
         value = getattr(base, f.name)
-        if f.name in ("name", "sources", "stage_params") or (f.name == "switch_model" and not value):
+        if (f.name in ("name", "sources", "stage_params") or (f.name == "switch_model" and not value)
+                or value is None):
             continue
         doc[f.name] = dict(value) if isinstance(value, dict) else value
     return doc

@@ -6,9 +6,9 @@ breakdown (``gen``, ``old_log_prob``, ``update_actor``, veRL's timing names) —
 produced it, written as bidirl config keys, and its source. Exactly one row per model × hardware has
 ``role: calibrate``; every other row has ``role: predict``.
 
-:func:`fit` reads the calibrating row only: it solves for two knobs of the hardware preset (:data:`FIT_KNOBS`:
-``train_mfu`` from the row's trainer stages, ``scheduler_overhead`` from its ``gen``) so that the simulator
-reproduces that row. :func:`evaluate` then simulates every row with the fitted preset and sets the predicted numbers beside
+:func:`fit` reads the calibrating row only: it solves for three knobs of the hardware preset (:data:`FIT_KNOBS`:
+``train_mfu`` with ``controller_data_rate`` from the row's two trainer stages, ``scheduler_overhead`` from its
+``gen``) so that the simulator reproduces that row. :func:`evaluate` then simulates every row with the fitted preset and sets the predicted numbers beside
 the published ones; predicted rows are never read before the fit is done. The fit receives the rows *sealed*
 (:meth:`PublishedRow.sealed`): reading a predicted row's published numbers during the fit raises
 :class:`SealedRowError`, which is how ``tests/test_fidelity_external.py`` checks that the fit reads only the
@@ -41,14 +41,21 @@ from bidirl.job import presets
 
 ROLES = ("calibrate", "predict")
 METRICS = ("step", "gen", "old_log_prob", "update_actor")
-#: knobs the fit solves for, each from the published figure(s) it must reproduce on the calibrating row:
-#: the trainer's achieved FLOP share from its stages, and the rollout engine's fixed cost per decode iteration
-#: (scheduling, sampling, output handling) from the generation time — the term that sets a long response's
-#: per-token latency once the batch has drained, which is what a step's generation waits for
-FIT_KNOBS = {"train_mfu": ("old_log_prob", "update_actor"), "scheduler_overhead": ("gen",)}
+#: knobs the fit solves for, each group from the published figure(s) of the calibrating row it must reproduce:
+#: the trainer's achieved FLOP share and the rate of the single controller's data path
+#: (:mod:`bidirl.perf.controller_data`) together from its two trainer stages — a stage's time is the driver's
+#: data path of its call (bytes of the padded batch, the same at any GPU count) plus its workers' compute (in
+#: proportion to 1 / train_mfu), and the two stages weigh them differently (the update computes about four times
+#: the log-prob's FLOPs and moves about 1.3 times its bytes), so the pair pins both; then the rollout engine's fixed
+#: cost per decode iteration (scheduling, sampling, output handling) from the generation time — the term that sets a
+#: long response's per-token latency once the batch has drained, which is what a step's generation waits for
+FIT_KNOBS = {("train_mfu", "controller_data_rate"): ("old_log_prob", "update_actor"),
+             ("scheduler_overhead",): ("gen",)}
 #: knob search bounds: efficiency factors are fractions of peak (bidirl.perf.params.check_knob); the per-iteration
-#: overhead between 0.1 ms and 50 ms (a CUDA-graphed decode step's launch cost to ten times a slow Python step)
-KNOB_BOUNDS = {"train_mfu": (0.02, 1.0), "scheduler_overhead": (1e-4, 5e-2)}
+#: overhead between 0.1 ms and 50 ms (a CUDA-graphed decode step's launch cost to ten times a slow Python step); the
+#: driver's data path between 10 MB/s (a pure-Python serialiser) and 100 GB/s (above a 400 Gb/s NIC's 50 GB/s
+#: and a host memory copy)
+KNOB_BOUNDS = {"train_mfu": (0.02, 1.0), "scheduler_overhead": (1e-4, 5e-2), "controller_data_rate": (1e7, 1e11)}
 #: simulated steps per row (full run / --quick); the first async steps fill the pipeline and are outside the
 #: summary's measured window
 STEPS = {"colocated": (8, 2), "async": (16, 6)}
@@ -306,7 +313,8 @@ def simulate_row(fs: FidelitySet, row: PublishedRow, hardware: Optional[str] = N
     """The simulated step time and veRL-named breakdown of ``row`` (seconds, mean per measured step):
     ``step`` (median step time of the measured window), ``gen`` (time the trainer waited for its batch;
     colocated: generation plus the switches into and out of it), ``old_log_prob`` and ``update_actor`` (the
-    trainer's chunk time of those stages; the update with its optimizer and offload copies), ``trainer_idle``."""
+    trainer's chunk time of those stages with their offload copies and the driver's data path of their calls
+    — spans with direction ``offload`` or ``dispatch`` —; the update with its optimizer steps), ``trainer_idle``."""
     from bidirl.sim import simulate
     steps = STEPS[_kind(row)][1 if quick else 0]
     cfg = fs.config(row, hardware, steps=steps, seed=seed)
@@ -323,7 +331,7 @@ def simulate_row(fs: FidelitySet, row: PublishedRow, hardware: Optional[str] = N
     trainer = sp["role"].ne("primary") | sp["pool"].eq("trainer_pool")
     olp = float(dur[(sp["kind"] == "chunk") & (stage == "old_logprob")].sum()) / n
     switch = sp["kind"].isin(["switch_in", "switch_out"])
-    offload = switch & sp["detail"].map(lambda d: isinstance(d, dict) and d.get("direction") == "offload")
+    offload = switch & sp["detail"].map(lambda d: isinstance(d, dict) and d.get("direction") in ("offload", "dispatch"))
     olp += float(dur[offload & (stage == "old_logprob")].sum()) / n
     upd = float(dur[((sp["kind"] == "chunk") & (stage == "actor_update")) | (sp["kind"] == "optimizer") & trainer
                     | offload & (stage == "actor_update")].sum()) / n
@@ -350,7 +358,7 @@ class Fit:
 
 def _write_preset(base: presets.HardwareSpec, knobs: Mapping, folder: Path) -> str:
     data = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name != "name"}
-    data.update({k: float(v) for k, v in knobs.items()})
+    data.update({k: float(v) for k, v in knobs.items() if v is not None})
     data["sources"] = list(base.sources) + [f"{', '.join(knobs)} fitted to one published row "
                                             "(bidirl.experiments.fidelity_external.fit)"]
     for key in ("measured_switch_costs", "measured_weight_sync", "stage_params", "switch_model"):
@@ -374,10 +382,64 @@ def _solve(f, lo: float, hi: float) -> tuple:
     return brentq(f, lo, hi, xtol=1e-4, rtol=1e-4, maxiter=40), False
 
 
+#: the trainer stage whose worker-group call each published trainer figure times (veRL's timer names)
+STAGE_OF_METRIC = {"old_log_prob": "old_logprob", "update_actor": "actor_update"}
+
+
+def _solve_with_data_path(simulate, data_bytes: dict, targets: dict) -> tuple:
+    """``train_mfu`` and ``controller_data_rate`` that reproduce ``targets``, the published seconds of the two
+    trainer figures (log-prob ``l``, update ``u``).
+
+    A figure's simulated time is its workers' time ``simulate(train_mfu)[m]`` (the data path not charged) plus
+    ``data_bytes[m] / rate`` — the driver's data path of that stage's calls in a step (the job's bytes,
+    :func:`bidirl.perf.controller_data.job_call_bytes`; the simulator charges exactly that, each span with its
+    ±3 % jitter). Both figures are reproduced when ``(l − sim_l) / bytes_l = (u − sim_u) / bytes_u`` (one rate for
+    both), a root in ``train_mfu`` found by scipy's brentq (log space, within :data:`KNOB_BOUNDS`); the rate is then
+    ``bytes_l / (l − sim_l)``. Without a root in the bounds, ``train_mfu`` takes the bound whose best rate fits the
+    two figures better (summed squared log ratios; the rate by a one-dimensional search, no simulation). Returns
+    (knobs, names at a search bound)."""
+    from scipy.optimize import brentq, minimize_scalar
+    (m_l, t_l), (m_u, t_u) = targets.items()
+    b_l, b_u = data_bytes[m_l], data_bytes[m_u]
+    r_lo, r_hi = (math.log(b) for b in KNOB_BOUNDS["controller_data_rate"])
+    m_lo, m_hi = (math.log(b) for b in KNOB_BOUNDS["train_mfu"])
+    cache = {}
+
+    def workers(log_mfu):
+        key = round(float(log_mfu), 12)
+        if key not in cache:
+            cache[key] = simulate(math.exp(log_mfu))
+        return cache[key]
+
+    def gap(log_mfu):           # bytes-weighted difference of the two figures' leftover seconds
+        sim = workers(log_mfu)
+        return b_u * (t_l - sim[m_l]) - b_l * (t_u - sim[m_u])
+
+    def best_log_rate(sim):
+        loss = lambda z: sum(math.log((sim[m] + data_bytes[m] / math.exp(z)) / t) ** 2 for m, t in targets.items())
+        res = minimize_scalar(loss, bounds=(r_lo, r_hi), method="bounded", options={"xatol": 1e-5})
+        return float(res.x), float(res.fun)
+
+    g_lo, g_hi = gap(m_lo), gap(m_hi)
+    if g_lo * g_hi <= 0:
+        log_mfu = brentq(gap, m_lo, m_hi, xtol=1e-5, rtol=1e-5, maxiter=40)
+        left = t_l - workers(log_mfu)[m_l]
+        log_rate = math.log(b_l / left) if left > 0 else best_log_rate(workers(log_mfu))[0]
+    else:
+        log_mfu = min((m_lo, m_hi), key=lambda z: best_log_rate(workers(z))[1])
+        log_rate = best_log_rate(workers(log_mfu))[0]
+    log_rate = min(max(log_rate, r_lo), r_hi)
+    hit = tuple(n for n, z, a, b in (("train_mfu", log_mfu, m_lo, m_hi), ("controller_data_rate", log_rate, r_lo, r_hi))
+                if min(z - a, b - z) < 1e-4)
+    return {"train_mfu": math.exp(log_mfu), "controller_data_rate": math.exp(log_rate)}, hit
+
+
 def fit(fs: FidelitySet, rows, folder: "str | Path", quick: bool = False) -> Fit:
-    """Solve :data:`FIT_KNOBS` so the simulator reproduces the calibrating row's trainer stages and generation time
-    (each knob by scipy's brentq on the log ratio of simulated to published seconds, the others held). ``rows`` are :meth:`FidelitySet.for_fit`'s: a predicted row's published numbers are sealed
-    and reading one raises :class:`SealedRowError`."""
+    """Solve :data:`FIT_KNOBS` so the simulator reproduces the calibrating row's trainer stages and generation time:
+    a one-knob group by scipy's brentq on the log ratio of simulated to published seconds, ``train_mfu`` with the
+    driver's data-path rate by :func:`_solve_with_data_path` on the two trainer figures, the other knobs held. ``rows``
+    are :meth:`FidelitySet.for_fit`'s: a predicted row's published numbers are sealed and reading one raises
+    :class:`SealedRowError`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     calibrating = [r for r in rows if r.calibrating]
@@ -386,21 +448,38 @@ def fit(fs: FidelitySet, rows, folder: "str | Path", quick: bool = False) -> Fit
     row = calibrating[0]
     check_calibrating(row, f"rows[{row.id}]")
     base = presets.hardware(fs.hardware)
-    knobs = {k: getattr(base, k) for k in FIT_KNOBS}
+    knobs = {k: getattr(base, k) for group in FIT_KNOBS for k in group}
     bounds = []
-    for knob, metrics in FIT_KNOBS.items():
+    for group, metrics in FIT_KNOBS.items():
         if not all(row.has(m) for m in metrics):
             continue
-        target = sum(row.published(m) for m in metrics)
+        targets = [row.published(m) for m in metrics]
 
-        def err(x, knob=knob, metrics=metrics, target=target):
-            trial = {**knobs, knob: x}
-            sim = simulate_row(fs, row, _write_preset(base, trial, folder), quick=quick)
-            return math.log(sum(sim[m] for m in metrics) / target)
+        if len(group) == 1:
+            knob, target = group[0], sum(targets)
 
-        knobs[knob], hit = _solve(err, *KNOB_BOUNDS[knob])
-        if hit:
-            bounds.append(knob)
+            def err(x, knob=knob, metrics=metrics, target=target):
+                sim = simulate_row(fs, row, _write_preset(base, {**knobs, knob: x}, folder), quick=quick)
+                return math.log(sum(sim[m] for m in metrics) / target)
+
+            knobs[knob], hit = _solve(err, *KNOB_BOUNDS[knob])
+            bounds += [knob] if hit else []
+        elif group == ("train_mfu", "controller_data_rate"):
+            from bidirl.perf.controller_data import job_call_bytes
+            cfg = fs.config(row)
+            samples = cfg.workload.prompts_per_step * cfg.workload.group_size
+            data_bytes = {m: job_call_bytes(STAGE_OF_METRIC[m], samples, cfg) for m in metrics}
+
+            def workers(mfu, metrics=metrics):
+                trial = {**knobs, "train_mfu": mfu, "controller_data_rate": None}
+                sim = simulate_row(fs, row, _write_preset(base, trial, folder), quick=quick)
+                return {m: sim[m] for m in metrics}
+
+            found, hit = _solve_with_data_path(workers, data_bytes, dict(zip(metrics, targets)))
+            knobs.update(found)
+            bounds += list(hit)
+        else:
+            raise ValueError(f"fit: no solver for the knob group {group}")
     return Fit(dict(knobs), _write_preset(base, knobs, folder), (row.id,), tuple(bounds))
 
 

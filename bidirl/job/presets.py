@@ -221,6 +221,8 @@ class HardwareSpec:
     stage_params: dict = field(default_factory=dict)               # model -> fitted appendix parameters
     switch_model: dict = field(default_factory=dict)               # fitted constants of bidirl.perf.costs
     cache_bytes: float = 0.0     # B, last-level cache of one trainer device (0: unknown, no spill term)
+    #: B/s of a single-controller trainer's data path per call (bidirl.perf.controller_data); None: not charged
+    controller_data_rate: Optional[float] = None
     sources: tuple = ()
 
     def knobs(self) -> dict:
@@ -366,6 +368,11 @@ def _check_hardware(raw: dict, path: Path) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise PresetError(f"{path.name}: cache_bytes must be a number of bytes ≥ 0, got {value!r}",
                               f"set cache_bytes in {path} to the device's last-level cache size (0: unknown)")
+    rate = raw.get("controller_data_rate")
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0):
+        raise PresetError(f"{path.name}: controller_data_rate must be a rate in B/s > 0 or absent, got {rate!r}",
+                          f"fix controller_data_rate in {path} (bidirl.perf.controller_data), or drop it so the "
+                          "driver's data path is not charged")
     if "switch_model" in raw:
         from bidirl.perf.costs import check_switch_model
         try:

@@ -56,6 +56,20 @@ def gradient_allreduce_time(model, hardware, layout: int, trainer_gpus: int) -> 
     return 2.0 * (replicas - 1) / replicas * shard / link_bandwidth(hardware, gpus)
 
 
+def controller_seconds_per_local_update(cfg, hardware) -> float:
+    """The driver's data path of one local update's trainer calls (:mod:`bidirl.perf.controller_data`): each stage
+    of ``rl.stages`` is one call over the local update's ``prompts_per_step / updates_per_sync · group_size``
+    samples (veRL's fully-async trainer calls ``update_actor`` once per ``require_batches`` mini-batches). 0 when
+    ``hardware`` has no ``controller_data_rate``."""
+    from bidirl.perf.controller_data import call_seconds
+    rate = getattr(hardware, "controller_data_rate", None)
+    if rate is None:
+        return 0.0
+    w = cfg.workload
+    samples = w.prompts_per_step // max(1, cfg.rl.updates_per_sync) * w.group_size
+    return sum(call_seconds(stage, samples, cfg, rate) for stage in cfg.rl.stages)
+
+
 @dataclass
 class StagePredictor:
     rollout: RolloutModel
@@ -63,7 +77,8 @@ class StagePredictor:
     group_size: int
     typical_context: float = 1.0     # mean prompt + half the mean response: the live length the KV cache holds
     #: seconds per local update the trainer spends besides its chunks and optimizer updates: offload copies
-    #: (:func:`bidirl.perf.execution.offload_seconds`), charged with the optimizer step
+    #: (:func:`bidirl.perf.execution.offload_seconds`) and the driver's data path of its calls
+    #: (:func:`controller_seconds_per_local_update`), charged with the optimizer step
     step_overhead: float = 0.0
     #: optimizer updates per local update (``rl.mini_batch_prompts``: one AdamW step per mini-batch; a step is one
     #: local update unless ``rl.updates_per_sync`` streams it)
@@ -89,6 +104,7 @@ class StagePredictor:
         params = with_expert_parallel(params, m, hw, ep, trainer_layout, recompute)
         updates = cfg.optimizer_updates_per_step // rl.updates_per_sync     # per local update
         overhead = execution.offload_seconds(m, hw, trainer_layout, rl.stages, rl.param_offload, rl.optimizer_offload)
+        overhead += controller_seconds_per_local_update(cfg, hw)
         return cls(RolloutModel(m, hw, tp=rollout_layout, max_seqs=MAX_SEQS,
                                 image_tokens_per_prompt=stats.image_tokens_per_prompt),
                    TrainerModel(m, hw, layout=trainer_layout, params=params, sequence_parallel=rl.sequence_parallel,

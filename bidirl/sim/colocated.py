@@ -43,7 +43,8 @@ def simulate_colocated(config, *, steps: int, seed: int, policy: str = "verl-col
     r_cfg = cfg.rl
     verl = (VerlUpdate.of(cfg, env.trainer_layout)
             if (r_cfg.max_tokens_per_micro_batch is not None or r_cfg.mini_batch_prompts is not None
-                or r_cfg.sequence_parallel > 1 or r_cfg.param_offload or r_cfg.optimizer_offload) else None)
+                or r_cfg.sequence_parallel > 1 or r_cfg.param_offload or r_cfg.optimizer_offload
+                or cfg.hardware_spec.controller_data_rate is not None) else None)
     lengths = GroupLengths.of(cfg, seed)
     loop, log, rng = EventLoop(), EventLog(), np.random.default_rng([seed, 1])
     w = cfg.workload
@@ -105,10 +106,17 @@ def _verl_stages(verl: VerlUpdate, stages, p_all, r_all, optimizer_seconds: floa
     stage, the parameter shard loaded (offload), every micro-batch round of every pass (an optimizer update — the
     gradient all-reduce across replicas and AdamW, ``optimizer_seconds`` — after each mini-batch of the update, the
     Adam moments loaded once around the stage), the shard offloaded again (switch spans with direction
-    ``offload``). The offload copies are these spans only, never also in ``optimizer_seconds``. Returns the time the
-    last span ends; ``span(kind, start, duration, detail)`` logs one."""
+    ``offload``). The offload copies are these spans only, never also in ``optimizer_seconds``. Before all that, the
+    driver's data path for the stage's call (a ``switch_in`` span with direction ``dispatch``; only when the preset
+    has a ``controller_data_rate``). Returns the time the last span ends; ``span(kind, start, duration, detail)``
+    logs one."""
     tokens = (p_all + r_all).astype(np.int64)
     for stage in stages:
+        sent = verl.controller_time(stage)
+        if sent > 0:
+            dur = jitter(sent)
+            span("switch_in", t, dur, {"stage": stage, "direction": "dispatch"})
+            t += dur
         copies = verl.param_copy_time() + (verl.optimizer_copy_time() if stage == "actor_update" else 0.0)
         if copies > 0:
             dur = jitter(copies / 2)

@@ -27,6 +27,9 @@ offload — veRL's hybrid engine runs a stage like this (veRL ``verl/trainer/ppo
   ``offload_fsdp_optimizer``: pageable copies, at the pageable share of the host link that :func:`bidirl.perf.costs.switch_constants` gives).
   ρ_t, the planner's trainer layout, is the FSDP shard group (``rl.fsdp_size``, veRL's ``fsdp_size``, when the
   job sets it).
+* **the driver's data path.** Each stage is one worker-group call of the whole step batch: the driver sends every
+  data rank its padded piece through Ray's object store and collects the outputs
+  (:mod:`bidirl.perf.controller_data`; 0 unless the hardware preset has a ``controller_data_rate``).
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ class VerlUpdate:
     param_offload: bool
     optimizer_offload: bool
     pageable_bandwidth: float    # B/s per direction of a pageable host copy
+    controller_seconds: tuple = ()   # (stage, seconds of the driver's data path for that stage's call), per step
 
     @classmethod
     def of(cls, cfg, trainer_layout: int) -> "VerlUpdate":
@@ -87,12 +91,15 @@ class VerlUpdate:
         if recompute:
             params = execution.with_recompute(params, m, hw)
         params = execution.with_sequence_parallel(params, m, hw, r.sequence_parallel, r.sequence_parallel, recompute)
+        from bidirl.perf.controller_data import call_seconds
+        samples = cfg.workload.prompts_per_step * cfg.workload.group_size
+        controller = tuple((stage, call_seconds(stage, samples, cfg)) for stage in r.stages)
         return cls(TrainerModel(m, hw, layout=r.sequence_parallel, params=params,
                                 image_tokens_per_prompt=cfg.workload_stats.image_tokens_per_prompt), cfg.cluster.gpus,
                    r.sequence_parallel, cfg.workload.group_size, cfg.workload.prompts_per_step, r.mini_batch_prompts,
                    r.max_tokens_per_micro_batch, r.micro_batch_per_device, int(trainer_layout), r.param_offload,
                    r.optimizer_offload,
-                   float(hw.host_bandwidth) * switch_constants(hw)["pageable_fraction"])
+                   float(hw.host_bandwidth) * switch_constants(hw)["pageable_fraction"], controller)
 
     @property
     def ranks(self) -> int:
@@ -124,6 +131,10 @@ class VerlUpdate:
         """One micro-batch round: its slowest rank's t_s(b)."""
         return max((self.trainer.microbatch_time(stage, prompt_lens[ix], response_lens[ix]) for ix in ranks
                     if len(ix)), default=0.0)
+
+    def controller_time(self, stage: str) -> float:
+        """The driver's data path for ``stage``'s call over the step batch (:mod:`bidirl.perf.controller_data`)."""
+        return dict(self.controller_seconds).get(stage, 0.0)
 
     def param_copy_time(self) -> float:
         """Load and offload of the parameter shard around one stage (0 without ``param_offload``)."""
