@@ -362,10 +362,13 @@ class MergeGradients:
 @dataclass(frozen=True)
 class OptimizerStep:
     """Apply the step's actor-update gradients on the primary trainers in ``merge_order`` (chunk ids, the
-    original chunk order), producing actor ``version``."""
+    original chunk order), producing actor ``version``. With optimizer mini-batches (``rl.mini_batch_prompts``) one
+    is sent per mini-batch, over that mini-batch's chunks; all but the local update's last (``final``) keep the
+    version. Drivers charge the local update's once-per-update costs (offload copies) with the ``final`` one."""
     step: int
     version: int
     merge_order: tuple
+    final: bool = True
 
 
 COMMANDS: tuple = (Generate, Interrupt, StartStep, RunChunk, CancelChunk, Switch, SyncWeights, MergeGradients,

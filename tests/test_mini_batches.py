@@ -1,0 +1,195 @@
+"""Optimizer mini-batches in the trainer's chunk queue (``rl.mini_batch_prompts``, veRL's ``ppo_mini_batch_size``):
+the update stage is cut into mini-batches of ``mini_batch_prompts · group_size`` samples in batch order, no chunk
+spans two of them, and one optimizer step follows each (veRL's ``DataParallelPPOActor.update_policy``)."""
+
+import itertools
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from bidirl.core import protocol as P
+from bidirl.core.chunks import TrainerStep
+from bidirl.core.protocol import GroupState
+from bidirl.job import config as cfgmod
+from bidirl.sim import simulate
+from bidirl.sim.driver import SimDriver
+
+STAGES = ("old_logprob", "ref_logprob", "actor_update")
+
+
+def make_step(groups, size, mini_prompts, micro_batch_per_device=1, budget=None, grid=None, lengths=None,
+              stages=STAGES):
+    ids = itertools.count()
+    lengths = lengths or [20 + 7 * (k % 5) for k in range(groups * size)]
+    gs = [GroupState(g, 10 + g, tuple(lengths[g * size:(g + 1) * size]), (True,) * size, 0) for g in range(groups)]
+    return TrainerStep(step=0, version=0, groups=gs, stages=stages, micro_batch_per_device=micro_batch_per_device,
+                       next_chunk_id=lambda: next(ids), max_tokens_per_micro_batch=budget, grid=grid,
+                       mini_batch=None if mini_prompts is None else mini_prompts * size)
+
+
+def linear_time(stage, p, r, d, side):
+    return 0.01 + sum(a + b for a, b in zip(p, r)) / d / 1000
+
+
+def run_step(step, choices, d_p=1, d_a=1):
+    """Drive ``step`` to its end as the coordinator does: sides pull (a tail split when TailWindow fires), chunks
+    start and finish in the drawn order, and at each finished mini-batch that another follows one optimizer step is
+    taken before the next segment opens. Returns (segment, chunk record) of every finished chunk, and the optimizer
+    steps (the mini-batches' and the step's last one)."""
+    ran, optimizer_steps = [], 0
+    it = itertools.chain(choices, itertools.cycle([0, 1, 2, 3, 2, 3]))
+    for _ in range(100_000):
+        if step.done:
+            break
+        if step.segment_done:
+            if step.at_mini_batch_end:
+                optimizer_steps += 1
+            assert step.advance_segment()
+            continue
+        c, live = next(it), step.live()
+        if c in (0, 1):
+            side = P.PRIMARY if c == 0 else P.AUXILIARY
+            if step.in_tail_window(d_p, d_a, tail_window=1):
+                step.plan_tail(d_p, d_a, 0.0, 0.0, linear_time)
+            if len(step.live(side)) < 2:
+                step.pull(side, d_p if side == P.PRIMARY else d_a, side)
+        elif c == 2:
+            queued = [x for x in live if x.status == "queued"]
+            if queued:
+                step.started(queued[-1].chunk.chunk_id, 0.0)
+        elif c == 3:
+            running = [x for x in live if x.status == "running"]
+            if running:
+                ran.append((step.segment_index, running[-1]))
+                step.finish(running[-1].chunk.chunk_id)
+        if not step.live() and not step.has_work(P.PRIMARY) and not step.has_work(P.AUXILIARY) \
+                and step.pending:
+            step.release_plan()
+    assert step.done, "the step finished"
+    return ran, optimizer_steps + 1
+
+
+@settings(max_examples=80, deadline=None)
+@given(groups=st.integers(1, 8), size=st.integers(1, 4), data=st.data(), micro=st.integers(1, 3),
+       budget=st.sampled_from([None, 40, 90]), grid=st.sampled_from([None, 1, 2]),
+       d_p=st.integers(1, 3), d_a=st.integers(1, 2),
+       choices=st.lists(st.integers(0, 3), max_size=200))
+def test_every_sample_runs_once_no_chunk_spans_two_mini_batches_and_each_mini_batch_steps_once(
+        groups, size, data, micro, budget, grid, d_p, d_a, choices):
+    divisors = [k for k in range(1, groups + 1) if groups % k == 0]
+    mini = data.draw(st.sampled_from(divisors + [None]), label="mini_batch_prompts")
+    step = make_step(groups, size, mini, micro, budget, grid)
+    ran, optimizer_steps = run_step(step, choices, d_p, d_a)
+    n, m = groups * size, (mini or groups) * size
+    for stage in STAGES:
+        samples = sorted(u % n for _, rec in ran if rec.chunk.stage == stage for u in rec.units)
+        assert samples == list(range(n)), f"every sample of {stage} is in exactly one chunk"
+    for _, rec in ran:
+        if rec.chunk.stage == "actor_update":
+            first, last = rec.units[0] % n, rec.units[-1] % n
+            assert first // m == last // m, "an update chunk stays inside one mini-batch"
+            assert rec.chunk.samples == tuple(step.sample_refs[first:last + 1])
+    assert optimizer_steps == n // m == (groups // mini if mini else 1), "one optimizer step per mini-batch"
+    # the update chunks of a mini-batch are merged, in order, before any chunk of the next one runs
+    update_segments = [seg for seg, rec in ran if rec.chunk.stage == "actor_update"]
+    assert update_segments == sorted(update_segments)
+
+
+def test_the_update_stage_becomes_one_segment_per_mini_batch_and_forward_stages_stay_whole():
+    step = make_step(groups=4, size=2, mini_prompts=1)
+    assert step.segments == [("old_logprob", "ref_logprob")] + [("actor_update",)] * 4
+    assert step.sample_ranges == [(0, 8), (0, 2), (2, 4), (4, 6), (6, 8)]
+    assert step.update_segments == 4 and step.aux_last_segment == 1
+    whole = make_step(groups=4, size=2, mini_prompts=4)       # one mini-batch: the plain step
+    assert whole.segments == [("old_logprob", "ref_logprob"), ("actor_update",)]
+    assert whole.aux_last_segment == 1 and make_step(4, 2, None).sample_ranges == whole.sample_ranges
+
+
+def test_a_token_budget_chunk_stops_at_the_mini_batch_end():
+    # 2 mini-batches of 4 samples of 30 tokens (10 + 20); a budget of 300 tokens on one device would pack all 8
+    step = make_step(groups=4, size=2, mini_prompts=2, budget=300, lengths=[20] * 8, stages=("actor_update",))
+    first = step.pull(P.PRIMARY, 1, "p")
+    assert first.units == (0, 1, 2, 3)
+    assert step.pull(P.PRIMARY, 1, "p") is None            # the next mini-batch waits for the optimizer step
+    step.started(first.chunk.chunk_id, 0.0)
+    step.finish(first.chunk.chunk_id)
+    assert step.at_mini_batch_end and step.advance_segment()
+    assert step.pull(P.PRIMARY, 1, "p").units == (4, 5, 6, 7)
+
+
+def _tiny(**overrides):
+    return cfgmod.load("tiny-cpu").with_overrides(overrides)
+
+
+class Recording(SimDriver):
+    """The simulator, recording the chunk and optimizer commands it executes."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.commands = []
+
+    def do_RunChunk(self, cmd):
+        self.commands.append(cmd)
+        super().do_RunChunk(cmd)
+
+    def do_OptimizerStep(self, cmd):
+        self.commands.append(cmd)
+        super().do_OptimizerStep(cmd)
+
+
+def _recorded(cfg, policy="bidirl", steps=2, seed=0):
+    driver = Recording(cfg, policy, steps, seed)
+    driver.run()
+    return driver
+
+
+@settings(max_examples=6, deadline=None)
+@given(mini=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 3))
+def test_the_simulator_takes_one_optimizer_step_per_mini_batch_between_its_chunks(mini, seed):
+    cfg = _tiny(**{"rl.mini_batch_prompts": mini})
+    driver = _recorded(cfg, seed=seed)
+    per_step = cfg.workload.prompts_per_step // mini
+    g = cfg.workload.group_size
+    opts = [c for c in driver.commands if isinstance(c, P.OptimizerStep)]
+    assert len(opts) == 2 * per_step
+    for k in range(2):
+        mine = [c for c in opts if c.step == k]
+        assert [c.final for c in mine] == [False] * (per_step - 1) + [True]
+        assert [c.version for c in mine] == [k] * (per_step - 1) + [k + 1], "one new version per step"
+    # between two optimizer steps of a step, the update chunks are one mini-batch's, each inside it
+    mini_batch, seen = {}, {}
+    for c in driver.commands:
+        if isinstance(c, P.OptimizerStep):
+            mini_batch[c.step] = mini_batch.get(c.step, 0) + 1
+        elif c.chunk.stage == "actor_update":
+            k = mini_batch.get(c.chunk.step, 0)
+            ids = {gid for gid, _ in c.chunk.samples}
+            seen.setdefault((c.chunk.step, k), set()).update(ids)
+    groups = {}
+    for (step, k), ids in seen.items():
+        assert len(ids) <= mini
+        groups.setdefault(step, []).append(ids)
+    for step, parts in groups.items():
+        assert len(parts) == per_step and len(set().union(*parts)) == per_step * mini
+        assert sum(len(c.chunk.samples) for c in driver.commands if isinstance(c, P.RunChunk)
+                   and c.chunk.step == step and c.chunk.stage == "actor_update") >= per_step * mini * g
+
+
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 50), policy=st.sampled_from(["bidirl", "no-borrow"]))
+def test_one_mini_batch_over_the_whole_batch_is_the_job_without_the_key(seed, policy):
+    cfg = _tiny()
+    same = _tiny(**{"rl.mini_batch_prompts": cfg.workload.prompts_per_step})
+    assert (simulate(same, policy, steps=2, seed=seed).log.fingerprint()
+            == simulate(cfg, policy, steps=2, seed=seed).log.fingerprint())
+
+
+def test_mini_batches_lengthen_the_simulated_step_by_their_barriers_and_optimizer_steps():
+    def trainer_busy(res):
+        return sum(s.end - s.start for s in res.log.spans
+                   if s.worker == P.PRIMARY_TRAINER and s.kind in ("chunk", "optimizer"))
+    plain = simulate(_tiny(), "no-borrow", steps=2, seed=0)
+    mini = simulate(_tiny(**{"rl.mini_batch_prompts": 1}), "no-borrow", steps=2, seed=0)
+    assert len([s for s in mini.log.spans if s.kind == "optimizer"]) == 2 * _tiny().workload.prompts_per_step
+    # smaller update chunks (a chunk never spans two mini-batches) and 16 optimizer updates per step, not 1
+    assert trainer_busy(mini) > trainer_busy(plain)
