@@ -120,7 +120,6 @@ def test_settings_built_from_dataclasses_get_the_same_checks():
 
 
 @pytest.mark.parametrize("key, value, why", [("cluster.rollout_tensor_parallel", 2, "one worker per engine"),
-                                             ("rl.mini_batch_prompts", 16, "one optimizer update"),
                                              ("rl.updates_per_sync", 2, "one optimizer step per weight version"),
                                              ("rl.sequence_parallel", 2, "Ulysses"),
                                              ("rl.fsdp_size", 2, "shard-group size")])
@@ -133,9 +132,11 @@ def test_engine_runs_refuse_settings_they_do_not_carry_out(key, value, why):
 
 
 @pytest.mark.parametrize("overrides", [{"rl.max_tokens_per_micro_batch": 8192}, {"rl.param_offload": True},
-                                       {"rl.optimizer_offload": True}, {"rl.recompute_old_logprob": False}])
+                                       {"rl.optimizer_offload": True}, {"rl.recompute_old_logprob": False},
+                                       {"rl.mini_batch_prompts": 16}])
 def test_engine_runs_take_the_settings_the_engines_carry_out(overrides):
-    """Token-budget micro-batches and offload run in the trainer engine, bypass in the engine driver."""
+    """Token-budget micro-batches and offload run in the trainer engine, bypass in the engine driver, optimizer
+    mini-batches in the chunk queue and the trainer gangs."""
     C.check_engine_run(C.load(base()).with_overrides(overrides))
 
 

@@ -136,6 +136,10 @@ class Recording(SimDriver):
         self.commands.append(cmd)
         super().do_OptimizerStep(cmd)
 
+    def do_StartStep(self, cmd):
+        self.commands.append(cmd)
+        super().do_StartStep(cmd)
+
 
 def _recorded(cfg, policy="bidirl", steps=2, seed=0):
     driver = Recording(cfg, policy, steps, seed)
@@ -161,7 +165,7 @@ def test_the_simulator_takes_one_optimizer_step_per_mini_batch_between_its_chunk
     for c in driver.commands:
         if isinstance(c, P.OptimizerStep):
             mini_batch[c.step] = mini_batch.get(c.step, 0) + 1
-        elif c.chunk.stage == "actor_update":
+        elif isinstance(c, P.RunChunk) and c.chunk.stage == "actor_update":
             k = mini_batch.get(c.chunk.step, 0)
             ids = {gid for gid, _ in c.chunk.samples}
             seen.setdefault((c.chunk.step, k), set()).update(ids)
@@ -193,3 +197,82 @@ def test_mini_batches_lengthen_the_simulated_step_by_their_barriers_and_optimize
     assert len([s for s in mini.log.spans if s.kind == "optimizer"]) == 2 * _tiny().workload.prompts_per_step
     # smaller update chunks (a chunk never spans two mini-batches) and 16 optimizer updates per step, not 1
     assert trainer_busy(mini) > trainer_busy(plain)
+
+
+def _aux_chunks(driver) -> list:
+    """(local update, mini-batch, stage) of every chunk sent to the auxiliary trainer gang."""
+    local, mini_batch, aux = None, 0, []
+    for c in driver.commands:
+        if isinstance(c, P.StartStep):
+            local, mini_batch = c.local, 0
+        elif isinstance(c, P.OptimizerStep):
+            mini_batch += 1
+        elif c.worker == P.AUX_TRAINER:
+            aux.append((local, mini_batch, c.chunk.stage))
+    return aux
+
+
+@pytest.mark.parametrize("overrides", [{"rl.mini_batch_prompts": 16}, {"rl.updates_per_sync": 2, "rl.staleness": 0}])
+def test_an_auxiliary_gang_runs_only_what_computes_on_the_versions_weights(overrides):
+    """A Trainer-on-RolloutPool window holds the version's weights: with mini-batches it runs the forward stages and
+    the first mini-batch's update chunks, and in a streamed step (``rl.updates_per_sync``) only the first local
+    update's chunks — later ones compute on weights an optimizer step changed."""
+    driver = _recorded(cfgmod.load("a6000-default").with_overrides(overrides), steps=4)
+    aux = _aux_chunks(driver)
+    assert any(stage == "actor_update" for _, _, stage in aux), "the job borrows the rollout pool for its update"
+    assert {(loc, mb) for loc, mb, _ in aux} == {(0, 0)}, sorted(set(aux))
+    u = overrides.get("rl.updates_per_sync", 1)
+    assert [c.local for c in driver.commands if isinstance(c, P.StartStep)] == list(range(u)) * 4
+
+
+def test_a_restarted_gang_replays_a_step_one_optimizer_step_per_mini_batch():
+    """The primary gang's recovery replays each step it lost as the run trained it: per mini-batch its update chunks
+    (none across the mini-batch's end, each with its mini-batch's loss normaliser), then an optimizer step that keeps
+    the version, the last one making it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bidirl.cluster.engines.step_data import StepData
+    from bidirl.cluster.engines.trainer_recovery import TrainerRecovery
+    from bidirl.cluster.engines.training import mini_batch_normalizers
+
+    calls = []
+
+    class Call:
+        def __init__(self, rank, name):
+            self.rank, self.name = rank, name
+
+        def remote(self, *args, **kwargs):
+            calls.append((self.rank, self.name, args, kwargs))
+            return (self.rank, self.name)
+
+    ranks = [SimpleNamespace(chunk_gradient=Call(r, "chunk"), apply_kept=Call(r, "apply")) for r in range(2)]
+    cfg = _tiny(**{"rl.mini_batch_prompts": 4, "rl.micro_batch_per_device": 3})     # 16 prompts × 4: 4 of 16
+    lens = [1 + k % 7 for k in range(64)]
+    samples = [SimpleNamespace(response_len=n) for n in lens]
+    minis = mini_batch_normalizers(samples, cfg)
+    assert minis["mini_batch"] == 16 and minis["mini_normalizers"] == tuple(
+        float(sum(lens[lo:lo + 16])) for lo in range(0, 64, 16))
+    data = StepData(step=0, version=0, samples=samples, index={}, advantages=torch.zeros(64), normalizer=sum(lens),
+                    old=[None] * 64, ref=[None] * 64, **minis)
+    recovery = TrainerRecovery(SimpleNamespace(config=cfg), every=100)
+    recovery.stepped(data, 1)
+    _, version = recovery.restore_calls(ranks)
+    assert version == 1
+    applies = [c for c in calls if c[1] == "apply" and c[0] == 0]
+    assert [c[3]["final"] for c in applies] == [False, False, False, True]
+    chunks = [c for c in calls if c[1] == "chunk"]
+    by_id, position = {}, {id(s): k for k, s in enumerate(samples)}
+    for rank, _, args, _ in chunks:
+        cid, share_samples, normalizer = args[0], args[1], args[5]
+        ids = [position[id(s)] for s in share_samples]
+        by_id.setdefault(cid, []).extend(ids)
+        if ids:
+            assert normalizer == minis["mini_normalizers"][ids[0] // 16]
+    for cid, ids in by_id.items():
+        assert len({k // 16 for k in ids}) == 1, "a replayed chunk stays inside one mini-batch"
+    assert sorted(k for ids in by_id.values() for k in ids) == list(range(64))
+    # each optimizer step names exactly its mini-batch's chunks
+    for k, (_, _, args, _) in enumerate(applies):
+        assert {j // 16 for cid in args[0] for j in by_id[cid]} == {k}

@@ -82,6 +82,9 @@ class TrainerStep(TailSplit):
     grid: Optional[int] = None   # reproducible mode: chunks are cells of a fixed grid, cut for a gang of this many
     #                              replicas
     mini_batch: Optional[int] = None   # samples per optimizer update (None: the whole batch is one update)
+    # whether the primary gang holds the version's weights when the step starts: False for a streamed step's later
+    # local updates (``rl.updates_per_sync``), which run on the weights the earlier ones left
+    version_weights: bool = True
     segment_index: int = 0
     pending: list = field(default_factory=list)       # sorted unit indices not yet in a live chunk
     tail_plan: dict = field(default_factory=dict)     # side -> list of unit tuples (after JointTailSplit)
@@ -147,8 +150,11 @@ class TrainerStep(TailSplit):
 
     @property
     def aux_last_segment(self) -> int:
-        """The last segment an auxiliary gang may run: the auxiliaries hold the version's weights, which the
-        step's first mini-batch computes on and later ones do not (each follows an optimizer step)."""
+        """The last segment an auxiliary gang may run (−1: none): the auxiliaries hold the version's weights, which
+        the step's first mini-batch computes on and later ones do not (each follows an optimizer step), nor any
+        chunk of a streamed step's later local update."""
+        if not self.version_weights:
+            return -1
         return self.first_update_segment if self.update_segments > 1 else len(self.segments) - 1
 
     def __setstate__(self, state: dict) -> None:

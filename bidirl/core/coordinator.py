@@ -461,7 +461,7 @@ class Coordinator(RolloutSide, TrainerSide, Lending):
             return
         self.phase = Phase.CONSUMING
         self.step = self._trainer_step(old.step, list(old.groups))
-        self._out.append(P.StartStep(old.step, self.trainer_version, tuple(old.groups)))
+        self._out.append(P.StartStep(old.step, self.trainer_version, tuple(old.groups), self.local_update))
         self._schedule_chunks()
         self._consider_trainer_on_rollout_pool()
 

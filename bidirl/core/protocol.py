@@ -305,10 +305,14 @@ class Interrupt:
 
 @dataclass(frozen=True)
 class StartStep:
-    """Training step ``step`` (updating actor ``version``) consumes ``groups``, in batch order."""
+    """Training step ``step`` (updating actor ``version``) consumes ``groups``, in batch order. With streaming
+    consumption (``rl.updates_per_sync`` = U) a step is U local updates, each its own ``StartStep`` with the same step
+    and version: ``local`` (0 … U − 1) tells them apart — a repeat of ``(step, local)`` is a rolled-back attempt
+    starting over, a new ``local`` the next local update on the weights the earlier ones left."""
     step: int
     version: int
     groups: tuple             # of GroupState
+    local: int = 0
 
 
 @dataclass(frozen=True)

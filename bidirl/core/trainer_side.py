@@ -89,7 +89,7 @@ class TrainerSide:
             self.consume_start = self._now
         self.phase = Phase.CONSUMING
         self.step = self._trainer_step(self.steps_done, groups)
-        self._out.append(P.StartStep(self.step.step, self.trainer_version, tuple(groups)))
+        self._out.append(P.StartStep(self.step.step, self.trainer_version, tuple(groups), self.local_update))
         warm = getattr(self.predictor, "warm_chunk_times", None)
         s_budget = self.settings.max_tokens_per_micro_batch
         if warm is not None and s_budget is None:  # the chunks lazy pull cuts on the primaries, in one pass
@@ -109,7 +109,8 @@ class TrainerSide:
                            max_tokens_per_micro_batch=s.max_tokens_per_micro_batch,
                            sequence_parallel=s.sequence_parallel,
                            grid=self.topology.trainer_replicas if s.reproducible else None,
-                           mini_batch=s.mini_batch_prompts * s.group_size if s.mini_batch_prompts else None)
+                           mini_batch=s.mini_batch_prompts * s.group_size if s.mini_batch_prompts else None,
+                           version_weights=self.local_update == 0)
 
     def _schedule_chunks(self):
         step = self.step

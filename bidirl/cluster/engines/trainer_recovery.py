@@ -102,21 +102,26 @@ class TrainerRecovery:
         return calls, version
 
     def _replay(self, handles: list, data) -> list:
-        """One step again on the restarted gang: its update chunks (every sample once, ``micro_batch_per_device``
-        per rank, dealt as the run deals them), then its optimizer step."""
+        """One step again on the restarted gang: per optimizer mini-batch (one without ``rl.mini_batch_prompts``)
+        its update chunks (every sample once, ``micro_batch_per_device`` per rank, dealt as the run deals them, none
+        across the mini-batch's end), then its optimizer step — the last one making the step's version."""
         from bidirl.cluster.engines.workers.trainer import rank_shares
 
         d = self.driver
         per_device = d.config.rl.micro_batch_per_device
-        n, size = len(data.samples), per_device * len(handles)
+        size = per_device * len(handles)
         kl = d.config.rl.kl_coef > 0
-        ids = []
-        for cid, first in enumerate(range(0, n, size)):
-            shares = rank_shares(list(range(first, min(n, first + size))), per_device, len(handles))
-            for r, share in zip(handles, shares):
-                r.chunk_gradient.remote(cid, *data.chunk_inputs(share, kl), keep=True, give=False)
-            ids.append(cid)
-        return [r.apply_kept.remote(ids) for r in handles]
+        calls, cid, minis = [], 0, data.mini_batches()
+        for k, (lo, hi) in enumerate(minis):
+            ids = []
+            for first in range(lo, hi, size):
+                shares = rank_shares(list(range(first, min(hi, first + size))), per_device, len(handles))
+                for r, share in zip(handles, shares):
+                    r.chunk_gradient.remote(cid, *data.chunk_inputs(share, kl), keep=True, give=False)
+                ids.append(cid)
+                cid += 1
+            calls += [r.apply_kept.remote(ids, final=k == len(minis) - 1) for r in handles]
+        return calls
 
     def summary(self) -> dict:
         return {"recovery_point": list(self.point), "every": self.every, "snapshots": len(self.snapshots),

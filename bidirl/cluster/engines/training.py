@@ -7,7 +7,9 @@
   gradient back through the object store);
 * ``MergeGradients`` — waits for windows in flight, or moves the object-store gradients to every primary rank;
 * ``OptimizerStep`` — each primary rank sums every update chunk's gradient and window and takes one AdamW step; the
-  new version is put out (published, or gathered on the object-store path) before the step counts.
+  new version is put out (published, or gathered on the object-store path) before the step counts. With optimizer
+  mini-batches (``rl.mini_batch_prompts``) one comes per mini-batch, over its chunks: all but the last
+  (``final``) keep the version and put nothing out — the rollouters get the weights once per step.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class EngineTraining:
             index={(s.group_id, s.index): k for k, s in enumerate(samples)},
             advantages=grpo.group_advantages(rewards, group_size=d.config.workload.group_size).float(),
             normalizer=grpo.loss_normalizer([s.response_len for s in samples], "token-mean"),
+            **mini_batch_normalizers(samples, d.config),
             # without an old_logprob stage the rollout's own log-probs are the behaviour policy's (veRL's bypass)
             old=([None] * len(samples) if "old_logprob" in d.config.rl.stages
                  else [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]),
@@ -103,8 +106,10 @@ class EngineTraining:
         # an auxiliary gang keeps its window's gradient on its devices with the transport (GradientWindows), or
         # hands each chunk's gradient back through the object store without it
         keep = primary or d.sync.collective
-        # the reproducible mode sums the step's gradient in unit order, whichever gang computed each chunk
-        position = (ch.order, len(ch.samples)) if d.assembly.reproducible else None
+        # the reproducible mode sums the step's gradient in unit order, whichever gang computed each chunk: each
+        # optimizer update's gradient, from its mini-batch's first unit
+        first = ch.order - (ch.order // data.mini_batch) * data.mini_batch if data.mini_batch else ch.order
+        position = (first, len(ch.samples)) if d.assembly.reproducible else None
         if position is not None:
             self.chunk_positions[ch.chunk_id] = position
         if not primary and keep:
@@ -156,6 +161,13 @@ class EngineTraining:
                                    f"{cmd.version}; a rank missed an update")
             sp = replies[0].spans[0]
             d.record_optimizer(cmd, self.backend.wall(sp["start"]), self.backend.wall(sp["end"]))
+            if not cmd.final:
+                # an optimizer mini-batch's update: the weights changed, the version did not; the windows it added
+                # are spent, and the next mini-batch's chunks run on these weights
+                d.windows.applied()
+                data.updates.append(float(out["grad_norm"]))
+                d.feed(P.OptimizerStepped(d.now(), cmd.step, cmd.version))
+                return
             acks, weights = self.backend.loads.version_calls()
 
             def kept(_acks):
@@ -170,7 +182,7 @@ class EngineTraining:
         positions = ({c: self.chunk_positions[c] for c in cmd.merge_order if c in self.chunk_positions}
                      if d.assembly.reproducible else None)
         d._when_all([(PRIMARY_TRAINER, r.apply_kept.remote(list(cmd.merge_order), d.windows.windows_for(i),
-                                                           positions))
+                                                           positions, cmd.final))
                      for i, r in enumerate(ranks)], done)
 
     def step_stats_row(self, data: StepData, update: dict) -> dict:
@@ -205,6 +217,21 @@ class EngineTraining:
                 "on_policy_samples": len(gaps), "logprob_diff_max": max(gaps) if gaps else None}
         if self.pool.config.rl.max_tokens_per_micro_batch is not None:   # the update's passes over every rank
             row["micro_batch_passes"] = int(sum(s.get("passes", 0) for s in data.stats))
+        if data.mini_batch:                                   # one optimizer update per mini-batch
+            row["optimizer_updates"] = len(data.updates) + 1
         if self.pool.config.rl.route_replay_compare:          # R3's comparison ran (MoE): the gap without it
             row["logprob_diff_max_no_r3"] = max(plain) if plain else None
         return row
+
+
+def mini_batch_normalizers(samples: list, config) -> dict:
+    """``StepData``'s optimizer mini-batches for ``samples`` (a step's, batch order): ``rl.mini_batch_prompts`` ×
+    group size samples each and each one's token-mean loss normaliser; nothing without the key (one update)."""
+    from bidirl.rl import grpo
+    prompts = config.rl.mini_batch_prompts
+    m = prompts * config.workload.group_size if prompts else 0
+    if not m or m >= len(samples):
+        return {}
+    return {"mini_batch": m,
+            "mini_normalizers": tuple(grpo.loss_normalizer([s.response_len for s in samples[lo:lo + m]], "token-mean")
+                                      for lo in range(0, len(samples), m))}
