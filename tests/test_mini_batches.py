@@ -276,3 +276,44 @@ def test_a_restarted_gang_replays_a_step_one_optimizer_step_per_mini_batch():
     # each optimizer step names exactly its mini-batch's chunks
     for k, (_, _, args, _) in enumerate(applies):
         assert {j // 16 for cid in args[0] for j in by_id[cid]} == {k}
+
+
+def test_a_restarted_gang_replays_a_streamed_steps_local_updates_keeping_the_version_until_the_last():
+    """Streaming consumption (``rl.updates_per_sync``): a finished step's local updates are replayed in order, only
+    the last making the step's version; the local updates the step under way had applied are replayed after the
+    version is restored (and published), keeping it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bidirl.cluster.engines.step_data import StepData
+    from bidirl.cluster.engines.trainer_recovery import TrainerRecovery
+
+    calls = []
+
+    class Call:
+        def __init__(self, name):
+            self.name = name
+
+        def remote(self, *args, **kwargs):
+            calls.append((self.name, args, kwargs))
+            return self.name
+
+    rank = SimpleNamespace(chunk_gradient=Call("chunk"), apply_kept=Call("apply"))
+    cfg = _tiny(**{"rl.updates_per_sync": 2, "rl.micro_batch_per_device": 64})
+
+    def local(step, k):
+        samples = [SimpleNamespace(response_len=3) for _ in range(32)]
+        return StepData(step=step, version=step, samples=samples, index={}, advantages=torch.zeros(32),
+                        normalizer=96.0, old=[None] * 32, ref=[None] * 32, local=k)
+    recovery = TrainerRecovery(SimpleNamespace(config=cfg), every=100)
+    recovery.local_update(local(0, 0))
+    recovery.stepped(local(0, 1), 1)
+    recovery.local_update(local(1, 0))            # step 1's first local update was applied when the gang died
+    restore, version = recovery.restore_calls([rank])
+    assert version == 1 and recovery.summary()["steps_kept"] == 1
+    assert [c[2]["final"] for c in calls if c[0] == "apply"] == [False, True]
+    before = len(calls)
+    recovery.partial_calls([rank])
+    assert [c[2]["final"] for c in calls[before:] if c[0] == "apply"] == [False]
+    assert sum(len(c[1][1]) for c in calls if c[0] == "chunk") == 3 * 32, "every sample of each local update once"

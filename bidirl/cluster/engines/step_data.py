@@ -7,6 +7,7 @@ replays the steps since its recovery point from it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -28,6 +29,13 @@ class StepData:
     mini_batch: int = 0
     mini_normalizers: tuple = ()
     updates: list = field(default_factory=list)   # grad norms of the mini-batches' optimizer updates before the last
+    local: int = 0              # the local update of a streamed step (rl.updates_per_sync) these samples are
+    sync_checked: Optional[int] = None   # leading samples whose old log-probs are on the version's weights (None: all)
+
+    @property
+    def optimizer_updates(self) -> int:
+        """Optimizer updates these samples took: the mini-batches' before the last, and the last."""
+        return len(self.updates) + 1
 
     def mini_batches(self) -> list:
         """The optimizer mini-batches ``[(lo, hi)]`` of the step's samples, in batch order (one without them)."""

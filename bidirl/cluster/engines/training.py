@@ -34,6 +34,7 @@ class EngineTraining:
         self.step_data: Optional[StepData] = None
         self.aux_grads: dict = {}         # chunk id -> object ref of an auxiliary chunk's gradient
         self.chunk_positions: dict = {}   # chunk id -> (first unit, units) of the step's update chunks (reproducible)
+        self.locals: list = []            # a streamed step's local updates applied so far (StepData), in order
 
     def start_step(self, cmd: P.StartStep):
         """The step's samples, GRPO advantages (normalised per group) and loss normaliser, in batch order (again
@@ -45,12 +46,16 @@ class EngineTraining:
 
         self.aux_grads.clear()
         self.chunk_positions.clear()
-        # a rolled-back step starts over: what its lost attempt left on a living gang is dropped
-        d.windows.new_attempt(again=self.step_data is not None and self.step_data.step == cmd.step)
+        # a rolled-back step (or local update) starts over: what its lost attempt left on a living gang is dropped;
+        # a streamed step's next local update (rl.updates_per_sync) is not a repeat: it has its own index
+        held = self.step_data
+        d.windows.new_attempt(again=held is not None and (held.step, held.local) == (cmd.step, cmd.local))
+        if cmd.local == 0:
+            self.locals = []
         samples = samples_from_groups(cmd.groups)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         self.step_data = StepData(
-            step=cmd.step, version=cmd.version, samples=samples,
+            step=cmd.step, version=cmd.version, samples=samples, local=cmd.local,
             index={(s.group_id, s.index): k for k, s in enumerate(samples)},
             advantages=grpo.group_advantages(rewards, group_size=d.config.workload.group_size).float(),
             normalizer=grpo.loss_normalizer([s.response_len for s in samples], "token-mean"),
@@ -150,9 +155,13 @@ class EngineTraining:
         d._when_all(calls, done)
 
     def optimizer_step(self, cmd: P.OptimizerStep):
+        """Each primary rank's optimizer update over ``cmd.merge_order``. It makes the next version only when the
+        scheduler asks for one (``cmd.version`` past the step's): an optimizer mini-batch's update and a streamed
+        step's local update before its last keep it (the weights sync once per step)."""
         d = self.pool
         ranks = d.gangs[PRIMARY_TRAINER]
         data = self.step_data
+        new_version = cmd.version != data.version
 
         def done(replies):
             out = replies[0].value
@@ -161,11 +170,16 @@ class EngineTraining:
                                    f"{cmd.version}; a rank missed an update")
             sp = replies[0].spans[0]
             d.record_optimizer(cmd, self.backend.wall(sp["start"]), self.backend.wall(sp["end"]))
-            if not cmd.final:
-                # an optimizer mini-batch's update: the weights changed, the version did not; the windows it added
-                # are spent, and the next mini-batch's chunks run on these weights
+            if not new_version:
+                # an optimizer mini-batch's update, or a streamed step's local update before its last: the weights
+                # changed, the version did not; the windows it added are spent, and the next chunks run on these
+                # weights. A finished local update is kept for the step's metrics and for a restarted gang's replay
                 d.windows.applied()
-                data.updates.append(float(out["grad_norm"]))
+                if cmd.final:
+                    self.locals.append(data)
+                    d.recovery.local_update(data)
+                else:
+                    data.updates.append(float(out["grad_norm"]))
                 d.feed(P.OptimizerStepped(d.now(), cmd.step, cmd.version))
                 return
             acks, weights = self.backend.loads.version_calls()
@@ -176,13 +190,14 @@ class EngineTraining:
                 # rolls the step back
                 self.backend.loads.keep_version(cmd.version, weights)
                 d.recovery.stepped(data, cmd.version)
-                d.step_stats.append(self.step_stats_row(data, out))
+                d.step_stats.append(self.step_stats_row(whole_step(self.locals + [data]), out))
+                self.locals = []
                 d.feed(P.OptimizerStepped(d.now(), cmd.step, cmd.version))
             d._when_all([(PRIMARY_TRAINER, a) for a in acks], kept)
         positions = ({c: self.chunk_positions[c] for c in cmd.merge_order if c in self.chunk_positions}
                      if d.assembly.reproducible else None)
         d._when_all([(PRIMARY_TRAINER, r.apply_kept.remote(list(cmd.merge_order), d.windows.windows_for(i),
-                                                           positions, cmd.final))
+                                                           positions, new_version))
                      for i, r in enumerate(ranks)], done)
 
     def step_stats_row(self, data: StepData, update: dict) -> dict:
@@ -197,7 +212,10 @@ class EngineTraining:
         # generated entirely by the weights the trainer held: the weight sync's correctness check (none in bypass,
         # where the old log-probs are vLLM's own)
         recomputed = "old_logprob" in self.pool.config.rl.stages
-        gaps = [float((torch.tensor(s.logprobs) - lp).abs().max()) for s, lp in zip(samples, data.old)
+        # (a streamed step's later local updates recompute on weights its earlier ones moved: only the first's are
+        # checked, ``sync_checked``)
+        checked = len(samples) if data.sync_checked is None else data.sync_checked
+        gaps = [float((torch.tensor(s.logprobs) - lp).abs().max()) for s, lp in zip(samples[:checked], data.old)
                 if recomputed and s.version == data.version and s.response_len]
         # the same samples' gap with the trainer routing by itself (rl.route_replay_compare; R3 on)
         plain = [g for k, g in data.gaps_without_replay.items()
@@ -217,8 +235,8 @@ class EngineTraining:
                 "on_policy_samples": len(gaps), "logprob_diff_max": max(gaps) if gaps else None}
         if self.pool.config.rl.max_tokens_per_micro_batch is not None:   # the update's passes over every rank
             row["micro_batch_passes"] = int(sum(s.get("passes", 0) for s in data.stats))
-        if data.mini_batch:                                   # one optimizer update per mini-batch
-            row["optimizer_updates"] = len(data.updates) + 1
+        if data.mini_batch or data.local:                     # optimizer updates: per mini-batch and local update
+            row["optimizer_updates"] = data.optimizer_updates
         if self.pool.config.rl.route_replay_compare:          # R3's comparison ran (MoE): the gap without it
             row["logprob_diff_max_no_r3"] = max(plain) if plain else None
         return row
@@ -235,3 +253,23 @@ def mini_batch_normalizers(samples: list, config) -> dict:
     return {"mini_batch": m,
             "mini_normalizers": tuple(grpo.loss_normalizer([s.response_len for s in samples[lo:lo + m]], "token-mean")
                                       for lo in range(0, len(samples), m))}
+
+
+def whole_step(parts: list) -> StepData:
+    """A step's data from its local updates' (one without streaming consumption), for the step's metrics row:
+    their samples, log-probs and loss statistics in order; ``optimizer_updates`` counts every update they took; the
+    weight sync is checked on the first local update's samples only (``sync_checked``: the later ones' old
+    log-probs are recomputed on weights the earlier updates moved)."""
+    if len(parts) == 1:
+        return parts[0]
+    last = parts[-1]
+    out = StepData(step=last.step, version=last.version, samples=[s for p in parts for s in p.samples], index={},
+                   advantages=None, normalizer=0.0, old=[x for p in parts for x in p.old],
+                   ref=[x for p in parts for x in p.ref], stats=[x for p in parts for x in p.stats],
+                   local=last.local, updates=[u for p in parts for u in p.updates] + [0.0] * (len(parts) - 1),
+                   sync_checked=len(parts[0].samples))
+    offset = 0
+    for p in parts:
+        out.gaps_without_replay.update({offset + k: g for k, g in p.gaps_without_replay.items()})
+        offset += len(p.samples)
+    return out
