@@ -17,6 +17,7 @@ import importlib.util
 import pytest
 
 import engine_jobs
+import rounding
 from test_engine_driver import FULL_LENGTH, _check_log, _logprob_tol, _run
 
 pytestmark = [pytest.mark.integration,
@@ -27,12 +28,22 @@ STEPS = 2
 LOCAL, MINI = 2, 8
 
 
-def test_local_updates_step_the_weights_and_the_rollouters_get_one_version_per_step(model_dir, kept_workers):
-    cfg = engine_jobs.borrowing(**{"rl.staleness": 0, **FULL_LENGTH, "rl.updates_per_sync": LOCAL,
-                                   "rl.mini_batch_prompts": MINI})
+def _job():
+    return engine_jobs.borrowing(**{"rl.staleness": 0, **FULL_LENGTH, "rl.updates_per_sync": LOCAL,
+                                    "rl.mini_batch_prompts": MINI})
+
+
+@pytest.fixture(scope="module")
+def streamed(model_dir, kept_workers):
+    """The job's fault-free run."""
+    return _run(_job(), "opportunistic", model_dir, STEPS, kept_workers)
+
+
+def test_local_updates_step_the_weights_and_the_rollouters_get_one_version_per_step(model_dir, streamed):
+    cfg = _job()
     per_step = cfg.workload.prompts_per_step // MINI
     assert per_step == 4
-    res = _run(cfg, "opportunistic", model_dir, STEPS, kept_workers)
+    res = streamed
     s = _check_log(res, STEPS)
     opt = [sp for sp in res.log.spans if sp.kind == "optimizer" and sp.worker == "trainer_pool/trainer"]
     assert len(opt) == STEPS * per_step, len(opt)
@@ -66,3 +77,36 @@ def test_local_updates_step_the_weights_and_the_rollouters_get_one_version_per_s
     # old log-probs, on the version's weights) within the run's derived tolerance (STEPS · 4 AdamW steps)
     tol = _logprob_tol(res, model_dir, cfg, STEPS * per_step)
     assert all(r["logprob_diff_max"] <= tol for r in rows), (rows, tol)
+
+
+def test_a_primary_gang_lost_in_a_later_local_update_comes_back_where_it_stood(model_dir, kept_workers, streamed):
+    """A rank of the primary gang killed while it runs a chunk of step 1's second local update, after the first
+    one's two optimizer steps moved the weights without a new version: the restarted gang loads the model folder,
+    replays step 0 (its local updates and mini-batches, the last making version 1), publishes version 1, replays
+    step 1's first local update, and the coordinator starts the second one over. At s = 0 (the reproducible mode)
+    the run ends with the fault-free run's prompt groups and weights bit for bit (``rounding.exact_weights``): a
+    local update lost from the replay, or replayed twice, changes every weight."""
+    import ray
+
+    from bidirl.core import protocol as P
+
+    kills = []
+
+    def kill(driver):
+        coord = driver.coordinator
+        if kills or coord.steps_done != 1 or coord.local_update != 1:
+            return
+        if driver.chunk_running.get(P.PRIMARY_TRAINER) is None or P.PRIMARY_TRAINER in driver.failed:
+            return
+        ray.kill(driver.gangs[P.PRIMARY_TRAINER][0])
+        kills.append(driver.chunk_running[P.PRIMARY_TRAINER].chunk.stage)
+
+    cfg = _job()
+    res = _run(cfg, "opportunistic", model_dir, STEPS, kept_workers, kill=kill)
+    s = _check_log(res, STEPS)
+    assert kills, "the kill's moment never came"
+    assert any(r["worker"] == P.PRIMARY_TRAINER for r in s["recoveries"]), s["recoveries"]
+    assert [sorted(ids) for _, _, ids in res.view.batches] == [sorted(ids) for _, _, ids in streamed.view.batches]
+    assert cfg.rl.reproducible_on
+    differ = rounding.exact_weights(res.weights, streamed.weights)
+    assert not differ, f"{len(differ)} tensors differ from the fault-free run's: {differ[:5]}"
