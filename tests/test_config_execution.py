@@ -120,8 +120,6 @@ def test_settings_built_from_dataclasses_get_the_same_checks():
 
 
 @pytest.mark.parametrize("key, value, why", [("cluster.rollout_tensor_parallel", 2, "one worker per engine"),
-                                             ("rl.mini_batch_prompts", 16, "one optimizer update"),
-                                             ("rl.updates_per_sync", 2, "one optimizer step per weight version"),
                                              ("rl.sequence_parallel", 2, "Ulysses"),
                                              ("rl.fsdp_size", 2, "shard-group size")])
 def test_engine_runs_refuse_settings_they_do_not_carry_out(key, value, why):
@@ -133,9 +131,11 @@ def test_engine_runs_refuse_settings_they_do_not_carry_out(key, value, why):
 
 
 @pytest.mark.parametrize("overrides", [{"rl.max_tokens_per_micro_batch": 8192}, {"rl.param_offload": True},
-                                       {"rl.optimizer_offload": True}, {"rl.recompute_old_logprob": False}])
+                                       {"rl.optimizer_offload": True}, {"rl.recompute_old_logprob": False},
+                                       {"rl.mini_batch_prompts": 16}, {"rl.updates_per_sync": 2}])
 def test_engine_runs_take_the_settings_the_engines_carry_out(overrides):
-    """Token-budget micro-batches and offload run in the trainer engine, bypass in the engine driver."""
+    """Token-budget micro-batches and offload run in the trainer engine, bypass in the engine driver, optimizer
+    mini-batches and streaming consumption in the chunk queue and the trainer gangs."""
     C.check_engine_run(C.load(base()).with_overrides(overrides))
 
 
@@ -153,7 +153,7 @@ def test_the_run_api_refuses_them_before_ray_starts(monkeypatch):
 def test_cli_run_refuses_them_before_anything_starts(tmp_path, capsys):
     from bidirl.cli import main
     job = tmp_path / "job.yaml"
-    job.write_text(C.load("tiny-cpu").with_overrides({"rl.updates_per_sync": 2}).to_yaml())
+    job.write_text(C.load("tiny-cpu").with_overrides({"rl.sequence_parallel": 2}).to_yaml())
     assert main(["run", str(job), "--steps", "1", "--out", str(tmp_path / "out")]) == 2
-    assert "rl.updates_per_sync" in capsys.readouterr().err
+    assert "rl.sequence_parallel" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

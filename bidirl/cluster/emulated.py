@@ -293,7 +293,7 @@ class EmulatedBackend(WorkerBackend):
         def finish(a, b):
             self.pool.record_optimizer(cmd, a, b)
             self.pool.feed(P.OptimizerStepped(b, cmd.step, cmd.version))
-        self._hold(P.PRIMARY_TRAINER, self.pool.assembly.optimizer_time(), finish)
+        self._hold(P.PRIMARY_TRAINER, self.pool.assembly.optimizer_step_time(cmd.final), finish)
 
     def summarize(self, out: dict) -> None:
         out["emulated"] = True

@@ -3,6 +3,12 @@
 The step's samples (``B`` groups × ``group_size`` responses, in batch order) are processed stage by stage:
 ``old_logprob`` and ``ref_logprob`` (forward passes, one *segment*), then ``actor_update`` (a second
 segment: it needs the first segment's log-probs of every sample, so the segments are separated by a barrier).
+With optimizer mini-batches (``mini_batch`` samples, ``rl.mini_batch_prompts`` × ``group_size``: veRL's
+``ppo_mini_batch_size``) the ``actor_update`` segment is one segment per mini-batch, in batch order: a chunk never
+spans two mini-batches, and each mini-batch's optimizer step (its chunks' gradients accumulated, then one AdamW
+step) comes between its segment and the next one's, whose chunks compute on the updated weights (veRL's
+``DataParallelPPOActor.update_policy``: mini-batches split in order, micro-batches inside each, ``optimizer.step()``
+per mini-batch). The forward stages are not split: veRL computes log-probs over the whole batch.
 A segment is an ordered list of *units* ``(stage, sample)``. A chunk is a contiguous run of units of one
 stage executed by one trainer gang of ``d`` replicas of ``rho`` devices: one micro-batch of at most
 ``micro_batch_per_device`` (s_max) units on every device, ``per_device`` units each; the smallest chunk is one unit
@@ -75,6 +81,10 @@ class TrainerStep(TailSplit):
     sequence_parallel: int = 1   # Ulysses degree k: a chunk has one micro-batch per k devices
     grid: Optional[int] = None   # reproducible mode: chunks are cells of a fixed grid, cut for a gang of this many
     #                              replicas
+    mini_batch: Optional[int] = None   # samples per optimizer update (None: the whole batch is one update)
+    # whether the primary gang holds the version's weights when the step starts: False for a streamed step's later
+    # local updates (``rl.updates_per_sync``), which run on the weights the earlier ones left
+    version_weights: bool = True
     segment_index: int = 0
     pending: list = field(default_factory=list)       # sorted unit indices not yet in a live chunk
     tail_plan: dict = field(default_factory=dict)     # side -> list of unit tuples (after JointTailSplit)
@@ -92,6 +102,8 @@ class TrainerStep(TailSplit):
     # awaited (nothing is pulled until each answers: cancelled, or started after all)
     tail_reclaimed: bool = False
     reclaiming: set = field(default_factory=set)
+    # a mini-batch's optimizer step under way between two update segments (the next one opens when it is done)
+    optimizing: bool = False
 
     def __post_init__(self):
         self.prompt_lens = [g.prompt_len for g in self.groups for _ in g.generated]
@@ -100,7 +112,58 @@ class TrainerStep(TailSplit):
         self.tokens = [p + r for p, r in zip(self.prompt_lens, self.response_lens)]
         self.segments = [tuple(s for s in seg if s in self.stages) for seg in (FORWARD_STAGES, UPDATE_STAGES)]
         self.segments = [s for s in self.segments if s]
+        # each segment's samples [lo, hi): all of them, or one optimizer mini-batch of the update segment
+        self.sample_ranges = [(0, self.n_samples)] * len(self.segments)
+        if self.segments and self.segments[-1] == UPDATE_STAGES:
+            bounds = self.mini_batch_bounds()
+            if len(bounds) > 1:
+                self.segments[-1:] = [UPDATE_STAGES] * len(bounds)
+                self.sample_ranges[-1:] = [(lo, hi) for lo, hi in bounds]
         self._open_segment()
+
+    def mini_batch_bounds(self) -> list:
+        """The optimizer mini-batches ``[(lo, hi)]`` of the step's samples, in batch order: ``mini_batch`` samples
+        each (the config makes it divide the local update), or one over the whole batch."""
+        n, m = self.n_samples, self.mini_batch
+        if m is None or m >= n:
+            return [(0, n)]
+        if m <= 0:
+            raise ValueError(f"mini_batch must be a positive sample count, got {m}")
+        return [(lo, min(lo + m, n)) for lo in range(0, n, m)]
+
+    @property
+    def update_segments(self) -> int:
+        """Optimizer updates the step takes: one per update segment (its mini-batches)."""
+        return sum(1 for seg in self.segments if seg == UPDATE_STAGES)
+
+    @property
+    def first_update_segment(self) -> int:
+        """Index of the first update segment (the last segment if the step has none)."""
+        return next((i for i, seg in enumerate(self.segments) if seg == UPDATE_STAGES), len(self.segments) - 1)
+
+    @property
+    def at_mini_batch_end(self) -> bool:
+        """The current segment is an update mini-batch, finished, and another follows: its optimizer step comes
+        before the next segment opens."""
+        return (self.segment_done and self.segment == UPDATE_STAGES
+                and self.segment_index < len(self.segments) - 1)
+
+    @property
+    def aux_last_segment(self) -> int:
+        """The last segment an auxiliary gang may run (−1: none): the auxiliaries hold the version's weights, which
+        the step's first mini-batch computes on and later ones do not (each follows an optimizer step), nor any
+        chunk of a streamed step's later local update."""
+        if not self.version_weights:
+            return -1
+        return self.first_update_segment if self.update_segments > 1 else len(self.segments) - 1
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickle (a checkpoint's step); one written before optimizer mini-batches existed has one update segment
+        over all its samples."""
+        self.__dict__.update(state)
+        if "sample_ranges" not in state:
+            self.sample_ranges = [(0, self.n_samples)] * len(self.segments)
+            self.segment_end = len(self.units)
 
     # ---------------------------------------------------------------------------------------------
     @property
@@ -113,13 +176,19 @@ class TrainerStep(TailSplit):
 
     def _open_segment(self):
         self.units = SegmentUnits(self.segment, self.n_samples)
-        self.pending = list(range(len(self.units)))
-        self.tail_plan, self.chunks, self.open_chunks, self.unmerged, self.merged_upto = {}, {}, {}, {}, 0
+        lo, hi = self.sample_ranges[self.segment_index]
+        n = self.n_samples
+        if (lo, hi) == (0, n):
+            self.pending = list(range(len(self.units)))
+        else:                    # a mini-batch: one stage (the update), its samples' units only
+            self.pending = list(range(lo, hi))
+        self.segment_end = len(self.units) - (n - hi)
+        self.tail_plan, self.chunks, self.open_chunks, self.unmerged, self.merged_upto = {}, {}, {}, {}, lo
         self.tail_reclaimed, self.reclaiming = False, set()
 
     @property
     def segment_done(self) -> bool:
-        return self.merged_upto == len(self.units)
+        return self.merged_upto == self.segment_end
 
     @property
     def done(self) -> bool:
@@ -160,9 +229,10 @@ class TrainerStep(TailSplit):
         idx = [u % n for u in units]
         return [self.prompt_lens[i] for i in idx], [self.response_lens[i] for i in idx]
 
-    def remaining_work(self) -> tuple:
-        """The units not finished in this and later segments — the workload U — as two lists in unit order: each
-        unit's stage and its sample (built a stage at a time: a stage's units are one block of the sorted list)."""
+    def remaining_work(self, until: Optional[int] = None) -> tuple:
+        """The units not finished in this and later segments (before segment ``until`` if given) — the workload
+        U — as two lists in unit order: each unit's stage and its sample (built a stage at a time: a stage's units
+        are one block of the sorted list)."""
         live = [u for c in self.live() for u in c.units]
         planned = [u for plan in self.tail_plan.values() for run in plan for u in run]
         units = sorted(set(self.pending).union(live, planned))
@@ -170,10 +240,11 @@ class TrainerStep(TailSplit):
         for k, stage in enumerate(self.segment):
             stages += [stage] * (bisect.bisect_left(units, (k + 1) * n) - bisect.bisect_left(units, k * n))
         samples = [u % n for u in units]
-        for seg in self.segments[self.segment_index + 1:]:
+        for seg, (lo, hi) in zip(self.segments[self.segment_index + 1:until],
+                                 self.sample_ranges[self.segment_index + 1:until]):
             for stage in seg:
-                stages += [stage] * n
-                samples += range(n)
+                stages += [stage] * (hi - lo)
+                samples += range(lo, hi)
         return stages, samples
 
     # pulling -------------------------------------------------------------------------------------
@@ -203,10 +274,12 @@ class TrainerStep(TailSplit):
         gang runs it or on how the step was split."""
         bounds = getattr(self, "_bounds", None)
         if bounds is None or bounds[-1] != self.n_samples:
-            bounds, i = [], 0
-            while i < self.n_samples:
-                i += max(1, self.chunk_units_at(i, self.grid))
-                bounds.append(min(i, self.n_samples))
+            bounds = []
+            for lo, hi in self.mini_batch_bounds():      # a cell never spans two mini-batches
+                i = lo
+                while i < hi:
+                    i += max(1, self._chunk_len(i, self.grid, hi))
+                    bounds.append(min(i, hi))
             self._bounds = bounds
         return bounds
 
@@ -274,11 +347,15 @@ class TrainerStep(TailSplit):
         """Units in the full chunk that starts at unit ``u`` on a gang of ``d`` replicas: :meth:`chunk_units`, or
         with a token budget the samples from ``u``'s on (within its stage) that pack into one micro-batch per
         device (:func:`~bidirl.core.protocol.packed_chunk_len`)."""
+        return self._chunk_len(u % self.n_samples, d, self.sample_ranges[self.segment_index][1])
+
+    def _chunk_len(self, i: int, d: int, stop: int) -> int:
+        """Samples in the full chunk that starts at sample ``i`` on ``d`` replicas, packing no sample from ``stop``
+        on (the end of its mini-batch) under a token budget."""
         if self.max_tokens_per_micro_batch is None:
             return self.chunk_units(d)
-        i = u % self.n_samples
         groups, budget = packed_groups(d * self.rho, self.max_tokens_per_micro_batch, self.sequence_parallel)
-        return packed_chunk_len(self.tokens, i, self.n_samples, groups, budget)
+        return packed_chunk_len(self.tokens, i, stop, groups, budget)
 
     def _make_chunk(self, units: tuple, side: str, d: int, worker: str) -> ChunkRecord:
         """A chunk of ``units``: consecutive units of one stage (as :meth:`_take_run` and :meth:`split_runs` cut

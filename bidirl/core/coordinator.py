@@ -102,6 +102,7 @@ class Settings:
     max_tokens_per_micro_batch: Optional[int] = None  # token-budget micro-batches (None: s_max samples per device)
     sequence_parallel: int = 1     # Ulysses degree: a chunk holds one micro-batch per sequence-parallel group
     updates_per_sync: int = 1      # streaming consumption: local updates of batch / updates_per_sync groups per step
+    mini_batch_prompts: Optional[int] = None   # groups per optimizer update (None: one per local update)
     reproducible: bool = False     # batches, versions and chunks fixed by rule, not by timing (bidirl.core.schedule)
 
 
@@ -297,13 +298,28 @@ class Coordinator(RolloutSide, TrainerSide, Lending):
             self._maybe_sync()
 
     def _on_GradientsMerged(self, ev: P.GradientsMerged):
-        if self.step is None or ev.step != self.step.step or self.phase is not Phase.FINISHING:
+        step = self.step
+        mini_batch = step is not None and step.optimizing and self.phase is Phase.CONSUMING
+        if step is None or ev.step != step.step or not (self.phase is Phase.FINISHING or mini_batch):
             return                                    # a merge of an attempt rolled back meanwhile
-        self.step.aux_unsent.clear()
+        step.aux_unsent.clear()
+        step.aux_update_chunks.clear()                # merged: the next mini-batch's optimizer step has none
         self.profiler.observe_cost(TOR, "c_grad", ev.elapsed)
-        self._out.append(P.OptimizerStep(self.step.step, self._update_version(), self.step.update_merge_order()))
+        version = self.trainer_version if mini_batch else self._update_version()
+        self._out.append(P.OptimizerStep(step.step, version, step.update_merge_order(), final=not mini_batch))
 
     def _on_OptimizerStepped(self, ev: P.OptimizerStepped):
+        step = self.step
+        if step is not None and step.optimizing:
+            # an optimizer mini-batch's step: the next mini-batch's segment opens (a step rolled back meanwhile
+            # starts over instead, :meth:`_restart_step`)
+            if self.phase is Phase.CONSUMING and ev.step == step.step:
+                step.optimizing = False
+                step.advance_segment()
+                self._schedule_chunks()
+            return
+        if self.phase is not Phase.FINISHING:
+            return                         # an update of an attempt rolled back meanwhile (it starts over)
         if not self._last_local():         # a streamed step's local update: on to the next one, no sync yet
             self.local_update += 1
             self.step = None
@@ -445,7 +461,7 @@ class Coordinator(RolloutSide, TrainerSide, Lending):
             return
         self.phase = Phase.CONSUMING
         self.step = self._trainer_step(old.step, list(old.groups))
-        self._out.append(P.StartStep(old.step, self.trainer_version, tuple(old.groups)))
+        self._out.append(P.StartStep(old.step, self.trainer_version, tuple(old.groups), self.local_update))
         self._schedule_chunks()
         self._consider_trainer_on_rollout_pool()
 

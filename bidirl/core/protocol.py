@@ -305,10 +305,14 @@ class Interrupt:
 
 @dataclass(frozen=True)
 class StartStep:
-    """Training step ``step`` (updating actor ``version``) consumes ``groups``, in batch order."""
+    """Training step ``step`` (updating actor ``version``) consumes ``groups``, in batch order. With streaming
+    consumption (``rl.updates_per_sync`` = U) a step is U local updates, each its own ``StartStep`` with the same step
+    and version: ``local`` (0 … U − 1) tells them apart — a repeat of ``(step, local)`` is a rolled-back attempt
+    starting over, a new ``local`` the next local update on the weights the earlier ones left."""
     step: int
     version: int
     groups: tuple             # of GroupState
+    local: int = 0
 
 
 @dataclass(frozen=True)
@@ -362,10 +366,13 @@ class MergeGradients:
 @dataclass(frozen=True)
 class OptimizerStep:
     """Apply the step's actor-update gradients on the primary trainers in ``merge_order`` (chunk ids, the
-    original chunk order), producing actor ``version``."""
+    original chunk order), producing actor ``version``. With optimizer mini-batches (``rl.mini_batch_prompts``) one
+    is sent per mini-batch, over that mini-batch's chunks; all but the local update's last (``final``) keep the
+    version. Drivers charge the local update's once-per-update costs (offload copies) with the ``final`` one."""
     step: int
     version: int
     merge_order: tuple
+    final: bool = True
 
 
 COMMANDS: tuple = (Generate, Interrupt, StartStep, RunChunk, CancelChunk, Switch, SyncWeights, MergeGradients,

@@ -89,7 +89,7 @@ class TrainerSide:
             self.consume_start = self._now
         self.phase = Phase.CONSUMING
         self.step = self._trainer_step(self.steps_done, groups)
-        self._out.append(P.StartStep(self.step.step, self.trainer_version, tuple(groups)))
+        self._out.append(P.StartStep(self.step.step, self.trainer_version, tuple(groups), self.local_update))
         warm = getattr(self.predictor, "warm_chunk_times", None)
         s_budget = self.settings.max_tokens_per_micro_batch
         if warm is not None and s_budget is None:  # the chunks lazy pull cuts on the primaries, in one pass
@@ -108,7 +108,9 @@ class TrainerSide:
                            next_chunk_id=functools.partial(next, self._chunk_ids), rho=self.topology.trainer_layout,
                            max_tokens_per_micro_batch=s.max_tokens_per_micro_batch,
                            sequence_parallel=s.sequence_parallel,
-                           grid=self.topology.trainer_replicas if s.reproducible else None)
+                           grid=self.topology.trainer_replicas if s.reproducible else None,
+                           mini_batch=s.mini_batch_prompts * s.group_size if s.mini_batch_prompts else None,
+                           version_weights=self.local_update == 0)
 
     def _schedule_chunks(self):
         step = self.step
@@ -117,8 +119,13 @@ class TrainerSide:
             return
         if step is None or self.phase is not Phase.CONSUMING:
             return
-        while step.segment_done and step.advance_segment():
-            pass
+        while step.segment_done:
+            if step.at_mini_batch_end:       # the mini-batch's optimizer step before the next one's chunks
+                if not step.optimizing and P.PRIMARY_TRAINER not in self.failed:
+                    self._step_mini_batch(step)
+                return
+            if not step.advance_segment():
+                break
         if step.done:
             if P.PRIMARY_TRAINER not in self.failed:     # the merge and update run on the primary gang
                 self._finish_step()
@@ -152,7 +159,7 @@ class TrainerSide:
                 if side == P.AUXILIARY:
                     self.window_sent[P.ROLLOUT_POOL] = self.window_sent.get(P.ROLLOUT_POOL, 0) + 1
         if aux_on and not step.live(P.AUXILIARY) and not step.has_work(P.AUXILIARY) \
-                and step.segment_index == len(step.segments) - 1:
+                and step.segment_index >= step.aux_last_segment:
             self._revoke(P.ROLLOUT_POOL, "the split of the step's remaining chunks left none to the borrowed pool"
                          + (" (JointTailSplit)" if self.policy.model_split else " (proportional)"))
 
@@ -199,12 +206,30 @@ class TrainerSide:
         self.phase = Phase.FINISHING
         self.merge_log.append((step.step, list(step.merge_positions)))
         self._revoke(P.ROLLOUT_POOL, "the primaries finished the step's chunks")
+        self._merge_then_step(step, self._update_version())
+
+    def _merge_then_step(self, step, version: int) -> None:
+        """The auxiliary update chunks' gradients not merged yet go to the primary gang (C_grad; the optimizer step
+        follows when they arrived, :meth:`_on_GradientsMerged`), or the optimizer step now over the current update
+        segment's chunks in merge order, producing ``version``."""
         if step.aux_update_chunks:
             aux = set(step.aux_update_chunks)
             aux_ids = tuple(c for c in step.merge_order if c in aux)
             self._out.append(P.MergeGradients(step.step, aux_ids, self.profiler.costs[TOR].c_grad))
         else:
-            self._out.append(P.OptimizerStep(step.step, self._update_version(), step.update_merge_order()))
+            self._out.append(P.OptimizerStep(step.step, version, step.update_merge_order(),
+                                             final=not step.optimizing))
+
+    def _step_mini_batch(self, step) -> None:
+        """An optimizer mini-batch's chunks are all merged and another mini-batch follows (``rl.mini_batch_prompts``,
+        veRL's ``ppo_mini_batch_size``): the auxiliary window ends — the next mini-batch computes on weights only the
+        primary gang will hold — its gradients are merged, and the primary gang takes the mini-batch's optimizer
+        step, keeping the version (weights sync once per step). The next segment opens when it is done
+        (:meth:`_on_OptimizerStepped`)."""
+        step.optimizing = True
+        self._revoke(P.ROLLOUT_POOL, "the optimizer mini-batch it could run ended (the next one computes on the "
+                                     "updated weights)")
+        self._merge_then_step(step, self.trainer_version)
 
     # ---- Trainer-on-RolloutPool --------------------------------------------------------------
     def _consider_trainer_on_rollout_pool(self):
@@ -213,9 +238,10 @@ class TrainerSide:
         key = (TOR, self.trainer_version, self.idle_windows[P.ROLLOUT_POOL])
         if (not self.policy.trainer_on_rollout_pool or step is None or key in self.evaluated
                 or self.phase is not Phase.CONSUMING or not self.topology.aux_trainer_replicas
-                or P.AUX_TRAINER in self.failed or not self._rollout_pool_idle()):
+                or P.AUX_TRAINER in self.failed or not self._rollout_pool_idle()
+                or step.segment_index > step.aux_last_segment or step.optimizing):
             return
-        stages, samples = step.remaining_work()
+        stages, samples = step.remaining_work(until=step.aux_last_segment + 1)
         if not stages:
             return
         self.evaluated.add(key)
@@ -262,4 +288,6 @@ class TrainerSide:
     def _window_has_work(step) -> bool:
         """Whether a Trainer-on-RolloutPool window opening now can still get a chunk of ``step``: units of the
         current segment not yet sent, or a later segment (opened at the barrier)."""
-        return bool(step.pending) or step.segment_index < len(step.segments) - 1
+        if step.segment_index > step.aux_last_segment or step.optimizing:
+            return False
+        return bool(step.pending) or step.segment_index < step.aux_last_segment

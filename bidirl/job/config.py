@@ -664,19 +664,14 @@ def _check_expert_parallel(cfg: JobConfig) -> None:
 #: execution settings the models, the planner and the simulator (and emulated runs) honour but engine runs do not
 #: carry out yet: key -> (its defaults, why an engine run cannot). Bypass (``rl.recompute_old_logprob: false``)
 #: runs in the engine driver, token-budget micro-batches and parameter / optimizer offload in the trainer engine
-#: (``bidirl.cluster.engines.workers.trainer``: ``micro_batches``, ``state_offload``), so they are not here.
+#: (``bidirl.cluster.engines.workers.trainer``: ``micro_batches``, ``state_offload``), optimizer mini-batches
+#: (``rl.mini_batch_prompts``) in the chunk queue and the trainer gangs (one optimizer step per mini-batch), and
+#: streaming consumption (``rl.updates_per_sync``: each local update its own ``(step, local)`` identity, one weight
+#: version and sync per step), so they are not here.
 ENGINE_PENDING = {
     "cluster.rollout_tensor_parallel": ((None, 1), "an engine run places each rollouter on one GPU slot, and vLLM's "
                                         "CPU build runs one worker per engine (distributed_executor_backend 'uni': "
                                         "no tensor parallel on CPU)"),
-    "rl.mini_batch_prompts": ((None,), "the engine run's step is one optimizer update over its whole batch (the "
-                              "chunk queue has no mini-batch boundary yet: each mini-batch's update chunks would "
-                              "need a barrier, the auxiliary windows ending and an optimizer step before the next "
-                              "mini-batch's chunks, which compute on the updated weights)"),
-    "rl.updates_per_sync": ((1,), "the engine driver takes one optimizer step per weight version (a streamed step's "
-                            "local updates would keep the version while changing the weights, and the runtime names "
-                            "weights by version: an auxiliary or restarted gang loading the version, and the "
-                            "recovery replay, would compute on other weights than the primary's)"),
     "rl.sequence_parallel": ((1,), "the trainer engine has no Ulysses all-to-all: each rank holds whole samples"),
     "rl.fsdp_size": ((None,), "the engine run's trainer gangs shard over the planner's layout; an explicit shard-group "
                      "size is not passed to the engines yet"),

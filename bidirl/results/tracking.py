@@ -38,6 +38,7 @@ during the step) and ``…/trainer_on_rollout_pool/c_grad`` (the step's gradient
 ``bidirl/rollout_logprob_diff_max_no_r3`` (the same samples' gap with the trainer routing by itself:
 ``rl.route_replay_compare``), ``bidirl/micro_batch_passes`` (with ``rl.max_tokens_per_micro_batch``: the
 update's forward-and-backward passes, summed over the ranks of every gang that ran its chunks),
+``bidirl/optimizer_updates`` (with ``rl.mini_batch_prompts``: the step's optimizer updates, one per mini-batch),
 ``bidirl/samples`` and ``bidirl/version``.
 A key is left out of a row when the step has no value for it (no switch, no reference model, a simulated run).
 
@@ -86,6 +87,7 @@ TRAIN_METRICS = {
     "bidirl/rollout_logprob_diff_max": "logprob_diff_max",
     "bidirl/rollout_logprob_diff_max_no_r3": "logprob_diff_max_no_r3",
     "bidirl/micro_batch_passes": "micro_batch_passes",
+    "bidirl/optimizer_updates": "optimizer_updates",
 }
 
 

@@ -52,6 +52,19 @@ class Assembly:
     def optimizer_time(self) -> float:
         return self.predictor.optimizer_time(self.plan.envelope.trainer_gpus)
 
+    def optimizer_step_time(self, final: bool) -> float:
+        """One ``OptimizerStep`` command's seconds. With optimizer mini-batches (``rl.mini_batch_prompts``) the
+        coordinator sends one per mini-batch: each is one update (the gradient all-reduce and the AdamW step,
+        ``StagePredictor.optimizer_update_time``) and the local update's ``final`` one also carries what is charged
+        once per local update (the offload copies): :meth:`optimizer_time` less the updates already taken. Without
+        mini-batches the one command is :meth:`optimizer_time` itself."""
+        whole = self.optimizer_time()
+        taken = self.config.optimizer_updates_per_step // self.config.rl.updates_per_sync - 1
+        if not taken:
+            return whole
+        update = self.predictor.optimizer_update_time(self.plan.envelope.trainer_gpus)
+        return whole - taken * update if final else update
+
 
 def reproducible_mode(cfg: cfgmod.JobConfig, policy: Policy) -> bool:
     """Whether a run is in the reproducible mode (``rl.reproducible``, by default on at s = 0): only under the
@@ -89,6 +102,7 @@ def assemble(cfg: cfgmod.JobConfig, policy, *, steps: int, seed: int,
                         optimizer_seconds=predictor.optimizer_time(env.trainer_gpus),
                         max_tokens_per_micro_batch=cfg.rl.max_tokens_per_micro_batch,
                         sequence_parallel=cfg.rl.sequence_parallel, updates_per_sync=cfg.rl.updates_per_sync,
+                        mini_batch_prompts=cfg.rl.mini_batch_prompts,
                         reproducible=reproducible_mode(cfg, policy))
     costs = {d: cfg.switch_costs(d) for d in P.DIRECTIONS}
     first = {(d, phase): first_switch_allocation(cfg.hardware_spec, cfg.model_spec, d, phase,

@@ -58,7 +58,7 @@ class SimDriver(Driver):
         self.gang_queue: dict = {}             # gang -> jobs sent to it and not started, in order
         self.gang_busy: set = set()            # gangs running a chunk
         self.sync_time = self.config.weight_sync_time()
-        self.optimizer_time = self.assembly.optimizer_time()
+        self.optimizer_times = {final: self.assembly.optimizer_step_time(final) for final in (True, False)}
         self._started = False
         self._feeding = 0                      # feeds under way (an engine report inside one goes through the loop)
 
@@ -181,10 +181,12 @@ class SimDriver(Driver):
         self._after(self._jitter(cmd.expected), done)
 
     def do_OptimizerStep(self, cmd: P.OptimizerStep):
+        """One optimizer update per command (:meth:`~bidirl.runtime.assemble.Assembly.optimizer_step_time`: a
+        mini-batch's, or the local update's ``final`` one with its once-per-update costs)."""
         def done(t0):
             self.record_optimizer(cmd, t0, self.loop.now)
             self.feed(P.OptimizerStepped(self.loop.now, cmd.step, cmd.version))
-        self._after(self._jitter(self.optimizer_time), done)
+        self._after(self._jitter(self.optimizer_times[cmd.final]), done)
 
     # ------------------------------------------------------------------------------------------
     # running: all at once, or in slices (live views)

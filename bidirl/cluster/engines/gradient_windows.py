@@ -85,6 +85,11 @@ class GradientWindows:
     def windows_for(self, rank: int) -> dict:
         return dict(self.received.get(rank, {}))
 
+    def applied(self) -> None:
+        """An optimizer mini-batch's update added the windows received so far (``rl.mini_batch_prompts``): the
+        step's later updates must not name them again (the ranks dropped them)."""
+        self.received = {}
+
     # ---- the window ends ----------------------------------------------------------------------
     def send(self, then: Callable[[], None]) -> None:
         """Hand the auxiliary gang's window to the primary gang (if it holds one), then ``then()``."""

@@ -140,8 +140,11 @@ class EnginePlacement:
                 return
             calls, version = d.recovery.restore_calls(handles)
             d.versions[worker] = version
-            d._when_all([(worker, c) for c in calls], lambda _: settle())
             d.sync.publish(handles, version)          # after the replay on each rank (calls run in order)
+            # then the local updates the step under way had applied (rl.updates_per_sync): after the publish, so
+            # the version's weights are what others load under its name
+            calls += d.recovery.partial_calls(handles)
+            d._when_all([(worker, c) for c in calls], lambda _: settle())
 
         def join(_ready):
             if worker not in d.gangs or len(handles) < 2:

@@ -7,6 +7,7 @@ replays the steps since its recovery point from it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -22,9 +23,37 @@ class StepData:
     ref: list
     stats: list = field(default_factory=list)     # loss statistics of each update-chunk share
     gaps_without_replay: dict = field(default_factory=dict)   # position -> max |Δ log-prob| with R3 off (compared)
+    #: samples per optimizer mini-batch (``rl.mini_batch_prompts`` × group size; 0: the step is one update) and each
+    #: mini-batch's loss normaliser: a mini-batch's gradient is its own loss's (veRL's ``update_policy`` normalises
+    #: each mini-batch's loss over that mini-batch)
+    mini_batch: int = 0
+    mini_normalizers: tuple = ()
+    updates: list = field(default_factory=list)   # grad norms of the mini-batches' optimizer updates before the last
+    local: int = 0              # the local update of a streamed step (rl.updates_per_sync) these samples are
+    sync_checked: Optional[int] = None   # leading samples whose old log-probs are on the version's weights (None: all)
+
+    @property
+    def optimizer_updates(self) -> int:
+        """Optimizer updates these samples took: the mini-batches' before the last, and the last."""
+        return len(self.updates) + 1
+
+    def mini_batches(self) -> list:
+        """The optimizer mini-batches ``[(lo, hi)]`` of the step's samples, in batch order (one without them)."""
+        n, m = len(self.samples), self.mini_batch
+        if not m or m >= n:
+            return [(0, n)]
+        return [(lo, min(lo + m, n)) for lo in range(0, n, m)]
+
+    def normalizer_of(self, k: int) -> float:
+        """The loss normaliser of sample ``k``'s optimizer update: its mini-batch's, or the step's."""
+        if not self.mini_normalizers:
+            return self.normalizer
+        return self.mini_normalizers[k // self.mini_batch]
 
     def chunk_inputs(self, share: list, kl: bool) -> tuple:
         """``TrainerActor.chunk_gradient``'s inputs after the chunk id for the samples at positions ``share``:
-        samples, advantages, old and (with ``kl``) reference log-probs, the step's loss normaliser."""
+        samples, advantages, old and (with ``kl``) reference log-probs, the loss normaliser of the update they
+        belong to (an update chunk never spans two mini-batches)."""
         return ([self.samples[k] for k in share], self.advantages[share] if share else [],
-                [self.old[k] for k in share], [self.ref[k] for k in share] if kl else None, self.normalizer)
+                [self.old[k] for k in share], [self.ref[k] for k in share] if kl else None,
+                self.normalizer_of(share[0]) if share else self.normalizer)

@@ -43,7 +43,9 @@ class TrainerRecovery:
         root = folder or os.path.join(tempfile.gettempdir(), "bidirl-snapshots")
         self.folder = os.path.join(root, f"run-{uuid.uuid4().hex[:12]}")
         self.point: tuple = ("model", 0)       # ("model", 0) | ("checkpoint", path, version) | ("snapshot", version)
-        self.steps: list = []                  # (version it produced, StepData) since the recovery point, in order
+        self.steps: list = []                  # (version it produced, StepData) since the recovery point, in order;
+        #                                        a streamed step's local updates each, under the step's version
+        self.partial: list = []                # the step under way's local updates applied so far (StepData)
         self.snapshots: list = []              # reports of the snapshots written (per rank)
         self.replayed = 0                      # steps replayed by restarted gangs
 
@@ -56,10 +58,16 @@ class TrainerRecovery:
         self.point, self.steps = ("checkpoint", str(path), int(version)), []
 
     # ---- while the gang trains -----------------------------------------------------------------
+    def local_update(self, data) -> None:
+        """A streamed step's local update before its last (``rl.updates_per_sync``) was applied: the gang's weights
+        moved without a new version, so a restarted gang replays it too before the step's next local update."""
+        self.partial.append(data)
+
     def stepped(self, data, version: int) -> None:
-        """The optimizer step that produced ``version`` from ``data`` (a ``StepData``) is safe: keep what it trained
-        with, and every ``every`` versions have the ranks write a snapshot."""
-        self.steps.append((int(version), data))
+        """The optimizer step that produced ``version`` from ``data`` (a ``StepData``; with its step's earlier local
+        updates) is safe: keep what it trained with, and every ``every`` versions have the ranks write a snapshot."""
+        self.steps += [(int(version), part) for part in self.partial] + [(int(version), data)]
+        self.partial = []
         if version % self.every == 0:
             self._snapshot(int(version))
 
@@ -96,32 +104,49 @@ class TrainerRecovery:
         elif kind == "checkpoint":
             calls += [r.load_train_state.remote(self.point[1], self.version) for r in handles]
         version = self.version
-        for version, data in self.steps:
-            calls += self._replay(handles, data)
-        self.replayed += len(self.steps)
+        # a version's last entry makes it; a streamed step's earlier local updates move the weights and keep it
+        for k, (version, data) in enumerate(self.steps):
+            last = k + 1 == len(self.steps) or self.steps[k + 1][0] != version
+            calls += self._replay(handles, data, new_version=last)
+        self.replayed += len({v for v, _ in self.steps})
         return calls, version
 
-    def _replay(self, handles: list, data) -> list:
-        """One step again on the restarted gang: its update chunks (every sample once, ``micro_batch_per_device``
-        per rank, dealt as the run deals them), then its optimizer step."""
+    def partial_calls(self, handles: list) -> list:
+        """The calls that replay the step under way's local updates applied so far (``rl.updates_per_sync``) on a
+        restarted gang, after :meth:`restore_calls` (and after the gang published the version those made): they
+        move its weights to where the lost gang's stood, keeping the version."""
+        calls = []
+        for data in self.partial:
+            calls += self._replay(handles, data, new_version=False)
+        return calls
+
+    def _replay(self, handles: list, data, new_version: bool = True) -> list:
+        """One step (or local update) again on the restarted gang: per optimizer mini-batch (one without
+        ``rl.mini_batch_prompts``) its update chunks (every sample once, ``micro_batch_per_device`` per rank, dealt
+        as the run deals them, none across the mini-batch's end), then its optimizer step — the last one making the
+        step's version when ``new_version``."""
         from bidirl.cluster.engines.workers.trainer import rank_shares
 
         d = self.driver
         per_device = d.config.rl.micro_batch_per_device
-        n, size = len(data.samples), per_device * len(handles)
+        size = per_device * len(handles)
         kl = d.config.rl.kl_coef > 0
-        ids = []
-        for cid, first in enumerate(range(0, n, size)):
-            shares = rank_shares(list(range(first, min(n, first + size))), per_device, len(handles))
-            for r, share in zip(handles, shares):
-                r.chunk_gradient.remote(cid, *data.chunk_inputs(share, kl), keep=True, give=False)
-            ids.append(cid)
-        return [r.apply_kept.remote(ids) for r in handles]
+        calls, cid, minis = [], 0, data.mini_batches()
+        for k, (lo, hi) in enumerate(minis):
+            ids = []
+            for first in range(lo, hi, size):
+                shares = rank_shares(list(range(first, min(hi, first + size))), per_device, len(handles))
+                for r, share in zip(handles, shares):
+                    r.chunk_gradient.remote(cid, *data.chunk_inputs(share, kl), keep=True, give=False)
+                ids.append(cid)
+                cid += 1
+            calls += [r.apply_kept.remote(ids, final=new_version and k == len(minis) - 1) for r in handles]
+        return calls
 
     def summary(self) -> dict:
         return {"recovery_point": list(self.point), "every": self.every, "snapshots": len(self.snapshots),
                 "snapshot_bytes": self.snapshots[-1]["bytes"] if self.snapshots else 0,
-                "steps_kept": len(self.steps), "steps_replayed": self.replayed}
+                "steps_kept": len({v for v, _ in self.steps}), "steps_replayed": self.replayed}
 
     def cleanup(self) -> None:
         """Delete this run's snapshots on every primary rank's node (at the run's end)."""

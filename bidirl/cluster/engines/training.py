@@ -7,7 +7,9 @@
   gradient back through the object store);
 * ``MergeGradients`` — waits for windows in flight, or moves the object-store gradients to every primary rank;
 * ``OptimizerStep`` — each primary rank sums every update chunk's gradient and window and takes one AdamW step; the
-  new version is put out (published, or gathered on the object-store path) before the step counts.
+  new version is put out (published, or gathered on the object-store path) before the step counts. With optimizer
+  mini-batches (``rl.mini_batch_prompts``) one comes per mini-batch, over its chunks: all but the last
+  (``final``) keep the version and put nothing out — the rollouters get the weights once per step.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class EngineTraining:
         self.step_data: Optional[StepData] = None
         self.aux_grads: dict = {}         # chunk id -> object ref of an auxiliary chunk's gradient
         self.chunk_positions: dict = {}   # chunk id -> (first unit, units) of the step's update chunks (reproducible)
+        self.locals: list = []            # a streamed step's local updates applied so far (StepData), in order
 
     def start_step(self, cmd: P.StartStep):
         """The step's samples, GRPO advantages (normalised per group) and loss normaliser, in batch order (again
@@ -43,15 +46,20 @@ class EngineTraining:
 
         self.aux_grads.clear()
         self.chunk_positions.clear()
-        # a rolled-back step starts over: what its lost attempt left on a living gang is dropped
-        d.windows.new_attempt(again=self.step_data is not None and self.step_data.step == cmd.step)
+        # a rolled-back step (or local update) starts over: what its lost attempt left on a living gang is dropped;
+        # a streamed step's next local update (rl.updates_per_sync) is not a repeat: it has its own index
+        held = self.step_data
+        d.windows.new_attempt(again=held is not None and (held.step, held.local) == (cmd.step, cmd.local))
+        if cmd.local == 0:
+            self.locals = []
         samples = samples_from_groups(cmd.groups)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         self.step_data = StepData(
-            step=cmd.step, version=cmd.version, samples=samples,
+            step=cmd.step, version=cmd.version, samples=samples, local=cmd.local,
             index={(s.group_id, s.index): k for k, s in enumerate(samples)},
             advantages=grpo.group_advantages(rewards, group_size=d.config.workload.group_size).float(),
             normalizer=grpo.loss_normalizer([s.response_len for s in samples], "token-mean"),
+            **mini_batch_normalizers(samples, d.config),
             # without an old_logprob stage the rollout's own log-probs are the behaviour policy's (veRL's bypass)
             old=([None] * len(samples) if "old_logprob" in d.config.rl.stages
                  else [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]),
@@ -103,8 +111,10 @@ class EngineTraining:
         # an auxiliary gang keeps its window's gradient on its devices with the transport (GradientWindows), or
         # hands each chunk's gradient back through the object store without it
         keep = primary or d.sync.collective
-        # the reproducible mode sums the step's gradient in unit order, whichever gang computed each chunk
-        position = (ch.order, len(ch.samples)) if d.assembly.reproducible else None
+        # the reproducible mode sums the step's gradient in unit order, whichever gang computed each chunk: each
+        # optimizer update's gradient, from its mini-batch's first unit
+        first = ch.order - (ch.order // data.mini_batch) * data.mini_batch if data.mini_batch else ch.order
+        position = (first, len(ch.samples)) if d.assembly.reproducible else None
         if position is not None:
             self.chunk_positions[ch.chunk_id] = position
         if not primary and keep:
@@ -145,9 +155,13 @@ class EngineTraining:
         d._when_all(calls, done)
 
     def optimizer_step(self, cmd: P.OptimizerStep):
+        """Each primary rank's optimizer update over ``cmd.merge_order``. It makes the next version only when the
+        scheduler asks for one (``cmd.version`` past the step's): an optimizer mini-batch's update and a streamed
+        step's local update before its last keep it (the weights sync once per step)."""
         d = self.pool
         ranks = d.gangs[PRIMARY_TRAINER]
         data = self.step_data
+        new_version = cmd.version != data.version
 
         def done(replies):
             out = replies[0].value
@@ -156,6 +170,18 @@ class EngineTraining:
                                    f"{cmd.version}; a rank missed an update")
             sp = replies[0].spans[0]
             d.record_optimizer(cmd, self.backend.wall(sp["start"]), self.backend.wall(sp["end"]))
+            if not new_version:
+                # an optimizer mini-batch's update, or a streamed step's local update before its last: the weights
+                # changed, the version did not; the windows it added are spent, and the next chunks run on these
+                # weights. A finished local update is kept for the step's metrics and for a restarted gang's replay
+                d.windows.applied()
+                if cmd.final:
+                    self.locals.append(data)
+                    d.recovery.local_update(data)
+                else:
+                    data.updates.append(float(out["grad_norm"]))
+                d.feed(P.OptimizerStepped(d.now(), cmd.step, cmd.version))
+                return
             acks, weights = self.backend.loads.version_calls()
 
             def kept(_acks):
@@ -164,13 +190,14 @@ class EngineTraining:
                 # rolls the step back
                 self.backend.loads.keep_version(cmd.version, weights)
                 d.recovery.stepped(data, cmd.version)
-                d.step_stats.append(self.step_stats_row(data, out))
+                d.step_stats.append(self.step_stats_row(whole_step(self.locals + [data]), out))
+                self.locals = []
                 d.feed(P.OptimizerStepped(d.now(), cmd.step, cmd.version))
             d._when_all([(PRIMARY_TRAINER, a) for a in acks], kept)
         positions = ({c: self.chunk_positions[c] for c in cmd.merge_order if c in self.chunk_positions}
                      if d.assembly.reproducible else None)
         d._when_all([(PRIMARY_TRAINER, r.apply_kept.remote(list(cmd.merge_order), d.windows.windows_for(i),
-                                                           positions))
+                                                           positions, new_version))
                      for i, r in enumerate(ranks)], done)
 
     def step_stats_row(self, data: StepData, update: dict) -> dict:
@@ -185,7 +212,10 @@ class EngineTraining:
         # generated entirely by the weights the trainer held: the weight sync's correctness check (none in bypass,
         # where the old log-probs are vLLM's own)
         recomputed = "old_logprob" in self.pool.config.rl.stages
-        gaps = [float((torch.tensor(s.logprobs) - lp).abs().max()) for s, lp in zip(samples, data.old)
+        # (a streamed step's later local updates recompute on weights its earlier ones moved: only the first's are
+        # checked, ``sync_checked``)
+        checked = len(samples) if data.sync_checked is None else data.sync_checked
+        gaps = [float((torch.tensor(s.logprobs) - lp).abs().max()) for s, lp in zip(samples[:checked], data.old)
                 if recomputed and s.version == data.version and s.response_len]
         # the same samples' gap with the trainer routing by itself (rl.route_replay_compare; R3 on)
         plain = [g for k, g in data.gaps_without_replay.items()
@@ -205,6 +235,41 @@ class EngineTraining:
                 "on_policy_samples": len(gaps), "logprob_diff_max": max(gaps) if gaps else None}
         if self.pool.config.rl.max_tokens_per_micro_batch is not None:   # the update's passes over every rank
             row["micro_batch_passes"] = int(sum(s.get("passes", 0) for s in data.stats))
+        if data.mini_batch or data.local:                     # optimizer updates: per mini-batch and local update
+            row["optimizer_updates"] = data.optimizer_updates
         if self.pool.config.rl.route_replay_compare:          # R3's comparison ran (MoE): the gap without it
             row["logprob_diff_max_no_r3"] = max(plain) if plain else None
         return row
+
+
+def mini_batch_normalizers(samples: list, config) -> dict:
+    """``StepData``'s optimizer mini-batches for ``samples`` (a step's, batch order): ``rl.mini_batch_prompts`` ×
+    group size samples each and each one's token-mean loss normaliser; nothing without the key (one update)."""
+    from bidirl.rl import grpo
+    prompts = config.rl.mini_batch_prompts
+    m = prompts * config.workload.group_size if prompts else 0
+    if not m or m >= len(samples):
+        return {}
+    return {"mini_batch": m,
+            "mini_normalizers": tuple(grpo.loss_normalizer([s.response_len for s in samples[lo:lo + m]], "token-mean")
+                                      for lo in range(0, len(samples), m))}
+
+
+def whole_step(parts: list) -> StepData:
+    """A step's data from its local updates' (one without streaming consumption), for the step's metrics row:
+    their samples, log-probs and loss statistics in order; ``optimizer_updates`` counts every update they took; the
+    weight sync is checked on the first local update's samples only (``sync_checked``: the later ones' old
+    log-probs are recomputed on weights the earlier updates moved)."""
+    if len(parts) == 1:
+        return parts[0]
+    last = parts[-1]
+    out = StepData(step=last.step, version=last.version, samples=[s for p in parts for s in p.samples], index={},
+                   advantages=None, normalizer=0.0, old=[x for p in parts for x in p.old],
+                   ref=[x for p in parts for x in p.ref], stats=[x for p in parts for x in p.stats],
+                   local=last.local, updates=[u for p in parts for u in p.updates] + [0.0] * (len(parts) - 1),
+                   sync_checked=len(parts[0].samples))
+    offset = 0
+    for p in parts:
+        out.gaps_without_replay.update({offset + k: g for k, g in p.gaps_without_replay.items()})
+        offset += len(p.samples)
+    return out

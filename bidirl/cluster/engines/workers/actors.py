@@ -359,12 +359,13 @@ class TrainerActor(_Timed):
         return self._reply("grad_merge", run, detail={"tid": transfer.tid})
 
     def apply_kept(self, chunk_ids_in_order: Sequence[int], windows: Optional[dict] = None,
-                   positions: Optional[dict] = None) -> Reply:
+                   positions: Optional[dict] = None, final: bool = True) -> Reply:
         """``apply``: the step's gradient is the chunks accumulated here, the received ones and the auxiliary
         windows ``windows`` (``{transfer id: chunk ids}``), and it must hold exactly the step's update chunks
         ``chunk_ids_in_order`` (one missing or one extra would change the update); every kept gradient is
         forgotten afterwards. ``positions`` (chunk id -> (first unit, units)): the step is summed in unit order and
-        the received chunk gradients are added at their places in it."""
+        the received chunk gradients are added at their places in it. ``final``: the local update's last optimizer
+        update (the next version); an optimizer mini-batch's before it keeps the version (``TrainerEngine.apply``)."""
         want = [int(c) for c in chunk_ids_in_order]
         windows = {tid: [int(c) for c in ids] for tid, ids in (windows or {}).items()}
         have = list(self.engine.accumulated) + list(self._kept) + [c for ids in windows.values() for c in ids]
@@ -385,7 +386,7 @@ class TrainerActor(_Timed):
         else:
             grads = [self._kept[c] for c in want if c in self._kept]
         self._kept.clear()
-        return self._reply("optimizer", self.engine.apply, grads, windows)
+        return self._reply("optimizer", self.engine.apply, grads, windows, final)
 
     def discard_gradients(self) -> Reply:
         """Forget the gradients kept for the next optimizer step (a step that starts over)."""

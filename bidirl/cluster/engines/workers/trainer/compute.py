@@ -288,8 +288,11 @@ class Compute:
         return torch.cat(parts)
 
     @gang_call
-    def apply(self, grads_in_chunk_order: Iterable = (), windows: Optional[dict] = None) -> dict:
-        """Clip the step's summed gradient and take one AdamW step on the device (primary only).
+    def apply(self, grads_in_chunk_order: Iterable = (), windows: Optional[dict] = None, final: bool = True) -> dict:
+        """Clip the step's summed gradient and take one AdamW step on the device (primary only). ``final``: the
+        local update's last optimizer update, which makes the next version; an optimizer mini-batch's update before
+        it (``rl.mini_batch_prompts``: one per mini-batch, veRL's ``update_policy``) changes the weights and keeps the
+        version (the rollouters get the weights once per step).
 
         The sum is what the chunks accumulated into ``p.grad`` (:meth:`chunk_gradients` with ``accumulate``,
         recorded in :attr:`accumulated`) plus the given gradients, each a :class:`ChunkGradient` or a vector,
@@ -346,7 +349,8 @@ class Compute:
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self._clear_grads()
-        self.version += 1
+        if final:
+            self.version += 1
         return {"version": self.version, "grad_norm": grad_norm, "chunks": count,
                 "seconds": time.perf_counter() - t0}
 
