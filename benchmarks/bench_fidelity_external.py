@@ -88,7 +88,8 @@ def page(quick: bool = False) -> str:
                      f"{'–' if first is None else format(first, '.2f') + '×'} |")
     lines += ["", "## What the models include, and what they lack", "",
               "Mechanisms from the jobs' settings (docs/architecture.md, \"Execution settings of real jobs\"): rollout "
-              "tensor parallelism 4, token-budget micro-batches, Ulysses degree 4, ppo mini-batches of 32 prompts, "
+              "tensor parallelism 4, token-budget micro-batches, Ulysses degree 4, ppo mini-batches of 32 prompts "
+              "(in both trainers: no micro-batch or chunk spans two mini-batches, one optimizer step after each), "
               "streaming consumption (require_batches x ppo_mini_batch_size prompts per local update, one weight sync "
               "per trigger_parameter_sync_step local updates), bypass of the old-log-prob stage, activation "
               "checkpointing, parameter and optimizer offload in the colocated trainer (the Adam moments once "
@@ -120,9 +121,6 @@ def page(quick: bool = False) -> str:
               "each be 4× the 8-GPU group's: about 8 s more per step in the asynchronous trainer and 12 s in the colocated "
               "one (mostly the all-reduce of the 15.2 GB fp32 gradient shard, 0.61 s per optimizer update at the "
               "preset's 50 GB/s per GPU, against 0.15 s over 8), at every GPU count.",
-              "- **Mini-batch boundaries in the asynchronous trainer.** The colocated baseline cuts micro-batches per "
-              "mini-batch (`sim/verl_update.py`); the asynchronous trainer's chunk queue packs a local update's "
-              "samples without regard to its mini-batches (the coordinator's chunk cutting).",
               "- **The vocabulary's element-wise work**, and why it is not the missing trainer cost. Log-softmax "
               "and entropy over 152,064 logits per token are memory-bound passes the FLOP model does not count. "
               "Even at 8 passes over the fp32 logits (8 × 152,064 × 4 B = 4.9 MB per token) they take 1.2 µs per "
