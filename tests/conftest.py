@@ -62,6 +62,17 @@ def pytest_runtest_teardown(item, nextitem):
         kept.release()
 
 
+@pytest.fixture
+def user_data(tmp_path, monkeypatch):
+    """A copy of the shipped data folder that ``BIDIRL_DATA`` points at (user presets and configs)."""
+    import shutil
+    from bidirl.job import presets
+    root = tmp_path / "data"
+    shutil.copytree(presets.data_dir(), root)
+    monkeypatch.setenv("BIDIRL_DATA", str(root))
+    return root
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     """The built-in tiny model, from the project's cache root (``$BIDIRL_CACHE`` or ``~/.cache/bidirl``, where

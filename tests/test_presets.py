@@ -106,15 +106,6 @@ def test_example_configs_are_found_by_name():
 # user presets through BIDIRL_DATA
 # --------------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def user_data(tmp_path, monkeypatch):
-    """A copy of the shipped data folder that BIDIRL_DATA points at."""
-    root = tmp_path / "data"
-    shutil.copytree(presets.data_dir(), root)
-    monkeypatch.setenv("BIDIRL_DATA", str(root))
-    return root
-
-
 def test_user_preset_via_bidirl_data(user_data):
     text = (user_data / "presets" / "models" / "qwen3-vl-4b.yaml").read_text()
     (user_data / "presets" / "models" / "my-model.yaml").write_text(text.replace("layers: 36", "layers: 12"))

@@ -80,15 +80,6 @@ def test_geo3k_preset_reaches_the_trainer_model():
     assert predictor.trainer.microbatch_time("old_logprob", P, R) > plain.microbatch_time("old_logprob", P, R)
 
 
-@pytest.fixture
-def user_data(tmp_path, monkeypatch):
-    import shutil
-    root = tmp_path / "data"
-    shutil.copytree(presets.data_dir(), root)
-    monkeypatch.setenv("BIDIRL_DATA", str(root))
-    return root
-
-
 @pytest.mark.parametrize("edit, needle", [
     (("image_tokens_per_prompt: 256", "image_tokens_per_prompt: -4"), "whole number"),
     (("image_tokens_per_prompt: 256", "image_tokens_per_prompt: 12.5"), "whole number"),
