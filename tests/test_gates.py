@@ -29,6 +29,26 @@ def test_expected_remaining_is_the_conditional_mean_over_the_sample():
     assert gates.expected_remaining([3], [False], np.array([])).tolist() == [0.0]
 
 
+def test_a_response_past_every_recent_length_takes_its_remaining_length_from_the_prior():
+    # the recent sample holds only finished responses (10..40); one at 50 tokens outgrew all of them, so the
+    # prior (the job's length sample) answers: E_prior[R − 50 | R > 50] = mean(60, 80) − 50 = 20 tokens
+    recent, prior = np.array([10, 20, 30, 40]), np.array([10, 40, 60, 80])
+    np.testing.assert_allclose(gates.expected_remaining([0, 35, 50, 90, 5], [False] * 4 + [True], recent, prior),
+                               [25.0, 5.0, 20.0, 1.0, 0.0])   # within the recent sample: as without a prior
+    # past the prior's longest too: one more token, as before
+    assert gates.expected_remaining([90], [False], recent, prior).tolist() == [1.0]
+
+
+def test_rollout_gate_predicts_responses_past_the_recent_sample_from_the_prior():
+    # two needed responses at 60 tokens on one primary; every recent response finished by 55 (the longer ones
+    # were still generating when the sample was taken), the prior reaches 100: 2 × (100 − 60) tokens / 10 = 8 s
+    # left, not the 2 × 1 token / 10 = 0.2 s of a response taken to be one token from done
+    long = gates.GroupWork(0, "p0", 0, (60, 60), (False, False), True, (0, 0))
+    g = gates.rollout_gate([long], ["p0"], 1, 0, tokens, np.full(8, 55.0), SwitchCosts(0.0, 0.0),
+                           prior=np.full(8, 100.0))
+    assert g.t_primary == pytest.approx(8.0)
+
+
 def tokens(context, remaining, prefill):
     """A replica decodes 10 tokens per second (per request, summed) and prefills 100 context tokens per second."""
     return float(np.sum(remaining)) / 10 + float(np.sum(np.asarray(context)[np.asarray(prefill, bool)])) / 100

@@ -134,7 +134,7 @@ class RolloutSide:
         groups = self._rollout_work()
         gate = gates.rollout_gate(groups, primaries, d_a, gates.rollout_dispatch(q, d_p, d_a), replica_time,
                                   self.profiler.response_sample(self.prior), costs, self.policy.gated,
-                                  replica_times=replica_times)
+                                  replica_times=replica_times, prior=self.prior[1])
         self._decide(ROT, gate.admitted, gate.gain, gate.cost,
                      {"deficit": q, "load": len(groups), "q_a": gate.q_a, "d_p": d_p, "d_a": d_a,
                       "t_no": gate.t_primary, "t_joint": gate.t_joint, "step": self.trainer_version})
