@@ -248,11 +248,12 @@ class TrainerSide:
                                           self.settings.aux_refresh_seconds))
 
     def _on_WeightsRefreshed(self, ev: P.WeightsRefreshed):
-        """The auxiliary gang holds the refreshed weights: it pulls the segment's chunks. A refresh the window no
-        longer waits for (revoked, rolled back, a later segment) changes nothing."""
+        """The auxiliary gang holds the refreshed weights: it pulls the segment's chunks. If another optimizer step
+        came meanwhile (the primaries finished the mini-batch alone) they are already old, and :meth:`_schedule_chunks`
+        refreshes it again. A refresh no window waits for (revoked, rolled back, another local update's) changes
+        nothing."""
         step = self.step
-        if (step is None or ev.step != step.step or not step.aux_refreshing or ev.updates != step.weights_at()
-                or not self.leases[P.ROLLOUT_POOL].lent):
+        if step is None or ev.step != step.step or not step.aux_refreshing or not self.leases[P.ROLLOUT_POOL].lent:
             return
         step.aux_refreshing, step.aux_weights = False, ev.updates
         self._schedule_chunks()
