@@ -133,8 +133,6 @@ class PoolDriver(WorkerFailures, Driver):
     kept_workers: Optional[KeptWorkers] = None
 
     label = "ray"
-    #: the workers' auxiliary trainer gangs load weights at the switch in only (never ``RefreshWeights``)
-    refreshes_aux_weights = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -280,12 +278,6 @@ class PoolDriver(WorkerFailures, Driver):
 
     def do_OptimizerStep(self, cmd: P.OptimizerStep):
         self.backend.optimizer_step(cmd)
-
-    def do_RefreshWeights(self, cmd: P.RefreshWeights):
-        """Never sent to engine runs (``refreshes_aux_weights`` is False): their auxiliary gangs load a version's
-        weights at the switch in only, so they run the segments computed on them (a step's forward stages and first
-        optimizer mini-batch)."""
-        raise AssertionError(f"RefreshWeights sent to a run whose auxiliary trainer gangs are not refreshed: {cmd}")
 
     # ------------------------------------------------------------------------------------------
     # rollouters: the generation calls sent to each (the backend keeps a busy one generating)

@@ -84,7 +84,7 @@ class Driver:
     provenance = "simulated"
     #: whether ``do_RefreshWeights`` loads new weights into an auxiliary trainer gang (else the coordinator never
     #: sends it: the gang keeps the version's weights and runs only the segments computed on them)
-    refreshes_aux_weights = True
+    refreshes_aux_weights = False
 
     def __post_init__(self):
         from bidirl.runtime.assemble import assemble
@@ -241,6 +241,11 @@ class Driver:
 
     def do_StartStep(self, cmd: P.StartStep) -> None:
         """Most drivers need nothing at a step's start (engine runs prepare the step's data here)."""
+
+    def do_RefreshWeights(self, cmd: P.RefreshWeights) -> None:
+        """Sent only to drivers that set :attr:`refreshes_aux_weights` and override this (the simulator); the
+        Ray drivers' auxiliary gangs load weights at the switch in only."""
+        raise AssertionError(f"{type(self).__name__} was sent {cmd} but does not refresh auxiliary gangs")
 
     # ---- results ------------------------------------------------------------------------------
     def summary(self) -> dict:

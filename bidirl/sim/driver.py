@@ -40,6 +40,7 @@ class SimDriver(Driver):
     jitter: float = 0.03            # σ of the seeded log-normal noise on every duration (0: the models exactly)
 
     provenance = "simulated"
+    refreshes_aux_weights = True     # an auxiliary gang's refresh is charged its transfer (do_RefreshWeights)
 
     def __post_init__(self):
         super().__post_init__()
