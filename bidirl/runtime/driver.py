@@ -82,17 +82,20 @@ class Driver:
     predictor: Any = None                         # the coordinator's starting models (default: the presets')
 
     provenance = "simulated"
-    #: whether ``do_RefreshWeights`` loads new weights into an auxiliary trainer gang (else the coordinator never
-    #: sends it: the gang keeps the version's weights and runs only the segments computed on them)
+    #: whether the driver loads new weights into an auxiliary trainer gang (``do_RefreshWeights``, which only such a
+    #: driver defines; else the coordinator never sends it: the gang keeps the version's weights and runs only the
+    #: segments computed on them)
     refreshes_aux_weights = False
 
     def __post_init__(self):
         from bidirl.runtime.assemble import assemble
-        missing = [cls.__name__ for cls in P.COMMANDS if not callable(getattr(self, "do_" + cls.__name__, None))]
+        commands = [c for c in P.COMMANDS if c is not P.RefreshWeights or self.refreshes_aux_weights]
+        missing = [cls.__name__ for cls in commands if not callable(getattr(self, "do_" + cls.__name__, None))]
         if missing:
             raise TypeError(f"{type(self).__name__} has no handler for {', '.join(missing)}; a driver defines "
-                            "do_<Command> for every command of bidirl.core.protocol.COMMANDS")
-        self._handlers = {cls: getattr(self, "do_" + cls.__name__) for cls in P.COMMANDS}
+                            "do_<Command> for every command of bidirl.core.protocol.COMMANDS (RefreshWeights only "
+                            "if it sets refreshes_aux_weights)")
+        self._handlers = {cls: getattr(self, "do_" + cls.__name__) for cls in commands}
         own_models = self.predictor is not None
         self.assembly = a = assemble(self.config, self.policy_name, steps=self.steps, seed=self.seed,
                                      predictor=self.predictor, aux_refresh=self.refreshes_aux_weights)
@@ -241,11 +244,6 @@ class Driver:
 
     def do_StartStep(self, cmd: P.StartStep) -> None:
         """Most drivers need nothing at a step's start (engine runs prepare the step's data here)."""
-
-    def do_RefreshWeights(self, cmd: P.RefreshWeights) -> None:
-        """Sent only to drivers that set :attr:`refreshes_aux_weights` and override this (the simulator); the
-        Ray drivers' auxiliary gangs load weights at the switch in only."""
-        raise AssertionError(f"{type(self).__name__} was sent {cmd} but does not refresh auxiliary gangs")
 
     # ---- results ------------------------------------------------------------------------------
     def summary(self) -> dict:
