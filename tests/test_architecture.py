@@ -94,8 +94,11 @@ def test_every_driver_handles_every_command():
     from bidirl.cluster.engines.driver import EngineDriver
     from bidirl.sim.driver import SimDriver
     for cls in (SimDriver, EmulatedDriver, EngineDriver):
-        missing = [c.__name__ for c in P.COMMANDS if not callable(getattr(cls, "do_" + c.__name__, None))]
+        # RefreshWeights is sent only to a driver that refreshes auxiliary gangs (Driver.refreshes_aux_weights)
+        sent = [c for c in P.COMMANDS if c is not P.RefreshWeights or cls.refreshes_aux_weights]
+        missing = [c.__name__ for c in sent if not callable(getattr(cls, "do_" + c.__name__, None))]
         assert not missing, (cls.__name__, missing)
+    assert SimDriver.refreshes_aux_weights and EngineDriver.refreshes_aux_weights
 
 
 def test_a_driver_without_a_handler_fails_when_it_is_built():
@@ -106,6 +109,12 @@ def test_a_driver_without_a_handler_fails_when_it_is_built():
 
     with pytest.raises(TypeError, match="Incomplete has no handler for SyncWeights"):
         Incomplete(cfgmod.load("tiny-cpu"), "bidirl", steps=1, seed=0)
+
+    class NoRefresh(SimDriver):                # says it refreshes auxiliary gangs, cannot
+        do_RefreshWeights = None
+
+    with pytest.raises(TypeError, match="NoRefresh has no handler for RefreshWeights"):
+        NoRefresh(cfgmod.load("tiny-cpu"), "bidirl", steps=1, seed=0)
 
 
 CASES = json.loads((ROOT / "tests/data/sim_fingerprints.json").read_text())["cases"]

@@ -4,8 +4,8 @@ rollouters and torch trainer gangs on the tiny model (``tiny-cpu``). Integration
 The job's 32 prompts per step are 4 mini-batches of 8: the primary gang takes one optimizer step after each, the
 first three keeping the version, the fourth making the step's version, and the rollouters get the weights once per
 step. Borrowing is on in both directions (the opportunistic policy at s = 0: each pool idles every step), so an
-auxiliary trainer gang computes chunks of the forward stages and of the first mini-batch, whose gradients are merged
-before its optimizer step.
+auxiliary trainer gang computes chunks of the forward stages and of the mini-batches, each mini-batch's gradients
+merged before its optimizer step, and its weights refreshed after it (``tests/test_engine_aux_refresh.py``).
 """
 
 from __future__ import annotations

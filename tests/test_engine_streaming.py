@@ -6,8 +6,8 @@ The job's 32 prompts per step are 2 local updates of 16 prompts, each 2 mini-bat
 four optimizer steps a step, each local update starting when its own prompts are ready; only the step's last makes a
 version, which is published and synced once. Each local update has its own identity ``(step, local)``, so the
 engine does not read the second as a rolled-back attempt of the first (which would drop what it holds). Borrowing
-is on in both directions (the opportunistic policy at s = 0); an auxiliary trainer gang holds the version's
-weights, so it runs chunks of a step's first mini-batch of its first local update only.
+is on in both directions (the opportunistic policy at s = 0); an auxiliary trainer gang runs a chunk after an
+optimizer step only once the primaries' new weights were loaded into it (``RefreshWeights``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 
 import engine_jobs
 import rounding
+from test_engine_aux_refresh import aux_chunks_after_refreshes
 from test_engine_driver import FULL_LENGTH, _check_log, _logprob_tol, _run
 
 pytestmark = [pytest.mark.integration,
@@ -59,7 +60,7 @@ def test_local_updates_step_the_weights_and_the_rollouters_get_one_version_per_s
     group = cfg.workload.group_size
     assert all(r["on_policy_samples"] == cfg.prompts_per_local_update * group for r in rows), rows
     # between two optimizer steps the update chunks (either gang's) hold one mini-batch's samples; the auxiliary
-    # gang's all come before a step's first optimizer step
+    # gang's after an optimizer step follow a refresh of its weights that began after it
     for step in range(STEPS):
         steps = sorted((sp.start, sp.end) for sp in opt if sp.step == step)
         chunks = [sp for sp in res.log.spans
@@ -69,9 +70,7 @@ def test_local_updates_step_the_weights_and_the_rollouters_get_one_version_per_s
             between = [c for c in chunks if c.start >= before and c.end <= start]
             assert sum(c.detail["samples"] for c in between) == MINI * group, (step, start, len(between))
             before = end
-        aux = [sp for sp in res.log.spans if sp.kind == "chunk" and sp.worker == "rollout_pool/trainer"
-               and sp.step == step]
-        assert all(sp.end <= steps[0][0] for sp in aux), step
+        aux_chunks_after_refreshes(res, step)
     # the rollouters hold the trainer's weights after each sync: vLLM's log-probs of the samples of step k, all
     # generated on the version step k − 1 produced, match the trainer's recomputation (the first local update's
     # old log-probs, on the version's weights) within the run's derived tolerance (STEPS · 4 AdamW steps)

@@ -212,12 +212,19 @@ def _aux_chunks(driver) -> list:
     return aux
 
 
+class RecordingUnrefreshed(Recording):
+    """A driver whose auxiliary gangs load weights at the switch in only (as engine runs' do)."""
+    refreshes_aux_weights = False
+
+
 @pytest.mark.parametrize("overrides", [{"rl.mini_batch_prompts": 16}, {"rl.updates_per_sync": 2, "rl.staleness": 0}])
-def test_an_auxiliary_gang_runs_only_what_computes_on_the_versions_weights(overrides):
-    """A Trainer-on-RolloutPool window holds the version's weights: with mini-batches it runs the forward stages and
-    the first mini-batch's update chunks, and in a streamed step (``rl.updates_per_sync``) only the first local
-    update's chunks — later ones compute on weights an optimizer step changed."""
-    driver = _recorded(cfgmod.load("a6000-default").with_overrides(overrides), steps=4)
+def test_an_unrefreshed_auxiliary_gang_runs_only_what_computes_on_the_versions_weights(overrides):
+    """A Trainer-on-RolloutPool window whose gang is never refreshed (``Driver.refreshes_aux_weights`` False) holds
+    the version's weights: with mini-batches it runs the forward stages and the first mini-batch's update chunks, and
+    in a streamed step (``rl.updates_per_sync``) only the first local update's chunks — later ones compute on weights
+    an optimizer step changed. (Refreshed gangs work on: tests/test_aux_weight_refresh.py.)"""
+    driver = RecordingUnrefreshed(cfgmod.load("a6000-default").with_overrides(overrides), "bidirl", 4, 0)
+    driver.run()
     aux = _aux_chunks(driver)
     assert any(stage == "actor_update" for _, _, stage in aux), "the job borrows the rollout pool for its update"
     assert {(loc, mb) for loc, mb, _ in aux} == {(0, 0)}, sorted(set(aux))

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from bidirl.core.aux_weights import AuxWeights
 from bidirl.core.protocol import (AUXILIARY, FORWARD_STAGES, UPDATE_STAGES, Chunk, chunk_size, packed_chunk_len,
                                   packed_groups)
 from bidirl.core.tail_split import TailSplit
@@ -68,7 +69,7 @@ class ChunkRecord:
 
 
 @dataclass
-class TrainerStep(TailSplit):
+class TrainerStep(TailSplit, AuxWeights):
     """The chunk queue of one step. ``chunk_time(stage, prompt_lens, response_lens, d, side)`` predicts."""
     step: int
     version: int
@@ -85,6 +86,13 @@ class TrainerStep(TailSplit):
     # whether the primary gang holds the version's weights when the step starts: False for a streamed step's later
     # local updates (``rl.updates_per_sync``), which run on the weights the earlier ones left
     version_weights: bool = True
+    # the auxiliary gang's weights (:mod:`bidirl.core.aux_weights`): optimizer steps of the version's earlier local
+    # updates; whether it is refreshed after each optimizer step (False: it keeps the version's weights, so it runs
+    # only the segments that compute on them); the weights tag it holds (None: none loaded) and a refresh under way
+    updates_before: int = 0
+    aux_refresh: bool = False
+    aux_weights: Optional[int] = None
+    aux_refreshing: bool = False
     segment_index: int = 0
     pending: list = field(default_factory=list)       # sorted unit indices not yet in a live chunk
     tail_plan: dict = field(default_factory=dict)     # side -> list of unit tuples (after JointTailSplit)
@@ -150,9 +158,12 @@ class TrainerStep(TailSplit):
 
     @property
     def aux_last_segment(self) -> int:
-        """The last segment an auxiliary gang may run (−1: none): the auxiliaries hold the version's weights, which
-        the step's first mini-batch computes on and later ones do not (each follows an optimizer step), nor any
-        chunk of a streamed step's later local update."""
+        """The last segment an auxiliary gang may run (−1: none): any, when it is refreshed after each optimizer
+        step (:attr:`aux_refresh`); else it holds the version's weights, which the step's first mini-batch computes
+        on and later ones do not (each follows an optimizer step), nor any chunk of a streamed step's later local
+        update."""
+        if self.aux_refresh:
+            return len(self.segments) - 1
         if not self.version_weights:
             return -1
         return self.first_update_segment if self.update_segments > 1 else len(self.segments) - 1
@@ -160,6 +171,7 @@ class TrainerStep(TailSplit):
     def __setstate__(self, state: dict) -> None:
         """Unpickle (a checkpoint's step); one written before optimizer mini-batches existed has one update segment
         over all its samples."""
+        state = {"updates_before": 0, "aux_refresh": False, "aux_weights": None, "aux_refreshing": False, **state}
         self.__dict__.update(state)
         if "sample_ranges" not in state:
             self.sample_ranges = [(0, self.n_samples)] * len(self.segments)
@@ -324,7 +336,10 @@ class TrainerStep(TailSplit):
 
     def pull(self, side: str, d: int, worker: str) -> Optional[ChunkRecord]:
         """LazyPull(Q, x, s_max): the next chunk for ``side`` — its tail-plan entry if one was made (on the grid in
-        the reproducible mode: one cell, whichever side pulls it)."""
+        the reproducible mode: one cell, whichever side pulls it). None for an auxiliary gang that does not hold
+        the segment's weights (:attr:`~bidirl.core.aux_weights.AuxWeights.aux_ready`)."""
+        if side == AUXILIARY and self.aux_refresh and not self.aux_ready:
+            return None
         plan = self.tail_plan.get(side)
         if plan:
             units = plan.pop(0)

@@ -103,6 +103,9 @@ class Settings:
     sequence_parallel: int = 1     # Ulysses degree: a chunk holds one micro-batch per sequence-parallel group
     updates_per_sync: int = 1      # streaming consumption: local updates of batch / updates_per_sync groups per step
     mini_batch_prompts: Optional[int] = None   # groups per optimizer update (None: one per local update)
+    # seconds of an auxiliary trainer gang's weight refresh after an optimizer step that kept the version
+    # (bidirl.core.aux_weights); None: the gang is never refreshed, so it runs only the segments on the version's weights
+    aux_refresh_seconds: Optional[float] = None
     reproducible: bool = False     # batches, versions and chunks fixed by rule, not by timing (bidirl.core.schedule)
 
 
@@ -286,6 +289,7 @@ class Coordinator(RolloutSide, TrainerSide, Lending):
             self.idle_windows[ev.pool] += 1           # the pool is its own again: a new idle window may follow
             if ev.pool == P.ROLLOUT_POOL and self.step is not None:
                 self.step.aux_unsent.clear()          # the auxiliary gang sent its window before it switched out
+                self.step.aux_weights, self.step.aux_refreshing = None, False   # and holds no weights now
         if lending:
             if ev.pool == P.TRAINER_POOL:
                 self._start_aux_rollout()
@@ -449,8 +453,9 @@ class Coordinator(RolloutSide, TrainerSide, Lending):
         step = self.step
         if step is None or self.phase not in (Phase.CONSUMING, Phase.FINISHING):
             return
+        if self.phase is Phase.FINISHING and self.merge_log and self.merge_log[-1][0] == step.step:
+            self.merge_log.pop()             # this attempt's merge only: a streamed step's earlier local updates stay
         self.phase = Phase.ROLLING_BACK
-        self.merge_log = [m for m in self.merge_log if m[0] != step.step]
         step.lose(side)                      # lost with the gang's processes
         self._revoke(P.ROLLOUT_POOL, "the step was rolled back")
 

@@ -13,6 +13,7 @@ coordinator state, so each is tested directly:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import heapq
 import itertools
 from dataclasses import dataclass
@@ -290,6 +291,24 @@ def trainer_gate(stages: Sequence[str], run_time: Callable[[int, int, int], floa
     t_borrow = costs.c_in + t_joint + tail
     return TrainerGate(admitted=(t_borrow < t_no) if gated else bool(rest), t_no=t_no, t_joint=t_joint,
                        t_borrow=t_borrow, drained=drained, cost=costs.c_in + tail)
+
+
+def charge_refreshes(gate: TrainerGate, refreshes: int, seconds: float, d_p: int, d_a: int,
+                     gated: bool = True) -> TrainerGate:
+    """The trainer gate (Eq. 3) with the auxiliary gang's weight refreshes the window pays
+    (:mod:`bidirl.core.aux_weights`): one per optimizer step that kept the version within the window, each
+    ``seconds`` (a weight transfer from the primaries). While the auxiliary gang receives weights the primaries keep
+    computing, so each refresh takes ``d_a · seconds`` replica-seconds of auxiliary work away from the joint
+    workload, which the ``d_p + d_a`` replicas then finish ``d_a · seconds / (d_p + d_a)`` later: T_borrow and the
+    window's cost grow by that per refresh. Admission is re-read from the new T_borrow (as :func:`trainer_gate`)."""
+    if refreshes < 0 or not seconds >= 0:
+        raise ValueError(f"refreshes ({refreshes}) and seconds ({seconds}) must be ≥ 0")
+    if refreshes == 0 or seconds == 0:
+        return gate
+    extra = refreshes * seconds * d_a / (d_p + d_a)
+    t_borrow = gate.t_borrow + extra
+    return dataclasses.replace(gate, t_borrow=t_borrow, cost=gate.cost + extra,
+                               admitted=(t_borrow < gate.t_no) if gated else gate.admitted)
 
 
 #: candidates of the tail split announced to ``prepare`` at a time (:func:`joint_tail_split`)

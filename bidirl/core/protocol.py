@@ -54,10 +54,12 @@ STAGES: tuple = ("old_logprob", "ref_logprob", "actor_update")
 FORWARD_STAGES: tuple = ("old_logprob", "ref_logprob")
 UPDATE_STAGES: tuple = ("actor_update",)
 
-#: what a span of the event log can be (``bidirl.results.trace``); the last three mark what borrowing costs inside
+#: what a span of the event log can be (``bidirl.results.trace``); ``reprefill`` … ``rule_wait`` mark what borrowing costs inside
 #: another span of the same lane (:data:`COST_SPAN_KINDS`)
 SPAN_KINDS: tuple = ("generate", "chunk", "switch_in", "switch_out", "sync", "grad_merge", "optimizer",
-                     "reprefill", "pin_alloc", "switch_no_work", "rule_wait")
+                     "reprefill", "pin_alloc", "switch_no_work", "rule_wait", "weight_refresh")
+#: ``weight_refresh`` is an auxiliary trainer gang receiving the primaries' weights after an optimizer step
+#: (``RefreshWeights``).
 #: spans that mark a cost inside another span of their lane, never work of their own: ``reprefill`` — a resumed or
 #: moved request recomputing the KV cache of its prompt and kept prefix (inside ``generate``); ``pin_alloc`` — a
 #: worker's first switch out allocating its pinned host buffer (inside ``switch_in``/``switch_out``);
@@ -375,8 +377,23 @@ class OptimizerStep:
     final: bool = True
 
 
+@dataclass(frozen=True)
+class RefreshWeights:
+    """Send the primary gang's current actor weights to the auxiliary trainer gang ``worker`` after an optimizer
+    step that kept the version (an optimizer mini-batch's, or a streamed step's earlier local update's; §5.2), as
+    every data-parallel member holds the same weights after a step. ``updates`` counts the optimizer steps since
+    ``version`` the weights carry (0: the version's own weights, what the switch in loads); ``expected`` the
+    transfer the scheduler charged (:func:`bidirl.perf.costs.aux_weight_transfer_time`). Answered by
+    ``WeightsRefreshed``; the gang runs no chunk of the weights' segments before."""
+    worker: str
+    step: int
+    version: int
+    updates: int
+    expected: float
+
+
 COMMANDS: tuple = (Generate, Interrupt, StartStep, RunChunk, CancelChunk, Switch, SyncWeights, MergeGradients,
-                   OptimizerStep)
+                   OptimizerStep, RefreshWeights)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -520,6 +537,17 @@ class RolloutRecord:
     elapsed: float
 
 
+@dataclass(frozen=True)
+class WeightsRefreshed:
+    """The auxiliary gang ``worker`` holds the weights of ``RefreshWeights(step, version, updates)``."""
+    t: float
+    worker: str
+    step: int
+    version: int
+    updates: int
+    elapsed: float
+
+
 EVENTS: tuple = (Started, GroupFinished, GenerationStopped, ChunkStarted, ChunkFinished, ChunkCancelled,
                  SwitchFinished, SyncFinished, GradientsMerged, OptimizerStepped, WorkerFailed, WorkerRestarted,
-                 RolloutRecord)
+                 RolloutRecord, WeightsRefreshed)

@@ -103,14 +103,17 @@ class TrainerSide:
         """The chunk queue of step ``index`` over ``groups`` (chunk ids from the run's counter; a plain
         callable, so the coordinator pickles into a checkpoint)."""
         s = self.settings
-        return TrainerStep(step=index, version=self.trainer_version, groups=groups, stages=s.stages,
+        step = TrainerStep(step=index, version=self.trainer_version, groups=groups, stages=s.stages,
                            micro_batch_per_device=s.micro_batch_per_device,
                            next_chunk_id=functools.partial(next, self._chunk_ids), rho=self.topology.trainer_layout,
                            max_tokens_per_micro_batch=s.max_tokens_per_micro_batch,
                            sequence_parallel=s.sequence_parallel,
                            grid=self.topology.trainer_replicas if s.reproducible else None,
                            mini_batch=s.mini_batch_prompts * s.group_size if s.mini_batch_prompts else None,
-                           version_weights=self.local_update == 0)
+                           version_weights=self.local_update == 0,
+                           aux_refresh=s.aux_refresh_seconds is not None)
+        step.updates_before = self.local_update * step.update_segments   # local updates have equal mini-batches
+        return step
 
     def _schedule_chunks(self):
         step = self.step
@@ -136,12 +139,15 @@ class TrainerSide:
             self._split_segment_proportionally(step)
         if aux_on and self.policy.model_split and self.policy.tail_reclaim:
             self._reclaim_tail(step)
+        if aux_on and step.aux_needs_refresh and P.AUX_TRAINER not in self.failed:
+            self._refresh_aux_weights(step)
         if step.reclaiming:
             return                           # the split waits for the reclaimed chunks' answers
         if aux_on and self.policy.model_split and step.in_tail_window(
                 self._gang(P.PRIMARY), self._gang(P.AUXILIARY), self.settings.tail_window):
             step.plan_tail(self._gang(P.PRIMARY), self._gang(P.AUXILIARY),
-                           self._ready_in(P.PRIMARY), self._ready_in(P.AUXILIARY) + self._yield_lag(step),
+                           self._ready_in(P.PRIMARY),
+                           self._ready_in(P.AUXILIARY) + self._yield_lag(step) + self._refresh_lag(step),
                            self._chunk_time,
                            self._span_times if hasattr(self.predictor, "span_times") else None,
                            self._span_bounds if hasattr(self.predictor, "span_time_bounds") else None)
@@ -227,9 +233,34 @@ class TrainerSide:
         step, keeping the version (weights sync once per step). The next segment opens when it is done
         (:meth:`_on_OptimizerStepped`)."""
         step.optimizing = True
-        self._revoke(P.ROLLOUT_POOL, "the optimizer mini-batch it could run ended (the next one computes on the "
-                                     "updated weights)")
+        if not step.aux_refresh:
+            self._revoke(P.ROLLOUT_POOL, "the optimizer mini-batch it could run ended (the next one computes on the "
+                                         "updated weights)")
         self._merge_then_step(step, self.trainer_version)
+
+    # ---- the auxiliary gang's weights across optimizer steps (bidirl.core.aux_weights) ------------------
+    def _refresh_aux_weights(self, step) -> None:
+        """The auxiliary gang holds weights older than the current segment's (the switch in loaded the version's;
+        an optimizer step kept the version since): the primaries send it their current weights (one weight
+        transfer, ``settings.aux_refresh_seconds``) before it is handed a chunk of the segment."""
+        step.aux_refreshing = True
+        self._out.append(P.RefreshWeights(P.AUX_TRAINER, step.step, self.trainer_version, step.weights_at(),
+                                          self.settings.aux_refresh_seconds))
+
+    def _on_WeightsRefreshed(self, ev: P.WeightsRefreshed):
+        """The auxiliary gang holds the refreshed weights: it pulls the segment's chunks. If another optimizer step
+        came meanwhile (the primaries finished the mini-batch alone) they are already old, and :meth:`_schedule_chunks`
+        refreshes it again. A refresh no window waits for (revoked, rolled back, another local update's) changes
+        nothing."""
+        step = self.step
+        if step is None or ev.step != step.step or not step.aux_refreshing or not self.leases[P.ROLLOUT_POOL].lent:
+            return
+        step.aux_refreshing, step.aux_weights = False, ev.updates
+        self._schedule_chunks()
+
+    def _refresh_lag(self, step) -> float:
+        """What a refresh under way adds to the auxiliary side's ready time (at most its whole predicted transfer)."""
+        return (self.settings.aux_refresh_seconds or 0.0) if step.aux_refreshing else 0.0
 
     # ---- Trainer-on-RolloutPool --------------------------------------------------------------
     def _consider_trainer_on_rollout_pool(self):
@@ -263,6 +294,10 @@ class TrainerSide:
                                   self.settings.micro_batch_per_device, self.profiler.costs[TOR], self.policy.gated,
                                   rho=self.topology.trainer_layout, optimizer=self.settings.optimizer_seconds,
                                   chunk_len=chunk_len, sequence_parallel=self.settings.sequence_parallel)
+        if step.aux_refresh:
+            gate = gates.charge_refreshes(gate, step.refreshes_from(step.segment_index),
+                                          self.settings.aux_refresh_seconds, self._gang(P.PRIMARY),
+                                          self._gang(P.AUXILIARY), self.policy.gated)
         self._decide(TOR, gate.admitted, gate.gain, gate.cost,
                      {"t_no": gate.t_no, "t_borrow": gate.t_borrow, "units": len(stages),
                       "drained": gate.drained, "step": self.trainer_version})
@@ -280,6 +315,7 @@ class TrainerSide:
                          "the auxiliary trainer gang failed" if P.AUX_TRAINER in self.failed else
                          "no chunk of the step was left unassigned when the switch in ended")
             return
+        step.aux_weights, step.aux_refreshing = 0, False   # the switch in loaded the version's weights
         if not self.policy.model_split and step.pending:
             step.plan_proportional(self._gang(P.PRIMARY), self._gang(P.AUXILIARY))
         self._schedule_chunks()

@@ -183,10 +183,20 @@ def derive_switch_costs(hw, model, *, trainer_layout: Optional[int] = None, roll
                       c_out=sleep(s_r, pinned) + move(s_tp, pageable),
                       c_grad=0.0)
     grad = GRAD_BYTES * n
-    tor = SwitchCosts(c_in=sleep(s_r, pinned) + move(s_ta, pageable) + model.dtype_bytes * n / (rho * inter),
+    tor = SwitchCosts(c_in=sleep(s_r, pinned) + move(s_ta, pageable) + aux_weight_transfer_time(hw, model, rho),
                       c_out=move(s_ta, pageable) + wake(s_r, pinned),
                       c_grad=grad * (k - 1) / (k * intra) + grad / (k * inter))
     return {TRAINER_ON_ROLLOUT_POOL: tor, ROLLOUT_ON_TRAINER_POOL: rot}
+
+
+def aux_weight_transfer_time(hw, model, trainer_layout: Optional[int] = None) -> float:
+    """Seconds for an auxiliary trainer gang to receive the primary gang's current actor weights: its shard,
+    ``b·N/ρ_t`` bytes per GPU, over the per-GPU share of the network between the pools (module doc). The
+    Trainer-on-RolloutPool switch in pays it once (C_in's last term); an auxiliary gang that keeps working after an
+    optimizer step that kept the version (an optimizer mini-batch's) pays it again to hold the new weights, as a
+    data-parallel member of the primary gang would (``RefreshWeights``)."""
+    rho, _ = _layouts(hw, model, trainer_layout, 1)
+    return model.dtype_bytes * float(model.params_total) / (rho * float(hw.inter_node_bandwidth))
 
 
 def trainer_offload_reload_time(hw, model, *, trainer_layout: Optional[int] = None) -> float:

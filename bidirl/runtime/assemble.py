@@ -16,7 +16,7 @@ from bidirl.core.coordinator import Coordinator, Settings, Topology
 from bidirl.core.policies import Policy, get_policy
 from bidirl.core.profiler import Profiler
 from bidirl.job import config as cfgmod
-from bidirl.perf.costs import first_switch_allocation
+from bidirl.perf.costs import aux_weight_transfer_time, first_switch_allocation
 from bidirl.perf.predictor import StagePredictor
 from bidirl.perf.workload import sample_lengths
 
@@ -78,10 +78,12 @@ def reproducible_mode(cfg: cfgmod.JobConfig, policy: Policy) -> bool:
 
 
 def assemble(cfg: cfgmod.JobConfig, policy, *, steps: int, seed: int,
-             predictor: Optional[StagePredictor] = None) -> Assembly:
+             predictor: Optional[StagePredictor] = None, aux_refresh: bool = True) -> Assembly:
     """``policy``: a policy name (``bidirl.core.policies.POLICIES``) or a :class:`~bidirl.core.policies.Policy`;
     ``predictor``: the coordinator's starting stage-time models (default: the config's presets), which the online
-    profiler refits as the run goes."""
+    profiler refits as the run goes. ``aux_refresh``: whether the driver refreshes an auxiliary trainer gang's weights
+    after each optimizer step (``RefreshWeights``); without it an auxiliary gang runs only the segments on the
+    version's weights."""
     from bidirl.job.planner import plan as make_plan
 
     plan = make_plan(cfg)
@@ -103,6 +105,8 @@ def assemble(cfg: cfgmod.JobConfig, policy, *, steps: int, seed: int,
                         max_tokens_per_micro_batch=cfg.rl.max_tokens_per_micro_batch,
                         sequence_parallel=cfg.rl.sequence_parallel, updates_per_sync=cfg.rl.updates_per_sync,
                         mini_batch_prompts=cfg.rl.mini_batch_prompts,
+                        aux_refresh_seconds=aux_weight_transfer_time(cfg.hardware_spec, cfg.model_spec,
+                                                                     env.trainer_layout) if aux_refresh else None,
                         reproducible=reproducible_mode(cfg, policy))
     costs = {d: cfg.switch_costs(d) for d in P.DIRECTIONS}
     first = {(d, phase): first_switch_allocation(cfg.hardware_spec, cfg.model_spec, d, phase,

@@ -82,17 +82,23 @@ class Driver:
     predictor: Any = None                         # the coordinator's starting models (default: the presets')
 
     provenance = "simulated"
+    #: whether the driver loads new weights into an auxiliary trainer gang (``do_RefreshWeights``, which only such a
+    #: driver defines; else the coordinator never sends it: the gang keeps the version's weights and runs only the
+    #: segments computed on them)
+    refreshes_aux_weights = False
 
     def __post_init__(self):
         from bidirl.runtime.assemble import assemble
-        missing = [cls.__name__ for cls in P.COMMANDS if not callable(getattr(self, "do_" + cls.__name__, None))]
+        commands = [c for c in P.COMMANDS if c is not P.RefreshWeights or self.refreshes_aux_weights]
+        missing = [cls.__name__ for cls in commands if not callable(getattr(self, "do_" + cls.__name__, None))]
         if missing:
             raise TypeError(f"{type(self).__name__} has no handler for {', '.join(missing)}; a driver defines "
-                            "do_<Command> for every command of bidirl.core.protocol.COMMANDS")
-        self._handlers = {cls: getattr(self, "do_" + cls.__name__) for cls in P.COMMANDS}
+                            "do_<Command> for every command of bidirl.core.protocol.COMMANDS (RefreshWeights only "
+                            "if it sets refreshes_aux_weights)")
+        self._handlers = {cls: getattr(self, "do_" + cls.__name__) for cls in commands}
         own_models = self.predictor is not None
         self.assembly = a = assemble(self.config, self.policy_name, steps=self.steps, seed=self.seed,
-                                     predictor=self.predictor)
+                                     predictor=self.predictor, aux_refresh=self.refreshes_aux_weights)
         self.policy_name = a.coordinator.policy.name
         self.plan, self.topology, self.predictor, self.coordinator = a.plan, a.topology, a.predictor, a.coordinator
         env = self.plan.envelope
@@ -228,6 +234,10 @@ class Driver:
 
     def record_merge(self, cmd: P.MergeGradients, start: float, end: float) -> None:
         self.span(P.PRIMARY_TRAINER, "grad_merge", start, end, {"chunks": len(cmd.chunk_ids)}, step=cmd.step)
+
+    def record_refresh(self, cmd: P.RefreshWeights, start: float, end: float) -> None:
+        """The weight refresh on the auxiliary gang's lane, which receives the weights."""
+        self.span(cmd.worker, "weight_refresh", start, end, {"updates": cmd.updates}, step=cmd.step)
 
     def record_optimizer(self, cmd: P.OptimizerStep, start: float, end: float) -> None:
         self.span(P.PRIMARY_TRAINER, "optimizer", start, end, {}, step=cmd.step)

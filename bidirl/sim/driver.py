@@ -40,6 +40,7 @@ class SimDriver(Driver):
     jitter: float = 0.03            # σ of the seeded log-normal noise on every duration (0: the models exactly)
 
     provenance = "simulated"
+    refreshes_aux_weights = True     # an auxiliary gang's refresh is charged its transfer (do_RefreshWeights)
 
     def __post_init__(self):
         super().__post_init__()
@@ -187,6 +188,15 @@ class SimDriver(Driver):
             self.record_optimizer(cmd, t0, self.loop.now)
             self.feed(P.OptimizerStepped(self.loop.now, cmd.step, cmd.version))
         self._after(self._jitter(self.optimizer_times[cmd.final]), done)
+
+    def do_RefreshWeights(self, cmd: P.RefreshWeights):
+        """The auxiliary gang receives the primaries' current weights: the transfer the scheduler charged
+        (:func:`bidirl.perf.costs.aux_weight_transfer_time`, what the switch in's weight transfer takes too)."""
+        def done(t0):
+            self.record_refresh(cmd, t0, self.loop.now)
+            self.feed(P.WeightsRefreshed(self.loop.now, cmd.worker, cmd.step, cmd.version, cmd.updates,
+                                         self.loop.now - t0))
+        self._after(self._jitter(cmd.expected), done)
 
     # ------------------------------------------------------------------------------------------
     # running: all at once, or in slices (live views)

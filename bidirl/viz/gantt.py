@@ -45,6 +45,7 @@ COLORS: dict = {
     ("sync", "primary"): "#2ca02c", ("sync", "auxiliary"): "#74c476",
     ("grad_merge", "primary"): "#9467bd", ("grad_merge", "auxiliary"): "#bcbddc",
     ("optimizer", "primary"): "#d62728", ("optimizer", "auxiliary"): "#fc9272",
+    ("weight_refresh", "primary"): "#31a354", ("weight_refresh", "auxiliary"): "#a1d99b",
     # what borrowing costs, drawn over the span it sits in (bidirl.core.protocol.COST_SPAN_KINDS)
     ("reprefill", "primary"): "#e377c2", ("reprefill", "auxiliary"): "#f7b6d2",
     ("pin_alloc", "primary"): "#8c564b", ("pin_alloc", "auxiliary"): "#c49c94",
@@ -56,6 +57,7 @@ COLORS: dict = {
 KIND_NAMES: dict = {"generate": "generation", "chunk": "training chunk", "switch_in": "hot switch in (pool lent)",
                     "switch_out": "hot switch out (pool returned)", "sync": "weight sync",
                     "grad_merge": "gradient merge", "optimizer": "optimizer step",
+                    "weight_refresh": "weights refreshed after an optimizer step",
                     "reprefill": "re-prefill (KV cache lost)", "pin_alloc": "first switch: pinned allocation",
                     "switch_no_work": "switch paid for no work", "rule_wait": "held by the reproducible mode"}
 #: what the role adds to a name: auxiliary work runs on GPUs borrowed from the other pool (§5)

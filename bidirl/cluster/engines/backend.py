@@ -82,6 +82,9 @@ class EngineBackend(WorkerBackend):
     def sync_weights(self, cmd: P.SyncWeights) -> None:
         self.loads.sync_weights(cmd)
 
+    def refresh_weights(self, cmd: P.RefreshWeights) -> None:
+        self.loads.refresh(cmd)
+
     def is_death(self, exc: Exception) -> bool:
         """A receiver whose weight transfer broke off holds half-loaded weights: it is restarted like a lost
         process (``WeightSync``), not treated as an engine error that ends the run."""

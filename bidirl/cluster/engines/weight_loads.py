@@ -6,6 +6,13 @@ the one its last optimizer step made. A command that needs a worker at a newer v
 weight transport (:mod:`.weight_sync`) or from Ray's object store; calls on one actor run in order, so the work sent
 after a load sees the new weights. A rollouter switched out on GPU discards its weights (vLLM's level-2 sleep): its
 version is forgotten, so the next command loads the current one.
+
+An auxiliary trainer gang that keeps working after an optimizer step that kept the version (an optimizer
+mini-batch's, or a streamed step's earlier local update's) is refreshed (``RefreshWeights``, :meth:`WeightLoads.refresh`):
+the primary gang puts its current weights out the way it puts a version out (``put_version``, rank 0's full weights
+into the object store) and the gang's ranks load them with ``load_state_dict``, the call a switch in loads a version
+with. It still counts as holding the version (its chunks carry it), so a refreshed gang forgets its version when it
+switches out: the next switch in loads the version's own weights.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ class WeightLoads:
 
     def __init__(self, backend):
         self.backend, self.pool = backend, backend.pool
+        self.refreshed = set()          # trainer gangs holding weights past their version (module doc)
 
     def forget_discarded(self, workers) -> None:
         """Rollouters switched out on GPU sleep at level 2 and discard their weights: forget the version they held,
@@ -32,6 +40,29 @@ class WeightLoads:
             for w in workers:
                 if w not in d.gangs:
                     d.versions[w] = None
+        for w in set(workers) & self.refreshed:      # weights past the version: the next switch in loads it
+            d.versions[w] = None
+            self.refreshed.discard(w)
+
+    def refresh(self, cmd: P.RefreshWeights) -> None:
+        """Load the primary gang's current weights (``cmd.updates`` optimizer steps past ``cmd.version``) into the
+        auxiliary gang ``cmd.worker`` (module doc), then ``WeightsRefreshed``. Calls on one actor run in order: the
+        primaries' gather follows the optimizer step it reflects, and the gang's next chunks follow the load."""
+        d = self.pool
+        start = d.now()
+        gathers = [r.put_version.remote(weights=True, publish=None) for r in d.gangs[PRIMARY_TRAINER]]
+        full = gathers[0][1]
+
+        def gathered(_acks):
+            loads = [(cmd.worker, r.load_state_dict.remote(full, cmd.version)) for r in d.gangs.get(cmd.worker, ())]
+
+            def done(_replies):
+                end = d.now()
+                self.refreshed.add(cmd.worker)
+                d.record_refresh(cmd, start, end)
+                d.feed(P.WeightsRefreshed(end, cmd.worker, cmd.step, cmd.version, cmd.updates, end - start))
+            d._when_all(loads, done)
+        d._when_all([(PRIMARY_TRAINER, ack) for ack, _ in gathers], gathered)
 
     def calls(self, workers, version: int) -> list:
         """``(worker, ref)`` calls that load actor ``version`` into those of ``workers`` (rollouters, or a
