@@ -25,6 +25,20 @@ STEPS = 2
 MINI = 8
 
 
+def one_mini_batch_between_optimizer_steps(res, opt, step: int, samples: int) -> list:
+    """Check that the update chunks of ``step`` (either gang's) that run between two of its optimizer steps ``opt``
+    hold one mini-batch's ``samples``, none running across an optimizer step; return the step's update chunks."""
+    steps = sorted((sp.start, sp.end) for sp in opt if sp.step == step)
+    chunks = [sp for sp in res.log.spans
+              if sp.kind == "chunk" and sp.detail.get("stage") == "actor_update" and sp.step == step]
+    before = -float("inf")
+    for start, end in steps:
+        between = [c for c in chunks if c.start >= before and c.end <= start]
+        assert sum(c.detail["samples"] for c in between) == samples, (step, start, len(between))
+        before = end
+    return chunks
+
+
 def test_mini_batches_take_one_optimizer_step_each_and_the_rollouters_get_the_steps_weights(model_dir,
                                                                                            kept_workers):
     cfg = engine_jobs.borrowing(**{"rl.staleness": 0, **FULL_LENGTH, "rl.mini_batch_prompts": MINI})
@@ -44,14 +58,7 @@ def test_mini_batches_take_one_optimizer_step_each_and_the_rollouters_get_the_st
     # none runs across an optimizer step: the next mini-batch computes on the updated weights
     group = cfg.workload.group_size
     for step in range(STEPS):
-        steps = sorted((sp.start, sp.end) for sp in opt if sp.step == step)
-        chunks = [sp for sp in res.log.spans
-                  if sp.kind == "chunk" and sp.detail.get("stage") == "actor_update" and sp.step == step]
-        before = -float("inf")
-        for start, end in steps:
-            between = [c for c in chunks if c.start >= before and c.end <= start]
-            assert sum(c.detail["samples"] for c in between) == MINI * group, (step, start, len(between))
-            before = end
+        chunks = one_mini_batch_between_optimizer_steps(res, opt, step, MINI * group)
         assert sum(c.detail["samples"] for c in chunks) == per_step * MINI * group
     # the rollouters hold the trainer's weights after each sync: at s = 0 every sample of step k was generated on
     # the version step k − 1 produced, and vLLM's log-probs of it match the trainer's recomputation on the weights

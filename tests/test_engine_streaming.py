@@ -20,6 +20,7 @@ import engine_jobs
 import rounding
 from test_engine_aux_refresh import aux_chunks_after_refreshes
 from test_engine_driver import FULL_LENGTH, _check_log, _logprob_tol, _run
+from test_engine_mini_batches import one_mini_batch_between_optimizer_steps
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -62,14 +63,7 @@ def test_local_updates_step_the_weights_and_the_rollouters_get_one_version_per_s
     # between two optimizer steps the update chunks (either gang's) hold one mini-batch's samples; the auxiliary
     # gang's after an optimizer step follow a refresh of its weights that began after it
     for step in range(STEPS):
-        steps = sorted((sp.start, sp.end) for sp in opt if sp.step == step)
-        chunks = [sp for sp in res.log.spans
-                  if sp.kind == "chunk" and sp.detail.get("stage") == "actor_update" and sp.step == step]
-        before = -float("inf")
-        for start, end in steps:
-            between = [c for c in chunks if c.start >= before and c.end <= start]
-            assert sum(c.detail["samples"] for c in between) == MINI * group, (step, start, len(between))
-            before = end
+        one_mini_batch_between_optimizer_steps(res, opt, step, MINI * group)
         aux_chunks_after_refreshes(res, step)
     # the rollouters hold the trainer's weights after each sync: vLLM's log-probs of the samples of step k, all
     # generated on the version step k − 1 produced, match the trainer's recomputation (the first local update's
