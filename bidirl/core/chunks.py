@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from bidirl.core.aux_weights import AuxWeights
-from bidirl.core.protocol import (AUXILIARY, FORWARD_STAGES, UPDATE_STAGES, Chunk, chunk_size, packed_chunk_len,
-                                  packed_groups)
+from bidirl.core.protocol import (AUXILIARY, FORWARD_STAGES, UPDATE_STAGES, Chunk, chunk_size, mini_batch_bounds,
+                                  packed_chunk_len, packed_groups)
 from bidirl.core.tail_split import TailSplit
 
 
@@ -131,13 +131,9 @@ class TrainerStep(TailSplit, AuxWeights):
 
     def mini_batch_bounds(self) -> list:
         """The optimizer mini-batches ``[(lo, hi)]`` of the step's samples, in batch order: ``mini_batch`` samples
-        each (the config makes it divide the local update), or one over the whole batch."""
-        n, m = self.n_samples, self.mini_batch
-        if m is None or m >= n:
-            return [(0, n)]
-        if m <= 0:
-            raise ValueError(f"mini_batch must be a positive sample count, got {m}")
-        return [(lo, min(lo + m, n)) for lo in range(0, n, m)]
+        each (the config makes it divide the local update), or one over the whole batch
+        (:func:`~bidirl.core.protocol.mini_batch_bounds`, the planner's cut too)."""
+        return mini_batch_bounds(self.n_samples, self.mini_batch)
 
     @property
     def update_segments(self) -> int:

@@ -88,6 +88,19 @@ def chunk_size(micro_batch_per_device: int, rho: int, d: int, sequence_parallel:
                int(micro_batch_per_device) * int(rho) * int(d) // int(sequence_parallel))
 
 
+def mini_batch_bounds(n_samples: int, mini_batch) -> list:
+    """The optimizer mini-batches ``[(lo, hi)]`` of a local update's ``n_samples`` samples, in batch order:
+    ``mini_batch`` samples each (``rl.mini_batch_prompts`` × ``group_size``, veRL's ``ppo_mini_batch_size``; the
+    config makes it divide the local update), or one over the whole batch when ``mini_batch`` is None or not
+    smaller. The chunk queue's update segments and the planner's M_t cut the update stage with this (§5.2)."""
+    n, m = int(n_samples), mini_batch
+    if m is None or m >= n:
+        return [(0, n)]
+    if m <= 0:
+        raise ValueError(f"mini_batch must be a positive sample count, got {m}")
+    return [(lo, min(lo + m, n)) for lo in range(0, n, m)]
+
+
 def packed_groups(devices: int, budget: int, sequence_parallel: int = 1) -> tuple:
     """``(micro-batches, tokens each)`` of one token-budget chunk on ``devices`` devices: one per
     sequence-parallel group of k devices, of k · ``budget`` tokens (veRL scales ``ppo_max_token_len_per_gpu`` by

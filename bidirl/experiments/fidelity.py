@@ -30,7 +30,8 @@ def _batch_lengths(groups) -> tuple:
 
 
 def planner_vs_simulator(config, *, steps: int = 8, seed: Optional[int] = None) -> pd.DataFrame:
-    """One row per step: ``rollout_simulated``, ``rollout_predicted``, ``trainer_simulated``,
+    """One row per step: ``rollout_simulated``, ``rollout_predicted``, ``trainer_simulated`` (the primary gang's
+    chunks, and with ``rl.mini_batch_prompts`` its optimizer updates between two mini-batches),
     ``trainer_predicted`` (seconds) and their relative errors, plus the envelope's own predictions for its
     representative batch (``rollout_planned``, ``trainer_planned``) in ``DataFrame.attrs``."""
     from bidirl.job.planner import predict_stage_times
@@ -47,6 +48,11 @@ def planner_vs_simulator(config, *, steps: int = 8, seed: Optional[int] = None) 
         k = cmd.step
         gen = spans[(spans["kind"] == "generate") & (spans["role"] == P.PRIMARY) & (spans["step"] == k)]
         chunks = spans[(spans["kind"] == "chunk") & (spans["worker"] == P.PRIMARY_TRAINER) & (spans["step"] == k)]
+        # with optimizer mini-batches M_t also holds the optimizer updates between two mini-batches of a local
+        # update (each local update's last one is the step's own optimizer step, outside M_t)
+        opt = spans[(spans["kind"] == "optimizer") & (spans["worker"] == P.PRIMARY_TRAINER) & (spans["step"] == k)]
+        per_local = cfg.optimizer_updates_per_step // cfg.rl.updates_per_sync
+        between = opt.sort_values("start")[(np.arange(len(opt)) + 1) % per_local != 0]
         # the rollout replicas got the groups in group-id order; the trainer sees them in batch order
         by_id = sorted(range(len(cmd.groups)), key=lambda i: cmd.groups[i].group_id)
         p, r = _batch_lengths([cmd.groups[i] for i in by_id])
@@ -56,7 +62,8 @@ def planner_vs_simulator(config, *, steps: int = 8, seed: Optional[int] = None) 
         t_r, t_t = predict_stage_times(driver.plan, p, r, consumed)
         rows.append({"step": k, "rollout_simulated": float((gen["end"] - gen["start"]).max()),
                      "rollout_predicted": t_r,
-                     "trainer_simulated": float((chunks["end"] - chunks["start"]).sum()),
+                     "trainer_simulated": float((chunks["end"] - chunks["start"]).sum()
+                                                + (between["end"] - between["start"]).sum()),
                      "trainer_predicted": t_t})
     df = pd.DataFrame(rows)
     for stage in ("rollout", "trainer"):

@@ -58,11 +58,12 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
+from bidirl.core.protocol import UPDATE_STAGES, mini_batch_bounds
 from bidirl.job import config as cfgmod
 from bidirl.job.config import ConfigError, label
 from bidirl.perf import memory
 from bidirl.perf.flops import STAGES
-from bidirl.perf.predictor import StagePredictor
+from bidirl.perf.predictor import StagePredictor, optimizer_update_time
 from bidirl.perf.rollout import RolloutModel
 from bidirl.perf.trainer import TrainerModel
 from bidirl.perf.workload import GroupLengths
@@ -471,11 +472,41 @@ def choose_expert_parallel(rates: dict, ok: np.ndarray, cands: list, partition) 
 def trainer_stage_times(cfg, trainer: TrainerModel, prompt_lens, response_lens, ds, stages) -> np.ndarray:
     """M_t of samples in consumption order on gangs of each size in ``ds``: micro-batches of
     ``rl.micro_batch_per_device`` samples per device, or with ``rl.max_tokens_per_micro_batch`` token-budget
-    micro-batches (:meth:`~bidirl.perf.trainer.TrainerModel.packed_stage_time`)."""
+    micro-batches (:meth:`~bidirl.perf.trainer.TrainerModel.packed_stage_time`).
+
+    With optimizer mini-batches (``rl.mini_batch_prompts``) the update stage is cut as the chunk queue cuts it
+    (§5.2): one segment per mini-batch, in batch order (:func:`~bidirl.core.protocol.mini_batch_bounds`), each
+    mini-batch's samples cut into chunks on their own, so each mini-batch ends on a partial chunk (every stage's,
+    in the reproducible mode, whose grid cells never span two mini-batches: ``rl.reproducible``); and each
+    optimizer update that falls between two mini-batches of a local update is a barrier the next mini-batch's
+    chunks wait for (:func:`~bidirl.perf.predictor.optimizer_update_time` on the gang's GPUs). A local update's
+    last optimizer update is the step's own optimizer step, which M_t does not hold (as without mini-batches)."""
+    mini = cfg.rl.mini_batch_prompts
+    p, r = np.asarray(prompt_lens), np.asarray(response_lens)
+    if mini is None or mini >= cfg.prompts_per_local_update:
+        return _chunk_stage_times(cfg, trainer, p, r, ds, stages)
+    # the reproducible mode's grid cells never span two mini-batches in any stage (TrainerStep._cell_bounds)
+    cut = stages if cfg.rl.reproducible_on else tuple(s for s in stages if s in UPDATE_STAGES)
+    whole = tuple(s for s in stages if s not in cut)
+    out = _chunk_stage_times(cfg, trainer, p, r, ds, whole) if whole else np.zeros(len(ds))
+    update = tuple(s for s in stages if s in UPDATE_STAGES)
+    if cut:
+        # the mini-batches divide every local update, so cutting the step's samples cuts each local update's
+        for lo, hi in mini_batch_bounds(p.size, mini * cfg.workload.group_size):
+            out = out + _chunk_stage_times(cfg, trainer, p[lo:hi], r[lo:hi], ds, cut)
+    if update:
+        between = cfg.optimizer_updates_per_step - cfg.rl.updates_per_sync
+        out = out + between * np.array([optimizer_update_time(trainer.model, trainer.hardware, trainer.layout,
+                                                              trainer.layout * int(d)) for d in ds])
+    return out
+
+
+def _chunk_stage_times(cfg, trainer: TrainerModel, p, r, ds, stages) -> np.ndarray:
+    """The chunk times of ``stages`` over samples ``p``, ``r`` cut into chunks from the first, per gang size."""
     budget = cfg.rl.max_tokens_per_micro_batch
     if budget is None:
-        return trainer.stage_times(prompt_lens, response_lens, ds, cfg.rl.micro_batch_per_device, stages)
-    return np.array([trainer.packed_stage_time(prompt_lens, response_lens, d, budget, stages) for d in ds])
+        return trainer.stage_times(p, r, ds, cfg.rl.micro_batch_per_device, stages)
+    return np.array([trainer.packed_stage_time(p, r, d, budget, stages) for d in ds])
 
 
 def _per_candidate(caps: np.ndarray, distinct: np.ndarray, times: np.ndarray) -> np.ndarray:

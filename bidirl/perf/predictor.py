@@ -56,6 +56,13 @@ def gradient_allreduce_time(model, hardware, layout: int, trainer_gpus: int) -> 
     return 2.0 * (replicas - 1) / replicas * shard / link_bandwidth(hardware, gpus)
 
 
+def optimizer_update_time(model, hardware, layout: int, trainer_gpus: int) -> float:
+    """One optimizer update (one mini-batch) on ``trainer_gpus`` GPUs of ``layout``-GPU replicas: the gradient
+    all-reduce across the replicas (:func:`gradient_allreduce_time`) and the AdamW step over each GPU's
+    ``N/ρ_t`` shard (:func:`optimizer_time`)."""
+    return gradient_allreduce_time(model, hardware, layout, trainer_gpus) + optimizer_time(model, hardware, layout)
+
+
 def controller_seconds_per_local_update(cfg, hardware) -> float:
     """The driver's data path of one local update's trainer calls (:mod:`bidirl.perf.controller_data`): each stage
     of ``rl.stages`` is one call over the local update's ``prompts_per_step / updates_per_sync · group_size``
@@ -218,8 +225,7 @@ class StagePredictor:
     def optimizer_update_time(self, trainer_gpus: int) -> float:
         """One optimizer update (one mini-batch) on ``trainer_gpus`` GPUs of ρ_t-GPU replicas: the gradient
         all-reduce across the replicas and the AdamW step over each GPU's ``N/ρ_t`` shard."""
-        m, hw, rho = self.trainer.model, self.trainer.hardware, self.trainer.layout
-        return gradient_allreduce_time(m, hw, rho, trainer_gpus) + optimizer_time(m, hw, rho)
+        return optimizer_update_time(self.trainer.model, self.trainer.hardware, self.trainer.layout, trainer_gpus)
 
     def engine_costs(self) -> EngineCosts:
         p = self.rollout.params
