@@ -232,26 +232,59 @@ def test_offload_copies_the_shards_over_the_host_link_with_the_optimizer_step():
         assert seconds == [pytest.approx(want, rel=1e-12)]
 
 
-def test_mini_batches_take_one_optimizer_step_each():
-    from bidirl.perf.predictor import gradient_allreduce_time, optimizer_time
-    cfg = small(**{"rl.mini_batch_prompts": 8})     # 32 prompts: 4 updates
-    env = plan(cfg).envelope
-    m, hw, rho = cfg.model_spec, cfg.hardware_spec, env.trainer_layout
+def _optimizer_seconds(cfg) -> list:
+    """The seconds of each optimizer span of a noiseless one-step run."""
     spans = run(cfg, steps=1).events
     opt = spans[spans.kind == "optimizer"]
+    return (opt.end - opt.start).tolist()
+
+
+def _per_mini_batch_charges(cfg):
+    """(one update's seconds, the offload copies' seconds) of ``cfg``'s planned trainer."""
+    from bidirl.perf.costs import PAGEABLE_FRACTION
+    from bidirl.perf.predictor import gradient_allreduce_time, optimizer_time
+    env = plan(cfg).envelope
+    m, hw, rho = cfg.model_spec, cfg.hardware_spec, env.trainer_layout
     one = gradient_allreduce_time(m, hw, rho, env.trainer_gpus) + optimizer_time(m, hw, rho)
-    # one optimizer step after each mini-batch (veRL's update_policy), each one update (rel 1e-12: the last is the
-    # whole charge 4·one less the 3·one taken, a few ulps of rounding)
-    assert (opt.end - opt.start).tolist() == [pytest.approx(one, rel=1e-12)] * 4
+    copies = 2 * 8 * m.params_total / rho / (hw.host_bandwidth * PAGEABLE_FRACTION)
+    return one, copies
+
+
+def _mini_batch_charges_are(seconds, one, copies, offload: bool) -> bool:
+    """One update per mini-batch (4 of them), the offload copies on the last only.
+
+    rel 1e-12, derived: a span's seconds are ``end − start`` on the simulated clock, each rounded to the double
+    nearest; at this job's clock (< 64 s; one step ends near 38 s) an ulp is 2^-47 s ≈ 7.1e-15 s, so the difference
+    is off by at most one ulp, 7.1e-15 s, against an update of ≈ 0.037 s: 1.9e-13 relative. The last span's charge
+    is ``4·one (+ copies) − 3·one`` (``Assembly.optimizer_step_time``), a few ulps of its own magnitude more
+    (≈ 1e-15 relative). Every defect this guards (the four updates in one span, the copies paid per mini-batch or
+    not at all, an update too many or too few) is off by at least ``min(one, copies)``: relative 1 or more."""
+    want = [one] * 3 + [one + copies if offload else one]
+    return len(seconds) == 4 and all(s == pytest.approx(w, rel=1e-12) for s, w in zip(seconds, want))
+
+
+def test_mini_batches_take_one_optimizer_step_each():
+    cfg = small(**{"rl.mini_batch_prompts": 8})     # 32 prompts: 4 updates
+    one, copies = _per_mini_batch_charges(cfg)
+    # one optimizer step after each mini-batch (veRL's update_policy), each one update
+    assert _mini_batch_charges_are(_optimizer_seconds(cfg), one, copies, offload=False)
     # the optimizer offload moves the Adam moments once around the update stage, not once per mini-batch: with the
     # local update's last optimizer step
-    from bidirl.perf.costs import PAGEABLE_FRACTION
     off = small(**{"rl.mini_batch_prompts": 8, "rl.optimizer_offload": True})
-    spans = run(off, steps=1).events
-    opt = spans[spans.kind == "optimizer"]
-    copies = 2 * 8 * m.params_total / rho / (hw.host_bandwidth * PAGEABLE_FRACTION)
-    assert (opt.end - opt.start).tolist() == [pytest.approx(one, rel=1e-12)] * 3 + [pytest.approx(one + copies,
-                                                                                                 rel=1e-12)]
+    assert _mini_batch_charges_are(_optimizer_seconds(off), one, copies, offload=True)
+
+
+def test_the_mini_batch_check_fails_on_the_defects_it_guards(monkeypatch):
+    from bidirl.runtime.assemble import Assembly
+    off = small(**{"rl.mini_batch_prompts": 8, "rl.optimizer_offload": True})
+    one, copies = _per_mini_batch_charges(off)
+    right = _optimizer_seconds(off)
+    # the four updates charged as one span (before optimizer steps followed each mini-batch)
+    assert not _mini_batch_charges_are([sum(right)], one, copies, offload=True)
+    # every mini-batch paying the once-per-update offload copies
+    whole = Assembly.optimizer_step_time
+    monkeypatch.setattr(Assembly, "optimizer_step_time", lambda self, final: whole(self, final) + copies * (not final))
+    assert not _mini_batch_charges_are(_optimizer_seconds(off), one, copies, offload=True)
 
 
 def test_gradients_are_averaged_across_replicas_once_per_update():
