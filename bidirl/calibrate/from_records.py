@@ -213,6 +213,7 @@ def calibrate_profile(profile: Union[Profile, str, Path], *, hardware: Optional[
     ``cache_bytes`` is refused by name)."""
     from bidirl.job import presets
     from bidirl.perf.fit import calibrate_knobs, calibrate_rollout, calibrate_trainer, knob_hardware
+    from bidirl.perf.trainer import has_cache
 
     if not isinstance(profile, Profile):
         profile = load_profile(profile)
@@ -231,7 +232,7 @@ def calibrate_profile(profile: Union[Profile, str, Path], *, hardware: Optional[
     entry: dict = {}
     if overrides:
         r_model, t_model = _models(model, knob_hw, profile.meta)
-        spill = float(getattr(base, "cache_bytes", 0.0) or 0.0) > 0 if spill_cost is None else bool(spill_cost)
+        spill = has_cache(base) if spill_cost is None else bool(spill_cost)
         entry = stage_params_entry(calibrate_rollout(fit["rollout"], r_model, fit_request_cost=bool(request_cost)),
                                    calibrate_trainer(fit["trainer"], t_model, fit_spill_cost=spill), tp=1, layout=1)
     kept = {m: v for m, v in (base.stage_params or {}).items() if m != model.name}

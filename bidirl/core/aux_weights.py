@@ -26,6 +26,12 @@ class AuxWeights:
     """The weights tag of each segment and the auxiliary gang's (methods of the trainer step; no state of their
     own)."""
 
+    @property
+    def aux_window_closed(self) -> bool:
+        """Whether no Trainer-on-RolloutPool window may run more of the step: past the last segment an auxiliary
+        gang may run (:attr:`aux_last_segment`), or an optimizer step under way."""
+        return self.segment_index > self.aux_last_segment or self.optimizing
+
     def weights_at(self, segment_index: Optional[int] = None) -> int:
         """Optimizer steps since the step's version that segment ``segment_index`` (default: the current one)
         computes on: the earlier local updates' (``updates_before``) and this local update's mini-batches before

@@ -309,8 +309,7 @@ class Coordinator(RolloutSide, TrainerSide, Lending):
         step.aux_unsent.clear()
         step.aux_update_chunks.clear()                # merged: the next mini-batch's optimizer step has none
         self.profiler.observe_cost(TOR, "c_grad", ev.elapsed)
-        version = self.trainer_version if mini_batch else self._update_version()
-        self._out.append(P.OptimizerStep(step.step, version, step.update_merge_order(), final=not mini_batch))
+        self._optimizer_step(step)
 
     def _on_OptimizerStepped(self, ev: P.OptimizerStepped):
         step = self.step

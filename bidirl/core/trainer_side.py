@@ -212,19 +212,23 @@ class TrainerSide:
         self.phase = Phase.FINISHING
         self.merge_log.append((step.step, list(step.merge_positions)))
         self._revoke(P.ROLLOUT_POOL, "the primaries finished the step's chunks")
-        self._merge_then_step(step, self._update_version())
+        self._merge_then_step(step)
 
-    def _merge_then_step(self, step, version: int) -> None:
+    def _merge_then_step(self, step) -> None:
         """The auxiliary update chunks' gradients not merged yet go to the primary gang (C_grad; the optimizer step
-        follows when they arrived, :meth:`_on_GradientsMerged`), or the optimizer step now over the current update
-        segment's chunks in merge order, producing ``version``."""
+        follows when they arrived, :meth:`_on_GradientsMerged`), or the optimizer step now."""
         if step.aux_update_chunks:
             aux = set(step.aux_update_chunks)
             aux_ids = tuple(c for c in step.merge_order if c in aux)
             self._out.append(P.MergeGradients(step.step, aux_ids, self.profiler.costs[TOR].c_grad))
         else:
-            self._out.append(P.OptimizerStep(step.step, version, step.update_merge_order(),
-                                             final=not step.optimizing))
+            self._optimizer_step(step)
+
+    def _optimizer_step(self, step) -> None:
+        """The optimizer step over the current update segment's chunks in merge order: a mini-batch's
+        (``step.optimizing``: the version kept) or the local update's ``final`` one (:meth:`_update_version`)."""
+        version = self.trainer_version if step.optimizing else self._update_version()
+        self._out.append(P.OptimizerStep(step.step, version, step.update_merge_order(), final=not step.optimizing))
 
     def _step_mini_batch(self, step) -> None:
         """An optimizer mini-batch's chunks are all merged and another mini-batch follows (``rl.mini_batch_prompts``,
@@ -236,7 +240,7 @@ class TrainerSide:
         if not step.aux_refresh:
             self._revoke(P.ROLLOUT_POOL, "the optimizer mini-batch it could run ended (the next one computes on the "
                                          "updated weights)")
-        self._merge_then_step(step, self.trainer_version)
+        self._merge_then_step(step)
 
     # ---- the auxiliary gang's weights across optimizer steps (bidirl.core.aux_weights) ------------------
     def _refresh_aux_weights(self, step) -> None:
@@ -270,7 +274,7 @@ class TrainerSide:
         if (not self.policy.trainer_on_rollout_pool or step is None or key in self.evaluated
                 or self.phase is not Phase.CONSUMING or not self.topology.aux_trainer_replicas
                 or P.AUX_TRAINER in self.failed or not self._rollout_pool_idle()
-                or step.segment_index > step.aux_last_segment or step.optimizing):
+                or step.aux_window_closed):
             return
         stages, samples = step.remaining_work(until=step.aux_last_segment + 1)
         if not stages:
@@ -324,6 +328,6 @@ class TrainerSide:
     def _window_has_work(step) -> bool:
         """Whether a Trainer-on-RolloutPool window opening now can still get a chunk of ``step``: units of the
         current segment not yet sent, or a later segment (opened at the barrier)."""
-        if step.segment_index > step.aux_last_segment or step.optimizing:
+        if step.aux_window_closed:
             return False
         return bool(step.pending) or step.segment_index < step.aux_last_segment

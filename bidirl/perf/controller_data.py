@@ -59,6 +59,9 @@ PROMPT_TOKEN_TENSORS = cost_constant("PROMPT_TOKEN_TENSORS", 1, "tensors", "veRL
 #: fp32 response tensors a log-prob call returns: old_log_probs and entropys (compute_log_prob(calculate_entropy=True))
 LOGPROB_OUTPUT_TENSORS = cost_constant("LOGPROB_OUTPUT_TENSORS", 2, "tensors", "verl/workers/fsdp_workers.py "
                                        "compute_log_prob: DataProto.from_dict(tensors={'old_log_probs', 'entropys'})")
+#: fp32 response tensors a reference policy's log-prob call returns: ref_log_prob
+REF_LOGPROB_OUTPUT_TENSORS = cost_constant("REF_LOGPROB_OUTPUT_TENSORS", 1, "tensors", "verl/workers/fsdp_workers.py "
+                                           "compute_ref_log_prob: DataProto.from_dict(tensors={'ref_log_prob'})")
 #: fp32 response tensors the driver adds before the update: old_log_probs, token_level_scores, token_level_rewards,
 #: advantages, returns (each its own key of the consolidated TensorDict)
 UPDATE_INPUT_TENSORS = cost_constant("UPDATE_INPUT_TENSORS", 5, "tensors", "verl/trainer/ppo/ray_trainer.py fit loop: "
@@ -82,7 +85,7 @@ def sample_bytes(stage: str, prompt_positions: int, response_positions: int, *, 
         extra = UPDATE_INPUT_TENSORS + int(bool(reference_log_probs))
         return int(generated + FLOAT_TENSOR_BYTES * r * extra)
     if stage in ("old_logprob", "ref_logprob"):
-        returned = LOGPROB_OUTPUT_TENSORS if stage == "old_logprob" else 1
+        returned = LOGPROB_OUTPUT_TENSORS if stage == "old_logprob" else REF_LOGPROB_OUTPUT_TENSORS
         return int(generated + FLOAT_TENSOR_BYTES * r * returned)
     raise ValueError(f"sample_bytes: unknown trainer stage {stage!r} (use actor_update, old_logprob or ref_logprob)")
 

@@ -48,7 +48,7 @@ from scipy.optimize import least_squares
 from bidirl.perf.balance import serpentine
 from bidirl.perf.flops import STAGES, lengths, sample_forward_flops
 from bidirl.perf.rollout import RolloutModel, RolloutParams, replica_times_from_features
-from bidirl.perf.trainer import SPILL_STAGE, TrainerModel, TrainerParams, microbatch_times, spill_bytes
+from bidirl.perf.trainer import SPILL_STAGE, TrainerModel, TrainerParams, has_cache, microbatch_times, spill_bytes
 
 MAX_FACTOR = 1e3
 MAX_R = 16.0
@@ -287,7 +287,7 @@ def calibrate_trainer(records, model: TrainerModel, *, fit_spill_cost: bool = Fa
         raise ValueError(f"model must be a TrainerModel, got {type(model).__name__}")
     if not isinstance(fit_spill_cost, bool):
         raise ValueError(f"fit_spill_cost must be True or False, got {fit_spill_cost!r}")
-    if fit_spill_cost and not float(getattr(model.hardware, "cache_bytes", 0.0) or 0.0) > 0:
+    if fit_spill_cost and not has_cache(model.hardware):
         raise ValueError(f"fit_spill_cost needs the device's last-level cache: hardware "
                          f"{getattr(model.hardware, 'name', model.hardware)!r} has no cache_bytes; set it in the "
                          "hardware preset or fit without the spill cost")

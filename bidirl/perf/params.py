@@ -25,8 +25,8 @@ Trainer, for a replica of ρ = ``layout`` GPUs (FSDP data parallel inside the re
   out; ``bidirl calibrate`` fits it on profiling records (:func:`bidirl.perf.fit.calibrate_trainer` with
   ``fit_spill_cost``) where the preset states ``cache_bytes``, and writes it to ``stage_params``.
 
-Rollout, for a vLLM replica with tensor parallelism ``tp`` (the decoder only: the vision encoder runs in
-prefill and is inside N_nonemb there):
+Rollout, for a vLLM replica with tensor parallelism ``tp`` (the decoder only: the vision encoder runs once per
+request in prefill, charged apart by :func:`bidirl.perf.flops.prefill_flops_of_sums`):
 
 * ``alpha_pre = 1 / (tp · peak_flops · prefill_mfu)``;
 * ``tau_pre = L · kernel_overhead_per_layer + scheduler_overhead`` per prefill wave (prefill is not
@@ -66,7 +66,7 @@ from typing import Mapping
 
 import numpy as np
 
-from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES
+from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, decoder_params_nonembedding
 
 
 
@@ -265,7 +265,7 @@ def knob_rollout_params(model, hw, tp: int = 1):
     tp = _check_layout(tp, "tp")
     compute = tp * hw.peak_flops * hw.prefill_mfu
     decoder_params = model.params_total - model.vision_params
-    decoder_nonemb = max(model.params_active_nonembedding - model.vision_params, 0.0)
+    decoder_nonemb = decoder_params_nonembedding(model)
     if tp > 1:
         per_token_bytes = 2 * model.layers * model.hidden * model.dtype_bytes * 2 * (tp - 1) / tp
         c_tok = per_token_bytes / link_bandwidth(hw, tp)

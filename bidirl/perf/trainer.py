@@ -98,10 +98,14 @@ def spill_bytes(model, hardware, stage: str, tokens) -> np.ndarray:
     than C bytes were touched since, i.e. the first ``A − C`` bytes written are read back from memory and the
     last C from cache. Each spilled byte costs ``beta_mem`` seconds (a bandwidth term, fitted on records)."""
     tokens = np.asarray(tokens, dtype=float)
-    cache = float(getattr(hardware, "cache_bytes", 0.0) or 0.0)
-    if stage != SPILL_STAGE or cache <= 0:
+    if stage != SPILL_STAGE or not has_cache(hardware):
         return np.zeros_like(tokens)
-    return np.maximum(0.0, tokens * saved_activation_bytes_per_token(model) - cache)
+    return np.maximum(0.0, tokens * saved_activation_bytes_per_token(model) - float(hardware.cache_bytes))
+
+
+def has_cache(hardware) -> bool:
+    """Whether the hardware preset states its last-level cache (``cache_bytes`` > 0), which turns the spill term on."""
+    return float(getattr(hardware, "cache_bytes", 0.0) or 0.0) > 0
 
 
 _BATCH = 1 << 16        # replica micro-batches of the planner's gangs evaluated together (still in cache)
@@ -276,7 +280,7 @@ class TrainerModel:
                        for s in STAGES}
         #: whether any micro-batch pays the cache-spill term β_mem·spill_bytes: then a chunk's time depends on its
         #: replicas' tokens as well as their FLOPs, and every chunk is timed as chunk_time times it
-        self._spills = float(getattr(hardware, "cache_bytes", 0.0) or 0.0) > 0 and \
+        self._spills = has_cache(hardware) and \
             any(v > 0 for v in self.params.beta_mem.values())
 
     def __repr__(self) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+from bidirl.core.protocol import mini_batch_bounds
 
 
 @dataclass
@@ -28,21 +29,18 @@ class StepData:
     #: each mini-batch's loss over that mini-batch)
     mini_batch: int = 0
     mini_normalizers: tuple = ()
-    updates: list = field(default_factory=list)   # grad norms of the mini-batches' optimizer updates before the last
+    earlier_updates: int = 0    # optimizer updates these samples took before their last (one per earlier mini-batch)
     local: int = 0              # the local update of a streamed step (rl.updates_per_sync) these samples are
     sync_checked: Optional[int] = None   # leading samples whose old log-probs are on the version's weights (None: all)
 
     @property
     def optimizer_updates(self) -> int:
         """Optimizer updates these samples took: the mini-batches' before the last, and the last."""
-        return len(self.updates) + 1
+        return self.earlier_updates + 1
 
     def mini_batches(self) -> list:
         """The optimizer mini-batches ``[(lo, hi)]`` of the step's samples, in batch order (one without them)."""
-        n, m = len(self.samples), self.mini_batch
-        if not m or m >= n:
-            return [(0, n)]
-        return [(lo, min(lo + m, n)) for lo in range(0, n, m)]
+        return mini_batch_bounds(len(self.samples), self.mini_batch or None)
 
     def normalizer_of(self, k: int) -> float:
         """The loss normaliser of sample ``k``'s optimizer update: its mini-batch's, or the step's."""

@@ -113,7 +113,7 @@ class EngineTraining:
         keep = primary or d.sync.collective
         # the reproducible mode sums the step's gradient in unit order, whichever gang computed each chunk: each
         # optimizer update's gradient, from its mini-batch's first unit
-        first = ch.order - (ch.order // data.mini_batch) * data.mini_batch if data.mini_batch else ch.order
+        first = ch.order % data.mini_batch if data.mini_batch else ch.order
         position = (first, len(ch.samples)) if d.assembly.reproducible else None
         if position is not None:
             self.chunk_positions[ch.chunk_id] = position
@@ -179,7 +179,7 @@ class EngineTraining:
                     self.locals.append(data)
                     d.recovery.local_update(data)
                 else:
-                    data.updates.append(float(out["grad_norm"]))
+                    data.earlier_updates += 1
                 d.feed(P.OptimizerStepped(d.now(), cmd.step, cmd.version))
                 return
             acks, weights = self.backend.loads.version_calls()
@@ -251,8 +251,8 @@ def mini_batch_normalizers(samples: list, config) -> dict:
     if not m or m >= len(samples):
         return {}
     return {"mini_batch": m,
-            "mini_normalizers": tuple(grpo.loss_normalizer([s.response_len for s in samples[lo:lo + m]], "token-mean")
-                                      for lo in range(0, len(samples), m))}
+            "mini_normalizers": tuple(grpo.loss_normalizer([s.response_len for s in samples[lo:hi]], "token-mean")
+                                      for lo, hi in P.mini_batch_bounds(len(samples), m))}
 
 
 def whole_step(parts: list) -> StepData:
@@ -266,7 +266,7 @@ def whole_step(parts: list) -> StepData:
     out = StepData(step=last.step, version=last.version, samples=[s for p in parts for s in p.samples], index={},
                    advantages=None, normalizer=0.0, old=[x for p in parts for x in p.old],
                    ref=[x for p in parts for x in p.ref], stats=[x for p in parts for x in p.stats],
-                   local=last.local, updates=[u for p in parts for u in p.updates] + [0.0] * (len(parts) - 1),
+                   local=last.local, earlier_updates=sum(p.optimizer_updates for p in parts) - 1,
                    sync_checked=len(parts[0].samples))
     offset = 0
     for p in parts:
