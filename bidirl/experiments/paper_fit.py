@@ -104,6 +104,21 @@ def fit_static_knobs(hardware, target: Optional[dict] = None) -> dict:
     return {**values, "choice": choice, "spread": spread}
 
 
+def refit_with_engine_cost(**engine_costs) -> dict:
+    """The 4B sweep refitted (:func:`fit`) on the A6000 preset with ``engine_costs`` (hardware knobs, e.g.
+    ``scheduler_overhead`` — a fixed cost per decode iteration — or ``decode_token_overhead`` — a cost per running
+    sequence and iteration) replacing the preset's, and the 2B sweep the refitted knobs then plan: the procedure
+    behind ``data/paper/limits.yaml``'s ``size-independent-efficiency`` (which engine cost could make the planner
+    choose the paper's 8-8 for Qwen3-VL-2B while the 4B fit still holds). Returns the refitted knobs, the 4B check
+    and the 2B sweep's ``choice_2b`` / ``spread_2b`` over the displayed partitions (4, 8, 12)."""
+    base = dataclasses.replace(presets.hardware("a6000"), **engine_costs)
+    fitted = fit(base)
+    hw = dataclasses.replace(tex_hardware(base), train_mfu=fitted["train_mfu"], decode_mbu=fitted["decode_mbu"])
+    choice, spread = static_sweep(hw, "qwen3-vl-2b", 16, (4, 8, 12))
+    return {"train_mfu": fitted["train_mfu"], "decode_mbu": fitted["decode_mbu"], **fitted["check"],
+            "choice_2b": choice, "spread_2b": spread}
+
+
 def fit(base=None) -> dict:
     """Both fits on the tex-corrected A6000 preset (module doc); returns the values to store and their checks."""
     base = tex_hardware(presets.hardware("a6000") if base is None else base)
