@@ -98,7 +98,8 @@ def test_every_driver_handles_every_command():
         sent = [c for c in P.COMMANDS if c is not P.RefreshWeights or cls.refreshes_aux_weights]
         missing = [c.__name__ for c in sent if not callable(getattr(cls, "do_" + c.__name__, None))]
         assert not missing, (cls.__name__, missing)
-    assert SimDriver.refreshes_aux_weights and EngineDriver.refreshes_aux_weights
+    # every driver that runs a job refreshes: the simulator, emulated workers and engine runs follow one rule
+    assert SimDriver.refreshes_aux_weights and EmulatedDriver.refreshes_aux_weights and EngineDriver.refreshes_aux_weights
 
 
 def test_a_driver_without_a_handler_fails_when_it_is_built():

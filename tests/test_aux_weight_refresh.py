@@ -15,14 +15,15 @@ from bidirl.sim.driver import SimDriver
 from tests.test_mini_batches import make_step
 
 
-class Watching(SimDriver):
-    """The simulator, checking as it runs which weights the auxiliary gang holds when it is handed a chunk: the
-    primaries' (every optimizer step since the version), read from the events alone."""
+class WatchingAuxWeights:
+    """A driver mixin checking as the run goes which weights the auxiliary gang holds when it is handed a chunk: the
+    primaries' (every optimizer step since the version), read from the events alone (any driver: the simulator's
+    :class:`Watching`, the emulated workers' in ``tests/test_emulated_aux_refresh.py``)."""
 
     def __post_init__(self):
         super().__post_init__()
         self.since_version = 0          # optimizer steps the primaries took since the version
-        self.version = 0
+        self.watched_version = 0
         self.aux_holds = None           # optimizer steps since the version in the auxiliary gang's weights
         self.aux_chunks = []            # (step, local update, optimizer steps since the version) per aux chunk
         self.refreshes = []
@@ -36,8 +37,8 @@ class Watching(SimDriver):
 
     def feed(self, event):
         if isinstance(event, P.OptimizerStepped):
-            if event.version != self.version:
-                self.version, self.since_version = event.version, 0
+            if event.version != self.watched_version:
+                self.watched_version, self.since_version = event.version, 0
             else:
                 self.since_version += 1
         if isinstance(event, P.SwitchFinished) and event.pool == P.ROLLOUT_POOL:
@@ -63,6 +64,10 @@ class Watching(SimDriver):
                 f"steps after the version; the primaries are {self.since_version} steps on")
             self.aux_chunks.append((cmd.chunk.step, self.local, self.since_version, cmd.chunk.stage))
         super().do_RunChunk(cmd)
+
+
+class Watching(WatchingAuxWeights, SimDriver):
+    """The simulator under :class:`WatchingAuxWeights`."""
 
 
 def _watched(config, overrides, steps, seed=0, policy="bidirl"):

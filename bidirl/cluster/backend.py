@@ -18,8 +18,10 @@ The interface, in three parts:
   a trainer gang's :meth:`~WorkerBackend.run_chunk` (the pool driver queues chunks and calls
   :meth:`~bidirl.cluster.pool.PoolDriver._chunk_done` when the backend reports one ran);
 * **state moved** — a pool's hot :meth:`~WorkerBackend.switch` (§3.2), a :meth:`~WorkerBackend.sync_weights`,
-  the :meth:`~WorkerBackend.merge_gradients` of the auxiliary windows and the
-  :meth:`~WorkerBackend.optimizer_step` that makes the next version (§6).
+  the :meth:`~WorkerBackend.merge_gradients` of the auxiliary windows, the
+  :meth:`~WorkerBackend.optimizer_step` that makes the next version (§6) and the
+  :meth:`~WorkerBackend.refresh_weights` of an auxiliary trainer gang after an optimizer step that kept the version
+  (an optimizer mini-batch's; :mod:`bidirl.core.aux_weights`).
 
 Each of these answers its command with the matching protocol event (``feed``), as the paper's Table 2 has it.
 The hooks below them have defaults that do nothing (what emulated workers need): what a run adds around its
@@ -103,6 +105,12 @@ class WorkerBackend(ABC):
     @abstractmethod
     def optimizer_step(self, cmd: P.OptimizerStep) -> None:
         """Take the step's optimizer step on the primary gang (``OptimizerStepped``)."""
+
+    @abstractmethod
+    def refresh_weights(self, cmd: P.RefreshWeights) -> None:
+        """Bring the auxiliary trainer gang ``cmd.worker`` to the primary gang's current weights, ``cmd.updates``
+        optimizer steps past ``cmd.version`` (``WeightsRefreshed``; when the coordinator sends it:
+        :mod:`bidirl.core.aux_weights`)."""
 
     # ---- hooks (defaults: nothing to add) -----------------------------------------------------
     def begin(self) -> None:

@@ -295,6 +295,15 @@ class EmulatedBackend(WorkerBackend):
             self.pool.feed(P.OptimizerStepped(b, cmd.step, cmd.version))
         self._hold(P.PRIMARY_TRAINER, self.pool.assembly.optimizer_step_time(cmd.final), finish)
 
+    def refresh_weights(self, cmd: P.RefreshWeights):
+        """The auxiliary gang receives the primaries' current weights: a hold on its actor for the transfer the
+        scheduler charged (``cmd.expected``: :func:`bidirl.perf.costs.aux_weight_transfer_time`), after the chunks
+        already sent to it (calls on one actor run in order), as an engine gang's load follows them."""
+        def finish(a, b):
+            self.pool.record_refresh(cmd, a, b)
+            self.pool.feed(P.WeightsRefreshed(b, cmd.worker, cmd.step, cmd.version, cmd.updates, b - a))
+        self._hold(cmd.worker, cmd.expected, finish)
+
     def summarize(self, out: dict) -> None:
         out["emulated"] = True
         out["time_scale"] = self.time_scale

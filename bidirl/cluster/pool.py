@@ -133,6 +133,10 @@ class PoolDriver(WorkerFailures, Driver):
     kept_workers: Optional[KeptWorkers] = None
 
     label = "ray"
+    #: every kind of worker brings an auxiliary trainer gang to the primaries' weights after each optimizer step
+    #: that keeps the version (``backend.refresh_weights``), so the coordinator follows one rule for all Ray runs
+    #: (:mod:`bidirl.core.aux_weights`), the simulator's
+    refreshes_aux_weights = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -278,6 +282,9 @@ class PoolDriver(WorkerFailures, Driver):
 
     def do_OptimizerStep(self, cmd: P.OptimizerStep):
         self.backend.optimizer_step(cmd)
+
+    def do_RefreshWeights(self, cmd: P.RefreshWeights):
+        self.backend.refresh_weights(cmd)
 
     # ------------------------------------------------------------------------------------------
     # rollouters: the generation calls sent to each (the backend keeps a busy one generating)

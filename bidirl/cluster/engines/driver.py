@@ -103,10 +103,6 @@ class EngineDriver(PoolDriver):
 
     label = "engines"
     provenance = "measured"
-    refreshes_aux_weights = True    # an auxiliary gang loads the primaries' weights after each optimizer step
-
-    def do_RefreshWeights(self, cmd: P.RefreshWeights):
-        self.backend.refresh_weights(cmd)
 
     def __post_init__(self):
         super().__post_init__()
