@@ -23,6 +23,12 @@ their median / p90 relative errors. :func:`calibrate_profile` does this for a pr
    byte of the update's saved activations beyond the cache, β_mem, fitted from 0 where the preset states
    ``cache_bytes`` — :func:`bidirl.perf.trainer.spill_bytes`). They go to the
    preset's ``stage_params`` block for that model and layout (skipped with ``overrides=False``).
+   A vision-language model's records say how many LLM image tokens each prompt held (the profile's
+   ``image_tokens_per_prompt``, :mod:`bidirl.calibrate.records`): every model the calibration builds charges the
+   vision encoder's FLOPs for them (:func:`bidirl.perf.flops.vit_forward_flops`; once per request in the
+   rollout's prefill, once per sample in each trainer stage), so the knobs and parameters fitted are the
+   decoder's and the encoder's work is not folded into them. Records without the field are text-only; a
+   vision-language model's are refused by name (:func:`image_tokens_of`).
 4. **Errors.** Every point is predicted through the preset as it will be loaded — the prior preset, the
    knobs alone, the calibrated preset — and the relative errors are reported on the fit and held-out points.
 
@@ -134,6 +140,7 @@ class ProfileCalibration:
     seed: int
     knob_fit: object
     statistic: str = "min"
+    image_tokens_per_prompt: int = 0
 
     def errors(self) -> pd.DataFrame:
         """Median and p90 relative error (percent) per kind, split and predictor."""
@@ -157,6 +164,7 @@ class ProfileCalibration:
                 "grid": meta["grid"].get("name"), "points": {"fit": int(self._count("fit")),
                                                              "held-out": int(self._count("held-out"))},
                 "holdout": self.holdout, "seed": self.seed, "statistic": self.statistic,
+                "image_tokens_per_prompt": self.image_tokens_per_prompt,
                 "knobs": self.knobs, "prior_knobs": {k: float(getattr(self.base, k)) for k in self.knobs},
                 "stage_params": self.stage_params, "errors": self.errors().to_dict(orient="records")}
 
@@ -165,17 +173,42 @@ class ProfileCalibration:
         return int(t[(t["kind"] == "rollout") & (t["split"] == split)]["point"].nunique())
 
 
-def _models(model, hw, meta: dict):
+def image_tokens_of(profile: Profile, model) -> int:
+    """The LLM image tokens in every prompt of ``profile`` (its ``image_tokens_per_prompt``, module doc of
+    :mod:`bidirl.calibrate.records`), checked against ``model``: absent is text-only (0) for a text model and
+    refused for a vision-language one (its records must say what the encoder ran on, 0 for text prompts); image
+    tokens for a model without a vision encoder are refused."""
+    from bidirl.calibrate.records import IMAGE_TOKENS
+    n = profile.image_tokens_per_prompt
+    vision = float(getattr(model, "vision_params", 0.0)) > 0
+    where = f"{profile.path / 'meta.json'}" if profile.path is not None else "the profile's meta"
+    if n is None:
+        if vision:
+            raise ProfileError(f"{where}: no field {IMAGE_TOKENS!r}, but model {model.name!r} has a vision encoder "
+                               f"({model.vision_params / 1e9:.2f} B parameters) — set {IMAGE_TOKENS} to the LLM image "
+                               "tokens in every measured prompt (0 if the prompts were text only), so the calibration "
+                               "charges the encoder's work instead of fitting it into the decoder's knobs")
+        return 0
+    if n > 0 and not vision:
+        raise ProfileError(f"{where}: field {IMAGE_TOKENS!r} is {n} but model {model.name!r} has no vision encoder — "
+                           f"set it to 0 (or leave it out) for a text model, or name the vision-language model the "
+                           "records were measured with")
+    return int(n)
+
+
+def _models(model, hw, meta: dict, image_tokens_per_prompt: int = 0):
     from bidirl.perf.rollout import RolloutModel
     from bidirl.perf.trainer import TrainerModel
     max_seqs = meta.get("settings", {}).get("max_num_seqs")
-    return (RolloutModel(model, hw, tp=1, max_seqs=int(max_seqs) if max_seqs else None),
-            TrainerModel(model, hw, layout=1))
+    return (RolloutModel(model, hw, tp=1, max_seqs=int(max_seqs) if max_seqs else None,
+                         image_tokens_per_prompt=image_tokens_per_prompt),
+            TrainerModel(model, hw, layout=1, image_tokens_per_prompt=image_tokens_per_prompt))
 
 
-def predict_points(table: pd.DataFrame, hw, model, meta: dict) -> np.ndarray:
-    """Each row's predicted time under ``hw`` (rollout: M_r of the batch; trainer: the chunk time)."""
-    rollout, trainer = _models(model, hw, meta)
+def predict_points(table: pd.DataFrame, hw, model, meta: dict, image_tokens_per_prompt: int = 0) -> np.ndarray:
+    """Each row's predicted time under ``hw`` (rollout: M_r of the batch; trainer: the chunk time), every prompt
+    holding ``image_tokens_per_prompt`` LLM image tokens (:func:`image_tokens_of`)."""
+    rollout, trainer = _models(model, hw, meta, image_tokens_per_prompt)
     out = np.empty(len(table))
     for i, row in enumerate(table.itertuples(index=False)):
         if row.kind == "rollout":
@@ -218,6 +251,7 @@ def calibrate_profile(profile: Union[Profile, str, Path], *, hardware: Optional[
     if not isinstance(profile, Profile):
         profile = load_profile(profile)
     model = presets.model(profile.model)
+    images = image_tokens_of(profile, model)
     base = presets.hardware(hardware or profile.hardware)
     if profile.rollout["d"].max() > 1 or profile.trainer["d"].max() > 1:
         raise ProfileError("calibrate_profile fits one-replica records (d = 1, as `bidirl profile` writes); "
@@ -226,12 +260,13 @@ def calibrate_profile(profile: Union[Profile, str, Path], *, hardware: Optional[
     obs = {k: point_observations(profile, k, statistic) for k in KINDS}
     fit = {k: obs[k][obs[k]["point"].isin(fit_ids)].reset_index(drop=True) for k in KINDS}
 
-    knob_fit = calibrate_knobs(model, base, fit["rollout"], fit["trainer"], tp=1, layout=1)
+    knob_fit = calibrate_knobs(model, base, fit["rollout"], fit["trainer"], tp=1, layout=1,
+                               image_tokens_per_prompt=images)
     knobs = {k: _round(v) for k, v in knob_fit.knobs.items()}
     knob_hw = knob_hardware(base, knobs)
     entry: dict = {}
     if overrides:
-        r_model, t_model = _models(model, knob_hw, profile.meta)
+        r_model, t_model = _models(model, knob_hw, profile.meta, images)
         spill = has_cache(base) if spill_cost is None else bool(spill_cost)
         entry = stage_params_entry(calibrate_rollout(fit["rollout"], r_model, fit_request_cost=bool(request_cost)),
                                    calibrate_trainer(fit["trainer"], t_model, fit_spill_cost=spill), tp=1, layout=1)
@@ -242,9 +277,9 @@ def calibrate_profile(profile: Union[Profile, str, Path], *, hardware: Optional[
     table = pd.concat([obs[k].assign(kind=k) for k in KINDS], ignore_index=True)
     table["split"] = np.where(table["point"].isin(held_ids), "held-out", "fit")
     for name, hw in (("prior", base), ("knobs", knob_hw), ("calibrated", calibrated)):
-        table[name] = predict_points(table, hw, model, profile.meta)
+        table[name] = predict_points(table, hw, model, profile.meta, images)
     return ProfileCalibration(profile, model, base, calibrated, knobs, entry, table, float(holdout), int(seed),
-                              knob_fit, statistic)
+                              knob_fit, statistic, images)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -311,6 +346,9 @@ def format_calibration(cal: ProfileCalibration) -> str:
     lines = [f"bidirl calibrate: model {cal.model.name} on {cal.base.name} — "
              f"{cal._count('fit')} fit / {cal._count('held-out')} held-out grid points "
              f"(holdout {cal.holdout:g}, seed {cal.seed}; a point's time is the {cal.statistic} of its repetitions)",
+             (f"prompts: {cal.image_tokens_per_prompt} LLM image tokens each, the vision encoder charged per request "
+              "in prefill and per sample in each trainer stage" if cal.image_tokens_per_prompt
+              else "prompts: text only (no vision encoder charged)"),
              "", "knobs (prior → fitted):"]
     for k, v in cal.knobs.items():
         lines.append(f"  {k:<26} {getattr(cal.base, k):>12.4g} → {v:.4g}")
@@ -325,6 +363,6 @@ def format_calibration(cal: ProfileCalibration) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["calibrate_profile", "ProfileCalibration", "split_points", "point_observations", "predict_points",
+__all__ = ["calibrate_profile", "image_tokens_of", "ProfileCalibration", "split_points", "point_observations", "predict_points",
            "preset_document", "write_preset", "calibration_source", "format_calibration", "records_label",
            "STATISTICS"]

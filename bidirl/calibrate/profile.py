@@ -213,6 +213,7 @@ def profile(config, *, grid: Union[str, ProfileGrid] = "small", seed: int = 0, m
     meta = {"model": cfg.model, "hardware": cfg.hardware, "config": _config_label(config, cfg),
             "grid": asdict(grid), "seed": int(seed), "engines": engine_versions(),
             "machine": machine_description(), "settings": settings,
+            "image_tokens_per_prompt": 0,       # the prompts are token ids: no image ran through an encoder
             "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
             "seconds": round(time.perf_counter() - t_start, 1)}
     rollout, trainer = records_frame(rows_r, "rollout"), records_frame(rows_t, "trainer")

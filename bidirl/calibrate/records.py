@@ -7,7 +7,14 @@ A profile is a folder written by ``bidirl profile`` (:mod:`bidirl.calibrate.prof
     what was measured, where and when: ``format`` (``"bidirl-profile"``), ``version`` (1), ``model`` and
     ``hardware`` (preset names), ``grid`` (its name and axes), ``seed``, ``engines`` (package versions),
     ``machine`` (from :mod:`platform` / :mod:`os`), ``settings`` (engine settings), ``date`` (UTC, ISO 8601),
-    ``seconds`` (wall time of the whole profile).
+    ``seconds`` (wall time of the whole profile). Optional: ``image_tokens_per_prompt`` — the LLM image tokens
+    in every measured prompt (part of its ``prompt_len``; a whole number ≥ 0, at most the shortest
+    ``prompt_len``), whose vision-encoder FLOPs the stage models charge (:func:`bidirl.perf.flops.vit_forward_flops`:
+    once per request in the rollout's prefill, once per sample in every trainer stage). Absent means text-only
+    prompts: no vision encoder ran. ``bidirl profile`` writes 0 (its prompts are token ids, no images); a
+    vision-language model's records without the field are refused by ``bidirl calibrate``
+    (:func:`bidirl.calibrate.from_records.image_tokens_of`), since records that say nothing about the images
+    would fit the encoder's work into the decoder's knobs.
 ``rollout.csv``
     one row per measured rollout batch on one replica: ``point`` (grid point id), ``rep`` (repetition),
     ``batch`` (prompt groups), ``group_size``, ``requests`` (= batch × group_size), ``prompt_len``,
@@ -40,6 +47,8 @@ FORMAT = "bidirl-profile"
 VERSION = 1
 META_FILE, ROLLOUT_FILE, TRAINER_FILE = "meta.json", "rollout.csv", "trainer.csv"
 META_KEYS = ("format", "version", "model", "hardware", "grid", "seed", "engines", "machine", "settings", "date")
+#: optional meta.json field (module doc): absent means text-only prompts
+IMAGE_TOKENS = "image_tokens_per_prompt"
 ROLLOUT_FIELDS = ("point", "rep", "batch", "group_size", "requests", "prompt_len", "response_len", "d", "observed")
 TRAINER_FIELDS = ("point", "rep", "stage", "batch", "requests", "prompt_len", "response_len", "d", "observed")
 _WHOLE = {"point": 0, "rep": 0, "batch": 1, "group_size": 1, "requests": 1, "prompt_len": 1, "response_len": 1,
@@ -66,6 +75,13 @@ class Profile:
     @property
     def hardware(self) -> str:
         return str(self.meta["hardware"])
+
+    @property
+    def image_tokens_per_prompt(self):
+        """The LLM image tokens in every measured prompt (module doc), or None where the profile does not say
+        (text-only prompts)."""
+        n = self.meta.get(IMAGE_TOKENS)
+        return None if n is None else int(n)
 
     def points(self) -> np.ndarray:
         """The grid point ids present in the records, sorted."""
@@ -98,7 +114,9 @@ def save_profile(folder: Union[str, Path], meta: dict, rollout: pd.DataFrame, tr
     _check_meta(meta, folder / META_FILE)
     frames = {ROLLOUT_FILE: rollout[list(ROLLOUT_FIELDS)], TRAINER_FILE: trainer[list(TRAINER_FIELDS)]}
     for name, df in frames.items():
-        _check_records(df.reset_index(drop=True), folder / name, "rollout" if name == ROLLOUT_FILE else "trainer")
+        checked = _check_records(df.reset_index(drop=True), folder / name,
+                                 "rollout" if name == ROLLOUT_FILE else "trainer")
+        _check_image_tokens(meta, checked, folder / META_FILE, folder / name)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
     for name, df in frames.items():
@@ -114,7 +132,8 @@ def save_trainer_records(folder: Union[str, Path], meta: dict, trainer: pd.DataF
     meta = {"format": FORMAT, "version": VERSION, **meta}
     _check_meta(meta, folder / META_FILE)
     frame = trainer[list(TRAINER_FIELDS)].reset_index(drop=True)
-    _check_records(frame, folder / TRAINER_FILE, "trainer")
+    _check_image_tokens(meta, _check_records(frame, folder / TRAINER_FILE, "trainer"), folder / META_FILE,
+                        folder / TRAINER_FILE)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
     frame.to_csv(folder / TRAINER_FILE, index=False, float_format="%.6g", lineterminator="\n")
@@ -148,6 +167,7 @@ def load_profile(folder: Union[str, Path]) -> Profile:
             raise ProfileError(f"{path}: not a readable CSV table ({str(exc).strip()}) — re-run "
                                "`bidirl profile`") from None
         frames[kind] = with_lengths(_check_records(df, path, kind))
+        _check_image_tokens(meta, frames[kind], meta_path, path)
     return Profile(meta, frames["rollout"], frames["trainer"], folder)
 
 
@@ -176,6 +196,26 @@ def _check_meta(meta, path: Path) -> None:
         if not isinstance(meta[key], dict):
             raise ProfileError(f"{path}: field {key!r} must be a JSON object, got {type(meta[key]).__name__} — "
                                "re-run `bidirl profile`")
+    if IMAGE_TOKENS in meta:
+        n = meta[IMAGE_TOKENS]
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ProfileError(f"{path}: field {IMAGE_TOKENS!r} is {n!r} — must be a whole number ≥ 0, the LLM image "
+                               "tokens in every measured prompt (0 for text-only prompts; leave the field out only "
+                               "for a text model)")
+
+
+def _check_image_tokens(meta: dict, records: pd.DataFrame, meta_path: Path, path: Path) -> None:
+    """The image tokens are part of every prompt: no more than the shortest ``prompt_len`` of the checked
+    ``records`` (``path``)."""
+    n = meta.get(IMAGE_TOKENS)
+    if n is None or records.empty:
+        return
+    shortest = int(records["prompt_len"].min())
+    if n > shortest:
+        i = int(np.argmin(records["prompt_len"].to_numpy()))
+        raise ProfileError(f"{meta_path}: field {IMAGE_TOKENS!r} is {n} but {path.name} row {i + 1} has prompt_len "
+                           f"{shortest} — the image tokens are part of every prompt's prompt_len; give the LLM "
+                           "image tokens per prompt (0 for text-only prompts)")
 
 
 def _check_records(df: pd.DataFrame, path: Path, kind: str) -> pd.DataFrame:
@@ -229,4 +269,5 @@ def _check_records(df: pd.DataFrame, path: Path, kind: str) -> pd.DataFrame:
 
 
 __all__ = ["Profile", "ProfileError", "load_profile", "save_profile", "records_frame", "with_lengths", "FORMAT",
-           "VERSION", "META_FILE", "ROLLOUT_FILE", "TRAINER_FILE", "ROLLOUT_FIELDS", "TRAINER_FIELDS", "META_KEYS"]
+           "VERSION", "META_FILE", "ROLLOUT_FILE", "TRAINER_FILE", "ROLLOUT_FIELDS", "TRAINER_FIELDS", "META_KEYS",
+           "IMAGE_TOKENS"]

@@ -379,9 +379,10 @@ def knob_hardware(hardware, knobs: dict):
 
 
 def calibrate_knobs(model_spec, hardware, rollout_records=None, trainer_records=None, *, tp: int = 1,
-                    layout: int = 1) -> KnobCalibration:
+                    layout: int = 1, image_tokens_per_prompt: int = 0) -> KnobCalibration:
     """Fit ``hardware``'s knobs to records of ``model_spec`` (rollout replicas of ``tp`` GPUs, trainer replicas
-    of ``layout`` GPUs); module doc. Starts from the preset's knobs; ``stage_params`` are ignored."""
+    of ``layout`` GPUs; every prompt holding ``image_tokens_per_prompt`` LLM image tokens, whose vision-encoder
+    FLOPs are charged, not fitted); module doc. Starts from the preset's knobs; ``stage_params`` are ignored."""
     from bidirl.perf.params import EFFICIENCY_KNOBS, knob, knob_rollout_params, knob_trainer_params
     if rollout_records is None and trainer_records is None:
         raise ValueError("calibrate_knobs: pass rollout_records and/or trainer_records")
@@ -391,7 +392,7 @@ def calibrate_knobs(model_spec, hardware, rollout_records=None, trainer_records=
     free: list = []
     if rollout_records is not None:
         df = validate_records(rollout_records, "rollout")
-        shape_model = RolloutModel(model_spec, base, tp=tp)
+        shape_model = RolloutModel(model_spec, base, tp=tp, image_tokens_per_prompt=image_tokens_per_prompt)
         feats, starts = _rollout_features(df, shape_model)
 
         def predict_rollout(hw, feats=feats, starts=starts):
@@ -401,7 +402,7 @@ def calibrate_knobs(model_spec, hardware, rollout_records=None, trainer_records=
         free += [k for k in ROLLOUT_KNOBS if k not in free]
     if trainer_records is not None:
         df = validate_records(trainer_records, "trainer")
-        shape_model = TrainerModel(model_spec, base, layout=layout)
+        shape_model = TrainerModel(model_spec, base, layout=layout, image_tokens_per_prompt=image_tokens_per_prompt)
         idx, flops, msg, _, starts = _trainer_shares(df, shape_model)
 
         def predict_trainer(hw, idx=idx, flops=flops, msg=msg, starts=starts):
