@@ -53,6 +53,7 @@ import numpy as np
 
 from bidirl.core.protocol import chunk_size, packed_chunk_len, packed_groups
 from bidirl.perf.balance import check_replicas, grouped_order, runs_of, stable_order
+from bidirl.perf.costs import LOGIT_BYTES
 from bidirl.perf.expert_parallel import fsdp_message_bytes
 from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_image_tokens, check_stage, lengths, sample_forward_flops
 from bidirl.perf.memory import UNCHECKPOINTED_BYTES_PER_HIDDEN
@@ -84,8 +85,9 @@ def saved_activation_bytes_per_token(model) -> float:
     """Bytes the actor update keeps per token for its backward pass without activation checkpointing:
     ``34·L·H`` in 16-bit values (:data:`bidirl.perf.memory.UNCHECKPOINTED_BYTES_PER_HIDDEN`, Korthikanti et al.
     2022, Eq. 1 without the attention-score term) scaled to the model's dtype (``b_w / 2``: fp32 doubles them),
-    plus the fp32 logits (``4·V``)."""
-    return UNCHECKPOINTED_BYTES_PER_HIDDEN * model.layers * model.hidden * model.dtype_bytes / 2 + 4 * model.vocab
+    plus a row of fp32 logits (:data:`bidirl.perf.costs.LOGIT_BYTES` · V)."""
+    return UNCHECKPOINTED_BYTES_PER_HIDDEN * model.layers * model.hidden * model.dtype_bytes / 2 \
+        + LOGIT_BYTES * model.vocab
 
 
 def spill_bytes(model, hardware, stage: str, tokens) -> np.ndarray:
