@@ -220,3 +220,12 @@ def test_the_shipped_calibration_fits_the_spill_cost_on_the_fit_points_and_lower
     moved = calibrate_profile(dataclasses.replace(prof, trainer=trainer), holdout=0.25, seed=0)
     assert moved.stage_params["trainer"]["beta_mem"] == with_spill.stage_params["trainer"]["beta_mem"]
 
+
+
+def test_the_spill_costs_fitting_unit_is_one_pass_at_the_datasheet_bandwidth():
+    from types import SimpleNamespace
+
+    from bidirl.perf.fit import OVERHEAD_SCALE, spill_cost_unit
+    assert spill_cost_unit(CPU) == 1.0 / CPU.memory_bandwidth == 1 / 20e9
+    # hardware that states no bandwidth: the overhead scale (what 1 / (1 / OVERHEAD_SCALE) gave, the same float)
+    assert spill_cost_unit(SimpleNamespace()) == OVERHEAD_SCALE == 1.0 / (1.0 / OVERHEAD_SCALE)
