@@ -345,8 +345,7 @@ class TrainerModel:
         p, r = lengths(prompt_lens, response_lens)
         d = check_replicas(d)
         size = check_replicas(chunk_size, "chunk_size (samples per chunk)")
-        return self._deal_chunks(sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt), _token_ranks(p, r),
-                                 np.arange(p.size) // size, d, self._spill_tokens(p, r))
+        return self._deal_samples(p, r, np.arange(p.size) // size, d)
 
     def packed_chunk_ids(self, prompt_lens, response_lens, d: int, max_tokens: int) -> np.ndarray:
         """Each sample's chunk when these samples, in this order, are cut into token-budget chunks on a gang of
@@ -373,9 +372,14 @@ class TrainerModel:
             return 0.0
         d = check_replicas(d)
         ids = self.packed_chunk_ids(p, r, d, max_tokens)
-        cut = self._deal_chunks(sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt), _token_ranks(p, r), ids, d,
-                                self._spill_tokens(p, r))
+        cut = self._deal_samples(p, r, ids, d)
         return float(sum(self._chunk_maxima(s, cut).sum() for s in stages))
+
+    def _deal_samples(self, p: np.ndarray, r: np.ndarray, chunk: np.ndarray, d: int) -> "_Busiest":
+        """:meth:`_deal_chunks` of these samples, sample i in chunk ``chunk[i]``: their FLOPs, their token ranks
+        and, where the cache-spill term needs them, their tokens."""
+        return self._deal_chunks(sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt),
+                                 _token_ranks(p, r), chunk, d, self._spill_tokens(p, r))
 
     def _spill_tokens(self, p: np.ndarray, r: np.ndarray) -> Optional[np.ndarray]:
         """Each sample's tokens where the cache-spill term needs them (:meth:`_deal_chunks` carries their sums per
