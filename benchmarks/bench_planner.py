@@ -4,7 +4,10 @@
   the paper's default job scaled to 1,024 prompts × 8 (256 with ``--quick``);
 * ``rollout_mr``: one M_r evaluation for 1,024 requests with responses of up to 4,096 tokens (Qwen3-VL-4B on
   A6000, Geo3K lengths), on 1 and on 8 replicas;
-* ``trainer_mt``: one M_t evaluation of the same samples (three stages, micro-batch 4 per device) on 8 replicas.
+* ``trainer_mt``: one M_t evaluation of the same samples (three stages, micro-batch 4 per device) on 8 replicas;
+  and the same on the ``cpu-calibrated`` preset with the tiny model, whose fitted cache-spill cost β_mem makes each
+  chunk's time depend on its replicas' tokens as well as their FLOPs (:func:`bidirl.perf.trainer.spill_bytes`), on 8
+  replicas and for every gang size from 1 to 16 at once (the planner's ``stage_times``).
 
 Each function returns ``{figure: (value, unit)}``; the command line repeats it and reports medians.
 """
@@ -60,7 +63,11 @@ def bench_trainer_mt(quick: bool = False) -> dict:
     model = TrainerModel(presets.model("qwen3-vl-4b"), presets.hardware("a6000"), layout=4)
     p, r = _batch()
     calls = 3 if quick else 10
-    return {"m_t_1024samples_d8_seconds": (_per_call(lambda: model.stage_time(p, r, 8, 4), calls), "s")}
+    spilling = TrainerModel(presets.model("tiny"), presets.hardware("cpu-calibrated"))
+    return {"m_t_1024samples_d8_seconds": (_per_call(lambda: model.stage_time(p, r, 8, 4), calls), "s"),
+            "m_t_spill_cpu_1024samples_d8_seconds": (_per_call(lambda: spilling.stage_time(p, r, 8, 4), calls), "s"),
+            "m_t_spill_cpu_1024samples_d1to16_seconds": (
+                _per_call(lambda: spilling.stage_times(p, r, range(1, 17), 4), calls), "s")}
 
 
 BENCHMARKS = {"planner_g4096": bench_plan_4096, "rollout_mr": bench_rollout_mr, "trainer_mt": bench_trainer_mt}

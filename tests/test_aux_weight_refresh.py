@@ -12,6 +12,7 @@ from bidirl.job import config as cfgmod
 from bidirl.perf.costs import aux_weight_transfer_time, derive_switch_costs
 from bidirl.runtime.assemble import assemble
 from bidirl.sim.driver import SimDriver
+from bidirl.perf.flops import STAGES
 from tests.test_mini_batches import make_step
 
 
@@ -203,3 +204,36 @@ def test_a_refresh_overtaken_by_the_next_optimizer_step_is_followed_by_another()
     driver = _watched("a6000-default", {"rl.mini_batch_prompts": 2}, steps=2, seed=3, policy="tor-only")
     assert driver.coordinator.view().steps_done == 2
     assert any(since > 0 for _, _, since, _ in driver.aux_chunks)
+
+
+def _scanned_weights_at(step, k):
+    """:meth:`AuxWeights.weights_at` as a scan of the segments before ``k``."""
+    return step.updates_before + sum(1 for seg in step.segments[:k] if seg == P.UPDATE_STAGES)
+
+
+@settings(max_examples=200, deadline=None)
+@given(groups=st.integers(1, 8), size=st.integers(1, 3), data=st.data(), updates_before=st.integers(0, 3),
+       stages=st.sets(st.sampled_from(STAGES), min_size=1))
+def test_the_weights_tags_and_refreshes_in_closed_form_equal_the_scan_of_the_segments(groups, size, data,
+                                                                                     updates_before, stages):
+    """weights_at and refreshes_from (closed forms, O(1) per call) give what scanning the segments gives, on steps
+    with or without a forward segment, one or many mini-batches, streamed or not."""
+    mini = data.draw(st.sampled_from([None] + [m for m in range(1, groups + 1) if groups % m == 0]))
+    step = make_step(groups=groups, size=size, mini_prompts=mini, stages=tuple(s for s in STAGES if s in stages))
+    step.updates_before = updates_before
+    n = len(step.segments)
+    for k in range(-n - 2, n + 3):
+        assert step.weights_at(k) == _scanned_weights_at(step, k), k
+    for start in range(0, n + 2):
+        for end in [None, *range(0, n + 3)]:
+            stop = n if end is None else end
+            tags = {_scanned_weights_at(step, k) for k in range(start, stop)}
+            assert step.refreshes_from(start, end) == len(tags - {0}), (start, end)
+    for index in range(n):
+        step.segment_index = index
+        assert step.weights_at() == _scanned_weights_at(step, index)
+
+
+def test_refreshes_from_refuses_a_negative_segment():
+    with pytest.raises(ValueError, match="start"):
+        make_step(groups=4, size=2, mini_prompts=2).refreshes_from(-1)

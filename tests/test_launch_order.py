@@ -11,7 +11,6 @@ land between the blocks of a chunk (the send overlaps it).
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 
@@ -19,10 +18,15 @@ import pytest
 import torch
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _join(rank: int, world: int, addr: str) -> None:
+    """Join the default process group (gloo) through the rendezvous store that :func:`_run` listens on at ``addr``,
+    as a client of it, with the store timeout ``tcp://`` rendezvous gives."""
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+
+    host, port = addr.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=default_pg_timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 
 
 def _two_threads(rank, world, addr, path, ordered):
@@ -32,7 +36,7 @@ def _two_threads(rank, world, addr, path, ordered):
 
     from bidirl.cluster.engines.workers import launch_order as lo
 
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank, world_size=world)
+    _join(rank, world, addr)
     second = dist.new_group(backend="gloo")
     order = lo.LaunchOrder(lo.gang_store("test"), rank, world) if ordered else None
     seen, lock = [], threading.Lock()
@@ -74,8 +78,18 @@ def _two_threads(rank, world, addr, path, ordered):
 
 
 def _run(tmp_path, fn, *args, world=2):
+    """Run ``fn`` on ``world`` spawned ranks. Their rendezvous store listens here, on a port the OS picks as it binds
+    (port 0), before any rank starts; the ranks join it as clients (:func:`_join`). No port is chosen before it is
+    bound, so no other process (another test worker) can take it in between."""
     import torch.multiprocessing as mp
-    mp.spawn(fn, args=(world, f"127.0.0.1:{_free_port()}", str(tmp_path), *args), nprocs=world, join=True)
+    from torch.distributed.constants import default_pg_timeout
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                       timeout=default_pg_timeout)
+    try:
+        mp.spawn(fn, args=(world, f"127.0.0.1:{store.port}", str(tmp_path), *args), nprocs=world, join=True)
+    finally:
+        del store
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
@@ -152,6 +166,7 @@ def _gang_sends_beside_a_chunk(rank, world, addr, path, model_dir):
     from test_rounding import _samples
 
     engine = TrainerEngine(model_dir, lr=1e-3, seed=0, threads=1, gang=True)
+    _join(rank, world, addr)                      # the engine joins the process group this one rendezvoused
     engine.init_process_group(rank, world, addr)
     try:
         engine.publish(0, "float32")
@@ -208,6 +223,7 @@ def _replicas_with_unequal_passes(rank, world, addr, path, model_dir):
     samples = _samples(6, seed=0)
     widest = max(len(s.prompt_ids) + s.response_len for s in samples)
     engine = TrainerEngine(model_dir, lr=1e-3, seed=0, threads=1, gang=True, max_tokens_per_micro_batch=widest)
+    _join(rank, world, addr)
     engine.init_process_group(rank, world, addr, replicas=world)
     mine = samples if rank == 0 else []
     passes = len(token_micro_batches([len(s.prompt_ids) + s.response_len for s in mine], widest)) if mine else 0

@@ -5,6 +5,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bidirl.calibrate.from_records import calibrate_profile
 from bidirl.experiments.stage_models import shipped_profile
@@ -99,6 +101,56 @@ def test_planner_paths_time_spilling_chunks_as_the_simulator_does():
     assert model.packed_stage_time(p, r, d, 4096) == pytest.approx(packed, rel=1e-12)
 
 
+def _calibrated_spilling(layout: int) -> TrainerModel:
+    """cpu-calibrated's trainer (its stage_params, fitted on one replica of one core); on two cores the preset's
+    defaults, whose FSDP collectives bring the p-norm overlap in, with the same fitted β_mem."""
+    hw = presets.hardware("cpu-calibrated")
+    if layout == 1:
+        return TrainerModel(TINY, hw)
+    beta = TrainerModel(TINY, hw).params.beta_mem
+    return TrainerModel(TINY, hw, layout=layout,
+                        params=dataclasses.replace(default_trainer_params(TINY, hw, layout), beta_mem=dict(beta)))
+
+
+_CALIBRATED = {layout: _calibrated_spilling(layout) for layout in (1, 2)}
+
+
+def _one_by_one(model, stage, p, r, bounds, d) -> np.ndarray:
+    """The spill path as it was before the deals carried tokens: :meth:`TrainerModel.chunk_time` of each chunk."""
+    return np.array([model.chunk_time(stage, p[a:b], r[a:b], d) for a, b in bounds], dtype=float)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.tuples(st.integers(1, 3000), st.integers(1, 3000)), min_size=1, max_size=120),
+       layout=st.sampled_from((1, 2)), d=st.integers(1, 6), mb=st.integers(1, 8), budget=st.integers(1, 4),
+       cuts=st.lists(st.integers(0, 119), max_size=8))
+def test_the_vectorised_spill_path_gives_the_one_by_one_chunk_times_exactly(lens, layout, d, mb, budget, cuts):
+    """With the cache-spill term on (cpu-calibrated's fitted β_mem), the deals carry each replica's tokens: chunk
+    times, stage times, span times and token-budget stage times are the same numbers (==, no tolerance) as timing
+    each chunk alone — a replica's FLOPs and tokens are summed in the same order and timed by the same elementwise
+    operations. Samples of up to 6,000 tokens put replicas on both sides of the 1,913-token cache knee."""
+    model = _CALIBRATED[layout]
+    assert model._spills and (layout == 1 or model._terms["actor_update"][2] > 0)
+    p, r = np.array([a for a, _ in lens]), np.array([b for _, b in lens])
+    n, size = p.size, model.chunk_size(mb, d)
+    chunks = [(a, min(a + size, n)) for a in range(0, n, size)]
+    by_stage = {s: _one_by_one(model, s, p, r, chunks, d) for s in STAGES}
+    for s in STAGES:
+        np.testing.assert_array_equal(model.chunk_times(s, p, r, d, size), by_stage[s])
+    assert model.stage_time(p, r, d, mb) == float(sum(by_stage[s].sum() for s in STAGES))
+    assert model.stage_times(p, r, [d], mb)[0] == model.stage_time(p, r, d, mb)
+    edges = sorted({0, n, *(c for c in cuts if c < n)})
+    spans = list(zip(edges[:-1], edges[1:]))
+    assert model.span_times("actor_update", p, r, [a for a, _ in spans], [b for _, b in spans], d) == \
+        _one_by_one(model, "actor_update", p, r, spans, d).tolist()
+    max_tokens = budget * int((p + r).max())
+    ids = model.packed_chunk_ids(p, r, d, max_tokens)
+    bounds = np.flatnonzero(np.diff(ids)) + 1
+    packed = list(zip(np.concatenate(([0], bounds)).tolist(), np.concatenate((bounds, [n])).tolist()))
+    assert model.packed_stage_time(p, r, d, max_tokens) == \
+        float(sum(_one_by_one(model, s, p, r, packed, d).sum() for s in STAGES))
+
+
 def _records(model, rows):
     out = []
     for n, length in rows:
@@ -168,3 +220,12 @@ def test_the_shipped_calibration_fits_the_spill_cost_on_the_fit_points_and_lower
     moved = calibrate_profile(dataclasses.replace(prof, trainer=trainer), holdout=0.25, seed=0)
     assert moved.stage_params["trainer"]["beta_mem"] == with_spill.stage_params["trainer"]["beta_mem"]
 
+
+
+def test_the_spill_costs_fitting_unit_is_one_pass_at_the_datasheet_bandwidth():
+    from types import SimpleNamespace
+
+    from bidirl.perf.fit import OVERHEAD_SCALE, spill_cost_unit
+    assert spill_cost_unit(CPU) == 1.0 / CPU.memory_bandwidth == 1 / 20e9
+    # hardware that states no bandwidth: the overhead scale (what 1 / (1 / OVERHEAD_SCALE) gave, the same float)
+    assert spill_cost_unit(SimpleNamespace()) == OVERHEAD_SCALE == 1.0 / (1.0 / OVERHEAD_SCALE)

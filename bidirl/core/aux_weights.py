@@ -37,7 +37,15 @@ class AuxWeights:
         computes on: the earlier local updates' (``updates_before``) and this local update's mini-batches before
         it."""
         k = self.segment_index if segment_index is None else segment_index
-        return self.updates_before + sum(1 for seg in self.segments[:k] if seg == UPDATE_STAGES)
+        return self.updates_before + self._update_segments_before(k)
+
+    def _update_segments_before(self, k: int) -> int:
+        """Update segments among ``segments[:k]`` (slice semantics), in closed form: the step's segments are its
+        forward segment, if any, then one update segment per mini-batch (:class:`~bidirl.core.chunks.TrainerStep`
+        builds them so), so they are the segments past the first update segment."""
+        stop = slice(k).indices(len(self.segments))[1]
+        first = next((i for i, seg in enumerate(self.segments) if seg == UPDATE_STAGES), len(self.segments))
+        return max(0, stop - first)
 
     @property
     def aux_ready(self) -> bool:
@@ -56,6 +64,11 @@ class AuxWeights:
         """Weight refreshes an auxiliary gang that switches in (holding the version's weights) pays to work in
         segments ``start`` … ``end`` − 1 (default: to the step's end): one per distinct weights tag other than the
         version's among them (the trainer gate charges them, :func:`bidirl.core.gates.charge_refreshes`)."""
+        if start < 0:
+            raise ValueError(f"refreshes_from: start must be a segment index ≥ 0, got {start}")
         end = len(self.segments) if end is None else end
-        tags = {self.weights_at(k) for k in range(start, end)}
-        return len(tags - {0})
+        if start >= end:
+            return 0
+        # the tags of consecutive segments grow by 0 or 1: every whole number from the first's to the last's
+        first, last = self.weights_at(start), self.weights_at(end - 1)
+        return last - first + 1 - (first == 0)

@@ -31,7 +31,7 @@ import statistics
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, NamedTuple, Optional
 
 import yaml
 
@@ -41,16 +41,6 @@ from bidirl.job import presets
 
 ROLES = ("calibrate", "predict")
 METRICS = ("step", "gen", "old_log_prob", "update_actor")
-#: knobs the fit solves for, each group from the published figure(s) of the calibrating row it must reproduce:
-#: the trainer's achieved FLOP share and the rate of the single controller's data path
-#: (:mod:`bidirl.perf.controller_data`) together from its two trainer stages — a stage's time is the driver's
-#: data path of its call (bytes of the padded batch, the same at any GPU count) plus its workers' compute (in
-#: proportion to 1 / train_mfu), and the two stages weigh them differently (the update computes about four times
-#: the log-prob's FLOPs and moves about 1.3 times its bytes), so the pair pins both; then the rollout engine's fixed
-#: cost per decode iteration (scheduling, sampling, output handling) from the generation time — the term that sets a
-#: long response's per-token latency once the batch has drained, which is what a step's generation waits for
-FIT_KNOBS = {("train_mfu", "controller_data_rate"): ("old_log_prob", "update_actor"),
-             ("scheduler_overhead",): ("gen",)}
 #: knob search bounds: efficiency factors are fractions of peak (bidirl.perf.params.check_knob); the per-iteration
 #: overhead between 0.1 ms and 50 ms (a CUDA-graphed decode step's launch cost to ten times a slow Python step); the
 #: driver's data path between 10 MB/s (a pure-Python serialiser) and 100 GB/s (above a 400 Gb/s NIC's 50 GB/s
@@ -434,12 +424,77 @@ def _solve_with_data_path(simulate, data_bytes: dict, targets: dict) -> tuple:
     return {"train_mfu": math.exp(log_mfu), "controller_data_rate": math.exp(log_rate)}, hit
 
 
+@dataclass(frozen=True)
+class _Trial:
+    """The calibrating ``row`` simulated with trial knobs on the ``base`` preset (what every knob group's solver
+    reads; presets are written to ``folder``)."""
+    fs: FidelitySet
+    row: PublishedRow
+    base: presets.HardwareSpec
+    folder: Path
+    quick: bool
+
+    def simulate(self, knobs: Mapping) -> dict:
+        return simulate_row(self.fs, self.row, _write_preset(self.base, knobs, self.folder), quick=self.quick)
+
+
+def _fit_one_knob(trial: _Trial, group: tuple, metrics: tuple, knobs: Mapping) -> tuple:
+    """A one-knob group by scipy's brentq on the log ratio of simulated to published seconds (summed over
+    ``metrics``), the other knobs held. Returns (fitted knobs, names at a search bound)."""
+    (knob,) = group
+    target = sum(trial.row.published(m) for m in metrics)
+
+    def err(x):
+        sim = trial.simulate({**knobs, knob: x})
+        return math.log(sum(sim[m] for m in metrics) / target)
+
+    value, hit = _solve(err, *KNOB_BOUNDS[knob])
+    return {knob: value}, [knob] if hit else []
+
+
+def _fit_mfu_and_data_rate(trial: _Trial, group: tuple, metrics: tuple, knobs: Mapping) -> tuple:
+    """``train_mfu`` with the driver's data-path rate by :func:`_solve_with_data_path` on the two trainer figures
+    (the simulated workers' seconds without the data path; the data path's bytes of the job), the other knobs held.
+    Returns (fitted knobs, names at a search bound)."""
+    from bidirl.perf.controller_data import job_call_bytes
+    cfg = trial.fs.config(trial.row)
+    samples = cfg.workload.prompts_per_step * cfg.workload.group_size
+    data_bytes = {m: job_call_bytes(STAGE_OF_METRIC[m], samples, cfg) for m in metrics}
+
+    def workers(mfu):
+        sim = trial.simulate({**knobs, "train_mfu": mfu, "controller_data_rate": None})
+        return {m: sim[m] for m in metrics}
+
+    found, hit = _solve_with_data_path(workers, data_bytes, {m: trial.row.published(m) for m in metrics})
+    return found, list(hit)
+
+
+class KnobGroup(NamedTuple):
+    """A group of :data:`FIT_KNOBS`: the calibrating row's published figures it must reproduce, and its solver
+    (``solver(trial, group, metrics, knobs) -> (fitted knobs, names at a search bound)``)."""
+    metrics: tuple
+    solver: Callable
+
+
+#: knobs the fit solves for, in this order, each group from the published figure(s) of the calibrating row it must
+#: reproduce, by the solver it names: the trainer's achieved FLOP share and the rate of the single controller's data
+#: path (:mod:`bidirl.perf.controller_data`) together from its two trainer stages — a stage's time is the driver's
+#: data path of its call (bytes of the padded batch, the same at any GPU count) plus its workers' compute (in
+#: proportion to 1 / train_mfu), and the two stages weigh them differently (the update computes about four times
+#: the log-prob's FLOPs and moves about 1.3 times its bytes), so the pair pins both; then the rollout engine's fixed
+#: cost per decode iteration (scheduling, sampling, output handling) from the generation time — the term that sets a
+#: long response's per-token latency once the batch has drained, which is what a step's generation waits for
+FIT_KNOBS = {
+    ("train_mfu", "controller_data_rate"): KnobGroup(("old_log_prob", "update_actor"), _fit_mfu_and_data_rate),
+    ("scheduler_overhead",): KnobGroup(("gen",), _fit_one_knob),
+}
+
+
 def fit(fs: FidelitySet, rows, folder: "str | Path", quick: bool = False) -> Fit:
-    """Solve :data:`FIT_KNOBS` so the simulator reproduces the calibrating row's trainer stages and generation time:
-    a one-knob group by scipy's brentq on the log ratio of simulated to published seconds, ``train_mfu`` with the
-    driver's data-path rate by :func:`_solve_with_data_path` on the two trainer figures, the other knobs held. ``rows``
-    are :meth:`FidelitySet.for_fit`'s: a predicted row's published numbers are sealed and reading one raises
-    :class:`SealedRowError`."""
+    """Solve :data:`FIT_KNOBS` so the simulator reproduces the calibrating row's trainer stages and generation time,
+    each group by the solver it names, in order, the other knobs held (a group whose figures the row does not
+    publish keeps the preset's knobs). ``rows`` are :meth:`FidelitySet.for_fit`'s: a predicted row's published
+    numbers are sealed and reading one raises :class:`SealedRowError`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     calibrating = [r for r in rows if r.calibrating]
@@ -449,37 +504,14 @@ def fit(fs: FidelitySet, rows, folder: "str | Path", quick: bool = False) -> Fit
     check_calibrating(row, f"rows[{row.id}]")
     base = presets.hardware(fs.hardware)
     knobs = {k: getattr(base, k) for group in FIT_KNOBS for k in group}
+    trial = _Trial(fs, row, base, folder, quick)
     bounds = []
-    for group, metrics in FIT_KNOBS.items():
+    for group, (metrics, solver) in FIT_KNOBS.items():
         if not all(row.has(m) for m in metrics):
             continue
-        targets = [row.published(m) for m in metrics]
-
-        if len(group) == 1:
-            knob, target = group[0], sum(targets)
-
-            def err(x, knob=knob, metrics=metrics, target=target):
-                sim = simulate_row(fs, row, _write_preset(base, {**knobs, knob: x}, folder), quick=quick)
-                return math.log(sum(sim[m] for m in metrics) / target)
-
-            knobs[knob], hit = _solve(err, *KNOB_BOUNDS[knob])
-            bounds += [knob] if hit else []
-        elif group == ("train_mfu", "controller_data_rate"):
-            from bidirl.perf.controller_data import job_call_bytes
-            cfg = fs.config(row)
-            samples = cfg.workload.prompts_per_step * cfg.workload.group_size
-            data_bytes = {m: job_call_bytes(STAGE_OF_METRIC[m], samples, cfg) for m in metrics}
-
-            def workers(mfu, metrics=metrics):
-                trial = {**knobs, "train_mfu": mfu, "controller_data_rate": None}
-                sim = simulate_row(fs, row, _write_preset(base, trial, folder), quick=quick)
-                return {m: sim[m] for m in metrics}
-
-            found, hit = _solve_with_data_path(workers, data_bytes, dict(zip(metrics, targets)))
-            knobs.update(found)
-            bounds += list(hit)
-        else:
-            raise ValueError(f"fit: no solver for the knob group {group}")
+        found, hit = solver(trial, group, metrics, knobs)
+        knobs.update(found)
+        bounds += hit
     return Fit(dict(knobs), _write_preset(base, knobs, folder), (row.id,), tuple(bounds))
 
 

@@ -108,6 +108,18 @@ PINNED_ALLOC_SECONDS_PER_BYTE = cost_constant(
     "benchmarks/trainer_scale.md, '4b on a GPU (H200)': offload first switch 36.7 s vs steady 1.00 s for 45.0 GB "
     "of fp32 weights + AdamW state (measured 2026-11-26)")
 
+#: bytes per vocabulary entry of a token's logits in the trainer's log-prob (and loss) computation: fp32. The
+#: trainer engine upcasts the head's output before its log_softmax (bidirl/cluster/engines/workers/logprob.py,
+#: ``_head``: ``linear(h, weight, bias).float()``), as transformers' causal-LM loss does. What the actor update keeps
+#: of them for its backward is one V-entry row per token where the head runs over the whole micro-batch at once
+#: (:func:`bidirl.perf.trainer.saved_activation_bytes_per_token`); the engine's own head runs on chunks of response
+#: tokens and recomputes each in the backward, so it keeps one chunk's rows.
+LOGIT_BYTES = cost_constant("LOGIT_BYTES", 4, "B/vocabulary entry/token",
+                            "torch.float32 logits: bidirl/cluster/engines/workers/logprob.py _head (.float() before "
+                            "log_softmax); transformers 5.19 src/transformers/loss/loss_utils.py ForCausalLMLoss "
+                            "('Upcast to float if we need to compute the loss to avoid potential precision issues': "
+                            "logits = logits.float())")
+
 
 def state_layout(hw, model) -> int:
     """Smallest layout (GPUs) whose sharded trainer model states fit in the usable memory of one GPU."""

@@ -276,6 +276,13 @@ def _trainer_shares(df: pd.DataFrame, model: TrainerModel):
     return idx, np.concatenate(flops), msg, np.concatenate(spill), np.asarray(starts)
 
 
+def spill_cost_unit(hardware) -> float:
+    """The unit β_mem (s per spilled byte) is fitted in: one pass over the byte at the datasheet memory bandwidth,
+    ``1 / memory_bandwidth`` seconds (:data:`OVERHEAD_SCALE` where the hardware states no bandwidth)."""
+    bandwidth = getattr(hardware, "memory_bandwidth", None)
+    return OVERHEAD_SCALE if bandwidth is None else 1.0 / float(bandwidth)
+
+
 def calibrate_trainer(records, model: TrainerModel, *, fit_spill_cost: bool = False) -> CalibrationResult:
     """Fit ``model``'s :class:`TrainerParams` to trainer chunk records (module doc); starts from ``model.params``.
 
@@ -309,9 +316,7 @@ def calibrate_trainer(records, model: TrainerModel, *, fit_spill_cost: bool = Fa
             and np.any(spill[idx == STAGES.index(SPILL_STAGE)] > 0):
         free.append(("beta_mem", SPILL_STAGE))
     additive = np.array([f == "beta_mem" for f, _ in free], dtype=bool)
-    # a spilled byte's cost is fitted in units of one pass over the datasheet memory bandwidth
-    unit = np.where(additive, 1.0 / float(getattr(model.hardware, "memory_bandwidth", 1.0 / OVERHEAD_SCALE)),
-                    OVERHEAD_SCALE)
+    unit = np.where(additive, spill_cost_unit(model.hardware), OVERHEAD_SCALE)
     space = _Space([f"{f}[{s}]" for f, s in free], np.array([getattr(prior, f)[s] for f, s in free], float),
                    np.array([f == "r" for f, _ in free]), additive, unit)
 

@@ -53,6 +53,7 @@ import numpy as np
 
 from bidirl.core.protocol import chunk_size, packed_chunk_len, packed_groups
 from bidirl.perf.balance import check_replicas, grouped_order, runs_of, stable_order
+from bidirl.perf.costs import LOGIT_BYTES
 from bidirl.perf.expert_parallel import fsdp_message_bytes
 from bidirl.perf.flops import STAGE_MULTIPLIER, STAGES, check_image_tokens, check_stage, lengths, sample_forward_flops
 from bidirl.perf.memory import UNCHECKPOINTED_BYTES_PER_HIDDEN
@@ -84,8 +85,9 @@ def saved_activation_bytes_per_token(model) -> float:
     """Bytes the actor update keeps per token for its backward pass without activation checkpointing:
     ``34·L·H`` in 16-bit values (:data:`bidirl.perf.memory.UNCHECKPOINTED_BYTES_PER_HIDDEN`, Korthikanti et al.
     2022, Eq. 1 without the attention-score term) scaled to the model's dtype (``b_w / 2``: fp32 doubles them),
-    plus the fp32 logits (``4·V``)."""
-    return UNCHECKPOINTED_BYTES_PER_HIDDEN * model.layers * model.hidden * model.dtype_bytes / 2 + 4 * model.vocab
+    plus a row of fp32 logits (:data:`bidirl.perf.costs.LOGIT_BYTES` · V)."""
+    return UNCHECKPOINTED_BYTES_PER_HIDDEN * model.layers * model.hidden * model.dtype_bytes / 2 \
+        + LOGIT_BYTES * model.vocab
 
 
 def spill_bytes(model, hardware, stage: str, tokens) -> np.ndarray:
@@ -179,10 +181,11 @@ class _Deal:
 
 class _Busiest:
     """The replica micro-batches of a run of chunks — ``flops``, chunk after chunk, ``widths[k]`` replicas in
-    chunk k — with each chunk's largest FLOPs (``top``) and the replicas within a relative ``_NEAR`` of it."""
+    chunk k, and where the cache-spill term needs them their ``tokens`` (else None) — with each chunk's largest
+    FLOPs (``top``) and the replicas within a relative ``_NEAR`` of it."""
 
-    def __init__(self, flops: np.ndarray, widths: np.ndarray):
-        self.flops, self.widths = flops, widths
+    def __init__(self, flops: np.ndarray, widths: np.ndarray, tokens: Optional[np.ndarray] = None):
+        self.flops, self.widths, self.tokens = flops, widths, tokens
         self.starts = np.cumsum(widths) - widths
         self.top = np.maximum.reduceat(flops, self.starts) if flops.size else np.zeros(0)
         self.low = self.top * (1.0 - _NEAR)
@@ -279,7 +282,8 @@ class TrainerModel:
                            self.params.alpha_comm[s] + self.params.beta_comm[s] * self._message[s], self.params.r[s])
                        for s in STAGES}
         #: whether any micro-batch pays the cache-spill term β_mem·spill_bytes: then a chunk's time depends on its
-        #: replicas' tokens as well as their FLOPs, and every chunk is timed as chunk_time times it
+        #: replicas' tokens as well as their FLOPs, so the deals carry each replica's tokens and every replica of a
+        #: chunk is timed, as chunk_time times it
         self._spills = has_cache(hardware) and \
             any(v > 0 for v in self.params.beta_mem.values())
 
@@ -334,26 +338,14 @@ class TrainerModel:
         """The time of each chunk when the samples, in this order, are cut into chunks of ``chunk_size`` and each
         chunk runs on a gang of ``d`` replicas (replica-max of one micro-batch per busy replica)."""
         check_stage(stage)
-        if self._spills:
-            p, r = lengths(prompt_lens, response_lens)
-            size = check_replicas(chunk_size, "chunk_size (samples per chunk)")
-            return self._each_chunk(stage, p, r, range(0, p.size, size), range(size, p.size + size, size), d)
         return self._chunk_maxima(stage, self._cut(prompt_lens, response_lens, d, chunk_size))
-
-    def _each_chunk(self, stage: str, p: np.ndarray, r: np.ndarray, starts, stops, d: int) -> np.ndarray:
-        """:meth:`chunk_time` of each chunk ``[start, stop)`` of these samples, one by one (the chunks' times when
-        the cache-spill term makes them depend on the replicas' tokens, which the vectorised deals do not carry)."""
-        d = check_replicas(d)
-        return np.array([self._one_chunk_time(stage, p[a:min(b, p.size)], r[a:min(b, p.size)], d)
-                         for a, b in zip(starts, stops)], dtype=float)
 
     def _cut(self, prompt_lens, response_lens, d: int, chunk_size: int) -> "_Busiest":
         """The replica micro-batches of the samples cut into chunks of ``chunk_size`` on gangs of ``d``."""
         p, r = lengths(prompt_lens, response_lens)
         d = check_replicas(d)
         size = check_replicas(chunk_size, "chunk_size (samples per chunk)")
-        return self._deal_chunks(sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt), _token_ranks(p, r),
-                                 np.arange(p.size) // size, d)
+        return self._deal_samples(p, r, np.arange(p.size) // size, d)
 
     def packed_chunk_ids(self, prompt_lens, response_lens, d: int, max_tokens: int) -> np.ndarray:
         """Each sample's chunk when these samples, in this order, are cut into token-budget chunks on a gang of
@@ -380,17 +372,29 @@ class TrainerModel:
             return 0.0
         d = check_replicas(d)
         ids = self.packed_chunk_ids(p, r, d, max_tokens)
-        if self._spills:
-            bounds = np.flatnonzero(np.diff(ids)) + 1
-            starts, stops = np.concatenate(([0], bounds)), np.concatenate((bounds, [p.size]))
-            return float(sum(self._each_chunk(s, p, r, starts, stops, d).sum() for s in stages))
-        cut = self._deal_chunks(sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt), _token_ranks(p, r), ids, d)
+        cut = self._deal_samples(p, r, ids, d)
         return float(sum(self._chunk_maxima(s, cut).sum() for s in stages))
 
-    def _deal_chunks(self, flops: np.ndarray, rank: np.ndarray, chunk: np.ndarray, d: int) -> "_Busiest":
+    def _deal_samples(self, p: np.ndarray, r: np.ndarray, chunk: np.ndarray, d: int) -> "_Busiest":
+        """:meth:`_deal_chunks` of these samples, sample i in chunk ``chunk[i]``: their FLOPs, their token ranks
+        and, where the cache-spill term needs them, their tokens."""
+        return self._deal_chunks(sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt),
+                                 _token_ranks(p, r), chunk, d, self._spill_tokens(p, r))
+
+    def _spill_tokens(self, p: np.ndarray, r: np.ndarray) -> Optional[np.ndarray]:
+        """Each sample's tokens where the cache-spill term needs them (:meth:`_deal_chunks` carries their sums per
+        replica), else None."""
+        return (p + r).astype(float) if self._spills else None
+
+    def _deal_chunks(self, flops: np.ndarray, rank: np.ndarray, chunk: np.ndarray, d: int,
+                     tokens: Optional[np.ndarray] = None) -> "_Busiest":
         """The replica micro-batches of chunks of samples — their FLOPs ``flops``, their places ``rank`` in the
         order of most tokens first (distinct), sample i in chunk ``chunk[i]`` (0, 1, …, non-decreasing, every
-        chunk non-empty) — each chunk dealt serpentine to a gang of ``d`` replicas."""
+        chunk non-empty) — each chunk dealt serpentine to a gang of ``d`` replicas; with ``tokens`` (the
+        samples' tokens, :meth:`_spill_tokens`) each replica's token sum too.
+
+        A replica's sums add its samples in their order, as :meth:`_one_chunk_time` adds them (``np.bincount``
+        over the chunk), so each is the same number."""
         counts = np.bincount(chunk) if chunk.size else np.zeros(0, dtype=np.int64)
         busy = np.minimum(d, counts)                          # replicas a chunk keeps busy
         # serpentine inside every chunk at once: heaviest first, then 0, 1, …, d−1, d−1, …, 0, 0, 1, …
@@ -400,8 +404,11 @@ class TrainerModel:
         replica = np.empty(flops.size, dtype=np.int64)
         replica[order] = np.repeat(np.arange(counts.size) * d, counts) + np.where(turn < width, turn,
                                                                                   2 * width - 1 - turn)
+        busy_replica = np.arange(d) < busy[:, None]
         sums = np.bincount(replica, weights=flops, minlength=counts.size * d).reshape(-1, d)
-        return _Busiest(sums[np.arange(d) < busy[:, None]], busy)
+        held = None if tokens is None else \
+            np.bincount(replica, weights=tokens, minlength=counts.size * d).reshape(-1, d)[busy_replica]
+        return _Busiest(sums[busy_replica], busy, held)
 
     def _one_chunk_time(self, stage: str, p: np.ndarray, r: np.ndarray, d: int) -> float:
         """:meth:`chunk_times` of one non-empty chunk, without the bookkeeping for many (the same numbers)."""
@@ -435,13 +442,12 @@ class TrainerModel:
         d, p, r, starts, stops = _span_inputs(stage, prompt_lens, response_lens, starts, stops, d, covered=True)
         if starts.size == 0:
             return []
-        if self._spills:
-            return self._each_chunk(stage, p, r, starts, stops, d).tolist()
         size = stops - starts
         chunk = np.repeat(np.arange(starts.size), size)
         idx = np.arange(chunk.size) - np.repeat(np.cumsum(size) - size - starts, size)
         flops, rank = sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt), _token_ranks(p, r)
-        return self._chunk_maxima(stage, self._deal_chunks(flops[idx], rank[idx], chunk, d)).tolist()
+        tokens = self._spill_tokens(p[idx], r[idx])
+        return self._chunk_maxima(stage, self._deal_chunks(flops[idx], rank[idx], chunk, d, tokens)).tolist()
 
     def span_time_bounds(self, stage: str, prompt_lens, response_lens, starts, stops, d: int) -> list:
         """A lower bound of :meth:`chunk_time` for each chunk ``[start, stop)`` of these samples on ``d``
@@ -473,8 +479,6 @@ class TrainerModel:
         the gang of ``d`` replicas; chunk times (replica-max) summed (module doc)."""
         stages = tuple(check_stage(s) for s in stages)
         size = self.chunk_size(micro_batch_per_device, d)
-        if self._spills:
-            return float(sum(self.chunk_times(s, prompt_lens, response_lens, d, size).sum() for s in stages))
         cut = self._cut(prompt_lens, response_lens, d, size)
         return float(sum(self._chunk_maxima(s, cut).sum() for s in stages))
 
@@ -492,7 +496,7 @@ class TrainerModel:
         stages = tuple(check_stage(s) for s in stages)
         p, r = lengths(prompt_lens, response_lens)
         ds = [check_replicas(d) for d in ds]
-        if self.sequence_parallel > 1 or self._spills:    # fractions of a group's micro-batch, or token-dependent
+        if self.sequence_parallel > 1 or self._spills:    # fractions of a group's micro-batch, or token sums needed
             return np.array([self.stage_time(p, r, d, micro_batch_per_device, stages) for d in ds])
         per_replica = self.chunk_size(micro_batch_per_device, 1)       # samples per replica micro-batch
         f = sample_forward_flops(self.model, p, r, self.image_tokens_per_prompt)
@@ -521,12 +525,15 @@ class TrainerModel:
     def _chunk_maxima(self, stage: str, busiest: "_Busiest") -> np.ndarray:
         """max_j t_s(b_j) over the replicas of each chunk of ``busiest``: the same numbers as timing every replica.
 
-        t_s grows with F(b), so the busiest replica is the slowest — exactly so as computed when there is no
+        With the cache-spill term every replica is timed (:meth:`_spilling_maxima`). Without it, t_s grows with
+        F(b), so the busiest replica is the slowest — exactly so as computed when there is no
         communication (τ + α·F rounds monotonically). With communication the p-norm's roundings could reorder
         two replicas whose times are within a rounding of each other, so the replicas within a relative
         ``_NEAR`` of the busiest are timed too, and so is every replica of a chunk whose time barely grows with
         its FLOPs: its time at (1 − _NEAR)·F_max not below its time at F_max by more than ``_ROUNDING`` (far more
         than the error of a few roundings)."""
+        if self._spills:
+            return self._spilling_maxima(stage, busiest)
         t_top = self._times(stage, busiest.top)
         if self._terms[stage][2] == 0:
             return t_top
@@ -535,6 +542,17 @@ class TrainerModel:
         out = np.full(t_top.size, -np.inf)
         np.maximum.at(out, chunk, self._times(stage, busiest.flops[pick]))
         return out
+
+    def _spilling_maxima(self, stage: str, busiest: "_Busiest") -> np.ndarray:
+        """:meth:`_chunk_maxima` with the cache-spill term: a replica's time depends on its tokens as well as its
+        FLOPs, so the busiest by FLOPs need not be the slowest; every replica is timed, elementwise as
+        :meth:`_one_chunk_time` times it (t_s(b) + β_mem,s · :func:`spill_bytes`), so each chunk's maximum is the
+        same number."""
+        if busiest.flops.size == 0:
+            return np.zeros(0)
+        spill = spill_bytes(self.model, self.hardware, stage, busiest.tokens)
+        t = self._times(stage, busiest.flops) + self.params.beta_mem[stage] * spill
+        return np.maximum.reduceat(t, busiest.starts)
 
     def chunk_time(self, stage: str, prompt_lens, response_lens, d: int) -> float:
         """One chunk of ``stage`` on a gang of d replicas, each running its share as one micro-batch;

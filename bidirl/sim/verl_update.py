@@ -35,8 +35,8 @@ offload — veRL's hybrid engine runs a stage like this (veRL ``verl/trainer/ppo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -79,7 +79,8 @@ class VerlUpdate:
     param_offload: bool
     optimizer_offload: bool
     pageable_bandwidth: float    # B/s per direction of a pageable host copy
-    controller_seconds: tuple = ()   # (stage, seconds of the driver's data path for that stage's call), per step
+    #: stage -> seconds of the driver's data path for that stage's call over the step batch (fixed by the job)
+    controller_seconds: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, cfg, trainer_layout: int) -> "VerlUpdate":
@@ -93,7 +94,7 @@ class VerlUpdate:
         params = execution.with_sequence_parallel(params, m, hw, r.sequence_parallel, r.sequence_parallel, recompute)
         from bidirl.perf.controller_data import call_seconds
         samples = cfg.workload.prompts_per_step * cfg.workload.group_size
-        controller = tuple((stage, call_seconds(stage, samples, cfg)) for stage in r.stages)
+        controller = {stage: call_seconds(stage, samples, cfg) for stage in r.stages}
         return cls(TrainerModel(m, hw, layout=r.sequence_parallel, params=params,
                                 image_tokens_per_prompt=cfg.workload_stats.image_tokens_per_prompt), cfg.cluster.gpus,
                    r.sequence_parallel, cfg.workload.group_size, cfg.workload.prompts_per_step, r.mini_batch_prompts,
@@ -134,7 +135,7 @@ class VerlUpdate:
 
     def controller_time(self, stage: str) -> float:
         """The driver's data path for ``stage``'s call over the step batch (:mod:`bidirl.perf.controller_data`)."""
-        return dict(self.controller_seconds).get(stage, 0.0)
+        return self.controller_seconds.get(stage, 0.0)
 
     def param_copy_time(self) -> float:
         """Load and offload of the parameter shard around one stage (0 without ``param_offload``)."""
