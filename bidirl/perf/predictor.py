@@ -72,8 +72,7 @@ def controller_seconds_per_local_update(cfg, hardware) -> float:
     rate = getattr(hardware, "controller_data_rate", None)
     if rate is None:
         return 0.0
-    w = cfg.workload
-    samples = w.prompts_per_step // max(1, cfg.rl.updates_per_sync) * w.group_size
+    samples = cfg.prompts_per_local_update * cfg.workload.group_size
     return sum(call_seconds(stage, samples, cfg, rate) for stage in cfg.rl.stages)
 
 
