@@ -221,6 +221,14 @@ class StagePredictor:
         (:attr:`step_overhead`)."""
         return self.optimizer_updates * self.optimizer_update_time(trainer_gpus) + self.step_overhead
 
+    def step_optimizer_time(self, trainer_gpus: int, local_updates: int) -> float:
+        """The trainer's optimizer work of one step of ``local_updates`` local updates (``rl.updates_per_sync``):
+        :meth:`optimizer_time` each — every mini-batch's update and the once-per-local-update costs. What the
+        simulator's ``OptimizerStep`` commands of one step add up to (``Assembly.optimizer_step_time`` splits each
+        local update's :meth:`optimizer_time` into its mini-batches' updates), and what the planner's M_t charges
+        (§4.2), so the two cannot drift."""
+        return int(local_updates) * self.optimizer_time(trainer_gpus)
+
     def optimizer_update_time(self, trainer_gpus: int) -> float:
         """One optimizer update (one mini-batch) on ``trainer_gpus`` GPUs of ρ_t-GPU replicas: the gradient
         all-reduce across the replicas and the AdamW step over each GPU's ``N/ρ_t`` shard."""
