@@ -48,7 +48,7 @@ overflow the KV cache step through decode, by runs of equal active sets rather t
 samples are ranked once; each count's chunks are a radix sort of chunk ids away from their serpentine deals,
 and only each chunk's busiest replicas are timed. Each count costs about a vectorised pass over the groups
 (rollout; and over the overflowing replicas' requests) or the samples (trainer), and the scan over candidates
-is vectorised, O(|S_Π|).
+is vectorised, O(|S_Π|), as is the step's end (the optimizer work on every candidate's g_t GPUs in one pass).
 """
 
 from __future__ import annotations
@@ -520,8 +520,7 @@ def step_optimizer_times(cfg, predictor: StagePredictor, trainer_gpus) -> np.nda
     ``OptimizerStep`` commands of one step take the same seconds (``Assembly.optimizer_step_time``), the updates
     between two mini-batches as the barriers the next mini-batch's chunks wait for, the last one before the sync."""
     gpus = np.asarray(trainer_gpus, dtype=np.int64)
-    return np.array([predictor.step_optimizer_time(int(g), cfg.rl.updates_per_sync) for g in gpus.reshape(-1)],
-                    dtype=float).reshape(gpus.shape)
+    return np.broadcast_to(predictor.step_optimizer_time(gpus, cfg.rl.updates_per_sync), gpus.shape).astype(float)
 
 
 def _chunk_stage_times(cfg, trainer: TrainerModel, p, r, ds, stages) -> np.ndarray:
