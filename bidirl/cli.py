@@ -105,6 +105,8 @@ def format_plan(plan, rows: int = 40) -> str:
              f"   M_r = {_fmt(env.rollout_time)} s   λ_r = {_fmt(env.rollout_rate)} {RATE_UNIT}",
              f"  trainer pool  {env.trainer_gpus:>5} GPUs = {env.trainer_replicas} replicas × {env.trainer_layout} GPU"
              f"   M_t = {_fmt(env.trainer_time)} s   λ_t = {_fmt(env.trainer_rate)} {RATE_UNIT}",
+             f"  step end (in M_t; the sync in M_r too): optimizer {_fmt(env.optimizer_time)} s, weight sync "
+             f"{_fmt(env.sync_time)} s",
              f"  pipeline rate λ_pipe = {_fmt(env.pipeline_rate)} {RATE_UNIT}", ""]
     sweep = plan.sweep
     shown = sweep

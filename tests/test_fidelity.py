@@ -46,8 +46,10 @@ def test_mini_batch_trainer_time_matches_the_simulated_chunks_and_optimizer_barr
     """With ``rl.mini_batch_prompts`` 4 on 12 trainer GPUs (16 mini-batches of 32 samples, chunks of 48: each
     mini-batch one partial chunk a stage at s = 0, whose grid cells never span two mini-batches, and 15
     inter-node optimizer updates between them) the planner's M_t of each step's batch is the simulated chunks
-    plus those updates. Jitter off, the same terms: equal up to float64 sums of ~60 terms (relative 60·2⁻⁵³ ≈
-    7e-15). The planner that cut the whole batch and held no optimizer update was 25 % short."""
+    plus the step's 16 optimizer updates and its weight sync. Jitter off, the same terms: equal up to float64 sums
+    of ~60 terms (relative 60·2⁻⁵³ ≈ 7e-15) and the clock's rounding of each span (an ulp of 10³ s, 1.1e-13 s, on
+    ~20 spans over a ≥ 100 s stage time: ≤ 2e-14 relative). The planner that cut the whole batch and held no
+    optimizer update was 25 % short."""
     cfg = cfgmod.load("a6000-default").with_overrides({"cluster.placement": "any", "rl.mini_batch_prompts": 4,
                                                         "cluster.partition": {"rollout": 4, "trainer": 12}})
     df = planner_vs_simulator(cfg, steps=2, seed=0)

@@ -106,15 +106,18 @@ def test_sweep_rates_follow_from_the_stage_times():
 
 
 def test_cached_stage_times_equal_direct_model_evaluation():
-    """Rollout in dispatch (group-id) order, trainer in consumption order (groups as they complete)."""
+    """Rollout in dispatch (group-id) order, trainer in consumption order (groups as they complete), each with
+    the step's end the candidate charges (the weight sync; the trainer's optimizer work on its g_t GPUs)."""
     from bidirl.job.planner import consumption_order
     result = plan(job(**{"cluster.gpus": 24, "cluster.placement": "any"}))
     env, (p, r) = result.envelope, result.batch
     order = consumption_order(p, r, 8)
     for row in result.sweep.iloc[[3, 7, 11, 19]].itertuples():
-        assert row.rollout_time == pytest.approx(env.rollout_model.stage_time(p, r, row.rollout_replicas, 8))
+        assert row.rollout_time == pytest.approx(env.rollout_model.stage_time(p, r, row.rollout_replicas, 8)
+                                                 + row.sync_time)
         assert row.trainer_time == pytest.approx(env.trainer_model.stage_time(p[order], r[order],
-                                                                              row.trainer_replicas, 4))
+                                                                              row.trainer_replicas, 4)
+                                                 + row.optimizer_time + row.sync_time)
 
 
 def test_consumption_order_puts_groups_in_completion_order():
@@ -234,10 +237,11 @@ def test_memory_need_parts_add_up():
 
 def test_mini_batches_cut_the_planner_update_stage_as_the_chunk_queue_does():
     """With ``rl.mini_batch_prompts`` the planner's M_t is the forward stages over the batch, plus each mini-batch's
-    own chunk rounds of the update stage (its last chunk partial), plus the optimizer updates between two
-    mini-batches (the step's last one is its own optimizer step, never in M_t). Rebuilt here from the trainer
-    model one mini-batch at a time; the old planner cut the update stage over the whole batch and charged no
-    optimizer update (29.1 s less at 4-12: 15 inter-node all-reduces of 1.94 s)."""
+    own chunk rounds of the update stage (its last chunk partial), plus the step's optimizer updates (one per
+    mini-batch: those between two mini-batches are barriers the next mini-batch's chunks wait for, the last one is
+    the step's own optimizer step) and the weight sync. Rebuilt here from the trainer model one mini-batch at a
+    time; the old planner cut the update stage over the whole batch and charged no optimizer update (29.1 s less at
+    4-12: 15 inter-node all-reduces of 1.94 s)."""
     from bidirl.core.protocol import chunk_size
     from bidirl.job.planner import consumption_order
     from bidirl.perf.predictor import StagePredictor
@@ -253,10 +257,54 @@ def test_mini_batches_cut_the_planner_update_stage_as_the_chunk_queue_does():
     forward = tm.stage_time(p, r, d, mbpd, ("old_logprob", "ref_logprob"))
     rounds = sum(tm.stage_time(p[lo:lo + mini], r[lo:lo + mini], d, mbpd, ("actor_update",))
                  for lo in range(0, p.size, mini))
-    barriers = (cfg.optimizer_updates_per_step - 1) * StagePredictor.from_config(
+    updates = cfg.optimizer_updates_per_step * StagePredictor.from_config(
         cfg, env.rollout_layout, tm.layout).optimizer_update_time(tm.layout * d)
     whole = tm.stage_time(p, r, d, mbpd, ("actor_update",))
     row = result.sweep.set_index("label").loc["4-12"]
     # the same terms summed in another order: ~20 float64 additions, relative error ≤ 20·2⁻⁵³ ≈ 2e-15
-    assert row.trainer_time == pytest.approx(forward + rounds + barriers, rel=1e-12)
+    assert row.trainer_time == pytest.approx(forward + rounds + updates + cfg.weight_sync_time(), rel=1e-12)
     assert row.trainer_time - (forward + whole) > 25.0        # the old number: forward + whole, no barrier
+
+
+@pytest.mark.parametrize("overrides", [
+    {},                                                                     # one optimizer step a step
+    {"rl.mini_batch_prompts": 16, "rl.updates_per_sync": 2,                 # 2 local updates of 2 mini-batches,
+     "rl.param_offload": True, "rl.optimizer_offload": True},              # with the offload copies
+])
+def test_planner_charges_the_step_end_the_simulator_charges(overrides):
+    """M_t holds the step's optimizer work and the weight sync that ends it, M_r the weight sync, with the numbers
+    the simulator charges: on 4-12 (12 trainer GPUs over two nodes, so every optimizer update carries an inter-node
+    gradient all-reduce of 1.94 s) the planner's M_t less its chunk rounds, and its M_r less the rollout model's
+    generation, equal the primary trainer's optimizer spans and the sync span of one simulated step (jitter off).
+    The old planner left the step's own optimizer step and the weight sync out (4.8 s a step here: AdamW and the
+    all-reduce 1.94 s, the 4B sync 2.88 s), so its differences were 0 (rollout) and the barriers between
+    mini-batches only (trainer).
+
+    Tolerance: each simulated span is ``(t0 + d) − t0`` on a clock below 10³ s, exact to an ulp of 10³ s
+    (1.1e-13 s) per span; at most 5 spans (4 optimizer updates and the sync) of ≥ 2.9 s in all against the planner's
+    float64 sums of the same terms (a few 2⁻⁵³ relative): ≤ 5·1.1e-13 / 2.9 ≈ 2e-13 relative, so 1e-12."""
+    from bidirl.core import protocol as P
+    from bidirl.job.planner import consumption_order, trainer_stage_times
+    from bidirl.sim.driver import SimDriver
+    cfg = C.load("a6000-default").with_overrides({"cluster.placement": "any", "cluster.partition": [4, 12],
+                                                   "rl.staleness": 0, **overrides})
+    result = plan(cfg)
+    env, (p, r) = result.envelope, result.batch
+    order = consumption_order(p, r, cfg.workload.group_size)
+    chunks = trainer_stage_times(cfg, env.trainer_model, p[order], r[order], [env.trainer_replicas],
+                                 result.stages)[0]
+    generation = env.rollout_model.stage_time(p, r, env.rollout_replicas, cfg.workload.group_size)
+
+    driver = SimDriver(cfg, "no-borrow", steps=1, seed=cfg.seed, jitter=0.0)
+    spans = driver.run().log.spans_df()
+    mine = spans[(spans["worker"] == P.PRIMARY_TRAINER) & (spans["step"] == 0)]
+    opt = mine[mine["kind"] == "optimizer"]
+    sync = float((mine[mine["kind"] == "sync"]["end"] - mine[mine["kind"] == "sync"]["start"]).sum())
+    assert len(opt) == cfg.optimizer_updates_per_step and sync > 2.0
+    simulated_opt = float((opt["end"] - opt["start"]).sum())
+    assert env.trainer_time - chunks == pytest.approx(simulated_opt + sync, rel=1e-12)
+    assert env.rollout_time - generation == pytest.approx(sync, rel=1e-12)
+    assert env.optimizer_time == pytest.approx(simulated_opt, rel=1e-12)
+    assert env.sync_time == pytest.approx(sync, rel=1e-12)
+    assert env.pipeline_rate == pytest.approx(cfg.workload.prompts_per_step
+                                              / max(env.rollout_time, env.trainer_time), rel=1e-12)

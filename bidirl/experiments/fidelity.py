@@ -7,9 +7,10 @@ step's batch from the protocol (``StartStep``), asks the planner's models for th
 stage times on the envelope's replicas, and puts them side by side with what the simulator measured:
 
 * rollout — the longest busy period of a primary rollout replica during the step (at ``s = 0`` the step's groups
-  are all generated from scratch after the previous sync);
-* trainer — the primary trainer's chunk time during the step (the optimizer step and the weight sync are not
-  part of M_t).
+  are all generated from scratch after the previous sync), plus the step's weight sync, during which no rollout
+  replica generates;
+* trainer — the primary trainer's chunk time during the step, its optimizer spans (one per mini-batch) and the
+  step's weight sync: M_t holds the step's end as the simulator charges it.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def _batch_lengths(groups) -> tuple:
 
 
 def planner_vs_simulator(config, *, steps: int = 8, seed: Optional[int] = None) -> pd.DataFrame:
-    """One row per step: ``rollout_simulated``, ``rollout_predicted``, ``trainer_simulated`` (the primary gang's
-    chunks, and with ``rl.mini_batch_prompts`` its optimizer updates between two mini-batches),
+    """One row per step: ``rollout_simulated`` (the busiest primary replica's generation and the weight sync),
+    ``rollout_predicted``, ``trainer_simulated`` (the primary gang's chunks, optimizer spans and the weight sync),
     ``trainer_predicted`` (seconds) and their relative errors, plus the envelope's own predictions for its
     representative batch (``rollout_planned``, ``trainer_planned``) in ``DataFrame.attrs``."""
     from bidirl.job.planner import predict_stage_times
@@ -48,11 +49,11 @@ def planner_vs_simulator(config, *, steps: int = 8, seed: Optional[int] = None) 
         k = cmd.step
         gen = spans[(spans["kind"] == "generate") & (spans["role"] == P.PRIMARY) & (spans["step"] == k)]
         chunks = spans[(spans["kind"] == "chunk") & (spans["worker"] == P.PRIMARY_TRAINER) & (spans["step"] == k)]
-        # with optimizer mini-batches M_t also holds the optimizer updates between two mini-batches of a local
-        # update (each local update's last one is the step's own optimizer step, outside M_t)
+        # M_t holds every optimizer update of the step (the barriers between mini-batches and each local update's
+        # last one) and the weight sync that ends it; the sync's span on the sending trainer's lane
         opt = spans[(spans["kind"] == "optimizer") & (spans["worker"] == P.PRIMARY_TRAINER) & (spans["step"] == k)]
-        per_local = cfg.optimizer_updates_per_step // cfg.rl.updates_per_sync
-        between = opt.sort_values("start")[(np.arange(len(opt)) + 1) % per_local != 0]
+        sync = spans[(spans["kind"] == "sync") & (spans["worker"] == P.PRIMARY_TRAINER) & (spans["step"] == k)]
+        t_sync = float((sync["end"] - sync["start"]).sum())
         # the rollout replicas got the groups in group-id order; the trainer sees them in batch order
         by_id = sorted(range(len(cmd.groups)), key=lambda i: cmd.groups[i].group_id)
         p, r = _batch_lengths([cmd.groups[i] for i in by_id])
@@ -60,10 +61,10 @@ def planner_vs_simulator(config, *, steps: int = 8, seed: Optional[int] = None) 
         sorted_pos = np.argsort(by_id)            # batch position -> position in group-id order
         consumed = (sorted_pos[:, None] * g + np.arange(g)[None, :]).reshape(-1)
         t_r, t_t = predict_stage_times(driver.plan, p, r, consumed)
-        rows.append({"step": k, "rollout_simulated": float((gen["end"] - gen["start"]).max()),
+        rows.append({"step": k, "rollout_simulated": float((gen["end"] - gen["start"]).max()) + t_sync,
                      "rollout_predicted": t_r,
                      "trainer_simulated": float((chunks["end"] - chunks["start"]).sum()
-                                                + (between["end"] - between["start"]).sum()),
+                                                + (opt["end"] - opt["start"]).sum()) + t_sync,
                      "trainer_predicted": t_t})
     df = pd.DataFrame(rows)
     for stage in ("rollout", "trainer"):

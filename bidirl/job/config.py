@@ -356,10 +356,15 @@ class JobConfig:
             return own
         return self.hardware_spec.switch_costs(direction, self.model_spec)
 
-    def weight_sync_time(self) -> float:
+    def weight_sync_time(self, hardware=None) -> float:
+        """Seconds of the weight sync that ends a step: ``scheduler.weight_sync`` when set, else the preset's (or
+        ``hardware``'s, another :class:`~bidirl.job.presets.HardwareSpec`) measured or derived one for rollout
+        replicas of ``cluster.rollout_tensor_parallel`` GPUs. The simulator charges it per sync and the planner per
+        step (§4.2), both from here."""
         if self.scheduler.weight_sync is not None:
             return self.scheduler.weight_sync
-        return self.hardware_spec.weight_sync_time(self.model_spec, self.cluster.rollout_tensor_parallel or 1)
+        hw = self.hardware_spec if hardware is None else hardware
+        return hw.weight_sync_time(self.model_spec, self.cluster.rollout_tensor_parallel or 1)
 
     # conversions ------------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -65,6 +65,9 @@ def _terms(p: planner.Plan) -> dict:
         "rollout_layout": env.rollout_layout, "trainer_layout": env.trainer_layout,
         "rollout_replicas": env.rollout_replicas, "trainer_replicas": env.trainer_replicas,
         "rollout_time": env.rollout_time, "trainer_time": env.trainer_time, "pipeline_rate": env.pipeline_rate,
+        # M_t less the step's end (its optimizer work and the weight sync, both over the total parameters)
+        "trainer_chunk_time": env.trainer_time - env.optimizer_time - env.sync_time,
+        "optimizer_seconds": env.optimizer_time,
         "rollout_weights_gib_per_gpu": p.memory["rollout"].parts["weights"] / GiB,
         "trainer_state_gib_per_gpu": sum(v for k, v in p.memory["trainer"].parts.items()
                                          if "activation" not in k) / GiB,

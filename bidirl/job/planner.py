@@ -19,7 +19,11 @@ sweep behind it:
 4. **Compatible(g_r, g_t, ρ_r, ρ_t)** (§4.1): both pools may host both roles, so each holds a whole number
    of replicas of each: ``g % ρ_r == g % ρ_t == 0`` for g ∈ {g_r, g_t}.
 5. For each candidate: d_r = ⌊g_r/ρ_r⌋, d_t = ⌊g_t/ρ_t⌋, λ_r = B_p / M_r(B_p, d_r), λ_t = B_p / M_t(U_B, d_t),
-   λ_pipe = min(λ_r, λ_t) (§4.2; rates in prompt groups per second). The envelope is the compatible candidate
+   λ_pipe = min(λ_r, λ_t) (§4.2; rates in prompt groups per second). Each stage time holds the step's end as the
+   simulator charges it, from the same functions: M_t the trainer's optimizer work of the step on its g_t GPUs
+   (:func:`step_optimizer_times`: gradient all-reduces, AdamW steps, offload copies) and the weight sync
+   (``JobConfig.weight_sync_time``), M_r the weight sync too, since no rollout replica generates while the new
+   weights are on their way. The envelope is the compatible candidate
    with the largest λ_pipe (ties: the first, i.e. the fewest rollout GPUs), or ``cluster.partition`` when
    the job fixes one (it must be a compatible candidate). Incompatible candidates are still evaluated so the
    sweep is complete.
@@ -44,7 +48,7 @@ overflow the KV cache step through decode, by runs of equal active sets rather t
 samples are ranked once; each count's chunks are a radix sort of chunk ids away from their serpentine deals,
 and only each chunk's busiest replicas are timed. Each count costs about a vectorised pass over the groups
 (rollout; and over the overflowing replicas' requests) or the samples (trainer), and the scan over candidates
-is vectorised, O(|S_Π|).
+is vectorised, O(|S_Π|), as is the step's end (the optimizer work on every candidate's g_t GPUs in one pass).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ from bidirl.job import config as cfgmod
 from bidirl.job.config import ConfigError, label
 from bidirl.perf import memory
 from bidirl.perf.flops import STAGES
-from bidirl.perf.predictor import StagePredictor, optimizer_update_time
+from bidirl.perf.predictor import StagePredictor
 from bidirl.perf.rollout import RolloutModel
 from bidirl.perf.trainer import TrainerModel
 from bidirl.perf.workload import GroupLengths
@@ -96,6 +100,11 @@ class Envelope:
     #: (``bidirl.perf.expert_parallel``; ``cluster.rollout_expert_parallel``, ``rl.expert_parallel``)
     rollout_expert_parallel: int = 1
     trainer_expert_parallel: int = 1
+    #: seconds per step M_t holds besides its chunks: the step's optimizer work on the trainer's GPUs
+    #: (:meth:`~bidirl.perf.predictor.StagePredictor.step_optimizer_time`) — and, in both M_r and M_t, the weight
+    #: sync that ends the step (``JobConfig.weight_sync_time``), which neither pool works through
+    optimizer_time: float = 0.0
+    sync_time: float = 0.0
 
     @property
     def label(self) -> str:
@@ -106,7 +115,8 @@ class Envelope:
         out.update(label=self.label, rollout_time=self.rollout_time, trainer_time=self.trainer_time,
                    rollout_rate=self.rollout_rate, trainer_rate=self.trainer_rate,
                    rollout_expert_parallel=self.rollout_expert_parallel,
-                   trainer_expert_parallel=self.trainer_expert_parallel)
+                   trainer_expert_parallel=self.trainer_expert_parallel, optimizer_time=self.optimizer_time,
+                   sync_time=self.sync_time)
         return _jsonable(out)
 
 
@@ -365,16 +375,22 @@ def plan(config, *, progress: bool = False, hardware=None) -> Plan:
         for ep in ep_ts:
             times_t[ep] = trainer_stage_times(cfg, predictors[ep].trainer, p[order], r[order], uniq_t.tolist(), stages)
             tick()
-    t_r = _per_candidate(cap_r, uniq_r, times_r)
+    # the step's end, charged as the simulator charges it (§4.2): the trainer's optimizer work on its g_t GPUs, then
+    # the weight sync, during which the trainer waits for it and no rollout replica generates (the coordinator
+    # starts nothing on the rollouters while the new weights are on their way), so it is in M_r and M_t both
+    sync = cfg.weight_sync_time(hardware)
+    optimizer_times = {ep: step_optimizer_times(cfg, predictors[ep], g_t) for ep in ep_ts}
+    t_r = _per_candidate(cap_r, uniq_r, times_r) + sync
     with np.errstate(divide="ignore"):
         lam_r = np.where(np.isfinite(t_r) & (t_r > 0), n_groups / t_r, np.where(t_r == 0, math.inf, 0.0))
     rates = {}                                 # ep -> (t_t, λ_t, λ_pipe) per candidate
     for ep in ep_ts:
-        t_t = _per_candidate(cap_t, uniq_t, times_t[ep])
+        t_t = _per_candidate(cap_t, uniq_t, times_t[ep]) + optimizer_times[ep] + sync
         with np.errstate(divide="ignore"):
             lam_t = np.where(np.isfinite(t_t) & (t_t > 0), n_groups / t_t, np.where(t_t == 0, math.inf, 0.0))
         rates[ep] = (t_t, lam_t, np.minimum(lam_r, lam_t))
     ep_t, options = choose_expert_parallel(rates, ok, cands, cfg.cluster.partition)
+    opt_t = optimizer_times[ep_t]
     t_t, lam_t, lam = rates[ep_t]
     trainer = predictors[ep_t].trainer
 
@@ -410,7 +426,7 @@ def plan(config, *, progress: bool = False, hardware=None) -> Plan:
     sweep = pd.DataFrame({
         "rollout_gpus": g_r, "trainer_gpus": g_t, "label": labels, "compatible": ok,
         "rollout_replicas": d_r, "trainer_replicas": d_t,
-        "rollout_time": t_r, "trainer_time": t_t,
+        "rollout_time": t_r, "trainer_time": t_t, "optimizer_time": opt_t, "sync_time": np.full(len(cands), sync),
         "rollout_rate": lam_r, "trainer_rate": lam_t, "pipeline_rate": lam, "chosen": chosen,
     })
     env = Envelope(rollout_gpus=int(g_r[idx]), trainer_gpus=int(g_t[idx]), rollout_layout=rho_r,
@@ -418,7 +434,7 @@ def plan(config, *, progress: bool = False, hardware=None) -> Plan:
                    pipeline_rate=float(lam[idx]), rollout_time=float(t_r[idx]), trainer_time=float(t_t[idx]),
                    rollout_rate=float(lam_r[idx]), trainer_rate=float(lam_t[idx]),
                    rollout_model=rollout, trainer_model=trainer, rollout_expert_parallel=ep_r,
-                   trainer_expert_parallel=ep_t)
+                   trainer_expert_parallel=ep_t, optimizer_time=float(opt_t[idx]), sync_time=float(sync))
     return Plan(cfg, env, sweep, needs, (p, r), stages, fixed, options)
 
 
@@ -479,8 +495,8 @@ def trainer_stage_times(cfg, trainer: TrainerModel, prompt_lens, response_lens, 
     mini-batch's samples cut into chunks on their own, so each mini-batch ends on a partial chunk (every stage's,
     in the reproducible mode, whose grid cells never span two mini-batches: ``rl.reproducible``); and each
     optimizer update that falls between two mini-batches of a local update is a barrier the next mini-batch's
-    chunks wait for (:func:`~bidirl.perf.predictor.optimizer_update_time` on the gang's GPUs). A local update's
-    last optimizer update is the step's own optimizer step, which M_t does not hold (as without mini-batches)."""
+    chunks wait for; those, like the step's own optimizer step, are :func:`step_optimizer_times`' (M_t is this plus
+    that plus the weight sync)."""
     mini = cfg.rl.mini_batch_prompts
     p, r = np.asarray(prompt_lens), np.asarray(response_lens)
     if mini is None or mini >= cfg.prompts_per_local_update:
@@ -489,16 +505,22 @@ def trainer_stage_times(cfg, trainer: TrainerModel, prompt_lens, response_lens, 
     cut = stages if cfg.rl.reproducible_on else tuple(s for s in stages if s in UPDATE_STAGES)
     whole = tuple(s for s in stages if s not in cut)
     out = _chunk_stage_times(cfg, trainer, p, r, ds, whole) if whole else np.zeros(len(ds))
-    update = tuple(s for s in stages if s in UPDATE_STAGES)
     if cut:
         # the mini-batches divide every local update, so cutting the step's samples cuts each local update's
         for lo, hi in mini_batch_bounds(p.size, mini * cfg.workload.group_size):
             out = out + _chunk_stage_times(cfg, trainer, p[lo:hi], r[lo:hi], ds, cut)
-    if update:
-        between = cfg.optimizer_updates_per_step - cfg.rl.updates_per_sync
-        out = out + between * np.array([optimizer_update_time(trainer.model, trainer.hardware, trainer.layout,
-                                                              trainer.layout * int(d)) for d in ds])
     return out
+
+
+def step_optimizer_times(cfg, predictor: StagePredictor, trainer_gpus) -> np.ndarray:
+    """The trainer's optimizer work of one step on each of ``trainer_gpus`` (g_t): its ``rl.updates_per_sync``
+    local updates' optimizer time (:meth:`~bidirl.perf.predictor.StagePredictor.step_optimizer_time`: per optimizer
+    update — one per mini-batch — the gradient all-reduce across the g_t/ρ_t replicas and the AdamW step over each
+    GPU's shard, plus the offload copies and the driver's data path once per local update). The simulator's
+    ``OptimizerStep`` commands of one step take the same seconds (``Assembly.optimizer_step_time``), the updates
+    between two mini-batches as the barriers the next mini-batch's chunks wait for, the last one before the sync."""
+    gpus = np.asarray(trainer_gpus, dtype=np.int64)
+    return np.broadcast_to(predictor.step_optimizer_time(gpus, cfg.rl.updates_per_sync), gpus.shape).astype(float)
 
 
 def _chunk_stage_times(cfg, trainer: TrainerModel, p, r, ds, stages) -> np.ndarray:
@@ -533,13 +555,14 @@ def predict_stage_times(plan: Plan, prompt_lens, response_lens, consumed=None) -
 
     ``prompt_lens`` / ``response_lens`` hold ``group_size`` requests per group, laid out group after group in the
     order the groups are dispatched to the rollout replicas (group-id order); ``consumed`` is the order in which
-    the trainer sees the samples (indices; default :func:`consumption_order`)."""
+    the trainer sees the samples (indices; default :func:`consumption_order`). Both hold the step's end as the
+    envelope charges it: M_r the weight sync, M_t the step's optimizer work and the weight sync."""
     env, cfg = plan.envelope, plan.config
     p, r = np.asarray(prompt_lens), np.asarray(response_lens)
     order = consumption_order(p, r, cfg.workload.group_size) if consumed is None else np.asarray(consumed)
-    t_r = env.rollout_model.stage_time(p, r, env.rollout_replicas, cfg.workload.group_size)
+    t_r = env.rollout_model.stage_time(p, r, env.rollout_replicas, cfg.workload.group_size) + env.sync_time
     t_t = float(trainer_stage_times(cfg, env.trainer_model, p[order], r[order], [env.trainer_replicas],
-                                    plan.stages)[0])
+                                    plan.stages)[0]) + env.optimizer_time + env.sync_time
     return float(t_r), float(t_t)
 
 

@@ -171,8 +171,12 @@ def _check_layout(layout, name):
     return int(layout)
 
 
-def link_bandwidth(hw, gpus: int) -> float:
-    """The collective bandwidth of a ``gpus``-GPU group: intra-node if it fits in one node, else inter-node."""
+def link_bandwidth(hw, gpus):
+    """The collective bandwidth of a ``gpus``-GPU group: intra-node if it fits in one node, else inter-node (an
+    array of group sizes gives one bandwidth each: the planner's scan over candidates)."""
+    if np.ndim(gpus):
+        return np.where(np.asarray(gpus) <= hw.gpus_per_node, float(hw.intra_node_bandwidth),
+                        float(hw.inter_node_bandwidth))
     return hw.intra_node_bandwidth if gpus <= hw.gpus_per_node else hw.inter_node_bandwidth
 
 

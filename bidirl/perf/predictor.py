@@ -46,13 +46,19 @@ def gradient_allreduce_time(model, hardware, layout: int, trainer_gpus: int) -> 
     replicas. A ring all-reduce sends ``2·(R−1)/R`` times the buffer per GPU (Patarasuk & Yuan 2009, "Bandwidth
     optimal all-reduce algorithms"; NCCL's bus-bandwidth factor ``2(n−1)/n``, nccl-tests doc/PERFORMANCE.md), at
     the inter-node rate when the replicas span nodes (:func:`bidirl.perf.params.link_bandwidth` of the trainer's
-    GPUs). 0 for one replica."""
-    rho, gpus = max(1, int(layout)), max(1, int(trainer_gpus))
+    GPUs). 0 for one replica. ``trainer_gpus`` may be an array (the planner's candidates): one time each."""
+    from bidirl.perf.params import link_bandwidth
+    rho = max(1, int(layout))
+    shard = GRADIENT_REDUCE_BYTES * model.params_total / rho
+    if np.ndim(trainer_gpus):
+        gpus = np.maximum(1, np.asarray(trainer_gpus, dtype=np.int64))
+        replicas = gpus // rho
+        ring = 2.0 * (replicas - 1) / np.maximum(replicas, 1) * shard / link_bandwidth(hardware, gpus)
+        return np.where(replicas > 1, ring, 0.0)
+    gpus = max(1, int(trainer_gpus))
     replicas = gpus // rho
     if replicas <= 1:
         return 0.0
-    from bidirl.perf.params import link_bandwidth
-    shard = GRADIENT_REDUCE_BYTES * model.params_total / rho
     return 2.0 * (replicas - 1) / replicas * shard / link_bandwidth(hardware, gpus)
 
 
@@ -72,8 +78,7 @@ def controller_seconds_per_local_update(cfg, hardware) -> float:
     rate = getattr(hardware, "controller_data_rate", None)
     if rate is None:
         return 0.0
-    w = cfg.workload
-    samples = w.prompts_per_step // max(1, cfg.rl.updates_per_sync) * w.group_size
+    samples = cfg.prompts_per_local_update * cfg.workload.group_size
     return sum(call_seconds(stage, samples, cfg, rate) for stage in cfg.rl.stages)
 
 
@@ -221,6 +226,14 @@ class StagePredictor:
         (:func:`gradient_allreduce_time`) and one AdamW step over each GPU's ``N/ρ_t`` shard; and the offload copies
         (:attr:`step_overhead`)."""
         return self.optimizer_updates * self.optimizer_update_time(trainer_gpus) + self.step_overhead
+
+    def step_optimizer_time(self, trainer_gpus, local_updates: int):
+        """The trainer's optimizer work of one step of ``local_updates`` local updates (``rl.updates_per_sync``) on
+        ``trainer_gpus`` GPUs (or an array of trainer GPU counts: one time each): :meth:`optimizer_time` each — every mini-batch's update and the once-per-local-update costs. What the
+        simulator's ``OptimizerStep`` commands of one step add up to (``Assembly.optimizer_step_time`` splits each
+        local update's :meth:`optimizer_time` into its mini-batches' updates), and what the planner's M_t charges
+        (§4.2), so the two cannot drift."""
+        return int(local_updates) * self.optimizer_time(trainer_gpus)
 
     def optimizer_update_time(self, trainer_gpus: int) -> float:
         """One optimizer update (one mini-batch) on ``trainer_gpus`` GPUs of ρ_t-GPU replicas: the gradient
