@@ -72,28 +72,29 @@ def test_static_2b_spread_is_out_of_reach_of_any_rollout_cost():
 
 
 @pytest.mark.slow
-def test_no_fixed_decode_iteration_cost_flips_the_2b_choice_and_a_per_sequence_one_does_from_016_ms():
+def test_no_fixed_decode_iteration_cost_flips_the_2b_choice_and_a_per_sequence_one_does_from_018_ms():
     """The refits behind limits.yaml's ``size-independent-efficiency`` (:func:`paper_fit.refit_with_engine_cost`: the
     4B sweep refitted with the engine cost, then the 2B sweep planned with the refitted knobs).
 
     * A fixed cost per decode iteration (``scheduler_overhead``, default 1 ms) adds the same seconds to both models'
-      rollouts; the refit absorbs it (train_mfu 0.205 → 0.095 at 40 ms, 0.028 at 200 ms, decode_mbu rises) and the
+      rollouts; the refit absorbs it (train_mfu 0.202 → 0.094 at 40 ms, 0.028 at 200 ms, decode_mbu rises) and the
       planner still picks 4-12 for 2B. From about 250 ms the 4B fit itself fails (it no longer picks 8-24).
     * A cost per running sequence and iteration (``decode_token_overhead``, default 0) weighs the 2B rollout on 4
       GPUs (128 requests a replica) more than the 4B's on 8 (64 a replica): refitted, it turns the 2B choice to 8-8
-      between 0.158 ms (still 4-12) and 0.160 ms. The test brackets that edge at 0.15 and 0.17 ms: the solver's
-      last digits, which vary with the BLAS build, move the refitted knobs by ~1e-4 relative (the shipped preset's
-      check above allows 5e-3), while the edge moves the 2B choice only across a ±0.01 ms (±6 %) bracket."""
+      between 0.1834 ms (still 4-12) and 0.1835 ms (the planner's step end, its optimizer step and weight sync,
+      moved the edge from 0.16 ms). The test brackets that edge at 0.17 and 0.20 ms: the solver's last digits,
+      which vary with the BLAS build, move the refitted knobs by ~1e-4 relative (the shipped preset's check above
+      allows 5e-3), while the bracket leaves the edge 7 % on either side."""
     for seconds in (0.040, 0.200):
         fixed = paper_fit.refit_with_engine_cost(scheduler_overhead=seconds)
         assert fixed["static_4b_choice"] == 8 and math.isclose(fixed["static_4b_spread"], 2.09, rel_tol=0.01)
         assert fixed["train_mfu"] < 0.5 * presets.hardware("a6000").train_mfu      # absorbed by the trainer's knob
         assert fixed["choice_2b"] == 4, seconds
     assert paper_fit.refit_with_engine_cost(scheduler_overhead=0.250)["static_4b_choice"] != 8
-    below = paper_fit.refit_with_engine_cost(decode_token_overhead=0.15e-3)
-    above = paper_fit.refit_with_engine_cost(decode_token_overhead=0.17e-3)
+    below = paper_fit.refit_with_engine_cost(decode_token_overhead=0.17e-3)
+    above = paper_fit.refit_with_engine_cost(decode_token_overhead=0.20e-3)
     for r in (below, above):
         assert r["static_4b_choice"] == 8 and math.isclose(r["static_4b_spread"], 2.09, rel_tol=0.01)
     assert below["choice_2b"] == 4 and above["choice_2b"] == 8
-    # about twice the CPU-measured per-sequence cost the limit compares it with (cpu-calibrated, 73.7 µs)
-    assert 2.0 < 0.16e-3 / presets.hardware("cpu-calibrated").decode_token_overhead < 2.3
+    # about 2.5 times the CPU-measured per-sequence cost the limit compares it with (cpu-calibrated, 73.7 µs)
+    assert 2.4 < 0.18e-3 / presets.hardware("cpu-calibrated").decode_token_overhead < 2.6
