@@ -5,6 +5,7 @@ coordinator state, so each is tested directly:
 
 * :func:`rollout_dispatch` — Eq. 4, Q_a = round(d_a / (d_p + d_a) · Q_r);
 * :func:`rollout_gate` — Eq. 3, generalised to primaries carrying run-ahead load;
+* :class:`RemainingLengths` — the remaining lengths the gate times, and their expected maximum (replica-max);
 * :func:`workload_time` — M_t(U, d) over chunk runs, with DrainPrefix (Algorithm 2, line 1);
 * :func:`trainer_gate` — Algorithm 2, lines 1-6: T_no, T_joint, T_borrow;
 * :func:`joint_tail_split` — JointTailSplit's search over integer split points.
@@ -71,13 +72,105 @@ class GroupWork:
 
 
 def _mean_above(sample: np.ndarray, g: np.ndarray) -> tuple:
-    """``(E[R | R > g], n)`` over a sorted ``sample`` for each ``g``: the conditional mean (``nan`` where no
-    sample exceeds ``g``) and how many samples exceed ``g``."""
+    """``(E[max(R − g, 1) | R > g], n)`` over a sorted ``sample`` for each ``g``: the conditional mean remaining
+    length, each sampled remainder at least one token (``nan`` where no sample exceeds ``g``), and how many
+    samples exceed ``g``. With whole token counts no remainder is below one token and this is E[R − g | R > g]."""
     suffix = np.concatenate([np.cumsum(sample[::-1])[::-1], [0.0]])      # Σ of sample[k:]
     k = np.searchsorted(sample, g, side="right")                          # first sample > g
-    n = sample.size - k
+    k1 = np.searchsorted(sample, g + 1.0, side="left")                   # first sample ≥ g + 1
+    n, n1 = sample.size - k, sample.size - k1
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(n > 0, suffix[k] / np.maximum(n, 1), np.nan), n
+        total = (k1 - k) + suffix[k1] - n1 * g                            # the ones within a token count 1
+        return np.where(n > 0, total / np.maximum(n, 1), np.nan), n
+
+
+@dataclass(frozen=True)
+class RemainingLengths:
+    """The remaining length of each response as a distribution, from the same samples as
+    :func:`expected_remaining`: an unfinished response at ``g`` tokens still needs ``max(R − g, 1)`` for ``R``
+    drawn from the recent sample's lengths above ``g`` (``source`` 0), the prior's where none of the recent ones
+    is (1), or exactly one token where neither sample reaches past it (2); a finished one needs nothing (−1).
+
+    ``mean`` is each response's expected remaining length (:func:`expected_remaining`); :meth:`expected_max` is
+    the expected *longest* remaining length of a set of responses taken as independent,
+    ``E[max_i X_i] = ∫ (1 − Π_i P(X_i ≤ x)) dx``, exact on the samples' support. A prompt group completes with
+    its longest response and a replica's decode iterations run until its longest request ends (the appendix's
+    replica-max semantics), so that, not the largest mean, is when the work a replica holds is done: the mean
+    of a maximum is at least the maximum of the means (Jensen), by more the more responses and the wider the
+    sample."""
+    progress: np.ndarray
+    source: np.ndarray
+    first: np.ndarray
+    mean: np.ndarray
+    samples: tuple
+
+    @classmethod
+    def of(cls, progress: Sequence[int], done: Sequence[bool], sample: np.ndarray,
+           prior: Optional[np.ndarray] = None) -> "RemainingLengths":
+        recent = np.sort(np.asarray(sample, dtype=float).reshape(-1))
+        back = np.sort(np.asarray(prior, dtype=float).reshape(-1)) if prior is not None else np.zeros(0)
+        g = np.asarray(progress, dtype=float).reshape(-1)
+        finished = np.asarray(done, dtype=bool).reshape(-1)
+        if finished.shape != g.shape:
+            raise ValueError(f"progress ({g.size}) and done ({finished.size}) must name the same responses")
+        source, first, mean = np.full(g.size, -1), np.zeros(g.size, dtype=np.int64), np.zeros(g.size)
+        if recent.size:
+            mean_above, n = _mean_above(recent, g)
+            first = np.searchsorted(recent, g, side="right")
+            source = np.where(n > 0, 0, 2)
+            if back.size and (n == 0).any():
+                past = n == 0
+                from_prior, n_prior = _mean_above(back, g[past])
+                mean_above[past] = from_prior
+                first[past] = np.searchsorted(back, g[past], side="right")
+                source[past] = np.where(n_prior > 0, 1, 2)
+            mean = np.where(source == 2, 1.0, mean_above)
+            source[finished] = -1
+            mean[finished] = 0.0
+        return cls(g, source, first, mean, (recent, back))
+
+    def expected_max(self, index: Sequence[int]) -> float:
+        """E[max remaining length] over the responses ``index`` (finished ones contribute 0; none: 0).
+
+        Each response's distribution is a step function with a jump of ``1/n_i`` at each of its ``n_i`` sampled
+        remainders, so ``Π_i P(X_i ≤ x)`` changes only there: every jump of every response is one event, sorted
+        once, and the product is carried through them in logs (a response's j-th jump multiplies it by
+        ``j/(j − 1)``, its first one ends a zero factor). The integral is then a sum over the gaps between
+        distinct event values; nothing is sampled."""
+        idx = np.asarray(index, dtype=np.int64).reshape(-1)
+        idx = idx[self.source[idx] >= 0]
+        if idx.size == 0:
+            return 0.0
+        # responses read from the same sample at the same progress share one distribution: once, with its
+        # multiplicity as the power of its factor (the responses a worker started together stay level)
+        kinds, first_of, times = np.unique(np.stack([self.source[idx], self.progress[idx]]), axis=1,
+                                           return_index=True, return_counts=True)
+        rep = idx[first_of]
+        values, ranks, powers, log_total = [], [], [], 0.0                        # log_total: Σ_i log n_i
+        for src, sample in enumerate(self.samples):
+            sel, mult = rep[kinds[0] == src], times[kinds[0] == src]
+            if sel.size == 0:
+                continue
+            n = sample.size - self.first[sel]
+            rank = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)      # 0 … n_i − 1 within each
+            at = np.repeat(self.first[sel], n) + rank
+            values.append(np.maximum(sample[at] - np.repeat(self.progress[sel], n), 1.0))
+            ranks.append(rank)
+            powers.append(np.repeat(mult, n))
+            log_total += float(np.sum(mult * np.log(n)))
+        ones = int((self.source[idx] == 2).sum())
+        values.append(np.ones(1 if ones else 0))
+        ranks.append(np.zeros(1 if ones else 0, dtype=np.int64))
+        powers.append(np.full(1 if ones else 0, ones))
+        v, r, m = np.concatenate(values), np.concatenate(ranks), np.concatenate(powers)
+        order = np.argsort(v, kind="stable")
+        v, r, m = v[order], r[order], m[order]
+        step = np.where(r > 0, m * np.log1p(1.0 / np.maximum(r, 1)), 0.0)        # log((j + 1) / j)^m, j = r
+        zeros = idx.size - np.cumsum(np.where(r == 0, m, 0))
+        log_cdf = np.cumsum(step) - log_total
+        last = np.append(v[1:] != v[:-1], True)                                   # after every tie at a value
+        u, cdf = v[last], np.where(zeros[last] == 0, np.exp(np.minimum(log_cdf[last], 0.0)), 0.0)
+        return float(u[0] + np.sum(np.diff(u) * (1.0 - cdf[:-1])))
 
 
 def expected_remaining(progress: Sequence[int], done: Sequence[bool], sample: np.ndarray,
@@ -92,20 +185,35 @@ def expected_remaining(progress: Sequence[int], done: Sequence[bool], sample: np
     has outgrown the prior too (or no prior is given) does it need one more token. Before, every response past
     the recent sample's longest was one token from done: on the H100 Qwen3-30B-A3B job (GSM8K, 2,048-token cap)
     the gate predicted 0.24 s for 57 responses at 1,557–1,595 tokens (the recent sample ended at 1,555) that
-    took 16.7 s, the M_r(Q_r, d_p) of Eq. 3 the window was refused on."""
-    sample = np.sort(np.asarray(sample, dtype=float))
-    g = np.asarray(progress, dtype=float)
-    out = np.zeros(g.size)
-    if sample.size == 0:
+    took 16.7 s, the M_r(Q_r, d_p) of Eq. 3 the window was refused on. :class:`RemainingLengths` holds the
+    same distributions (and their expected maximum)."""
+    return RemainingLengths.of(progress, done, sample, prior).mean
+
+
+def expected_max_remaining(progress: Sequence[int], done: Sequence[bool], sample: np.ndarray,
+                           prior: Optional[np.ndarray] = None) -> float:
+    """The expected longest remaining length of these responses (:meth:`RemainingLengths.expected_max`): when a
+    prompt group with this progress completes, in tokens of its slowest response."""
+    lengths = RemainingLengths.of(progress, done, sample, prior)
+    return lengths.expected_max(np.arange(lengths.mean.size))
+
+
+def replica_remaining(means: np.ndarray, longest: float) -> np.ndarray:
+    """Remaining lengths that give a replica's request set both expectations it is timed on: its decode
+    iterations run until the longest request ends (``longest``, :meth:`RemainingLengths.expected_max`) and it
+    decodes the sum of the ``means`` in tokens. The request with the largest mean takes ``longest``; the others
+    share what is left of the sum, ``Σ means − longest`` (the expected tokens of every response but the longest),
+    in proportion to their means. With one request, or equal certain lengths, these are the means."""
+    means = np.asarray(means, dtype=float)
+    out = means.copy()
+    if means.size == 0 or not means.max() > 0:
         return out
-    mean_above, n = _mean_above(sample, g)
-    if prior is not None and np.asarray(prior).size and (n == 0).any():
-        past = n == 0
-        from_prior, _ = _mean_above(np.sort(np.asarray(prior, dtype=float)), g[past])
-        mean_above[past] = from_prior
-    mean_above = np.where(np.isnan(mean_above), g + 1.0, mean_above)
-    out = np.maximum(mean_above - g, 1.0)
-    out[np.asarray(done, dtype=bool)] = 0.0
+    top = int(np.argmax(means))
+    rest = float(means.sum() - means[top])
+    out[top] = longest
+    if rest > 0:
+        left = max(0.0, float(means.sum()) - longest)
+        out[np.arange(means.size) != top] *= left / rest
     return out
 
 
@@ -130,8 +238,11 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
       ``T_joint = (1 − f) · max(primaries, auxiliaries)``.
 
     ``replica_times(request_sets)``, if given, is ``replica_time`` of many replicas in one call (the same
-    numbers). Remaining lengths are :func:`expected_remaining` over ``sample`` (``prior``: the job's
-    response-length sample, for responses longer than every recent one). The window is admitted when
+    numbers). Remaining lengths are distributions over ``sample`` (``prior``: the job's response-length sample, for
+    responses longer than every recent one; :class:`RemainingLengths`), and a replica's needed work ends when the
+    longest of its needed responses does: each request set is timed on that expected maximum and the conditional
+    mean tokens (:func:`replica_remaining`), its run-ahead load capped at the same expected maximum. The window is
+    admitted when
     ``C_in + T_joint + C_out < T_no`` (always, when not ``gated``: the opportunistic ablation). With fresh
     groups only and no other load this is Eq. 3, ``M_r(Q_r, d_p) − M_r(Q_r, d_p + d_a) > C_in + C_out``.
     """
@@ -153,17 +264,22 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
         owner = g.worker if g.worker is not None else placed.get(g.group_id)
         if owner in members:
             members[owner].append(g)
-    # every group's expected remaining lengths in one pass (elementwise: the same as group by group)
-    left = expected_remaining([h for g in groups for h in g.progress], [d for g in groups for d in g.done], sample,
-                              prior)
+    # every response's remaining-length distribution in one pass (elementwise: the same as group by group)
+    lengths = RemainingLengths.of([h for g in groups for h in g.progress], [d for g in groups for d in g.done],
+                                  sample, prior)
     ends = np.cumsum([len(g.progress) for g in groups])
-    work = {g.group_id: part for g, part in zip(groups, np.split(left, ends[:-1]))}
+    span = {g.group_id: np.arange(e - len(g.progress), e) for g, e in zip(groups, ends)}
 
-    def requests(members, horizon=None, prefill_all=False):
+    def requests(need, others=(), prefill_all=False):
+        """One replica's request set: the ``need`` groups run until their longest response ends (the expected
+        maximum over all of them, :func:`replica_remaining`), the ``others`` share its iterations up to then."""
+        idx = np.concatenate([span[g.group_id] for g in need])
+        longest = lengths.expected_max(idx)
+        needs = np.split(replica_remaining(lengths.mean[idx], longest), np.cumsum([len(g.progress) for g in need]))
+        shares = needs[:-1] + [np.minimum(lengths.mean[span[g.group_id]], longest) for g in others]
         ctx, rem, pre = [], [], []
-        for g in members:
-            left = work[g.group_id] if horizon is None else np.minimum(work[g.group_id], horizon)
-            for held, r in zip(g.progress, left):
+        for g, part in zip(list(need) + list(others), shares):
+            for held, r in zip(g.progress, part):
                 if r > 0:
                     ctx.append(g.prompt_len + held)
                     rem.append(r)
@@ -180,13 +296,8 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
         for w in primaries:
             mine = [g for g in members[w] if g.group_id not in moved]
             need = [g for g in mine if g.needed]
-            if not need:
-                continue
-            horizon = max(float(work[g.group_id].max()) for g in need)
-            others = [g for g in mine if not g.needed]
-            c1, r1, p1 = requests(need)
-            c2, r2, p2 = requests(others, horizon=horizon)
-            request_sets.append((np.concatenate([c1, c2]), np.concatenate([r1, r2]), np.concatenate([p1, p2])))
+            if need:
+                request_sets.append(requests(need, [g for g in mine if not g.needed]))
         worst = 0.0
         for t in times(request_sets):
             worst = max(worst, t)
