@@ -99,6 +99,28 @@ def test_replica_remaining_keeps_the_expected_longest_and_the_expected_tokens():
     np.testing.assert_array_equal(gates.replica_remaining(np.array([0.0, 0.0]), 0.0), [0.0, 0.0])
 
 
+def test_the_slowest_of_independent_replicas():
+    # one replica: its own mean; certain times: the largest; two fair coins between 10 and 90 s: 90 − 80 / 4
+    assert gates.expected_slowest([np.array([10.0, 90.0])], [np.array([0.5, 1.0])]) == pytest.approx(50.0)
+    assert gates.expected_slowest([np.array([3.0]), np.array([7.0])], [np.array([1.0]), np.array([1.0])]) == 7.0
+    coin = (np.array([10.0, 90.0]), np.array([0.5, 1.0]))
+    assert gates.expected_slowest([coin[0]] * 2, [coin[1]] * 2) == pytest.approx(70.0)
+    assert gates.expected_slowest([], []) == 0.0
+
+
+@given(st.lists(st.lists(st.integers(0, 100), min_size=1, max_size=6), min_size=1, max_size=5))
+def test_the_slowest_replica_is_expected_no_sooner_than_any_one_and_no_later_than_the_longest_time(samples):
+    values, cdfs, means = [], [], []
+    for sample in samples:
+        v, counts = np.unique(np.array(sample, float), return_counts=True)
+        values.append(v)
+        cdfs.append(np.cumsum(counts) / counts.sum())
+        means.append(float(np.mean(sample)))
+    slowest = gates.expected_slowest(values, cdfs)
+    # sums of at most 6 gaps of ≤ 100 s in doubles: 1e-9 relative covers their rounding
+    assert max(means) * (1 - 1e-9) - 1e-9 <= slowest <= max(max(x) for x in samples) * (1 + 1e-9) + 1e-9
+
+
 def iterations(context, remaining, prefill):
     """A replica whose decode iterations cost 1 s each, whatever they hold: it takes as long as its longest
     request (the decode-wave term of the appendix's replica model, alone)."""
@@ -117,8 +139,9 @@ def test_rollout_gate_waits_for_the_longest_response_of_a_group_not_the_longest_
     other = gates.GroupWork(1, "p0", 0, (0, 0, 0, 0), (False,) * 4, True, (0, -1))
     g = gates.rollout_gate([group, other], ["p0"], 1, 1, iterations, sample, SwitchCosts(0.0, 0.0))
     assert g.t_primary == pytest.approx(90 - 80 / 2 ** 8, rel=1e-12)
-    # with one group moved to the auxiliary, each replica waits for the longest of four again (85)
-    assert g.t_joint == pytest.approx(85.0, rel=1e-12)
+    # with one group moved to the auxiliary each replica waits for the longest of its four (85 expected), but the
+    # batch waits for the slower replica: the longest of all eight again, wherever they run
+    assert g.t_joint == pytest.approx(90 - 80 / 2 ** 8, rel=1e-12)
 
 
 def test_rollout_gate_predicts_responses_past_the_recent_sample_from_the_prior():

@@ -130,17 +130,23 @@ class RemainingLengths:
         return cls(g, source, first, mean, (recent, back))
 
     def expected_max(self, index: Sequence[int]) -> float:
-        """E[max remaining length] over the responses ``index`` (finished ones contribute 0; none: 0).
+        """E[max remaining length] over the responses ``index`` (finished ones contribute 0; none: 0): the
+        integral of ``1 − P(max ≤ x)`` over :meth:`max_distribution`; nothing is sampled."""
+        values, cdf = self.max_distribution(index)
+        return _mean_of_steps(values, cdf)
+
+    def max_distribution(self, index: Sequence[int]) -> tuple:
+        """``(values, cdf)``: the distinct values the longest remaining length of the responses ``index`` can take,
+        ascending, and ``P(max ≤ value)`` at each (the last is 1); empty when every response is finished.
 
         Each response's distribution is a step function with a jump of ``1/n_i`` at each of its ``n_i`` sampled
         remainders, so ``Π_i P(X_i ≤ x)`` changes only there: every jump of every response is one event, sorted
         once, and the product is carried through them in logs (a response's j-th jump multiplies it by
-        ``j/(j − 1)``, its first one ends a zero factor). The integral is then a sum over the gaps between
-        distinct event values; nothing is sampled."""
+        ``j/(j − 1)``, its first one ends a zero factor)."""
         idx = np.asarray(index, dtype=np.int64).reshape(-1)
         idx = idx[self.source[idx] >= 0]
         if idx.size == 0:
-            return 0.0
+            return np.zeros(0), np.zeros(0)
         # responses read from the same sample at the same progress share one distribution: once, with its
         # multiplicity as the power of its factor (the responses a worker started together stay level)
         kinds, first_of, times = np.unique(np.stack([self.source[idx], self.progress[idx]]), axis=1,
@@ -169,8 +175,45 @@ class RemainingLengths:
         zeros = idx.size - np.cumsum(np.where(r == 0, m, 0))
         log_cdf = np.cumsum(step) - log_total
         last = np.append(v[1:] != v[:-1], True)                                   # after every tie at a value
-        u, cdf = v[last], np.where(zeros[last] == 0, np.exp(np.minimum(log_cdf[last], 0.0)), 0.0)
-        return float(u[0] + np.sum(np.diff(u) * (1.0 - cdf[:-1])))
+        cdf = np.where(zeros[last] == 0, np.exp(np.minimum(log_cdf[last], 0.0)), 0.0)
+        cdf[-1] = 1.0                                                             # every jump taken: certain
+        return v[last], cdf
+
+
+def _mean_of_steps(values: np.ndarray, cdf: np.ndarray) -> float:
+    """E[X] of a non-negative X taking the ascending ``values`` with ``P(X ≤ values[k]) = cdf[k]`` (the last 1):
+    ``∫ (1 − P(X ≤ x)) dx``, a sum over the gaps between the values."""
+    if values.size == 0:
+        return 0.0
+    return float(values[0] + np.sum(np.diff(values) * (1.0 - cdf[:-1])))
+
+
+def expected_slowest(values: Sequence[np.ndarray], cdfs: Sequence[np.ndarray]) -> float:
+    """E[max_j T_j] of independent non-negative times, each given as ascending ``values[j]`` with
+    ``P(T_j ≤ values[j][k]) = cdfs[j][k]`` (the last 1): ``P(max ≤ t) = Π_j P(T_j ≤ t)``, carried through every
+    replica's steps in one sort as :meth:`RemainingLengths.max_distribution` carries responses' (a step from
+    ``c`` to ``c'`` multiplies the product by ``c'/c``; a replica's first step ends its zero factor)."""
+    parts = []
+    for v, c in zip(values, cdfs):
+        v, c = np.asarray(v, float), np.asarray(c, float)
+        if v.size:                                    # the values it cannot be at or below add nothing
+            parts.append((v[c > 0], c[c > 0]))
+    if not parts:
+        return 0.0
+    v = np.concatenate([p[0] for p in parts])
+    c = np.concatenate([p[1] for p in parts])
+    before = np.concatenate([np.concatenate([[0.0], p[1][:-1]]) for p in parts])
+    first = before == 0.0
+    with np.errstate(divide="ignore"):
+        step = np.where(first, np.log(np.maximum(c, 1e-300)), np.log(np.maximum(c, 1e-300)) - np.log(
+            np.maximum(before, 1e-300)))
+    order = np.argsort(v, kind="stable")
+    v, step, first = v[order], step[order], first[order]
+    zeros = len(parts) - np.cumsum(first)
+    last = np.append(v[1:] != v[:-1], True)
+    cdf = np.where(zeros[last] == 0, np.exp(np.minimum(np.cumsum(step)[last], 0.0)), 0.0)
+    cdf[-1] = 1.0
+    return _mean_of_steps(v[last], cdf)
 
 
 def expected_remaining(progress: Sequence[int], done: Sequence[bool], sample: np.ndarray,
@@ -230,19 +273,22 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
 
     * **T_no** — primaries only: on each primary, its needed groups run to completion together with the rest of
       its load (run-ahead groups share every decode iteration, up to the last needed token), parked needed
-      groups resume on the least-loaded primary; T_no is the slowest primary;
+      groups resume on the least-loaded primary; T_no is the slowest primary's expected time;
     * **T_joint** — after C_in, Q_a needed groups (Eq. 4: ``rollout_dispatch``) move to the ``d_a`` auxiliaries in
       migration order, parked ones first, and resume there from their prefixes; the primaries keep the rest. The
       primaries keep generating during C_in (as Algorithm 2 drains the trainer's queue), so a share
       ``f = C_in / T_no`` of the work is done before the auxiliaries start and
-      ``T_joint = (1 − f) · max(primaries, auxiliaries)``.
+      ``T_joint = (1 − f) · E[max(primaries, auxiliaries)]``.
 
     ``replica_times(request_sets)``, if given, is ``replica_time`` of many replicas in one call (the same
     numbers). Remaining lengths are distributions over ``sample`` (``prior``: the job's response-length sample, for
     responses longer than every recent one; :class:`RemainingLengths`), and a replica's needed work ends when the
     longest of its needed responses does: each request set is timed on that expected maximum and the conditional
-    mean tokens (:func:`replica_remaining`), its run-ahead load capped at the same expected maximum. The window is
-    admitted when
+    mean tokens (:func:`replica_remaining`), its run-ahead load capped at the same expected maximum, and again at
+    the longest remaining length it can take; the secant through the two makes the replica's time a distribution,
+    and the batch waits for the slowest replica, E[max_j T_j] (:func:`expected_slowest`): T_no over the primaries,
+    T_joint over the primaries and auxiliaries alike, so spreading the same groups over more replicas is not
+    mistaken for a gain (with one replica, E[T] is its time at the expected maximum). The window is admitted when
     ``C_in + T_joint + C_out < T_no`` (always, when not ``gated``: the opportunistic ablation). With fresh
     groups only and no other load this is Eq. 3, ``M_r(Q_r, d_p) − M_r(Q_r, d_p + d_a) > C_in + C_out``.
     """
@@ -271,47 +317,74 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
     span = {g.group_id: np.arange(e - len(g.progress), e) for g, e in zip(groups, ends)}
 
     def requests(need, others=(), prefill_all=False):
-        """One replica's request set: the ``need`` groups run until their longest response ends (the expected
-        maximum over all of them, :func:`replica_remaining`), the ``others`` share its iterations up to then."""
+        """One replica's request set as a function of its longest needed remaining length ``x``: ``(at, values,
+        cdf, x̄)``. ``at(x)`` is the request set with the needed request of the largest mean at ``x``, the other
+        needed ones sharing the rest of the expected tokens (:func:`replica_remaining` at the expected maximum
+        ``x̄``) and the ``others`` sharing its iterations up to ``x``; ``values``/``cdf`` the distribution of
+        ``x`` (:meth:`RemainingLengths.max_distribution`)."""
         idx = np.concatenate([span[g.group_id] for g in need])
-        longest = lengths.expected_max(idx)
-        needs = np.split(replica_remaining(lengths.mean[idx], longest), np.cumsum([len(g.progress) for g in need]))
-        shares = needs[:-1] + [np.minimum(lengths.mean[span[g.group_id]], longest) for g in others]
-        ctx, rem, pre = [], [], []
-        for g, part in zip(list(need) + list(others), shares):
-            for held, r in zip(g.progress, part):
-                if r > 0:
-                    ctx.append(g.prompt_len + held)
-                    rem.append(r)
-                    pre.append(prefill_all or g.worker is None or g.prefilling)
-        return np.asarray(ctx, float), np.asarray(rem, float), np.asarray(pre, bool)
+        values, cdf = lengths.max_distribution(idx)
+        mean = _mean_of_steps(values, cdf)
+        spread = replica_remaining(lengths.mean[idx], mean)
+        top = int(np.argmax(spread)) if spread.size else 0
+        cuts = np.cumsum([len(g.progress) for g in need])[:-1]
+
+        def at(x):
+            needs = spread.copy()
+            if needs.size:
+                needs[top] = x
+            shares = np.split(needs, cuts) + [np.minimum(lengths.mean[span[g.group_id]], x) for g in others]
+            ctx, rem, pre = [], [], []
+            for g, part in zip(list(need) + list(others), shares):
+                for held, r in zip(g.progress, part):
+                    if r > 0:
+                        ctx.append(g.prompt_len + held)
+                        rem.append(r)
+                        pre.append(prefill_all or g.worker is None or g.prefilling)
+            return np.asarray(ctx, float), np.asarray(rem, float), np.asarray(pre, bool)
+        return at, values, cdf, mean
 
     def times(request_sets: list) -> list:
         if replica_times is not None:
             return replica_times(request_sets)
         return [replica_time(*sets) for sets in request_sets]
 
-    def primaries_time(moved: set) -> float:
-        request_sets = []
+    def slowest(sets: list) -> float:
+        """E[max_j T_j] over these replicas' request sets: each replica's time at its expected longest remaining
+        length and at its longest possible one (the replica model's secant between them, exact at both) makes
+        its time a distribution, and the slowest of them is :func:`expected_slowest`."""
+        if not sets:
+            return 0.0
+        ends = [values[-1] if values.size else mean for _, values, _, mean in sets]
+        t = times([at(mean) for at, _, _, mean in sets] + [at(end) for (at, *_), end in zip(sets, ends)])
+        at_mean, at_end = t[:len(sets)], t[len(sets):]
+        spans_, cdfs = [], []
+        for (at, values, cdf, mean), end, t1, t2 in zip(sets, ends, at_mean, at_end):
+            slope = (t2 - t1) / (end - mean) if end > mean else 0.0
+            if values.size == 0 or slope == 0.0:
+                spans_.append(np.array([t1]))
+                cdfs.append(np.array([1.0]))
+            else:
+                spans_.append(np.maximum(t1 + slope * (values - mean), 0.0))
+                cdfs.append(cdf)
+        return expected_slowest(spans_, cdfs)
+
+    def primary_sets(moved: set) -> list:
+        """Each primary holding needed groups (less the ``moved`` ones): its request set."""
+        sets = []
         for w in primaries:
             mine = [g for g in members[w] if g.group_id not in moved]
             need = [g for g in mine if g.needed]
             if need:
-                request_sets.append(requests(need, [g for g in mine if not g.needed]))
-        worst = 0.0
-        for t in times(request_sets):
-            worst = max(worst, t)
-        return worst
+                sets.append(requests(need, [g for g in mine if not g.needed]))
+        return sets
 
-    t_no = primaries_time(set())
+    t_no = slowest(primary_sets(set()))
     q_a = min(q_a, len(needed))
     movers = sorted(needed, key=lambda g: (g.worker is not None, g.rank))[:q_a]
-    t_aux = 0.0
-    if movers and d_a > 0:
-        for t in times([requests(movers[k::d_a], prefill_all=True) for k in range(d_a) if movers[k::d_a]]):
-            t_aux = max(t_aux, t)
+    aux = [requests(movers[k::d_a], prefill_all=True) for k in range(d_a) if movers[k::d_a]] if d_a > 0 else []
     drained = min(1.0, costs.c_in / t_no) if t_no > 0 else 1.0
-    t_joint = (1.0 - drained) * max(primaries_time({g.group_id for g in movers}), t_aux)
+    t_joint = (1.0 - drained) * slowest(primary_sets({g.group_id for g in movers}) + aux)
     return RolloutGate(admitted=(t_no - t_joint > cost) if gated else True, t_primary=t_no, t_joint=t_joint,
                        q_a=q_a, cost=cost)
 
