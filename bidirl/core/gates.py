@@ -203,10 +203,8 @@ def expected_slowest(values: Sequence[np.ndarray], cdfs: Sequence[np.ndarray]) -
     v = np.concatenate([p[0] for p in parts])
     c = np.concatenate([p[1] for p in parts])
     before = np.concatenate([np.concatenate([[0.0], p[1][:-1]]) for p in parts])
-    first = before == 0.0
-    with np.errstate(divide="ignore"):
-        step = np.where(first, np.log(np.maximum(c, 1e-300)), np.log(np.maximum(c, 1e-300)) - np.log(
-            np.maximum(before, 1e-300)))
+    first = before == 0.0                             # a replica's first step: from 0 (a zero factor) to c
+    step = np.log(c) - np.log(np.where(first, 1.0, before))
     order = np.argsort(v, kind="stable")
     v, step, first = v[order], step[order], first[order]
     zeros = len(parts) - np.cumsum(first)
@@ -358,16 +356,16 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
         ends = [values[-1] if values.size else mean for _, values, _, mean in sets]
         t = times([at(mean) for at, _, _, mean in sets] + [at(end) for (at, *_), end in zip(sets, ends)])
         at_mean, at_end = t[:len(sets)], t[len(sets):]
-        spans_, cdfs = [], []
+        finish, cdfs = [], []
         for (at, values, cdf, mean), end, t1, t2 in zip(sets, ends, at_mean, at_end):
             slope = (t2 - t1) / (end - mean) if end > mean else 0.0
-            if values.size == 0 or slope == 0.0:
-                spans_.append(np.array([t1]))
+            if values.size == 0 or not slope > 0.0:      # no spread (or a model not rising with it)
+                finish.append(np.array([t1]))
                 cdfs.append(np.array([1.0]))
             else:
-                spans_.append(np.maximum(t1 + slope * (values - mean), 0.0))
+                finish.append(np.maximum(t1 + slope * (values - mean), 0.0))
                 cdfs.append(cdf)
-        return expected_slowest(spans_, cdfs)
+        return expected_slowest(finish, cdfs)
 
     def primary_sets(moved: set) -> list:
         """Each primary holding needed groups (less the ``moved`` ones): its request set."""
