@@ -39,6 +39,111 @@ def test_a_response_past_every_recent_length_takes_its_remaining_length_from_the
     assert gates.expected_remaining([90], [False], recent, prior).tolist() == [1.0]
 
 
+def test_the_expected_longest_remaining_length_of_one_response_is_its_conditional_mean():
+    recent, prior = np.array([10, 20, 30, 40]), np.array([10, 40, 60, 80])
+    for g in (0, 15, 35, 50, 90):
+        mean = gates.expected_remaining([g], [False], recent, prior)[0]
+        # the event sum is exact up to the rounding of its logs: a few ulps of the 4-sample mean (≤ 80 tokens)
+        assert gates.expected_max_remaining([g], [False], recent, prior) == pytest.approx(mean, rel=1e-12)
+
+
+def test_the_expected_longest_remaining_length_is_the_mean_of_the_maximum_not_the_maximum_of_the_means():
+    # two fresh responses, each 10, 20, 30 or 40 tokens: E[max] over the 16 equally likely pairs is 31.25 (Jensen:
+    # above the 25 each one's mean gives); one at 15 needs 5, 15 or 25 more; a finished one adds nothing
+    sample = np.array([10, 20, 30, 40])
+    assert gates.expected_max_remaining([0, 0], [False, False], sample) == pytest.approx(31.25, rel=1e-12)
+    pairs = [max(a, b - 15) for a in sample for b in sample if b > 15]
+    assert gates.expected_max_remaining([0, 15, 40], [False, False, True], sample) == pytest.approx(np.mean(pairs),
+                                                                                                  rel=1e-12)
+    assert gates.expected_max_remaining([0, 0], [True, True], sample) == 0.0
+    assert gates.expected_max_remaining([], [], sample) == 0.0
+    assert gates.expected_max_remaining([3], [False], np.array([])) == 0.0     # no sample: nothing is known
+    # past every sampled length (recent and prior): one more token, certain
+    assert gates.expected_max_remaining([90, 95], [False, False], sample, np.array([50])) == 1.0
+
+
+@given(sample=st.lists(st.integers(1, 400), min_size=1, max_size=40),
+       prior=st.lists(st.integers(1, 600), max_size=40),
+       progress=st.lists(st.tuples(st.integers(0, 650), st.booleans()), min_size=1, max_size=12))
+def test_the_expected_longest_remaining_length_lies_between_the_largest_mean_and_the_longest_remainder(
+        sample, prior, progress):
+    g, done = [p for p, _ in progress], [d for _, d in progress]
+    sample, prior = np.array(sample, float), np.array(prior, float)
+    lengths = gates.RemainingLengths.of(g, done, sample, prior)
+    longest = gates.expected_max_remaining(g, done, sample, prior)
+
+    def reach(x, finished):
+        """A response's longest possible remainder: the longest length above it in the sample it is read from,
+        less its progress; one token past every sampled length; 0 when finished."""
+        if finished:
+            return 0.0
+        for s in (sample, prior):
+            if (s > x).any():
+                return max(float(s.max()) - x, 1.0)
+        return 1.0
+
+    # the integral sums at most a few hundred gaps of ≤ 650 tokens: 1e-9 relative covers its rounding
+    farthest = max(reach(x, d) for x, d in zip(g, done))
+    assert max(lengths.mean) * (1 - 1e-9) <= longest <= farthest * (1 + 1e-9) + 1e-12
+    assert longest <= lengths.mean.sum() * (1 + 1e-9) + 1e-12      # the longest is at most the sum of all
+    assert lengths.mean[np.array(done, bool)].sum() == 0.0
+    # finished responses add nothing to the maximum
+    unfinished = [i for i, d in enumerate(done) if not d]
+    assert longest == pytest.approx(lengths.expected_max(unfinished), rel=1e-12, abs=1e-12)
+
+
+def test_replica_remaining_keeps_the_expected_longest_and_the_expected_tokens():
+    out = gates.replica_remaining(np.array([25.0, 25.0, 10.0]), 35.0)
+    assert out[0] == 35.0 and out.sum() == pytest.approx(60.0) and out[1] / out[2] == pytest.approx(2.5)
+    np.testing.assert_array_equal(gates.replica_remaining(np.array([25.0]), 25.0), [25.0])
+    np.testing.assert_array_equal(gates.replica_remaining(np.array([0.0, 0.0]), 0.0), [0.0, 0.0])
+
+
+def test_the_slowest_of_independent_replicas():
+    # one replica: its own mean; certain times: the largest; two fair coins between 10 and 90 s: 90 − 80 / 4
+    assert gates.expected_slowest([np.array([10.0, 90.0])], [np.array([0.5, 1.0])]) == pytest.approx(50.0)
+    assert gates.expected_slowest([np.array([3.0]), np.array([7.0])], [np.array([1.0]), np.array([1.0])]) == 7.0
+    coin = (np.array([10.0, 90.0]), np.array([0.5, 1.0]))
+    assert gates.expected_slowest([coin[0]] * 2, [coin[1]] * 2) == pytest.approx(70.0)
+    assert gates.expected_slowest([], []) == 0.0
+
+
+@given(st.lists(st.lists(st.integers(0, 100), min_size=1, max_size=6), min_size=1, max_size=5))
+def test_the_slowest_replica_is_expected_no_sooner_than_any_one_and_no_later_than_the_longest_time(samples):
+    values, cdfs, means = [], [], []
+    for sample in samples:
+        v, counts = np.unique(np.array(sample, float), return_counts=True)
+        values.append(v)
+        cdfs.append(np.cumsum(counts) / counts.sum())
+        means.append(float(np.mean(sample)))
+    slowest = gates.expected_slowest(values, cdfs)
+    # sums of at most 6 gaps of ≤ 100 s in doubles: 1e-9 relative covers their rounding
+    assert max(means) * (1 - 1e-9) - 1e-9 <= slowest <= max(max(x) for x in samples) * (1 + 1e-9) + 1e-9
+
+
+def iterations(context, remaining, prefill):
+    """A replica whose decode iterations cost 1 s each, whatever they hold: it takes as long as its longest
+    request (the decode-wave term of the appendix's replica model, alone)."""
+    return float(np.max(remaining)) if len(remaining) else 0.0
+
+
+def test_rollout_gate_waits_for_the_longest_response_of_a_group_not_the_longest_mean():
+    # one needed group of four fresh responses, each 10 or 90 tokens with equal odds: every response's mean is
+    # 50 tokens, but the group is done only when its longest is, after 90 tokens unless all four are short:
+    # E[max] = 90 − 80 / 2⁴ = 85 iterations. The gate used to answer 50.
+    sample = np.array([10.0, 90.0])
+    group = gates.GroupWork(0, "p0", 0, (0, 0, 0, 0), (False,) * 4, True, (0, 0))
+    g = gates.rollout_gate([group], ["p0"], 1, 1, iterations, sample, SwitchCosts(0.0, 0.0))
+    assert g.t_primary == pytest.approx(85.0, rel=1e-12)
+    # two such groups on one replica wait for the longest of eight: 90 − 80 / 2⁸
+    other = gates.GroupWork(1, "p0", 0, (0, 0, 0, 0), (False,) * 4, True, (0, -1))
+    g = gates.rollout_gate([group, other], ["p0"], 1, 1, iterations, sample, SwitchCosts(0.0, 0.0))
+    assert g.t_primary == pytest.approx(90 - 80 / 2 ** 8, rel=1e-12)
+    # with one group moved to the auxiliary each replica waits for the longest of its four (85 expected), but the
+    # batch waits for the slower replica: the longest of all eight again, wherever they run
+    assert g.t_joint == pytest.approx(90 - 80 / 2 ** 8, rel=1e-12)
+
+
 def test_rollout_gate_predicts_responses_past_the_recent_sample_from_the_prior():
     # two needed responses at 60 tokens on one primary; every recent response finished by 55 (the longer ones
     # were still generating when the sample was taken), the prior reaches 100: 2 × (100 − 60) tokens / 10 = 8 s

@@ -5,6 +5,7 @@ coordinator state, so each is tested directly:
 
 * :func:`rollout_dispatch` — Eq. 4, Q_a = round(d_a / (d_p + d_a) · Q_r);
 * :func:`rollout_gate` — Eq. 3, generalised to primaries carrying run-ahead load;
+* :class:`RemainingLengths` — the remaining lengths the gate times, and their expected maximum (replica-max);
 * :func:`workload_time` — M_t(U, d) over chunk runs, with DrainPrefix (Algorithm 2, line 1);
 * :func:`trainer_gate` — Algorithm 2, lines 1-6: T_no, T_joint, T_borrow;
 * :func:`joint_tail_split` — JointTailSplit's search over integer split points.
@@ -71,13 +72,146 @@ class GroupWork:
 
 
 def _mean_above(sample: np.ndarray, g: np.ndarray) -> tuple:
-    """``(E[R | R > g], n)`` over a sorted ``sample`` for each ``g``: the conditional mean (``nan`` where no
-    sample exceeds ``g``) and how many samples exceed ``g``."""
+    """``(E[max(R − g, 1) | R > g], n)`` over a sorted ``sample`` for each ``g``: the conditional mean remaining
+    length, each sampled remainder at least one token (``nan`` where no sample exceeds ``g``), and how many
+    samples exceed ``g``. With whole token counts no remainder is below one token and this is E[R − g | R > g]."""
     suffix = np.concatenate([np.cumsum(sample[::-1])[::-1], [0.0]])      # Σ of sample[k:]
     k = np.searchsorted(sample, g, side="right")                          # first sample > g
-    n = sample.size - k
+    k1 = np.searchsorted(sample, g + 1.0, side="left")                   # first sample ≥ g + 1
+    n, n1 = sample.size - k, sample.size - k1
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(n > 0, suffix[k] / np.maximum(n, 1), np.nan), n
+        total = (k1 - k) + suffix[k1] - n1 * g                            # the ones within a token count 1
+        return np.where(n > 0, total / np.maximum(n, 1), np.nan), n
+
+
+@dataclass(frozen=True)
+class RemainingLengths:
+    """The remaining length of each response as a distribution, from the same samples as
+    :func:`expected_remaining`: an unfinished response at ``g`` tokens still needs ``max(R − g, 1)`` for ``R``
+    drawn from the recent sample's lengths above ``g`` (``source`` 0), the prior's where none of the recent ones
+    is (1), or exactly one token where neither sample reaches past it (2); a finished one needs nothing (−1).
+
+    ``mean`` is each response's expected remaining length (:func:`expected_remaining`); :meth:`expected_max` is
+    the expected *longest* remaining length of a set of responses taken as independent,
+    ``E[max_i X_i] = ∫ (1 − Π_i P(X_i ≤ x)) dx``, exact on the samples' support. A prompt group completes with
+    its longest response and a replica's decode iterations run until its longest request ends (the appendix's
+    replica-max semantics), so that, not the largest mean, is when the work a replica holds is done: the mean
+    of a maximum is at least the maximum of the means (Jensen), by more the more responses and the wider the
+    sample."""
+    progress: np.ndarray
+    source: np.ndarray
+    first: np.ndarray
+    mean: np.ndarray
+    samples: tuple
+
+    @classmethod
+    def of(cls, progress: Sequence[int], done: Sequence[bool], sample: np.ndarray,
+           prior: Optional[np.ndarray] = None) -> "RemainingLengths":
+        recent = np.sort(np.asarray(sample, dtype=float).reshape(-1))
+        back = np.sort(np.asarray(prior, dtype=float).reshape(-1)) if prior is not None else np.zeros(0)
+        g = np.asarray(progress, dtype=float).reshape(-1)
+        finished = np.asarray(done, dtype=bool).reshape(-1)
+        if finished.shape != g.shape:
+            raise ValueError(f"progress ({g.size}) and done ({finished.size}) must name the same responses")
+        source, first, mean = np.full(g.size, -1), np.zeros(g.size, dtype=np.int64), np.zeros(g.size)
+        if recent.size:
+            mean_above, n = _mean_above(recent, g)
+            first = np.searchsorted(recent, g, side="right")
+            source = np.where(n > 0, 0, 2)
+            if back.size and (n == 0).any():
+                past = n == 0
+                from_prior, n_prior = _mean_above(back, g[past])
+                mean_above[past] = from_prior
+                first[past] = np.searchsorted(back, g[past], side="right")
+                source[past] = np.where(n_prior > 0, 1, 2)
+            mean = np.where(source == 2, 1.0, mean_above)
+            source[finished] = -1
+            mean[finished] = 0.0
+        return cls(g, source, first, mean, (recent, back))
+
+    def expected_max(self, index: Sequence[int]) -> float:
+        """E[max remaining length] over the responses ``index`` (finished ones contribute 0; none: 0): the
+        integral of ``1 − P(max ≤ x)`` over :meth:`max_distribution`; nothing is sampled."""
+        values, cdf = self.max_distribution(index)
+        return _mean_of_steps(values, cdf)
+
+    def max_distribution(self, index: Sequence[int]) -> tuple:
+        """``(values, cdf)``: the distinct values the longest remaining length of the responses ``index`` can take,
+        ascending, and ``P(max ≤ value)`` at each (the last is 1); empty when every response is finished.
+
+        Each response's distribution is a step function with a jump of ``1/n_i`` at each of its ``n_i`` sampled
+        remainders, so ``Π_i P(X_i ≤ x)`` changes only there: every jump of every response is one event, sorted
+        once, and the product is carried through them in logs (a response's j-th jump multiplies it by
+        ``j/(j − 1)``, its first one ends a zero factor)."""
+        idx = np.asarray(index, dtype=np.int64).reshape(-1)
+        idx = idx[self.source[idx] >= 0]
+        if idx.size == 0:
+            return np.zeros(0), np.zeros(0)
+        # responses read from the same sample at the same progress share one distribution: once, with its
+        # multiplicity as the power of its factor (the responses a worker started together stay level)
+        kinds, first_of, times = np.unique(np.stack([self.source[idx], self.progress[idx]]), axis=1,
+                                           return_index=True, return_counts=True)
+        rep = idx[first_of]
+        values, ranks, powers, log_total = [], [], [], 0.0                        # log_total: Σ_i log n_i
+        for src, sample in enumerate(self.samples):
+            sel, mult = rep[kinds[0] == src], times[kinds[0] == src]
+            if sel.size == 0:
+                continue
+            n = sample.size - self.first[sel]
+            rank = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)      # 0 … n_i − 1 within each
+            at = np.repeat(self.first[sel], n) + rank
+            values.append(np.maximum(sample[at] - np.repeat(self.progress[sel], n), 1.0))
+            ranks.append(rank)
+            powers.append(np.repeat(mult, n))
+            log_total += float(np.sum(mult * np.log(n)))
+        ones = int((self.source[idx] == 2).sum())
+        values.append(np.ones(1 if ones else 0))
+        ranks.append(np.zeros(1 if ones else 0, dtype=np.int64))
+        powers.append(np.full(1 if ones else 0, ones))
+        v, r, m = np.concatenate(values), np.concatenate(ranks), np.concatenate(powers)
+        order = np.argsort(v, kind="stable")
+        v, r, m = v[order], r[order], m[order]
+        step = np.where(r > 0, m * np.log1p(1.0 / np.maximum(r, 1)), 0.0)        # log((j + 1) / j)^m, j = r
+        zeros = idx.size - np.cumsum(np.where(r == 0, m, 0))
+        log_cdf = np.cumsum(step) - log_total
+        last = np.append(v[1:] != v[:-1], True)                                   # after every tie at a value
+        cdf = np.where(zeros[last] == 0, np.exp(np.minimum(log_cdf[last], 0.0)), 0.0)
+        cdf[-1] = 1.0                                                             # every jump taken: certain
+        return v[last], cdf
+
+
+def _mean_of_steps(values: np.ndarray, cdf: np.ndarray) -> float:
+    """E[X] of a non-negative X taking the ascending ``values`` with ``P(X ≤ values[k]) = cdf[k]`` (the last 1):
+    ``∫ (1 − P(X ≤ x)) dx``, a sum over the gaps between the values."""
+    if values.size == 0:
+        return 0.0
+    return float(values[0] + np.sum(np.diff(values) * (1.0 - cdf[:-1])))
+
+
+def expected_slowest(values: Sequence[np.ndarray], cdfs: Sequence[np.ndarray]) -> float:
+    """E[max_j T_j] of independent non-negative times, each given as ascending ``values[j]`` with
+    ``P(T_j ≤ values[j][k]) = cdfs[j][k]`` (the last 1): ``P(max ≤ t) = Π_j P(T_j ≤ t)``, carried through every
+    replica's steps in one sort as :meth:`RemainingLengths.max_distribution` carries responses' (a step from
+    ``c`` to ``c'`` multiplies the product by ``c'/c``; a replica's first step ends its zero factor)."""
+    parts = []
+    for v, c in zip(values, cdfs):
+        v, c = np.asarray(v, float), np.asarray(c, float)
+        if v.size:                                    # the values it cannot be at or below add nothing
+            parts.append((v[c > 0], c[c > 0]))
+    if not parts:
+        return 0.0
+    v = np.concatenate([p[0] for p in parts])
+    c = np.concatenate([p[1] for p in parts])
+    before = np.concatenate([np.concatenate([[0.0], p[1][:-1]]) for p in parts])
+    first = before == 0.0                             # a replica's first step: from 0 (a zero factor) to c
+    step = np.log(c) - np.log(np.where(first, 1.0, before))
+    order = np.argsort(v, kind="stable")
+    v, step, first = v[order], step[order], first[order]
+    zeros = len(parts) - np.cumsum(first)
+    last = np.append(v[1:] != v[:-1], True)
+    cdf = np.where(zeros[last] == 0, np.exp(np.minimum(np.cumsum(step)[last], 0.0)), 0.0)
+    cdf[-1] = 1.0
+    return _mean_of_steps(v[last], cdf)
 
 
 def expected_remaining(progress: Sequence[int], done: Sequence[bool], sample: np.ndarray,
@@ -92,20 +226,35 @@ def expected_remaining(progress: Sequence[int], done: Sequence[bool], sample: np
     has outgrown the prior too (or no prior is given) does it need one more token. Before, every response past
     the recent sample's longest was one token from done: on the H100 Qwen3-30B-A3B job (GSM8K, 2,048-token cap)
     the gate predicted 0.24 s for 57 responses at 1,557–1,595 tokens (the recent sample ended at 1,555) that
-    took 16.7 s, the M_r(Q_r, d_p) of Eq. 3 the window was refused on."""
-    sample = np.sort(np.asarray(sample, dtype=float))
-    g = np.asarray(progress, dtype=float)
-    out = np.zeros(g.size)
-    if sample.size == 0:
+    took 16.7 s, the M_r(Q_r, d_p) of Eq. 3 the window was refused on. :class:`RemainingLengths` holds the
+    same distributions (and their expected maximum)."""
+    return RemainingLengths.of(progress, done, sample, prior).mean
+
+
+def expected_max_remaining(progress: Sequence[int], done: Sequence[bool], sample: np.ndarray,
+                           prior: Optional[np.ndarray] = None) -> float:
+    """The expected longest remaining length of these responses (:meth:`RemainingLengths.expected_max`): when a
+    prompt group with this progress completes, in tokens of its slowest response."""
+    lengths = RemainingLengths.of(progress, done, sample, prior)
+    return lengths.expected_max(np.arange(lengths.mean.size))
+
+
+def replica_remaining(means: np.ndarray, longest: float) -> np.ndarray:
+    """Remaining lengths that give a replica's request set both expectations it is timed on: its decode
+    iterations run until the longest request ends (``longest``, :meth:`RemainingLengths.expected_max`) and it
+    decodes the sum of the ``means`` in tokens. The request with the largest mean takes ``longest``; the others
+    share what is left of the sum, ``Σ means − longest`` (the expected tokens of every response but the longest),
+    in proportion to their means. With one request, or equal certain lengths, these are the means."""
+    means = np.asarray(means, dtype=float)
+    out = means.copy()
+    if means.size == 0 or not means.max() > 0:
         return out
-    mean_above, n = _mean_above(sample, g)
-    if prior is not None and np.asarray(prior).size and (n == 0).any():
-        past = n == 0
-        from_prior, _ = _mean_above(np.sort(np.asarray(prior, dtype=float)), g[past])
-        mean_above[past] = from_prior
-    mean_above = np.where(np.isnan(mean_above), g + 1.0, mean_above)
-    out = np.maximum(mean_above - g, 1.0)
-    out[np.asarray(done, dtype=bool)] = 0.0
+    top = int(np.argmax(means))
+    rest = float(means.sum() - means[top])
+    out[top] = longest
+    if rest > 0:
+        left = max(0.0, float(means.sum()) - longest)
+        out[np.arange(means.size) != top] *= left / rest
     return out
 
 
@@ -122,16 +271,22 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
 
     * **T_no** — primaries only: on each primary, its needed groups run to completion together with the rest of
       its load (run-ahead groups share every decode iteration, up to the last needed token), parked needed
-      groups resume on the least-loaded primary; T_no is the slowest primary;
+      groups resume on the least-loaded primary; T_no is the slowest primary's expected time;
     * **T_joint** — after C_in, Q_a needed groups (Eq. 4: ``rollout_dispatch``) move to the ``d_a`` auxiliaries in
       migration order, parked ones first, and resume there from their prefixes; the primaries keep the rest. The
       primaries keep generating during C_in (as Algorithm 2 drains the trainer's queue), so a share
       ``f = C_in / T_no`` of the work is done before the auxiliaries start and
-      ``T_joint = (1 − f) · max(primaries, auxiliaries)``.
+      ``T_joint = (1 − f) · E[max(primaries, auxiliaries)]``.
 
     ``replica_times(request_sets)``, if given, is ``replica_time`` of many replicas in one call (the same
-    numbers). Remaining lengths are :func:`expected_remaining` over ``sample`` (``prior``: the job's
-    response-length sample, for responses longer than every recent one). The window is admitted when
+    numbers). Remaining lengths are distributions over ``sample`` (``prior``: the job's response-length sample, for
+    responses longer than every recent one; :class:`RemainingLengths`), and a replica's needed work ends when the
+    longest of its needed responses does: each request set is timed on that expected maximum and the conditional
+    mean tokens (:func:`replica_remaining`), its run-ahead load capped at the same expected maximum, and again at
+    the longest remaining length it can take; the secant through the two makes the replica's time a distribution,
+    and the batch waits for the slowest replica, E[max_j T_j] (:func:`expected_slowest`): T_no over the primaries,
+    T_joint over the primaries and auxiliaries alike, so spreading the same groups over more replicas is not
+    mistaken for a gain (with one replica, E[T] is its time at the expected maximum). The window is admitted when
     ``C_in + T_joint + C_out < T_no`` (always, when not ``gated``: the opportunistic ablation). With fresh
     groups only and no other load this is Eq. 3, ``M_r(Q_r, d_p) − M_r(Q_r, d_p + d_a) > C_in + C_out``.
     """
@@ -153,54 +308,81 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
         owner = g.worker if g.worker is not None else placed.get(g.group_id)
         if owner in members:
             members[owner].append(g)
-    # every group's expected remaining lengths in one pass (elementwise: the same as group by group)
-    left = expected_remaining([h for g in groups for h in g.progress], [d for g in groups for d in g.done], sample,
-                              prior)
+    # every response's remaining-length distribution in one pass (elementwise: the same as group by group)
+    lengths = RemainingLengths.of([h for g in groups for h in g.progress], [d for g in groups for d in g.done],
+                                  sample, prior)
     ends = np.cumsum([len(g.progress) for g in groups])
-    work = {g.group_id: part for g, part in zip(groups, np.split(left, ends[:-1]))}
+    span = {g.group_id: np.arange(e - len(g.progress), e) for g, e in zip(groups, ends)}
 
-    def requests(members, horizon=None, prefill_all=False):
-        ctx, rem, pre = [], [], []
-        for g in members:
-            left = work[g.group_id] if horizon is None else np.minimum(work[g.group_id], horizon)
-            for held, r in zip(g.progress, left):
-                if r > 0:
-                    ctx.append(g.prompt_len + held)
-                    rem.append(r)
-                    pre.append(prefill_all or g.worker is None or g.prefilling)
-        return np.asarray(ctx, float), np.asarray(rem, float), np.asarray(pre, bool)
+    def requests(need, others=(), prefill_all=False):
+        """One replica's request set as a function of its longest needed remaining length ``x``: ``(at, values,
+        cdf, x̄)``. ``at(x)`` is the request set with the needed request of the largest mean at ``x``, the other
+        needed ones sharing the rest of the expected tokens (:func:`replica_remaining` at the expected maximum
+        ``x̄``) and the ``others`` sharing its iterations up to ``x``; ``values``/``cdf`` the distribution of
+        ``x`` (:meth:`RemainingLengths.max_distribution`)."""
+        idx = np.concatenate([span[g.group_id] for g in need])
+        values, cdf = lengths.max_distribution(idx)
+        mean = _mean_of_steps(values, cdf)
+        spread = replica_remaining(lengths.mean[idx], mean)
+        top = int(np.argmax(spread)) if spread.size else 0
+        cuts = np.cumsum([len(g.progress) for g in need])[:-1]
+
+        def at(x):
+            needs = spread.copy()
+            if needs.size:
+                needs[top] = x
+            shares = np.split(needs, cuts) + [np.minimum(lengths.mean[span[g.group_id]], x) for g in others]
+            ctx, rem, pre = [], [], []
+            for g, part in zip(list(need) + list(others), shares):
+                for held, r in zip(g.progress, part):
+                    if r > 0:
+                        ctx.append(g.prompt_len + held)
+                        rem.append(r)
+                        pre.append(prefill_all or g.worker is None or g.prefilling)
+            return np.asarray(ctx, float), np.asarray(rem, float), np.asarray(pre, bool)
+        return at, values, cdf, mean
 
     def times(request_sets: list) -> list:
         if replica_times is not None:
             return replica_times(request_sets)
         return [replica_time(*sets) for sets in request_sets]
 
-    def primaries_time(moved: set) -> float:
-        request_sets = []
+    def slowest(sets: list) -> float:
+        """E[max_j T_j] over these replicas' request sets: each replica's time at its expected longest remaining
+        length and at its longest possible one (the replica model's secant between them, exact at both) makes
+        its time a distribution, and the slowest of them is :func:`expected_slowest`."""
+        if not sets:
+            return 0.0
+        ends = [values[-1] if values.size else mean for _, values, _, mean in sets]
+        t = times([at(mean) for at, _, _, mean in sets] + [at(end) for (at, *_), end in zip(sets, ends)])
+        at_mean, at_end = t[:len(sets)], t[len(sets):]
+        finish, cdfs = [], []
+        for (at, values, cdf, mean), end, t1, t2 in zip(sets, ends, at_mean, at_end):
+            slope = (t2 - t1) / (end - mean) if end > mean else 0.0
+            if values.size == 0 or not slope > 0.0:      # no spread (or a model not rising with it)
+                finish.append(np.array([t1]))
+                cdfs.append(np.array([1.0]))
+            else:
+                finish.append(np.maximum(t1 + slope * (values - mean), 0.0))
+                cdfs.append(cdf)
+        return expected_slowest(finish, cdfs)
+
+    def primary_sets(moved: set) -> list:
+        """Each primary holding needed groups (less the ``moved`` ones): its request set."""
+        sets = []
         for w in primaries:
             mine = [g for g in members[w] if g.group_id not in moved]
             need = [g for g in mine if g.needed]
-            if not need:
-                continue
-            horizon = max(float(work[g.group_id].max()) for g in need)
-            others = [g for g in mine if not g.needed]
-            c1, r1, p1 = requests(need)
-            c2, r2, p2 = requests(others, horizon=horizon)
-            request_sets.append((np.concatenate([c1, c2]), np.concatenate([r1, r2]), np.concatenate([p1, p2])))
-        worst = 0.0
-        for t in times(request_sets):
-            worst = max(worst, t)
-        return worst
+            if need:
+                sets.append(requests(need, [g for g in mine if not g.needed]))
+        return sets
 
-    t_no = primaries_time(set())
+    t_no = slowest(primary_sets(set()))
     q_a = min(q_a, len(needed))
     movers = sorted(needed, key=lambda g: (g.worker is not None, g.rank))[:q_a]
-    t_aux = 0.0
-    if movers and d_a > 0:
-        for t in times([requests(movers[k::d_a], prefill_all=True) for k in range(d_a) if movers[k::d_a]]):
-            t_aux = max(t_aux, t)
+    aux = [requests(movers[k::d_a], prefill_all=True) for k in range(d_a) if movers[k::d_a]] if d_a > 0 else []
     drained = min(1.0, costs.c_in / t_no) if t_no > 0 else 1.0
-    t_joint = (1.0 - drained) * max(primaries_time({g.group_id for g in movers}), t_aux)
+    t_joint = (1.0 - drained) * slowest(primary_sets({g.group_id for g in movers}) + aux)
     return RolloutGate(admitted=(t_no - t_joint > cost) if gated else True, t_primary=t_no, t_joint=t_joint,
                        q_a=q_a, cost=cost)
 
