@@ -1,7 +1,8 @@
 """A real browser runs every notebook (01–08) in JupyterLab, as a new user would, and the figures answer.
 
-JupyterLab is started once for the module on 127.0.0.1 with a random free port and a random token, in a
-temporary root holding copies of the three notebooks (the repository copies are never written). Debian's
+JupyterLab is started once for the module on 127.0.0.1, on a port the OS picks as the server binds it (read back
+from the server's record of itself), with a random token, in a temporary root holding copies of the three
+notebooks (the repository copies are never written). Debian's
 ``chromium``, driven by Playwright's Python package (``executable_path``; Playwright's own browser download is
 not used), opens each notebook, runs all cells and waits for the kernel to finish. Then:
 
@@ -41,12 +42,12 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -64,13 +65,8 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SHOTS = ROOT / "results" / "browser"
 SERVER_START_S = 60
+LAB_STARTS = 3              # starts of a server whose own port pick was taken from it (_start_lab) before failing
 RUN_ALL_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _lab_settings(path: Path) -> None:
@@ -87,18 +83,58 @@ def _lab_settings(path: Path) -> None:
         target.write_text(json.dumps(content))
 
 
-def _wait_for_server(url: str, proc: subprocess.Popen, log: Path) -> None:
+def _wait_for_server(runtime: Path, token: str, proc: subprocess.Popen, log: Path) -> Optional[str]:
+    """The server's base URL once it answers; its port read from the record the server writes in its runtime dir
+    (``jpserver-<pid>.json``, what ``jupyter server list`` reads). None when the server exited because the port it
+    picked was taken before it listened on it (``_start_lab``)."""
     deadline = time.monotonic() + SERVER_START_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            if "is already in use" in log.read_text():
+                return None
             pytest.fail(f"JupyterLab exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            with urllib.request.urlopen(url, timeout=2) as r:
+            port = json.loads(next(runtime.glob("jpserver-*.json")).read_text())["port"]
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2) as r:
                 if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
+                    return f"http://127.0.0.1:{port}"
+        except (StopIteration, ValueError, OSError):    # no record yet, a record half written, no answer yet
+            pass
+        time.sleep(0.5)
     pytest.fail(f"JupyterLab did not answer within {SERVER_START_S} s:\n{log.read_text()[-3000:]}")
+
+
+def _start_lab(cmd: list, env: dict, token: str, root: Path, tmp: Path) -> tuple:
+    """Start the server on a port the OS picks (``--port=0``); returns (process, base URL, log).
+
+    No port is picked here and handed to the server: another process (an xdist worker) could take it in between,
+    and the server would then listen elsewhere (its default port retries) while the test talks to the port it
+    was given. One such window remains inside jupyter_server: it binds port 0 to learn a free port, closes that
+    socket and listens on the port a moment later. With ``port_retries=0`` a server that lost that port exits
+    saying so, instead of listening on another one; it is started again, at most LAB_STARTS times."""
+    for start in range(LAB_STARTS):
+        runtime, log = tmp / f"jupyter-runtime-{start}", tmp / f"jupyterlab-{start}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd + ["--port=0", "--ServerApp.port_retries=0"], stdout=out,
+                                    stderr=subprocess.STDOUT, env=dict(env, JUPYTER_RUNTIME_DIR=str(runtime)),
+                                    cwd=root)
+        try:
+            base = _wait_for_server(runtime, token, proc, log)
+        except BaseException:
+            _stop(proc)
+            raise
+        if base is not None:
+            return proc, base, log
+    pytest.fail(f"JupyterLab lost the port it picked {LAB_STARTS} times running:\n{log.read_text()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
 
 
 def _expected_trace_counts() -> dict:
@@ -130,30 +166,20 @@ def lab(tmp_path_factory):
         shutil.copy(path, root / path.name)
     settings = tmp / "settings"
     _lab_settings(settings)
-    port, token = _free_port(), secrets.token_hex(16)
+    token = secrets.token_hex(16)
     env = dict(os.environ, BIDIRL_SMOKE="1", JUPYTER_CONFIG_DIR=str(tmp / "jupyter-config"),
-               JUPYTER_RUNTIME_DIR=str(tmp / "jupyter-runtime"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
-    log = tmp / "jupyterlab.log"
-    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
            f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={tmp / 'workspaces'}",
            "--LabApp.check_for_updates_class=jupyterlab.handlers.announcements.NeverCheckForUpdate"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-root")          # CI containers run as root
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root)
+    proc, base, log = _start_lab(cmd, env, token, root, tmp)
     try:
-        base = f"http://127.0.0.1:{port}"
-        _wait_for_server(f"{base}/api/status?token={token}", proc, log)
         yield {"base": base, "token": token, "log": log, "tmp": tmp}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        _stop(proc)
 
 
 def _sessions(lab: dict) -> list:

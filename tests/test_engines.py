@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -36,6 +35,7 @@ from bidirl.rl.tasks import ArithmeticTask
 from bidirl.rl.tiny_model import TINY_LLAMA
 
 import rounding
+from gang_rendezvous import join_gang, spawn_gang
 
 pytestmark = pytest.mark.integration
 # checked without importing vllm: the DP test's spawned workers import this module and must stay light
@@ -448,12 +448,6 @@ def test_short_grpo_loop_raises_the_mean_reward(fresh, model_dir):
 # a sharded gang over gloo: two FSDP2 ranks equal one process on the same samples
 # --------------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dp_samples(model_dir):
     from bidirl.rl.tiny_model import load_tokenizer
     tok = load_tokenizer(model_dir)
@@ -467,6 +461,7 @@ def _dp_samples(model_dir):
 
 def _dp_worker(rank, world, addr, model_dir, out_dir):
     trainer = TrainerEngine(model_dir, lr=1e-3, seed=0, threads=1)
+    join_gang(rank, world, addr)
     trainer.init_process_group(rank, world, addr)
     try:
         samples = _dp_samples(model_dir)
@@ -500,8 +495,7 @@ def _dp1_reference(_rank, model_dir, path):
 
 def test_dp2_over_gloo_matches_dp1(model_dir, tmp_path):
     import torch.multiprocessing as mp
-    addr = f"127.0.0.1:{_free_port()}"
-    mp.spawn(_dp_worker, args=(2, addr, str(model_dir), str(tmp_path)), nprocs=2, join=True)
+    spawn_gang(_dp_worker, 2, str(model_dir), str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     mp.spawn(_dp1_reference, args=(str(model_dir), str(tmp_path / "ref.pt")), nprocs=1, join=True)
     ref = torch.load(tmp_path / "ref.pt")

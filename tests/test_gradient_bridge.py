@@ -20,11 +20,12 @@ AdamW arithmetic (a handful of roundings, ≤ 8u·lr) and the rounding of the ne
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
 import torch
+
+from gang_rendezvous import join_gang, listening_store
 
 pytestmark = pytest.mark.integration
 
@@ -35,12 +36,6 @@ U = 2.0 ** -24
 GAMMA3 = 3 * U / (1 - 3 * U)
 EPS = 1e-8                          # AdamW's default ε, as the engine uses it
 BUCKET_BYTES = 64 * 1024            # far below a rank's shard (≈ 0.8 MB of the tiny model): several buckets
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for(paths, timeout=600.0):
@@ -78,7 +73,9 @@ def _worker(proc, addrs, model_dir, out):
     norm = grpo.loss_normalizer([s.response_len for s in samples])
     kw = dict(lr=LR, seed=0, threads=1, max_grad_norm=None)
     eng = TrainerEngine(model_dir, role="primary" if primary else "auxiliary", **kw)
-    eng.init_process_group(rank, 2, addrs["primary" if primary else "auxiliary"])
+    addr = addrs["primary" if primary else "auxiliary"]
+    join_gang(rank, 2, addr)                      # this gang's group: both engines of a primary rank take it
+    eng.init_process_group(rank, 2, addr)
     _save(eng.shard_signature(), os.path.join(out, f"sig{proc}.pt"))
     _wait_for([os.path.join(out, "transfers.pt")])             # the driver's part: pairs and transfers
     plan = torch.load(os.path.join(out, "transfers.pt"), weights_only=False)
@@ -135,21 +132,23 @@ def test_auxiliary_window_merges_shard_to_shard_and_matches_no_borrow(model_dir,
     from bidirl.cluster.engines.workers.bridge import pair_ranks, window_layout
     from bidirl.cluster.engines.workers.weight_transport import Rendezvous
 
-    addrs = {k: f"127.0.0.1:{_port()}" for k in ("primary", "auxiliary")}
-    procs = mp.spawn(_spawn_entry, args=(addrs, str(model_dir), str(tmp_path), os.path.dirname(__file__)),
-                     nprocs=4, join=False)
-    # the engine driver's part: pair the ranks from their shard signatures, open one transfer per auxiliary rank
-    _wait_for([tmp_path / f"sig{p}.pt" for p in range(4)])
-    sigs = [torch.load(tmp_path / f"sig{p}.pt") for p in range(4)]
-    pairs = pair_ranks(sigs[:2], sigs[2:])                     # {aux rank: [primary ranks]}
-    rendezvous = Rendezvous("127.0.0.1")
-    numel = [sum(math.prod(shape) for _, shape in sig) for sig in sigs[2:]]
-    transfers = {a: rendezvous.open([f"primary/{p}" for p in dsts], 0, window_layout(numel[a], BUCKET_BYTES), 120.0)
-                 for a, dsts in pairs.items()}
-    _save({"pairs": pairs, "transfers": transfers}, tmp_path / "transfers.pt")
-    while not procs.join():
-        pass
-    rendezvous.close_all()
+    with listening_store() as primary, listening_store() as auxiliary:      # each gang's store, listening here
+        addrs = {"primary": primary, "auxiliary": auxiliary}
+        procs = mp.spawn(_spawn_entry, args=(addrs, str(model_dir), str(tmp_path), os.path.dirname(__file__)),
+                         nprocs=4, join=False)
+        # the engine driver's part: pair the ranks from their shard signatures, open one transfer per auxiliary rank
+        _wait_for([tmp_path / f"sig{p}.pt" for p in range(4)])
+        sigs = [torch.load(tmp_path / f"sig{p}.pt") for p in range(4)]
+        pairs = pair_ranks(sigs[:2], sigs[2:])                     # {aux rank: [primary ranks]}
+        rendezvous = Rendezvous("127.0.0.1")
+        numel = [sum(math.prod(shape) for _, shape in sig) for sig in sigs[2:]]
+        transfers = {a: rendezvous.open([f"primary/{p}" for p in dsts], 0, window_layout(numel[a], BUCKET_BYTES),
+                                        120.0)
+                     for a, dsts in pairs.items()}
+        _save({"pairs": pairs, "transfers": transfers}, tmp_path / "transfers.pt")
+        while not procs.join():
+            pass
+        rendezvous.close_all()
     res = [torch.load(tmp_path / f"result{p}.pt", weights_only=False) for p in range(4)]
     assert pairs == {0: [0], 1: [1]}, "identical layouts pair rank i with rank i"
     assert all(len(t.layout.buckets) > 1 for t in transfers.values()), "the shard travels in several buckets"

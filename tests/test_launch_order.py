@@ -17,16 +17,7 @@ import time
 import pytest
 import torch
 
-
-def _join(rank: int, world: int, addr: str) -> None:
-    """Join the default process group (gloo) through the rendezvous store that :func:`_run` listens on at ``addr``,
-    as a client of it, with the store timeout ``tcp://`` rendezvous gives."""
-    import torch.distributed as dist
-    from torch.distributed.constants import default_pg_timeout
-
-    host, port = addr.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=default_pg_timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+from gang_rendezvous import join_gang, spawn_gang
 
 
 def _two_threads(rank, world, addr, path, ordered):
@@ -36,7 +27,7 @@ def _two_threads(rank, world, addr, path, ordered):
 
     from bidirl.cluster.engines.workers import launch_order as lo
 
-    _join(rank, world, addr)
+    join_gang(rank, world, addr)
     second = dist.new_group(backend="gloo")
     order = lo.LaunchOrder(lo.gang_store("test"), rank, world) if ordered else None
     seen, lock = [], threading.Lock()
@@ -78,18 +69,8 @@ def _two_threads(rank, world, addr, path, ordered):
 
 
 def _run(tmp_path, fn, *args, world=2):
-    """Run ``fn`` on ``world`` spawned ranks. Their rendezvous store listens here, on a port the OS picks as it binds
-    (port 0), before any rank starts; the ranks join it as clients (:func:`_join`). No port is chosen before it is
-    bound, so no other process (another test worker) can take it in between."""
-    import torch.multiprocessing as mp
-    from torch.distributed.constants import default_pg_timeout
-
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                       timeout=default_pg_timeout)
-    try:
-        mp.spawn(fn, args=(world, f"127.0.0.1:{store.port}", str(tmp_path), *args), nprocs=world, join=True)
-    finally:
-        del store
+    """Run ``fn`` on ``world`` spawned ranks, which join a store listening here (``gang_rendezvous``: race-free)."""
+    spawn_gang(fn, world, str(tmp_path), *args)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
@@ -166,7 +147,7 @@ def _gang_sends_beside_a_chunk(rank, world, addr, path, model_dir):
     from test_rounding import _samples
 
     engine = TrainerEngine(model_dir, lr=1e-3, seed=0, threads=1, gang=True)
-    _join(rank, world, addr)                      # the engine joins the process group this one rendezvoused
+    join_gang(rank, world, addr)                  # the engine takes the process group joined here
     engine.init_process_group(rank, world, addr)
     try:
         engine.publish(0, "float32")
@@ -223,7 +204,7 @@ def _replicas_with_unequal_passes(rank, world, addr, path, model_dir):
     samples = _samples(6, seed=0)
     widest = max(len(s.prompt_ids) + s.response_len for s in samples)
     engine = TrainerEngine(model_dir, lr=1e-3, seed=0, threads=1, gang=True, max_tokens_per_micro_batch=widest)
-    _join(rank, world, addr)
+    join_gang(rank, world, addr)
     engine.init_process_group(rank, world, addr, replicas=world)
     mine = samples if rank == 0 else []
     passes = len(token_micro_batches([len(s.prompt_ids) + s.response_len for s in mine], widest)) if mine else 0

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -54,6 +53,7 @@ from bidirl.rl.samples import Sample
 from bidirl.rl.tasks import ArithmeticTask
 
 import rounding
+from gang_rendezvous import join_gang, spawn_gang
 
 pytestmark = pytest.mark.integration
 
@@ -64,12 +64,6 @@ LR = 1e-3
 BF16_LOGPROB_TOL = 0.05
 BF16_LOGPROB_RTOL = 2.0 ** -6
 BF16_MIN_COSINE = 0.98
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _samples(model_dir):
@@ -202,6 +196,7 @@ def _gang_worker(rank, world, addr, model_dir, out_dir, replicas, precision, dev
     """One rank of a gang: the reference run's steps, each chunk dealt over the gang's ranks."""
     trainer = TrainerEngine(model_dir, lr=LR, seed=0, threads=1, precision=precision, device=device,
                             activation_checkpointing=checkpointing)
+    join_gang(rank, world, addr, device=trainer.device)    # the engine takes the group joined here
     trainer.init_process_group(rank, world, addr, replicas=replicas)
     try:
         samples = _samples(model_dir)
@@ -256,11 +251,7 @@ def _gang_worker(rank, world, addr, model_dir, out_dir, replicas, precision, dev
 
 
 def _run_gang(model_dir, tmp_path, replicas, precision="fp32", world=2, device="cpu", checkpointing=None):
-    import torch.multiprocessing as mp
-    addr = f"127.0.0.1:{_free_port()}"
-    mp.spawn(_gang_worker, args=(world, addr, str(model_dir), str(tmp_path), replicas, precision, device,
-                                 checkpointing),
-             nprocs=world, join=True)
+    spawn_gang(_gang_worker, world, str(model_dir), str(tmp_path), replicas, precision, device, checkpointing)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 

@@ -15,18 +15,13 @@ and it runs at the driver's priority, not below it (``bidirl.cluster.slots.worke
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 
 from bidirl.cluster.engines.workers.trainer import TrainerEngine
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gang_rendezvous import join_gang, spawn_gang
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +51,7 @@ def _samples(model_dir):
 def _loading_worker(rank, world, addr, model_dir, out_dir):
     engines = {gang: TrainerEngine(model_dir, seed=0, threads=1, kl_coef=0.1, gang=gang, activation_checkpointing=True)
                for gang in (False, True)}
+    join_gang(rank, world, addr)                # both engines take the group joined here
     for engine in engines.values():
         engine.init_process_group(rank, world, addr)
     out = {}
@@ -76,9 +72,7 @@ def _loading_worker(rank, world, addr, model_dir, out_dir):
 
 
 def _gang(model_dir, tmp_path, world):
-    import torch.multiprocessing as mp
-    mp.spawn(_loading_worker, args=(world, f"127.0.0.1:{_free_port()}", str(model_dir), str(tmp_path)),
-             nprocs=world, join=True)
+    spawn_gang(_loading_worker, world, str(model_dir), str(tmp_path))
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 

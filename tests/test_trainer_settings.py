@@ -25,6 +25,7 @@ from hypothesis import given, settings, strategies as st
 from bidirl.cluster.engines.workers.trainer.micro_batches import merge_stats, token_micro_batches
 from bidirl.rl import grpo
 
+from gang_rendezvous import join_gang, spawn_gang
 from test_trainer_device_paths import U, _engine, _head_bound, _samples
 
 
@@ -207,6 +208,7 @@ def _budget_gang_worker(rank, world, addr, model_dir, out_dir, budget):
 
     trainer = TrainerEngine(model_dir, lr=LR, seed=0, threads=1, precision="fp32", max_tokens_per_micro_batch=budget,
                             param_offload=True, optimizer_offload=True)
+    join_gang(rank, world, addr)
     trainer.init_process_group(rank, world, addr)
     try:
         samples = gang_samples(model_dir)
@@ -236,19 +238,15 @@ def test_a_gang_runs_token_budget_micro_batches_and_offload_like_the_unsharded_t
     """Rank 0 runs several micro-batches per chunk, rank 1 none: the ranks agree on the rounds (or the gang would
     hang), and the step equals the unsharded trainer's on the same weights within ``test_trainer_fsdp``'s fp32
     bounds plus the micro-batches' summation, (k − 1)·u relative for k micro-batches of a chunk."""
-    import torch.multiprocessing as mp
-
     from bidirl.cluster.engines.workers.trainer import TrainerEngine
-    from test_trainer_fsdp import (_fp32_bounds, _free_port, _in_own_process, _rounding_reference,
-                                   _samples as gang_samples)
+    from test_trainer_fsdp import _fp32_bounds, _in_own_process, _rounding_reference, _samples as gang_samples
 
     samples = gang_samples(model_dir)
     budget = _budget(samples)
     k = max(len(token_micro_batches([len(s.prompt_ids) + s.response_len for s in samples[a:b]], budget))
             for a, b in ((0, 4), (4, 7), (7, 8)))
     assert k >= 2
-    addr = f"127.0.0.1:{_free_port()}"
-    mp.spawn(_budget_gang_worker, args=(2, addr, str(model_dir), str(tmp_path), budget), nprocs=2, join=True)
+    spawn_gang(_budget_gang_worker, 2, str(model_dir), str(tmp_path), budget)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     start = TrainerEngine(model_dir).state_dict()
     redo = _in_own_process(tmp_path, _rounding_reference, str(model_dir), [start, ranks[0]["states"][0]])

@@ -36,6 +36,8 @@ import torch
 from bidirl.cluster.engines.workers import weight_transport as wt
 from bidirl.errors import ConfigError
 
+from gang_rendezvous import join_gang, listening_store
+
 N_TENSORS = 20
 BUCKET_BYTES = 1_000_000            # 20 tensors of ~200 KB in fp32: 5 buckets
 
@@ -420,11 +422,11 @@ def test_a_sender_killed_mid_transfer_fails_its_receivers_instead_of_hanging_the
     assert time.time() - t_kill < 60
 
 
-def _gang_rank(rank: int, port: int, tids: tuple, q) -> None:
+def _gang_rank(rank: int, addr: str, tids: tuple, q) -> None:
     """One rank of a two-rank gloo gang: forms its groups as a trainer rank does (the transport group's
     communicator eagerly), then checks a transfer before its first gather (``wt.check_same_transfer``)."""
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_gang(rank, 2, addr)
     group = dist.new_group(backend="gloo")
     wt.form_eagerly(group, torch.device("cpu"))
     out = []
@@ -443,20 +445,17 @@ def test_every_rank_checks_the_transfer_before_its_first_gather():
     """Two ranks that run the same transfer pass; two that run different ones (a send ordered differently on two
     ranks) both refuse before any bucket is gathered, naming each rank's transfer — and stay in step: the next
     check, of the same transfer, passes on both."""
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     tids = (("t-1", "t-2", "t-3"), ("t-1", "t-9", "t-3"))
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
-    procs = {r: ctx.Process(target=_gang_rank, args=(r, port, tids, q)) for r in range(2)}
-    for p in procs.values():
-        p.start()
-    try:
-        got = dict(q.get(timeout=120) for _ in procs)
-    finally:
-        _stop(procs)
+    with listening_store() as addr:
+        procs = {r: ctx.Process(target=_gang_rank, args=(r, addr, tids, q)) for r in range(2)}
+        for p in procs.values():
+            p.start()
+        try:
+            got = dict(q.get(timeout=120) for _ in procs)
+        finally:
+            _stop(procs)
     for rank in (0, 1):
         same, mixed, again = got[rank]
         assert same == "same" and again == "same", got

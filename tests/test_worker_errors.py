@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 
 import pytest
 
@@ -17,19 +16,15 @@ from bidirl.cluster import recovery
 from bidirl.cluster.errors import WorkerError
 from bidirl.job import config as cfgmod
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gang_rendezvous import join_gang, listening_store
 
 
-def _rank(rank: int, port: int, out) -> None:
+def _rank(rank: int, addr: str, out) -> None:
     import time
 
     import torch
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_gang(rank, 2, addr)
     t = torch.ones(16)
     dist.all_reduce(t)
     if rank == 1:
@@ -47,13 +42,13 @@ def broken_collective():
     """The exception a gloo rank gets from a collective whose peer's process exited (a real one, not a copy)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    exc = out.get(timeout=120)
-    for p in procs:
-        p.join(60)
+    with listening_store() as addr:
+        procs = [ctx.Process(target=_rank, args=(r, addr, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        exc = out.get(timeout=120)
+        for p in procs:
+            p.join(60)
     assert exc is not None, "the collective did not break when its peer exited"
     return exc
 
