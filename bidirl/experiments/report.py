@@ -176,8 +176,9 @@ def _m_speedup(claim: Claim, ev: Evidence) -> Outcome:
     bound = sel["rebalance_bound"].astype(float).to_numpy() if "rebalance_bound" in sel else np.array([])
     bound = bound[np.isfinite(bound)]
     if bound.size:
-        note += (f"; the models allow any borrowing at most {bound.min():.3g}–{bound.max():.3g}× over no-borrow "
-                 "at these points (rebalance bound)")
+        note += (f"; in a steady step the models allow any borrowing at most {bound.min():.3g}–{bound.max():.3g}× "
+                 "over no-borrow at these points (rebalance bound; a whole run's ratio can exceed it by the first "
+                 "step's start-up window)")
     if claim.kind == "speedup_range":
         return Outcome([lo, hi], note)
     if claim.check.get("aggregate") == "max":

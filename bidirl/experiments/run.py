@@ -247,10 +247,11 @@ def _valid(results: pd.DataFrame) -> pd.DataFrame:
 
 
 def rebalance_bound(spec, point) -> float:
-    """The most any borrowing policy can gain over no-borrow at ``point`` under the stage-time models: the
-    planner's stage times T_r, T_t on the point's split (g_r, g_t GPUs) give the slower pool's step time
+    """The most any borrowing policy can gain over no-borrow in a steady step at ``point`` under the stage-time
+    models: the planner's stage times T_r, T_t on the point's split (g_r, g_t GPUs) give the slower pool's step time
     ``max(T_r, T_t)``, while perfectly shared work with free switches would take ``(g_r·T_r + g_t·T_t) / G``.
-    NaN where the point has no fixed split or does not plan."""
+    A whole run's ratio can exceed it: its first step, where the trainer pool waits for the first batch, is not a
+    steady step. NaN where the point has no fixed split or does not plan."""
     from bidirl.job.planner import plan
     try:
         cfg = spec.config(point)
