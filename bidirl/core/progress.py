@@ -9,13 +9,15 @@ such changes the set is fixed and each iteration costs a little more than the on
 a token each: the i-th costs ``a + b·i`` (``a`` the iteration at the contexts the interval starts with, ``b`` the
 slope of the predictor's iteration time along the interval), so the iterations that fit in an interval are the
 root of a quadratic. :meth:`DecodeProgress.iterations` replays a worker's changes since its running set was last
-empty, interval after interval: O(changes), never O(iterations).
+empty, interval after interval, each response leaving the load at the end :class:`ResponseEnds` gives it:
+O(changes + ends), never O(iterations).
 
 The iterations are counted over the load the worker actually had, not over its present load: a group that ran for
 a minute beside forty others and now runs alone was decoded at the forty-group pace for that minute. A request
 counts in its worker's load from its group's join to its group's leave; a response that finished earlier inside a
-still-running group is not an event the coordinator sees, so the load it replays is the heaviest the events allow
-(what it estimates is then the fewest tokens they allow, given the model).
+still-running group is not an event the coordinator sees; without ``lengths`` the load replayed is the heaviest
+the events allow (the fewest tokens they allow, given the model), with them each response leaves it at its
+expected end.
 
 Pure state, fed by the coordinator: no clock is read (``t`` is the event's time), the same events give the same
 numbers.
