@@ -40,6 +40,7 @@ from bidirl.core.lending import Lending
 from bidirl.core.phase import Phase
 from bidirl.core.policies import Policy
 from bidirl.core.profiler import ProfileRecord, Profiler
+from bidirl.core.progress import DecodeProgress
 from bidirl.core.rollout_side import RolloutSide
 from bidirl.core.schedule import Reproducibility
 from bidirl.core.staleness import StalenessRule
@@ -162,6 +163,7 @@ class Coordinator(RolloutSide, TrainerSide, Lending):
     samples_generated: int = 0
     batches: list = field(default_factory=list)       # (step, version, [group ids])
     merge_log: list = field(default_factory=list)     # (step, [(segment, first unit) in merge order])
+    decode: DecodeProgress = field(default_factory=DecodeProgress)  # when groups joined and left each rollouter
 
     def __post_init__(self):
         s = self.settings
@@ -176,6 +178,8 @@ class Coordinator(RolloutSide, TrainerSide, Lending):
     def __setstate__(self, state: dict) -> None:
         """Unpickle (a checkpoint's control plane); one written before the reproducible mode existed was out of it."""
         self.__dict__.update(state)
+        if "decode" not in state:          # written before progress was replayed: the groups running then read as
+            self.decode = DecodeProgress()  # just started (no tokens grown) until they leave their workers
         if "repro" not in state:
             self.repro = Reproducibility.of(self.settings, self.topology, self.policy)
 
@@ -222,6 +226,7 @@ class Coordinator(RolloutSide, TrainerSide, Lending):
         self._try_start_step()
 
     def _on_GroupFinished(self, ev: P.GroupFinished):
+        self.decode.leave(ev.worker, ev.t, (ev.group.group_id,))
         self._commit(ev.group)
         self.aux_assigned.discard(ev.group.group_id)
         # with an asynchronous driver a group can complete while an Interrupt to migrate it is in flight:
@@ -231,6 +236,7 @@ class Coordinator(RolloutSide, TrainerSide, Lending):
 
     def _on_GenerationStopped(self, ev: P.GenerationStopped):
         self.stopping.discard(ev.worker)
+        self.decode.leave(ev.worker, ev.t, [g.group_id for g in ev.groups])
         for g in ev.groups:
             if g.complete:
                 self._commit(g)
@@ -415,6 +421,7 @@ class Coordinator(RolloutSide, TrainerSide, Lending):
         w = ev.worker
         self.failed.add(w)
         if P.worker_kind(w) == P.ROLLOUT:
+            self.decode.leave(w, ev.t, self.buffer.running_on(w))
             for gid in self.buffer.running_on(w):
                 self.aux_assigned.discard(gid)
                 self.migrating.discard(gid)

@@ -13,6 +13,7 @@ import heapq
 from bidirl.core import gates
 from bidirl.core import protocol as P
 from bidirl.core.phase import Phase
+from bidirl.core.progress import ResponseEnds
 
 ROT = P.ROLLOUT_ON_TRAINER_POOL
 
@@ -77,9 +78,25 @@ class RolloutSide:
         for _ in range(fresh):
             w = least_loaded()
             tasks[w].append(P.GroupTask(self.buffer.admit(self.rollout_version, w, self._now)))
-        for w in workers:
-            if tasks[w]:
-                self._out.append(P.Generate(w, tuple(tasks[w]), self.rollout_version))
+        self._generate(tasks)
+
+    def _generate(self, tasks: dict) -> None:
+        """Send each worker its tasks (one ``Generate``: one prefill wave) and note when the groups joined it
+        (:class:`bidirl.core.progress.DecodeProgress`, what the Rollouter-on-TrainerPool gate reads progress from;
+        only where the policy has that gate)."""
+        note = self.policy.rollout_on_trainer_pool
+        prompt = self.profiler.typical_prompt(self.prior) if note else 0
+        fresh = (0,) * self.settings.group_size
+        for w, ts in tasks.items():
+            if not ts:
+                continue
+            self._out.append(P.Generate(w, tuple(ts), self.rollout_version))
+            if note:
+                self.decode.join(w, self._now, [
+                    (t.group_id, prompt, fresh) if t.resume is None else
+                    (t.group_id, t.resume.prompt_len, tuple(h for h, d in zip(t.resume.generated, t.resume.done)
+                                                            if not d))
+                    for t in ts])
 
     def _admissible(self) -> int:
         """New groups that may start now: the run-ahead bound, and the policy's in-flight cap if it has one."""
@@ -141,39 +158,39 @@ class RolloutSide:
 
     def _rollout_work(self) -> list:
         """Every unfinished group on (or waiting for) the primary rollouters, with its estimated progress: the
-        prefix it came back with, plus one token per predicted decode iteration of its worker since it started."""
+        prefix it came back with, plus one token per decode iteration its worker is estimated to have run since the
+        group joined it — replayed over the load the worker had meanwhile (:class:`bidirl.core.progress.
+        DecodeProgress`), each iteration and prefill wave timed by the predictor scaled as the gate scales it."""
         needed = {r.group_id for r in self.buffer.needed()}
         prompt = self.profiler.typical_prompt(self.prior)
         mine = {}
         for gid, rec in self.buffer.groups.items():
             if rec.status == "partial" or (rec.status == "running" and rec.worker and P.is_primary(rec.worker)):
                 mine[gid] = rec
-        context = {}
-        for rec in mine.values():
+        scale = self.profiler.scales[("r", P.PRIMARY)]
+
+        def iteration_time(contexts):
+            return scale * self.predictor.iteration_time(contexts)
+
+        def prefill_time(contexts):
+            n = len(contexts)
+            return scale * self.predictor.replica_time(contexts, [0] * n, [True] * n)
+
+        lengths = ResponseEnds(self.profiler.response_sample(self.prior), self.prior[1])
+        grown_by = {}
+        for w in self._alive(self.topology.rollouters):
+            if self.buffer.running_count(w):
+                grown_by.update(self.decode.iterations(w, self._now, iteration_time, prefill_time, lengths))
+        out = []
+        for gid, rec in mine.items():
             st = rec.state
             p = st.prompt_len if st is not None else prompt
             held = st.generated if st is not None else (0,) * self.settings.group_size
             done = st.done if st is not None else (False,) * self.settings.group_size
-            context[rec.group_id] = (p, held, done)
-        lives = {w: [] for w in self.topology.rollouters}       # each rollouter's unfinished requests' contexts
-        for gid, rec in mine.items():
-            if rec.worker in lives:
-                p, hs, ds = context[gid]
-                lives[rec.worker] += [p + h for h, d in zip(hs, ds) if not d]
-        busy = [w for w, live in lives.items() if live]
-        per_token = dict.fromkeys(lives, 0.0)
-        prefill = dict.fromkeys(lives, 0.0)
-        per_token.update(zip(busy, self._many("iteration_times", "iteration_time", [lives[w] for w in busy])))
-        # the KV cache of the groups (re)started together is rebuilt before they decode
-        prefill.update(zip(busy, self._many("replica_times", "replica_time",
-                                            [(lives[w], [0] * len(lives[w]), [True] * len(lives[w])) for w in busy])))
-        out = []
-        for gid, rec in mine.items():
-            p, held, done = context[gid]
             grown = 0
-            if rec.status == "running" and per_token.get(rec.worker):
-                grown = int(max(0.0, self._now - rec.started - prefill[rec.worker]) / per_token[rec.worker])
-                held = tuple(h if d else h + grown for h, d in zip(held, done))
+            if rec.status == "running":
+                grown = int(grown_by.get(gid, 0.0))
+                held, done = _ended(held, done, grown, lengths)
             out.append(gates.GroupWork(gid, rec.worker if rec.status == "running" else None, p, held, done,
                                        gid in needed, (rec.version, -gid), prefilling=grown == 0))
         return out
@@ -233,6 +250,24 @@ class RolloutSide:
             heapq.heapreplace(load, (n + 1, i, w))
             tasks[w].append(P.GroupTask(gid, self.buffer.resume(gid, w, self._now)))
             self.aux_assigned.add(gid)
-        for w in workers:
-            if tasks[w]:
-                self._out.append(P.Generate(w, tuple(tasks[w]), self.rollout_version))
+        self._generate(tasks)
+
+
+def _ended(held: tuple, done: tuple, grown: int, lengths) -> tuple:
+    """A running group's responses after ``grown`` more tokens each: those whose end (``lengths``, the ends the
+    progress replay took them to have, :class:`bidirl.core.progress.ResponseEnds`) is reached by then have ended
+    there, the rest hold ``grown`` more tokens. The group has not reported finishing, so its longest-ending
+    response is still running whatever the ends say."""
+    todo = [i for i, d in enumerate(done) if not d]
+    if not todo:
+        return held, done
+    ends = lengths(tuple(held[i] for i in todo))
+    last = max(range(len(todo)), key=lambda j: (ends[j], j))
+    held, done = list(held), list(done)
+    for j, i in enumerate(todo):
+        if j != last and ends[j] <= held[i] + grown:
+            held[i], done[i] = int(ends[j]), True
+        else:
+            held[i] += grown
+    return tuple(held), tuple(done)
+
