@@ -24,10 +24,12 @@ trainer's bf16-mixed forward applies to its fp32 master weights — checked here
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import multiprocessing
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -475,6 +477,13 @@ def _fused(state: dict, name: str) -> torch.Tensor:
     return state[name]
 
 
+def _assert_port_taken(port: int) -> None:
+    """Binding ``port`` on this node fails: something listens on it."""
+    with socket.socket() as other, pytest.raises(OSError) as taken:
+        other.bind(("", port))
+    assert taken.value.errno == errno.EADDRINUSE
+
+
 @pytest.mark.integration
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the rollout engine needs vllm")
 def test_a_sync_over_the_transport_gives_every_rollouter_the_trainers_weights_through_no_object_store(model_dir,
@@ -497,7 +506,10 @@ def test_a_sync_over_the_transport_gives_every_rollouter_the_trainers_weights_th
     try:
         ray.get([a.ready.remote() for a in ranks + rollouters], timeout=600)
         addr = ray.get(ranks[0].address.remote())
+        port = int(addr.rsplit(":", 1)[1])
+        _assert_port_taken(port)      # rank 0's store listens on the port it named: nothing else can take it
         ray.get([r.init_process_group.remote(j, 2, addr, 1) for j, r in enumerate(ranks)], timeout=300)
+        _assert_port_taken(port)      # and still does once the gang joined through it
 
         # one GRPO step on the gang (FSDP2 shards), so the version sent is not the checkpoint's
         task = ArithmeticTask(seed=0)

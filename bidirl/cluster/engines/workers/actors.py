@@ -264,14 +264,11 @@ class TrainerActor(_Timed):
         return self._reply("reset", self.engine.reset)
 
     def address(self) -> str:
-        """A free ``host:port`` on this actor's node for a gang's rendezvous (called on rank 0)."""
-        import socket
-
+        """The ``host:port`` of a gang's rendezvous, opened on this actor's node (called on rank 0): a store
+        listening on a port the OS picked as it bound, held until the gang has joined through it
+        (``TrainerEngine.listen``)."""
         import ray
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"{ray.util.get_node_ip_address()}:{port}"
+        return self.engine.listen(ray.util.get_node_ip_address())
 
     def init_process_group(self, rank: int, world: int, addr: str, replicas: int = 1) -> Reply:
         """Join the gang (rank ``rank`` of ``world``) and shard the model over ``replicas`` replicas (FSDP2)."""

@@ -22,8 +22,9 @@ bf16 parameters for compute through FSDP2's ``MixedPrecisionPolicy(param_dtype=b
 reduce_dtype=float32)``; a bf16-mixed engine that joins no gang shards over a one-rank group of its own.
 
 **Sharding (FSDP2).** :meth:`init_process_group` joins the gang's ``torch.distributed`` group (gloo on CPU,
-NCCL on GPU) and shards the model with ``fully_shard`` — each transformer block, then the root — over a
-device mesh of the gang's ranks, one rank per GPU slot: ``(replicas, ranks per replica)`` with the
+NCCL on GPU) through the rendezvous store rank 0 opened with :meth:`listen` (listening on a port the OS picked as
+it bound, held until the gang is gone) and shards the model with ``fully_shard`` — each transformer block, then
+the root — over a device mesh of the gang's ranks, one rank per GPU slot: ``(replicas, ranks per replica)`` with the
 parameters sharded inside a replica and replicated across replicas (HSDP; one replica is plain FSDP over the
 gang). Parameters, gradients and optimizer state are sharded; a forward all-gathers a replica's weights
 block by block. Gradients are reduced as a **sum** (divide factor 1: the GRPO loss is already normalised by

@@ -17,6 +17,14 @@ from bidirl.cluster.engines.workers.trainer.tensors import on_meta
 from bidirl.rl import model_folder as checkpoint
 
 
+def rendezvous_timeout(backend: str):
+    """How long a rank waits at the gang's rendezvous: what ``init_process_group`` gives a ``tcp://`` rendezvous
+    for ``backend`` (torch's default process-group timeout; NCCL's own default for NCCL)."""
+    from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
+
+    return default_pg_nccl_timeout if backend == "nccl" and default_pg_nccl_timeout else default_pg_timeout
+
+
 class Distribution:
     """Join a gang, shard over its device mesh, and leave it."""
 
@@ -40,11 +48,36 @@ class Distribution:
     def _comm_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
+    def listen(self, host: str) -> str:
+        """Open the gang's rendezvous on this rank (rank 0, before any rank joins) and return its ``host:port``:
+        a ``TCPStore`` listening on every interface of this node on a port the OS picks as it binds (port 0), with
+        the timeout ``tcp://`` rendezvous gives. The engine keeps it, and :meth:`init_process_group` at this address
+        joins through it, so the port is held from the moment it is named — never picked, released and bound again
+        later, when anything else on the node could take it in between (the driver's weight-transfer stores listen
+        the same way: ``weight_transport.Rendezvous``). ``host``: the address other nodes reach this one at."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                              timeout=rendezvous_timeout(self._backend()))
+        self._rendezvous = (f"{host}:{store.port}", store)
+        return self._rendezvous[0]
+
+    def _rendezvous_store(self, addr: str, backend: str):
+        """The store this rank joins the gang through: the one :meth:`listen` opened here at ``addr``, else a
+        client of the store listening there (connecting with the rendezvous timeout while it is not up yet)."""
+        import torch.distributed as dist
+
+        if self._rendezvous is not None and self._rendezvous[0] == addr:
+            return self._rendezvous[1]
+        host, port = addr.rsplit(":", 1)
+        return dist.TCPStore(host, int(port), is_master=False, timeout=rendezvous_timeout(backend))
+
     def init_process_group(self, rank: int, world: int, addr: str, backend: Optional[str] = None,
                            replicas: int = 1) -> None:
-        """Join a ``world``-rank gang rendezvousing at ``addr`` (``host:port``; gloo on CPU, NCCL on GPU) and
-        shard the model with FSDP2 over a ``(replicas, world / replicas)`` mesh (package docstring); an engine built
-        with ``gang=True`` reads only its shards from the checkpoint now.
+        """Join a ``world``-rank gang through the rendezvous store at ``addr`` (``host:port``: rank 0's
+        :meth:`listen`; gloo on CPU, NCCL on GPU) and shard the model with FSDP2 over a
+        ``(replicas, world / replicas)`` mesh (package docstring); an engine built with ``gang=True`` reads only
+        its shards from the checkpoint now.
 
         Call it before any other work (the optimizer is rebuilt over the sharded parameters).
         """
@@ -52,7 +85,7 @@ class Distribution:
 
         if not (0 <= rank < world):
             raise ValueError(f"init_process_group: rank must be in [0, world), got rank={rank}, world={world}")
-        if ":" not in addr:
+        if not addr.rpartition(":")[2].isdigit():
             raise ValueError(f"init_process_group: addr must be 'host:port', got {addr!r}")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1 or world % replicas:
             raise ValueError(f"init_process_group: replicas must be a positive divisor of world={world}, "
@@ -62,9 +95,15 @@ class Distribution:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if not dist.is_initialized():
+            backend = backend or self._backend()
+            store = self._rendezvous_store(addr, backend)
+            # every rank waits for the whole gang at the store, as tcp:// rendezvous's store waited for its clients
+            # (a rank that never comes fails the others after the timeout, NCCL's eager init included)
+            store.set(f"bidirl-gang/{world}/joined/{rank}", "1")
+            store.wait([f"bidirl-gang/{world}/joined/{r}" for r in range(world)])
             # device_id: NCCL forms the communicator eagerly, here, not inside the first collective of a chunk
-            dist.init_process_group(backend or self._backend(), init_method=f"tcp://{addr}", rank=rank,
-                                    world_size=world, device_id=self.device if self.device.type == "cuda" else None)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                    device_id=self.device if self.device.type == "cuda" else None)
         elif (dist.get_rank(), dist.get_world_size()) != (rank, world):
             raise RuntimeError(f"init_process_group: this process already is rank {dist.get_rank()} of "
                                f"{dist.get_world_size()}, not rank {rank} of {world}")
@@ -159,4 +198,5 @@ class Distribution:
             dist.destroy_process_group()
         self._group = None
         self._launches = None
+        self._rendezvous = None
         self.rank, self.world = 0, 1

@@ -160,6 +160,7 @@ class TrainerEngine(StateOffload, MicroBatches, Compute, Replay, Weights, Window
         self.published: dict = {}         # actor version -> {name: (shard in the wire dtype, rows or None)}
         self._transport_group = None      # the gang's second group, for the weight transport's gathers
         self._launches = None             # the gang's launch order over both threads (launch_order)
+        self._rendezvous = None           # (host:port, store) of the gang's rendezvous opened here (listen)
         self.accumulated: list = []       # chunk gradients accumulated into p.grad since the last step (their ids)
         self.order = OrderedSum()         # the step's gradient in unit order (chunks given a position: ordered_sum)
         self.version = 0
