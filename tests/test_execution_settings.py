@@ -3,12 +3,13 @@ what its model's own formula gives, and nothing changes when it is left at its d
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
-from bidirl.core.protocol import packed_chunk_len
+from bidirl.core.protocol import PRIMARY_TRAINER, packed_chunk_len
 from bidirl.job import config as C
 from bidirl.job.config import ConfigError
 from bidirl.job.planner import plan
@@ -100,6 +101,100 @@ def test_tensor_parallel_weight_sync_moves_a_shard_per_gpu():
     w = m.dtype_bytes * m.params_total
     assert one - four == pytest.approx(w / hw.inter_node_bandwidth * (1 - 1 / 4), rel=1e-12)
     assert cfg.weight_sync_time() == pytest.approx(four, rel=1e-12)
+
+
+# --------------------------------------------------------------------------------------------------
+# the weight sync at the rollout layout the planner picks (cluster.rollout_tensor_parallel unset)
+# --------------------------------------------------------------------------------------------------
+
+def planned_tp2(**overrides) -> C.JobConfig:
+    """Qwen3-8B on 16 A6000s (48 GB), groups of 16 responses of up to 16 K tokens: the weights beside one group's
+    KV cache do not fit one GPU, so the planner itself picks 2-GPU rollout replicas; the preset measures no sync
+    for the model, so the sync is the derived one. 8 prompts a step: small enough to simulate in a test."""
+    base = C.load("a6000-default").with_overrides({
+        "cluster.partition": None, "model": "qwen3-8b", "workload.group_size": 16,
+        "workload.max_response_len": 16384, "rl.micro_batch_per_device": 1, "workload.prompts_per_step": 8,
+        "workload.steps": 2})
+    return base.with_overrides(overrides) if overrides else base
+
+
+def derived_sync(cfg, layout: int) -> float:
+    from bidirl.perf.costs import derive_weight_sync
+    return derive_weight_sync(cfg.hardware_spec, cfg.model_spec, rollout_tp=layout)
+
+
+def test_the_case_plans_two_gpu_rollout_replicas_with_a_derived_sync():
+    cfg = planned_tp2()
+    assert cfg.cluster.rollout_tensor_parallel is None and cfg.scheduler.weight_sync is None
+    assert cfg.model_spec.name not in cfg.hardware_spec.measured_weight_sync
+    assert plan(cfg).envelope.rollout_layout == 2
+    # the layouts' syncs differ (the 1-GPU one broadcasts the whole b·N per GPU), so the checks below tell them apart
+    assert derived_sync(cfg, 1) - derived_sync(cfg, 2) > 0.5
+
+
+def test_the_planner_charges_the_sync_of_its_planned_rollout_layout():
+    cfg = planned_tp2()
+    result = plan(cfg)
+    two = derived_sync(cfg, 2)
+    assert result.envelope.sync_time == two                     # the same call on the same numbers
+    assert (result.sweep["sync_time"] == two).all()
+    assert cfg.weight_sync_time(rollout_layout=result.envelope.rollout_layout) == two
+
+
+def test_weight_sync_time_takes_the_layout_the_job_runs():
+    cfg = planned_tp2()
+    with pytest.raises(TypeError, match="rollout_layout"):     # no silent 1-GPU sync while the key is unset
+        cfg.weight_sync_time()
+    with pytest.raises(ValueError, match="GPU count"):
+        cfg.weight_sync_time(rollout_layout=0)
+    fixed = planned_tp2(**{"cluster.rollout_tensor_parallel": 4})      # the key wins
+    assert fixed.weight_sync_time() == derived_sync(fixed, 4)
+    assert fixed.weight_sync_time(rollout_layout=4) == derived_sync(fixed, 4)
+    with pytest.raises(ValueError, match="cluster.rollout_tensor_parallel"):
+        fixed.weight_sync_time(rollout_layout=2)
+    measured = dataclasses.replace(cfg.hardware_spec, measured_weight_sync={cfg.model_spec.name: 1.5})
+    assert cfg.weight_sync_time(measured, rollout_layout=2) == 1.5     # a preset's measured sync still wins
+    assert planned_tp2(**{"scheduler.weight_sync": 0.25}).weight_sync_time() == 0.25
+
+
+def sync_durations(log) -> list:
+    return [s.end - s.start for s in log.spans if s.kind == "sync" and s.worker == PRIMARY_TRAINER]
+
+
+@pytest.mark.parametrize("policy", ["no-borrow", "bidirl", "verl-async", "areal"])
+def test_the_simulated_syncs_are_the_planned_layouts(policy):
+    from bidirl.sim.baselines import BASELINES
+    cfg = planned_tp2()
+    if policy in BASELINES:
+        cfg, policy = BASELINES[policy].adapt(cfg), BASELINES[policy].policy_for(cfg)
+    res = SimDriver(cfg, policy, 2, cfg.seed, jitter=0.0).run()
+    durations, two = sync_durations(res.log), derived_sync(cfg, 2)
+    assert len(durations) == 2
+    # end - start of two clock readings under 2048 s, where an ulp is 2^-52·2^10 = 2^-42 s: each reading is within
+    # half an ulp (2^-43 s) of its exact value, so the difference is within 2·2^-43 = 2^-42 s ≈ 2.3e-13 s of the
+    # sync (the 1-GPU sync is more than 0.5 s longer, test above)
+    assert max(s.end for s in res.log.spans) < 2048
+    assert durations == pytest.approx([two] * 2, rel=0, abs=2.0 ** -42)
+
+
+def test_roll_folds_its_offload_into_the_planned_layouts_sync():
+    from bidirl.perf.costs import trainer_offload_reload_time
+    from bidirl.sim.baselines import BASELINES
+    cfg = planned_tp2()
+    env = plan(cfg).envelope
+    offload = trainer_offload_reload_time(cfg.hardware_spec, cfg.model_spec, trainer_layout=env.trainer_layout)
+    assert BASELINES["roll"].adapt(cfg).scheduler.weight_sync == derived_sync(cfg, 2) + offload
+
+
+def test_the_colocated_switch_out_carries_the_planned_layouts_sync():
+    """The colocated run draws the same noise whatever the sync is, so its event log with the key unset is the
+    log of the same job with ``scheduler.weight_sync`` pinned to the 2-GPU sync, and not the 1-GPU one's."""
+    from bidirl.sim.colocated import simulate_colocated
+    cfg = planned_tp2(**{"rl.staleness": 0})
+    log = lambda c: simulate_colocated(c, steps=2, seed=0).log.fingerprint()
+    unset = log(cfg)
+    assert unset == log(cfg.with_overrides({"scheduler.weight_sync": derived_sync(cfg, 2)}))
+    assert unset != log(cfg.with_overrides({"scheduler.weight_sync": derived_sync(cfg, 1)}))
 
 
 # --------------------------------------------------------------------------------------------------

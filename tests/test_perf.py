@@ -500,7 +500,7 @@ def test_only_the_rollout_engine_pays_the_wake_and_sleep_latency():
 def test_presets_fall_back_to_derived_costs():
     h100 = presets.hardware("h100")
     assert h100.switch_costs("rollout_on_trainer_pool", Q4B) == derive_switch_costs(h100, Q4B)["rollout_on_trainer_pool"]
-    assert h100.weight_sync_time(Q4B) == pytest.approx(derive_weight_sync(h100, Q4B))
+    assert h100.weight_sync_time(Q4B, rollout_tp=1) == pytest.approx(derive_weight_sync(h100, Q4B))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -262,7 +262,8 @@ def test_mini_batches_cut_the_planner_update_stage_as_the_chunk_queue_does():
     whole = tm.stage_time(p, r, d, mbpd, ("actor_update",))
     row = result.sweep.set_index("label").loc["4-12"]
     # the same terms summed in another order: ~20 float64 additions, relative error ≤ 20·2⁻⁵³ ≈ 2e-15
-    assert row.trainer_time == pytest.approx(forward + rounds + updates + cfg.weight_sync_time(), rel=1e-12)
+    assert row.trainer_time == pytest.approx(forward + rounds + updates
+                                              + cfg.weight_sync_time(rollout_layout=env.rollout_layout), rel=1e-12)
     assert row.trainer_time - (forward + whole) > 25.0        # the old number: forward + whole, no barrier
 
 

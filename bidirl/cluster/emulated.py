@@ -268,7 +268,7 @@ class EmulatedBackend(WorkerBackend):
         self._hold(switch_lane(cmd.pool, cmd.to_role), cmd.expected, finish, tolerate=True)
 
     def sync_weights(self, cmd: P.SyncWeights):
-        seconds = self.pool.config.weight_sync_time()
+        seconds = self.pool.config.weight_sync_time(rollout_layout=self.pool.plan.envelope.rollout_layout)
         intervals = {}
 
         def finish(worker):

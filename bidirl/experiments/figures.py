@@ -117,6 +117,7 @@ def mechanisms(policy: str, spec: PanelSpec) -> list:
     """What the model of an external system does, in short phrases taken from its modelled policy and settings
     (:mod:`bidirl.sim.baselines`; the cited rules are in the report). Empty for BiDiRL and the ablations."""
     from bidirl.core.buffer import BATCH_RULES
+    from bidirl.job.planner import min_feasible_layouts
     from bidirl.sim.baselines import BASELINES
     base = BASELINES.get(policy)
     if base is None:
@@ -141,7 +142,10 @@ def mechanisms(policy: str, spec: PanelSpec) -> list:
         out.append("drops groups too stale for any future batch at a sync")
     if cfg.rl.partial_rollout:
         out.append("partial rollout: interrupted generations resume with their prefix")
-    if cfg.weight_sync_time() > cfg.hardware_spec.weight_sync_time(cfg.model_spec) * 1.0001:
+    # the adapted sync (ROLL's offload/reload folded into scheduler.weight_sync) against the job's own, each to
+    # rollout replicas of its planned layout ρ_r
+    sync = lambda c: c.weight_sync_time(rollout_layout=min_feasible_layouts(c)[0])
+    if sync(cfg) > sync(candidate) * 1.0001:
         out.append("trainer offload/reload on every weight sync")
     return out
 

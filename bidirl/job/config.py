@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import numbers
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -356,15 +357,32 @@ class JobConfig:
             return own
         return self.hardware_spec.switch_costs(direction, self.model_spec)
 
-    def weight_sync_time(self, hardware=None) -> float:
+    def weight_sync_time(self, hardware=None, *, rollout_layout: Optional[int] = None) -> float:
         """Seconds of the weight sync that ends a step: ``scheduler.weight_sync`` when set, else the preset's (or
-        ``hardware``'s, another :class:`~bidirl.job.presets.HardwareSpec`) measured or derived one for rollout
-        replicas of ``cluster.rollout_tensor_parallel`` GPUs. The simulator charges it per sync and the planner per
-        step (§4.2), both from here."""
+        ``hardware``'s, another :class:`~bidirl.job.presets.HardwareSpec`) measured one, else the one derived for
+        rollout replicas of the layout the job runs (§4.2): ``cluster.rollout_tensor_parallel`` when set, else
+        ``rollout_layout``, the planner's ρ_r (``plan(cfg).envelope.rollout_layout``, which this layer cannot
+        compute: the planner sits above the config). A caller that leaves ``rollout_layout`` out while the key is
+        unset gets a ``TypeError``, never a 1-GPU sync the job does not run; one that passes a layout other than
+        the key's gets a ``ValueError``. The simulator charges it per sync and the planner per step, both from
+        here."""
         if self.scheduler.weight_sync is not None:
             return self.scheduler.weight_sync
+        fixed = self.cluster.rollout_tensor_parallel
+        if rollout_layout is not None:
+            if isinstance(rollout_layout, bool) or not isinstance(rollout_layout, numbers.Integral) \
+                    or rollout_layout < 1:
+                raise ValueError(f"rollout_layout must be a GPU count ≥ 1, got {rollout_layout!r}")
+            rollout_layout = int(rollout_layout)
+        if fixed is not None and rollout_layout is not None and rollout_layout != fixed:
+            raise ValueError(f"rollout_layout {rollout_layout} differs from cluster.rollout_tensor_parallel {fixed}: "
+                             "the job's own ρ_r is the layout its rollout replicas run")
+        layout = fixed if fixed is not None else rollout_layout
+        if layout is None:
+            raise TypeError("JobConfig.weight_sync_time needs rollout_layout (the planned ρ_r, "
+                            "plan(cfg).envelope.rollout_layout) when cluster.rollout_tensor_parallel is unset")
         hw = self.hardware_spec if hardware is None else hardware
-        return hw.weight_sync_time(self.model_spec, self.cluster.rollout_tensor_parallel or 1)
+        return hw.weight_sync_time(self.model_spec, rollout_tp=layout)
 
     # conversions ------------------------------------------------------------------------------
     def to_dict(self) -> dict:

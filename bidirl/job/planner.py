@@ -378,7 +378,7 @@ def plan(config, *, progress: bool = False, hardware=None) -> Plan:
     # the step's end, charged as the simulator charges it (§4.2): the trainer's optimizer work on its g_t GPUs, then
     # the weight sync, during which the trainer waits for it and no rollout replica generates (the coordinator
     # starts nothing on the rollouters while the new weights are on their way), so it is in M_r and M_t both
-    sync = cfg.weight_sync_time(hardware)
+    sync = cfg.weight_sync_time(hardware, rollout_layout=rho_r)
     optimizer_times = {ep: step_optimizer_times(cfg, predictors[ep], g_t) for ep in ep_ts}
     t_r = _per_candidate(cap_r, uniq_r, times_r) + sync
     with np.errstate(divide="ignore"):

@@ -237,9 +237,10 @@ class HardwareSpec:
         from bidirl.perf.costs import derive_switch_costs
         return derive_switch_costs(self, model)[direction]
 
-    def weight_sync_time(self, model: ModelSpec, rollout_tp: int = 1) -> float:
+    def weight_sync_time(self, model: ModelSpec, *, rollout_tp: int) -> float:
         """The measured sync of ``model`` when the preset has one (measured at its own layout), else the derived
-        one for rollout replicas of ``rollout_tp`` GPUs (:func:`bidirl.perf.costs.derive_weight_sync`)."""
+        one for rollout replicas of ``rollout_tp`` GPUs, the layout the job runs (no default: a 1-GPU sync for a
+        job whose replicas span more GPUs is wrong; :func:`bidirl.perf.costs.derive_weight_sync`)."""
         if model.name in self.measured_weight_sync:
             return float(self.measured_weight_sync[model.name])
         from bidirl.perf.costs import derive_weight_sync

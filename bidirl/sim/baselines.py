@@ -270,8 +270,8 @@ def _roll_check(cfg: JobConfig) -> Optional[str]:
 def _roll_adapt(cfg: JobConfig) -> JobConfig:
     from bidirl.perf.costs import trainer_offload_reload_time
     env = _envelope(cfg)
-    sync = cfg.weight_sync_time() + trainer_offload_reload_time(cfg.hardware_spec, cfg.model_spec,
-                                                                trainer_layout=env.trainer_layout)
+    sync = (cfg.weight_sync_time(rollout_layout=env.rollout_layout)
+            + trainer_offload_reload_time(cfg.hardware_spec, cfg.model_spec, trainer_layout=env.trainer_layout))
     return cfg.with_overrides({"rl.partial_rollout": True, "scheduler.weight_sync": sync})
 
 

@@ -88,7 +88,8 @@ def simulate_colocated(config, *, steps: int, seed: int, policy: str = "verl-col
             at = lambda kind, a, dur, det: log.add_span(Span(lane, P.ROLLOUT_POOL, P.AUXILIARY, kind, a, a + dur, step,
                                                              step, det))
             t = _verl_stages(verl, stages, p_all, r_all, models.optimizer_update_time(G), at, jitter, t)
-        dur = jitter(costs.c_in + cfg.weight_sync_time()); span("switch_out", dur, {"direction": "colocated"}); t += dur
+        dur = jitter(costs.c_in + cfg.weight_sync_time(rollout_layout=rho_r))   # the sync to the replicas of ρ_r
+        span("switch_out", dur, {"direction": "colocated"}); t += dur
         tokens = int(p_all.sum() + r_all.sum())
         log.add_step(StepRecord(step=step, start=start, end=t, tokens=tokens, samples=len(r_all),
                                 wait=consume_start - start, consume=t - consume_start, version=step + 1))

@@ -58,7 +58,7 @@ class SimDriver(Driver):
         self.chunk_jobs: dict = {}             # chunk_id -> {"cmd", "arrives", "started", "cancelled"}
         self.gang_queue: dict = {}             # gang -> jobs sent to it and not started, in order
         self.gang_busy: set = set()            # gangs running a chunk
-        self.sync_time = self.config.weight_sync_time()
+        self.sync_time = self.config.weight_sync_time(rollout_layout=self.plan.envelope.rollout_layout)
         self.optimizer_times = {final: self.assembly.optimizer_step_time(final) for final in (True, False)}
         self._started = False
         self._feeding = 0                      # feeds under way (an engine report inside one goes through the loop)
