@@ -39,7 +39,6 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Optional
 
 from bidirl.cluster.backend import WorkerBackend
@@ -112,7 +111,7 @@ class StepMetricsOutput(RunListener):
 
 
 @dataclass
-class PoolDriver(WorkerFailures, Driver):
+class PoolDriver(WorkerFailures, resume.Resumable, Driver):
     """What every Ray driver shares (module doc), with one :class:`~bidirl.cluster.backend.WorkerBackend` plugged in
     (``backend``) for what its kind of worker does: the drivers of each kind (``EmulatedDriver``, ``EngineDriver``)
     add their settings and plug their backend in; they override none of the pool driver's methods.
@@ -332,40 +331,6 @@ class PoolDriver(WorkerFailures, Driver):
         self.record_chunk(cmd, start, end)
         self.feed(P.ChunkFinished(max(end, self.now()), cmd.worker, cmd.chunk.chunk_id, end - start))
         self._next_chunk(cmd.worker)
-
-    # ------------------------------------------------------------------------------------------
-    # checkpoints and resume (bidirl.runtime.checkpoints)
-    # ------------------------------------------------------------------------------------------
-    def layout(self) -> dict:
-        """The world size of every pool and gang (GPU slots, replicas, ranks)."""
-        return resume.layout(self)
-
-    def identity(self) -> checkpoints.RunIdentity:
-        """What a checkpoint of this run records and a resumed run must match (computed once: it hashes the
-        prompt file)."""
-        if self._identity is None:
-            self._identity = resume.identity(self)
-        return self._identity
-
-    def checkpoint_state(self) -> dict:
-        """The driver's own per-run state a checkpoint keeps."""
-        return resume.driver_state(self)
-
-    def restore_state(self, state: dict) -> None:
-        """Take back what :meth:`checkpoint_state` returned (a resumed run)."""
-        resume.restore_driver_state(self, state)
-
-    def save_trainer_state(self, folder: Path) -> bool:
-        """Write the trainer's state into ``folder`` (a checkpoint's ``trainer/``); False if there is none.
-        Raises :class:`~bidirl.runtime.checkpoints.CheckpointSkipped` when it cannot now (the trainer is being
-        restarted). Other workers hold nothing a checkpoint needs: one being restarted is announced again on resume."""
-        return self.backend.save_trainer_state(folder)
-
-    def _load_resume(self) -> None:
-        """Restore the control plane and the driver's state from ``resume`` (before Ray starts: a bad
-        checkpoint fails fast, naming what is wrong; :func:`bidirl.cluster.resume.load`)."""
-        if self.resume is not None:
-            resume.load(self)
 
     # ------------------------------------------------------------------------------------------
     def run(self, progress: bool = False, kill: Optional[Callable] = None) -> RunResult:

@@ -5,6 +5,7 @@ per-run state (:func:`driver_state`) and the trainer's files, under the run's id
 config, policy, seed, driver, model, data and :func:`layout`), which a resumed run must match. :func:`load`
 continues a run from one: the control plane and the driver's state are restored, the clock continues from the
 boundary, and the workers — started afresh — reserve their first switches' pinned buffers from the boundary on.
+:class:`Resumable` holds the driver's methods over these functions.
 """
 
 from __future__ import annotations
@@ -76,3 +77,40 @@ def load(d) -> None:
                           stacklevel=3)
             for p in newer:
                 d.writer.abandon(p)
+
+
+class Resumable:
+    """Checkpoints and resume, a part of :class:`bidirl.cluster.pool.PoolDriver` split out by concern (as
+    :class:`~bidirl.cluster.worker_failures.WorkerFailures` is): its methods read the driver's state (declared
+    there) through this module's functions."""
+
+    def layout(self) -> dict:
+        """The world size of every pool and gang (GPU slots, replicas, ranks)."""
+        return layout(self)
+
+    def identity(self) -> checkpoints.RunIdentity:
+        """What a checkpoint of this run records and a resumed run must match (computed once: it hashes the
+        prompt file)."""
+        if self._identity is None:
+            self._identity = identity(self)
+        return self._identity
+
+    def checkpoint_state(self) -> dict:
+        """The driver's own per-run state a checkpoint keeps."""
+        return driver_state(self)
+
+    def restore_state(self, state: dict) -> None:
+        """Take back what :meth:`checkpoint_state` returned (a resumed run)."""
+        restore_driver_state(self, state)
+
+    def save_trainer_state(self, folder: Path) -> bool:
+        """Write the trainer's state into ``folder`` (a checkpoint's ``trainer/``); False if there is none.
+        Raises :class:`~bidirl.runtime.checkpoints.CheckpointSkipped` when it cannot now (the trainer is being
+        restarted). Other workers hold nothing a checkpoint needs: one being restarted is announced again on resume."""
+        return self.backend.save_trainer_state(folder)
+
+    def _load_resume(self) -> None:
+        """Restore the control plane and the driver's state from ``resume`` (before Ray starts: a bad
+        checkpoint fails fast, naming what is wrong; :func:`bidirl.cluster.resume.load`)."""
+        if self.resume is not None:
+            load(self)

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from bidirl.core.protocol import ROLLOUT_ON_TRAINER_POOL, TRAINER_ON_ROLLOUT_POOL
+from bidirl.perf import memory
 from bidirl.perf.memory import layout_candidates, trainer_state_bytes, usable_bytes
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ PINNED_ALLOC_SECONDS_PER_BYTE = cost_constant(
 #: of them for its backward is one V-entry row per token where the head runs over the whole micro-batch at once
 #: (:func:`bidirl.perf.trainer.saved_activation_bytes_per_token`); the engine's own head runs on chunks of response
 #: tokens and recomputes each in the backward, so it keeps one chunk's rows.
-LOGIT_BYTES = cost_constant("LOGIT_BYTES", 4, "B/vocabulary entry/token",
+LOGIT_BYTES = cost_constant("LOGIT_BYTES", memory.LOGIT_BYTES, "B/vocabulary entry/token",
                             "torch.float32 logits: bidirl/cluster/engines/workers/logprob.py _head (.float() before "
                             "log_softmax); transformers 5.19 src/transformers/loss/loss_utils.py ForCausalLMLoss "
                             "('Upcast to float if we need to compute the loss to avoid potential precision issues': "

@@ -99,6 +99,11 @@ def trainer_state_bytes(model, layout: int = 1) -> float:
 UNCHECKPOINTED_BYTES_PER_HIDDEN = 34
 
 
+#: bytes per vocabulary entry of a token's logits in the trainer: fp32 (registered with its source as
+#: :data:`bidirl.perf.costs.LOGIT_BYTES`, which this lower module cannot import)
+LOGIT_BYTES = 4
+
+
 def micro_batch_tokens(cfg, max_seq_len: int) -> float:
     """Tokens of one trainer micro-batch on one GPU: ``rl.max_tokens_per_micro_batch`` when the job packs by
     tokens (veRL's ``ppo_max_token_len_per_gpu``: the budget is per GPU, with or without sequence parallelism), else
@@ -116,11 +121,11 @@ def trainer_activation_bytes(model, tokens: int, checkpointing=None) -> float:
     :data:`UNCHECKPOINTED_BYTES_PER_HIDDEN` · H bytes per token per layer, plus the fp32 logits; None or True: the
     checkpointed form above (today's budget)."""
     if checkpointing is False:
-        per_token = UNCHECKPOINTED_BYTES_PER_HIDDEN * model.layers * model.hidden + 4 * model.vocab
+        per_token = UNCHECKPOINTED_BYTES_PER_HIDDEN * model.layers * model.hidden + LOGIT_BYTES * model.vocab
         return float(tokens) * per_token
     per_token = (model.dtype_bytes * (model.layers * model.hidden + 8 * model.hidden
                                       + 4 * model.mlp_intermediate_per_token)
-                 + 4 * model.vocab)
+                 + LOGIT_BYTES * model.vocab)
     return float(tokens) * per_token
 
 
