@@ -3,7 +3,8 @@
 import pytest
 
 from bidirl.job import config as cfgmod
-from bidirl.job.planner import min_feasible_layouts
+from bidirl.job.planner import plan
+from bidirl.perf.costs import trainer_offload_reload_time
 from bidirl.sim import baselines as B
 from bidirl.sim.baselines import BASELINES
 
@@ -102,10 +103,17 @@ def test_roll_staleness_rules(s, ok):
     reason = base.supports(a6000(**{"rl.staleness": s}))
     assert (reason is None) == ok
     if ok:
-        cfg = base.adapt(a6000(**{"rl.staleness": s}))
+        src = a6000(**{"rl.staleness": s})
+        cfg = base.adapt(src)
         assert cfg.rl.staleness == s and cfg.rl.partial_rollout is True
-        # the per-step trainer offload/reload rides on the weight-sync path
-        assert cfg.weight_sync_time() > a6000().weight_sync_time(rollout_layout=min_feasible_layouts(a6000())[0])
+        # the per-step trainer offload/reload rides on the weight-sync path: the adapted sync is the job's sync at its
+        # planned rollout layout plus the reload at its trainer layout, the same two floats added in the same order,
+        # so equal bit for bit (==); the reload is a positive copy time, so the sync grows (>), and a sync without
+        # it (the defect) fails both, as one at another layout than the planned one fails the first
+        env = plan(src).envelope
+        sync = src.weight_sync_time(rollout_layout=env.rollout_layout)
+        reload = trainer_offload_reload_time(src.hardware_spec, src.model_spec, trainer_layout=env.trainer_layout)
+        assert reload > 0 and cfg.weight_sync_time() == sync + reload and cfg.weight_sync_time() > sync
     else:
         assert "async_generation_ratio" in reason
 

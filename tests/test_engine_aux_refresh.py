@@ -17,6 +17,7 @@ import pytest
 
 import engine_jobs
 import rounding
+from engine_log_checks import AUX, aux_chunks_after_refreshes
 from test_engine_driver import FULL_LENGTH, _check_log, _run
 
 pytestmark = [pytest.mark.integration,
@@ -25,24 +26,6 @@ pytestmark = [pytest.mark.integration,
 
 STEPS = 2
 MINI = 8
-AUX = "rollout_pool/trainer"
-
-
-def aux_chunks_after_refreshes(res, step) -> set:
-    """The auxiliary gang's chunks of ``step``, as the number of the step's optimizer steps before each; every one
-    after an optimizer step starts after a refresh of the gang that began once that optimizer step had ended."""
-    spans = res.log.spans
-    bounds = sorted(sp.end for sp in spans if sp.kind == "optimizer" and sp.worker == "trainer_pool/trainer"
-                    and sp.step == step)
-    refreshes = [sp for sp in spans if sp.kind == "weight_refresh" and sp.worker == AUX]
-    worked = set()
-    for sp in spans:
-        if sp.kind == "chunk" and sp.worker == AUX and sp.step == step:
-            m = sum(1 for b in bounds if b <= sp.start)
-            worked.add(m)
-            if m > 0:
-                assert any(bounds[m - 1] <= r.start and r.end <= sp.start for r in refreshes), (step, m, sp)
-    return worked
 
 
 def test_a_refreshed_auxiliary_gang_computes_later_mini_batches_on_the_stepped_weights(model_dir, kept_workers):

@@ -15,6 +15,7 @@ import importlib.util
 import pytest
 
 import engine_jobs
+from engine_log_checks import one_mini_batch_between_optimizer_steps
 from test_engine_driver import FULL_LENGTH, _check_log, _logprob_tol, _run
 
 pytestmark = [pytest.mark.integration,
@@ -23,20 +24,6 @@ pytestmark = [pytest.mark.integration,
 
 STEPS = 2
 MINI = 8
-
-
-def one_mini_batch_between_optimizer_steps(res, opt, step: int, samples: int) -> list:
-    """Check that the update chunks of ``step`` (either gang's) that run between two of its optimizer steps ``opt``
-    hold one mini-batch's ``samples``, none running across an optimizer step; return the step's update chunks."""
-    steps = sorted((sp.start, sp.end) for sp in opt if sp.step == step)
-    chunks = [sp for sp in res.log.spans
-              if sp.kind == "chunk" and sp.detail.get("stage") == "actor_update" and sp.step == step]
-    before = -float("inf")
-    for start, end in steps:
-        between = [c for c in chunks if c.start >= before and c.end <= start]
-        assert sum(c.detail["samples"] for c in between) == samples, (step, start, len(between))
-        before = end
-    return chunks
 
 
 def test_mini_batches_take_one_optimizer_step_each_and_the_rollouters_get_the_steps_weights(model_dir,

@@ -18,9 +18,8 @@ import pytest
 
 import engine_jobs
 import rounding
-from test_engine_aux_refresh import aux_chunks_after_refreshes
+from engine_log_checks import aux_chunks_after_refreshes, one_mini_batch_between_optimizer_steps
 from test_engine_driver import FULL_LENGTH, _check_log, _logprob_tol, _run
-from test_engine_mini_batches import one_mini_batch_between_optimizer_steps
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
