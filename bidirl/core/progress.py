@@ -31,6 +31,8 @@ import numpy as np
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from bidirl.core.gates import RemainingLengths
+
 #: iterations below which an interval's slope is not sampled along it (a shorter interval is timed at its start)
 MIN_SECANT_ITERATIONS = 1.0
 
@@ -138,6 +140,8 @@ def _advance(live: dict, done: float, start: float, t: float, iteration_time: Ca
             return done + k, t
         start += a * gap + b * gap * (gap - 1) / 2          # the next end comes first: its iterations' time
         done += gap
+
+
 def _iterations_in(seconds: float, a: float, b: float) -> float:
     """The k ≥ 0 with ``a·k + b·k(k−1)/2 = seconds``: iterations whose i-th costs ``a + b·i`` (i from 0)."""
     if b <= 0:
@@ -168,13 +172,16 @@ class ResponseEnds:
     def __call__(self, held) -> tuple:
         g = [float(h) for h in held]
         m = len(g)
+        if not m:
+            return ()
+        # the sample each response draws from and its first length above the response's tokens: the gate's own
+        # choice (recent, else prior, else none); with no recent sample the prior is the one drawn from
+        lengths = RemainingLengths.of(g, [False] * m, self.recent if self.recent.size else self.prior, self.prior)
         order = sorted(range(m), key=lambda i: (g[i], i))
         out = [math.inf] * m
         for rank, i in enumerate(order):
-            for sample in (self.recent, self.prior):
-                k = int(np.searchsorted(sample, g[i], side="right"))        # the first length above g
+            if lengths.source[i] in (0, 1):
+                sample, k = lengths.samples[lengths.source[i]], int(lengths.first[i])
                 above = sample.size - k
-                if above:
-                    out[i] = float(sample[k + min(above - 1, int((rank + 0.5) / m * above))])
-                    break
+                out[i] = float(sample[k + min(above - 1, int((rank + 0.5) / m * above))])
         return tuple(out)

@@ -207,10 +207,6 @@ class StagePredictor:
             t = t + self.rollout.prefill_times(ctx[pre], replica[pre], len(sets))
         return np.where(np.array(sizes) > 0, t, 0.0).tolist()
 
-    def iteration_times(self, live_sets) -> list:
-        """:meth:`iteration_time` of each set of live context lengths, in one pass."""
-        return self.rollout.decode_iteration_times(live_sets)
-
     def iteration_time(self, context_lens) -> float:
         """One continuous-batching decode iteration over requests with these contexts."""
         return self.rollout.decode_iteration_time(context_lens)

@@ -458,22 +458,6 @@ class RolloutModel:
             waves.append(self._stepped_waves(p[order], r[order], counts))
         return np.concatenate(waves)
 
-    def decode_iteration_times(self, live_sets) -> list:
-        """:meth:`decode_iteration_time` of each set of live lengths, in one pass (the same numbers)."""
-        sets = [np.asarray(x, dtype=float).reshape(-1) for x in live_sets]
-        sizes = np.array([x.size for x in sets], dtype=np.int64)
-        if not sets:
-            return []
-        live = np.concatenate(sets)
-        if live.size and (np.any(live < 0) or np.any(~np.isfinite(live))):
-            raise ValueError("live_lens must be non-negative context lengths")
-        total = np.bincount(np.repeat(np.arange(len(sets)), sizes), weights=live, minlength=len(sets))
-        n = sizes.astype(float)
-        with np.errstate(invalid="ignore", divide="ignore"):      # empty sets: 0 below
-            w = np.ceil(n / np.minimum(n, self._n_max(total / np.maximum(n, 1.0))))
-        q = self.params
-        return np.where(sizes > 0, q.tau_dec * w + q.beta_tok * n + q.beta_hist * total, 0.0).tolist()
-
     def decode_iteration_time(self, live_lens) -> float:
         """One continuous-batching iteration advancing each running sequence (context ``live_lens``) by one
         token: ``τ_dec·w + β_tok·n + β_hist·Σ live`` with ``w = ⌈n / min(n, N_max(mean live))⌉`` — P_dec's
