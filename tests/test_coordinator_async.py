@@ -81,6 +81,22 @@ def test_the_lease_goes_round_its_cycle_and_refuses_anything_else():
 # Rollouter-on-TrainerPool
 # --------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("allocation_left, admitted", [(0.0, True), (3.0, True), (10.0, False)])
+def test_the_rollout_gate_charges_what_is_left_of_the_first_switch_allocation(allocation_left, admitted):
+    # the trainer engines reserve the first switch's pinned buffer in the background from their load at t = 0:
+    # a window lent now waits for what is left of it, so the gate charges it (C_in = 0.1 + left). The case of
+    # the test above, T_no = 8 s: with 3 s left, f = 3.1 / 8, past the switch pair the batch waits
+    # max(6 − 3.2, 2 · (1 − 3.1 / 8)) = 2.8 s, still a gain; with 10 s left the switch pair alone exceeds T_no
+    c = coordinator(staleness=1.0)
+    if allocation_left:
+        c.profiler.first_switch = {(ROT, "c_in"): allocation_left}
+    (decided,) = of(P.Decided, c.handle(P.Started(0.0)))
+    d = decided.decision
+    assert d.cost == pytest.approx(0.2 + allocation_left) and d.admitted is admitted
+    if allocation_left == 3.0:
+        assert d.detail["t_joint"] == pytest.approx(6.0 - 3.2)
+
+
 def test_rollout_on_trainer_pool_admitted_dispatched_and_revoked_when_the_batch_is_ready():
     c = coordinator(staleness=1.0)
     out = c.handle(P.Started(0.0))
@@ -90,12 +106,14 @@ def test_rollout_on_trainer_pool_admitted_dispatched_and_revoked_when_the_batch_
     # the trainer pool idles (no batch yet): the gate on the work the batch waits for, Q_r = 4 groups (0-3) of
     # 2 × 100 expected tokens, two on each primary beside two run-ahead groups that share its iterations up to
     # the needed groups' last token: T_no = 4 × 200 tokens × 10 ms = 8 s. Eq. 4 moves Q_a = 2 needed groups (one
-    # per auxiliary: 2 s); each primary keeps one needed group and its load: 6 s, after C_in drained 0.1 / 8.
+    # per auxiliary: 2 s, after C_in drained 0.1 / 8 of it); each primary keeps one needed group and its load:
+    # 6 s from now, through both switches (0.2 s), so past the switch pair the batch waits max(6 − 0.2, 2 · (1 −
+    # 0.1 / 8)) = 5.8 s.
     (decided,) = of(P.Decided, out)
     d = decided.decision
     assert d.direction == ROT and d.admitted and d.detail["deficit"] == 4 and d.detail["load"] == 8
-    assert d.detail["t_no"] == pytest.approx(8.0) and d.detail["t_joint"] == pytest.approx(6.0 * (1 - 0.1 / 8))
-    assert d.predicted_gain == pytest.approx(8.0 - 6.0 * (1 - 0.1 / 8)) and d.cost == pytest.approx(0.2)
+    assert d.detail["t_no"] == pytest.approx(8.0) and d.detail["t_joint"] == pytest.approx(6.0 - 0.2)
+    assert d.predicted_gain == pytest.approx(8.0 - (6.0 - 0.2)) and d.cost == pytest.approx(0.2)
     assert of(P.Switch, out) == [P.Switch(P.TRAINER_POOL, P.ROLLOUT, ROT, "in", 0.1, 0)]
     assert c.view().leases[P.TRAINER_POOL] == "switching_in"
 

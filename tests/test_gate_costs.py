@@ -261,7 +261,8 @@ def test_the_first_switch_is_expected_with_what_is_left_and_observed_without_it(
     steady = P.SwitchCosts(2.0, 3.0, 0.5)
     prof = Profiler(costs={d: steady for d in P.DIRECTIONS}, smoothing=0.5,
                     first_switch={(P.ROLLOUT_ON_TRAINER_POOL, "c_in"): 10.0}, loaded_at=1.0)
-    # the gates judge the steady costs; a switch starting at t is expected to take max(0, 10 − (t − 1)) more
+    # the steady costs stay steady; a switch starting at t (and a gate judging a window at t) is charged
+    # max(0, 10 − (t − 1)) more
     assert prof.costs[P.ROLLOUT_ON_TRAINER_POOL] == steady
     assert prof.charged(P.ROLLOUT_ON_TRAINER_POOL, 1.0) == P.SwitchCosts(12.0, 3.0, 0.5)
     assert prof.charged(P.ROLLOUT_ON_TRAINER_POOL, 5.0) == P.SwitchCosts(8.0, 3.0, 0.5)

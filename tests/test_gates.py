@@ -184,10 +184,29 @@ def test_rollout_gate_charges_run_ahead_load_up_to_the_last_needed_token_and_dra
     g = gates.rollout_gate(groups, ["p0", "p1"], 2, 1, tokens, SAMPLE, costs)
     assert g.t_primary == pytest.approx(40.0)
     # one needed group (the latest admitted) moves: 10 s on an auxiliary, but the other primary still runs its
-    # needed group beside its load (40 s); C_in / T_no = 10 % of the work is done before the auxiliaries start
-    assert g.t_joint == pytest.approx(0.9 * 40.0) and g.gain == pytest.approx(4.0) and not g.admitted
+    # needed group beside its load, 40 s from now through both switches: past the switch pair the batch waits
+    # 40 − 5 s, so the window's wait, C_in + T_joint + C_out, is T_no's 40 s: nothing gained
+    assert g.t_joint == pytest.approx(40.0 - 5.0) and g.gain == pytest.approx(costs.c_in + costs.c_out)
     # the opportunistic ablation borrows anyway
     assert gates.rollout_gate(groups, ["p0", "p1"], 2, 1, tokens, SAMPLE, costs, gated=False).admitted
+    # both needed groups move (one per auxiliary, 10 s each): C_in / T_no = 10 % of that work is done on the
+    # primaries before the auxiliaries start, and the primaries keep only run-ahead load the batch does not need
+    g = gates.rollout_gate(groups, ["p0", "p1"], 2, 2, tokens, SAMPLE, costs)
+    assert g.t_joint == pytest.approx(0.9 * 10.0) and g.gain == pytest.approx(31.0) and g.admitted
+
+
+def test_rollout_gate_charges_the_switch_out_only_past_the_primaries_own_work():
+    # 4 needed groups of 2 × 50 tokens: p0 holds three (T_no = 30 s), p1 one. Eq. 4 moves q_a = 2 — the
+    # latest admitted, 3 (p1) and 2 (p0) — so p0 keeps two (20 s) and p1 none; each auxiliary takes one (10 s).
+    groups = [fresh(0, "p0"), fresh(1, "p0"), fresh(2, "p0"), fresh(3, "p1")]
+    costs = SwitchCosts(c_in=2.0, c_out=6.0)
+    g = gates.rollout_gate(groups, ["p0", "p1"], 2, 2, tokens, SAMPLE, costs)
+    assert g.t_primary == pytest.approx(30.0)
+    # the auxiliaries end at C_in + 10 · (1 − 2/30) = 11.33 s and switch out until 17.33 s while p0 decodes to
+    # 20 s: the batch is ready at 20 s, 10 s sooner, i.e. T_joint = 20 − 8 = 12 s past the switch pair, a gain of
+    # 18 s against the 8 s charged (the old form, both switches on top of the slowest replica: 8 + 20 · (1 − 2/30)
+    # = 26.7 s, saw 3.3 s)
+    assert g.t_joint == pytest.approx(20.0 - 8.0) and g.gain == pytest.approx(18.0) and g.admitted
 
 
 def test_rollout_gate_knows_progress_prefill_and_parked_groups():

@@ -272,11 +272,15 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
     * **T_no** — primaries only: on each primary, its needed groups run to completion together with the rest of
       its load (run-ahead groups share every decode iteration, up to the last needed token), parked needed
       groups resume on the least-loaded primary; T_no is the slowest primary's expected time;
-    * **T_joint** — after C_in, Q_a needed groups (Eq. 4: ``rollout_dispatch``) move to the ``d_a`` auxiliaries in
-      migration order, parked ones first, and resume there from their prefixes; the primaries keep the rest. The
-      primaries keep generating during C_in (as Algorithm 2 drains the trainer's queue), so a share
-      ``f = C_in / T_no`` of the work is done before the auxiliaries start and
-      ``T_joint = (1 − f) · E[max(primaries, auxiliaries)]``.
+    * **T_joint** — the wait beyond the switch pair with the window: after C_in, Q_a needed groups (Eq. 4:
+      ``rollout_dispatch``) move to the ``d_a`` auxiliaries in migration order, parked ones first, and resume there
+      from their prefixes; the primaries keep the rest. The primaries keep generating during C_in (as Algorithm 2
+      drains the trainer's queue), so a share ``f = C_in / T_no`` of the moved work is done before the
+      auxiliaries start; and they keep generating through C_out, which starts when the auxiliaries' groups are
+      done (the lender takes its pool back then, whether or not the primaries are). The batch is ready at
+      ``max(P, C_in + (1 − f) · A + C_out)`` for the primaries' time P on what they keep and the auxiliaries'
+      time A, so ``T_joint = E[max(P − C_in − C_out, (1 − f) · A)]``: the switch pair is charged in full where
+      the auxiliaries end last, and only its part past the primaries' own work where they do not.
 
     ``replica_times(request_sets)``, if given, is ``replica_time`` of many replicas in one call (the same
     numbers). Remaining lengths are distributions over ``sample`` (``prior``: the job's response-length sample, for
@@ -288,7 +292,8 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
     T_joint over the primaries and auxiliaries alike, so spreading the same groups over more replicas is not
     mistaken for a gain (with one replica, E[T] is its time at the expected maximum). The window is admitted when
     ``C_in + T_joint + C_out < T_no`` (always, when not ``gated``: the opportunistic ablation). With fresh
-    groups only and no other load this is Eq. 3, ``M_r(Q_r, d_p) − M_r(Q_r, d_p + d_a) > C_in + C_out``.
+    groups only and no other load, and the auxiliaries ending last, this is Eq. 3,
+    ``M_r(Q_r, d_p) − M_r(Q_r, d_p + d_a) > C_in + C_out``.
     """
     cost = costs.c_in + costs.c_out
     needed = [g for g in groups if g.needed]
@@ -347,12 +352,11 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
             return replica_times(request_sets)
         return [replica_time(*sets) for sets in request_sets]
 
-    def slowest(sets: list) -> float:
-        """E[max_j T_j] over these replicas' request sets: each replica's time at its expected longest remaining
-        length and at its longest possible one (the replica model's secant between them, exact at both) makes
-        its time a distribution, and the slowest of them is :func:`expected_slowest`."""
+    def finishes(sets: list) -> tuple:
+        """Each replica's time as a distribution ``(values, cdfs)``: its time at its expected longest remaining
+        length and at its longest possible one (the replica model's secant between them, exact at both)."""
         if not sets:
-            return 0.0
+            return [], []
         ends = [values[-1] if values.size else mean for _, values, _, mean in sets]
         t = times([at(mean) for at, _, _, mean in sets] + [at(end) for (at, *_), end in zip(sets, ends)])
         at_mean, at_end = t[:len(sets)], t[len(sets):]
@@ -365,7 +369,7 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
             else:
                 finish.append(np.maximum(t1 + slope * (values - mean), 0.0))
                 cdfs.append(cdf)
-        return expected_slowest(finish, cdfs)
+        return finish, cdfs
 
     def primary_sets(moved: set) -> list:
         """Each primary holding needed groups (less the ``moved`` ones): its request set."""
@@ -377,12 +381,20 @@ def rollout_gate(groups: Sequence[GroupWork], primaries: Sequence[str], d_a: int
                 sets.append(requests(need, [g for g in mine if not g.needed]))
         return sets
 
-    t_no = slowest(primary_sets(set()))
+    t_no = expected_slowest(*finishes(primary_sets(set())))
     q_a = min(q_a, len(needed))
     movers = sorted(needed, key=lambda g: (g.worker is not None, g.rank))[:q_a]
     aux = [requests(movers[k::d_a], prefill_all=True) for k in range(d_a) if movers[k::d_a]] if d_a > 0 else []
     drained = min(1.0, costs.c_in / t_no) if t_no > 0 else 1.0
-    t_joint = (1.0 - drained) * slowest(primary_sets({g.group_id for g in movers}) + aux)
+    # the primaries never stop: their remaining work runs from now, through both switches (the lender's switch
+    # out starts when the auxiliaries' groups are done, while the primaries may still decode theirs), so past
+    # the switch pair the batch waits max(primary − C_in − C_out, (1 − f) · auxiliary)
+    if not aux:                                   # nothing would move: the window cannot shorten the wait
+        return RolloutGate(admitted=not gated, t_primary=t_no, t_joint=t_no, q_a=0, cost=cost)
+    kept, kept_cdfs = finishes(primary_sets({g.group_id for g in movers}))
+    moved, moved_cdfs = finishes(aux)
+    t_joint = expected_slowest([np.maximum(f - cost, 0.0) for f in kept] + [(1.0 - drained) * f for f in moved],
+                               kept_cdfs + moved_cdfs)
     return RolloutGate(admitted=(t_no - t_joint > cost) if gated else True, t_primary=t_no, t_joint=t_joint,
                        q_a=q_a, cost=cost)
 

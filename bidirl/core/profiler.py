@@ -91,10 +91,10 @@ class Profiler:
 
     def charged(self, direction: str, now: float):
         """What ``direction``'s switches starting at ``now`` are expected to take: the steady costs, plus what is left
-        at ``now`` of a first switch's allocation (:meth:`allocation_left`). The gates judge a window on the steady
-        costs (:attr:`costs`): the one-time allocation is paid by whichever window comes first and serves every
-        later one, so charging it to the first would refuse every window of a direction whose steady gain is below
-        it."""
+        at ``now`` of a first switch's allocation (:meth:`allocation_left`). The gates charge these: the engines
+        reserve the allocation in the background from their load on, so a window admitted now waits for what is left
+        of it, and one admitted later waits for less (none once the reservation is done) — the remainder is the
+        cost of lending now, not a cost some window must pay."""
         costs = self.costs[direction]
         extra_in = self.allocation_left(direction, "c_in", now)
         extra_out = self.allocation_left(direction, "c_out", now)

@@ -137,7 +137,7 @@ class RolloutSide:
         if q <= 0:
             return
         self.evaluated.add(key)
-        costs = self.profiler.costs[ROT]
+        costs = self.profiler.charged(ROT, self._now)
         primaries = self._alive(self.topology.rollouters)
         d_p, d_a = len(primaries), len(self._alive(self.topology.aux_rollouters))
         scales = self.profiler.scales

@@ -295,7 +295,8 @@ class TrainerSide:
                 return P.packed_chunk_len(tokens, first, end, *P.packed_groups(
                     d * self.topology.trainer_layout, budget, self.settings.sequence_parallel))
         gate = gates.trainer_gate(stages, run_time, self._gang(P.PRIMARY), self._gang(P.AUXILIARY),
-                                  self.settings.micro_batch_per_device, self.profiler.costs[TOR], self.policy.gated,
+                                  self.settings.micro_batch_per_device, self.profiler.charged(TOR, self._now),
+                                  self.policy.gated,
                                   rho=self.topology.trainer_layout, optimizer=self.settings.optimizer_seconds,
                                   chunk_len=chunk_len, sequence_parallel=self.settings.sequence_parallel)
         if step.aux_refresh:
