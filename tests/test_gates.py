@@ -265,6 +265,54 @@ def test_trainer_gate_charges_c_grad_only_for_update_work_and_rejects_short_wind
     assert gates.trainer_gate(["actor_update"] * 8, run_time, 2, 2, 2, costs, gated=False).admitted
 
 
+def test_trainer_gate_charges_the_switch_back_the_tail_split_leaves_on_the_step():
+    """JointTailSplit gives the auxiliaries L = C_out − (C_grad + optimizer) seconds less than the primaries, so the
+    switch back overlaps the primaries' longer share and only d_a·L/(d_p + d_a) of it reaches the step (§5.2)."""
+    stages = ["actor_update"] * 16
+    costs = SwitchCosts(c_in=0.2, c_out=0.5, c_grad=0.05)
+    g = gates.trainer_gate(stages, run_time, d_p=2, d_a=2, micro_batch_per_device=2, costs=costs, optimizer=0.05)
+    # T_no = 16 units · 0.1 s / 2 replicas = 0.8; DrainPrefix(0.2) takes one 4-unit chunk (0.2 s on 2 replicas);
+    # T_joint = 12 units · 0.1 s / 4 replicas = 0.3. g = 0.05 + 0.05 = 0.1, L = 0.5 − 0.1 = 0.4: the auxiliaries
+    # run 0.3 − 2·0.4/4 = 0.1 s and switch back until 0.6, the primaries run 0.5 s, merge and step until 0.6.
+    # T_borrow = C_in + 0.6 − optimizer = 0.2 + 0.6 − 0.05 = 0.75 < 0.8: admitted. (Charging the whole lag after
+    # T_joint, max(C_out, g) − optimizer = 0.45, gave 0.95 and refused it.) Sums of a few decimals: 1e-12.
+    assert g.t_no == pytest.approx(0.8, abs=1e-12) and g.t_joint == pytest.approx(0.3, abs=1e-12)
+    assert g.t_borrow == pytest.approx(0.75, abs=1e-12) and g.admitted
+    assert g.cost == pytest.approx(0.2 + 0.05 + 2 * 0.4 / 4, abs=1e-12)
+    # a switch back the merge and optimizer step hide: only C_grad follows T_joint
+    hidden = gates.trainer_gate(stages, run_time, 2, 2, 2, SwitchCosts(c_in=0.2, c_out=0.08, c_grad=0.05),
+                                optimizer=0.05)
+    assert hidden.t_borrow == pytest.approx(0.2 + 0.3 + 0.05, abs=1e-12)
+    # a lag too long for the auxiliaries to get any work (2·0.9/4 = 0.45 > T_joint = 0.3): the primaries run the
+    # joint workload alone, 12 units in 0.6 s, then g: max(0.6 + 0.1, 1.0) − 0.05 = 0.95; T_borrow 1.15, refused
+    alone = gates.trainer_gate(stages, run_time, 2, 2, 2, SwitchCosts(c_in=0.2, c_out=1.0, c_grad=0.05),
+                               optimizer=0.05)
+    assert alone.t_borrow == pytest.approx(0.2 + 0.95, abs=1e-12) and not alone.admitted
+
+
+@given(t_joint=st.floats(0.0, 50.0), d_p=st.integers(1, 32), d_a=st.integers(1, 32), c_out=st.floats(0.0, 20.0),
+       c_grad=st.floats(0.0, 5.0), optimizer=st.floats(0.0, 5.0))
+def test_window_tail_is_the_best_split_of_the_joint_workload(t_joint, d_p, d_a, c_out, c_grad, optimizer):
+    """With C_out ≥ C_grad + optimizer, T_joint + window_tail + optimizer is the least max(x_p + g, x_a + C_out)
+    over every split d_p·x_p + d_a·x_a = (d_p + d_a)·T_joint, x ≥ 0, and a split reaches it; below that the
+    runtime splits evenly (JointTailSplit's lag is max(0, C_out − g)) and C_grad follows."""
+    g = c_grad + optimizer
+    tail = gates.window_tail(t_joint, d_p, d_a, c_out, c_grad, optimizer)
+    if c_out < g:
+        assert tail == c_grad
+        return
+    work = (d_p + d_a) * t_joint
+
+    def end(x_a):
+        return max((work - d_a * x_a) / d_p + g, x_a + c_out)
+
+    value = t_joint + tail + optimizer
+    # values ≤ 50·64 + 30: a few float operations each round by well under 1e-9
+    assert all(value <= end(x) + 1e-9 for x in np.linspace(0.0, work / d_a, 257))
+    best = min(max(t_joint - d_p * (c_out - g) / (d_p + d_a), 0.0), work / d_a)
+    assert value == pytest.approx(end(best), abs=1e-9)
+
+
 def test_joint_tail_split_balances_the_two_sides():
     per_unit = 1.0
     n_a, finish = gates.joint_tail_split(10, 1, 1, 0.0, 0.0, lambda k: k * per_unit, lambda k: k * per_unit)

@@ -8,6 +8,7 @@ coordinator state, so each is tested directly:
 * :class:`RemainingLengths` — the remaining lengths the gate times, and their expected maximum (replica-max);
 * :func:`workload_time` — M_t(U, d) over chunk runs, with DrainPrefix (Algorithm 2, line 1);
 * :func:`trainer_gate` — Algorithm 2, lines 1-6: T_no, T_joint, T_borrow;
+* :func:`window_tail` — what the step waits after T_joint when the window ends with it (JointTailSplit's split);
 * :func:`joint_tail_split` — JointTailSplit's search over integer split points.
 """
 
@@ -458,6 +459,37 @@ class TrainerGate:
         return self.t_no - self.t_joint
 
 
+def window_tail(t_joint: float, d_p: int, d_a: int, c_out: float, c_grad: float, optimizer: float) -> float:
+    """What a Trainer-on-RolloutPool window that ends with the step adds after ``T_joint`` (the joint workload on
+    ``d_p + d_a`` replicas), the optimizer step excluded (it is paid with or without the window).
+
+    The primaries' side ends with ``g = C_grad + optimizer`` (merge, then the optimizer step), the auxiliaries'
+    with the switch back ``C_out``; JointTailSplit (§5.2, Algorithm 2 line 9) minimises the later of the two,
+    ``max(x_p + g, x_a + C_out)`` over the primaries' and auxiliaries' shares with ``d_p·x_p + d_a·x_a =
+    (d_p + d_a)·T_joint`` (replica-seconds of the joint workload). With the lag ``L = C_out − g``:
+
+    * ``L ≤ 0``: equal shares, ``x = T_joint`` (the runtime's split delays the auxiliaries by ``max(0, L)``,
+      :meth:`~bidirl.core.coordinator.Coordinator._yield_lag`); the step waits ``C_grad`` beyond ``T_joint`` (the
+      switch back hides behind the merge and optimizer step);
+    * ``0 < L`` and ``T_joint ≥ d_p·L/(d_p + d_a)``: the auxiliaries take ``L`` seconds less than the primaries,
+      ``x_a = T_joint − d_p·L/(d_p + d_a)``, so the lag is shared by all ``d_p + d_a`` replicas:
+      ``C_grad + d_a·L/(d_p + d_a)``. Charging the whole ``L`` (both sides ending together, then the switch back)
+      counts ``d_p·L/(d_p + d_a)`` of the switch that the primaries' longer share hides;
+    * otherwise the best split leaves the auxiliaries nothing: ``max((d_p + d_a)/d_p·T_joint + g, C_out) −
+      optimizer − T_joint`` (the primaries run the whole joint workload).
+
+    The split is taken as continuous; JointTailSplit's is in whole units, at least one per device."""
+    g = c_grad + optimizer
+    lag = c_out - g
+    if lag <= 0:
+        return c_grad
+    if d_p < 1 or d_a < 0:
+        raise ValueError(f"window_tail: d_p ({d_p}) must be ≥ 1 and d_a ({d_a}) ≥ 0")
+    if t_joint >= d_p * lag / (d_p + d_a):
+        return c_grad + d_a * lag / (d_p + d_a)
+    return max((d_p + d_a) / d_p * t_joint + g, c_out) - optimizer - t_joint
+
+
 def trainer_gate(stages: Sequence[str], run_time: Callable[[int, int, int], float], d_p: int, d_a: int,
                  micro_batch_per_device: int, costs: SwitchCosts, gated: bool = True, rho: int = 1,
                  optimizer: float = 0.0, chunk_len: Optional[Callable[[int, int, int], int]] = None,
@@ -466,11 +498,14 @@ def trainer_gate(stages: Sequence[str], run_time: Callable[[int, int, int], floa
     ``T_borrow = C_in + M_t(U', d_p + d_a) + C_out + C_grad``; admitted when ``T_borrow < T_no`` (always when
     there is work left, when not ``gated``). C_grad is charged only if U' holds actor-update work.
 
-    One refinement of the paper's sum, because the runtime overlaps them: when the window ends with the step, the
-    primaries merge the auxiliary gradients (C_grad) and take the optimizer step (``optimizer`` seconds, paid
-    with or without borrowing) while the rollout pool switches back (C_out), so the step waits for
-    ``max(C_out, C_grad + optimizer) − optimizer`` rather than ``C_out + C_grad`` (they add up again when
-    ``optimizer`` is 0 and one of them is). ``stages`` is the stage of each remaining unit in order;
+    One refinement of the paper's sum, because the runtime overlaps them (given ``optimizer``, the predicted
+    optimizer step, > 0): when the window ends with the step, the switch back (C_out) follows the auxiliaries'
+    last chunk while the primaries' last chunk is followed by the gradient merge and the optimizer step
+    (``g = C_grad + optimizer``, paid with or without borrowing), and JointTailSplit (§5.2: the split that
+    "minimizes the larger predicted completion time of the two sides") gives the auxiliary side that much less
+    work (:meth:`bidirl.core.coordinator.Coordinator._yield_lag`). The step waits for what
+    :func:`window_tail` gives, not ``C_out + C_grad`` after ``T_joint``. With ``optimizer`` 0 (not predicted)
+    the tail is Algorithm 2's ``C_out + C_grad``. ``stages`` is the stage of each remaining unit in order;
     ``run_time(first, end, d)`` as in :func:`workload_time`.
     """
     t_no, drained = workload_time(stages, run_time, d_p, micro_batch_per_device, drain=costs.c_in, rho=rho,
@@ -481,7 +516,10 @@ def trainer_gate(stages: Sequence[str], run_time: Callable[[int, int, int], floa
                                micro_batch_per_device, rho=rho, chunk_len=shifted,
                                sequence_parallel=sequence_parallel)
     c_grad = costs.c_grad if any(s in UPDATE_STAGES for s in rest) else 0.0
-    tail = max(costs.c_out, c_grad + optimizer) - optimizer if optimizer > 0 else costs.c_out + c_grad
+    if optimizer > 0:
+        tail = window_tail(t_joint, d_p, d_a, costs.c_out, c_grad, optimizer)
+    else:
+        tail = costs.c_out + c_grad
     t_borrow = costs.c_in + t_joint + tail
     return TrainerGate(admitted=(t_borrow < t_no) if gated else bool(rest), t_no=t_no, t_joint=t_joint,
                        t_borrow=t_borrow, drained=drained, cost=costs.c_in + tail)

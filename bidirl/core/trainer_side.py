@@ -190,8 +190,9 @@ class TrainerSide:
         before the weight sync can start, while after the primaries' last chunk the step merges the auxiliary
         gradients and takes its optimizer step (C_grad + optimizer), overlapping that switch. The step ends at
         ``max(t_p + g, t_a + max(g, C_out))`` with ``g = C_grad + optimizer``, so JointTailSplit minimises
-        ``max(t_p, t_a + max(0, C_out − g))``: the lag is added to the auxiliary side's ready time (the same
-        overlap :func:`bidirl.core.gates.trainer_gate` charges). 0 before the last segment (the window goes on)."""
+        ``max(t_p, t_a + max(0, C_out − g))``: the lag is added to the auxiliary side's ready time (the split whose
+        end :func:`bidirl.core.gates.window_tail` predicts for the trainer gate). 0 before the last segment (the
+        window goes on)."""
         if step.segment_index != len(step.segments) - 1:
             return 0.0
         costs = self.profiler.charged(TOR, self._now)
