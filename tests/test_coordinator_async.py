@@ -81,6 +81,19 @@ def test_the_lease_goes_round_its_cycle_and_refuses_anything_else():
 # Rollouter-on-TrainerPool
 # --------------------------------------------------------------------------------------------------
 
+def test_at_staleness_one_the_gate_waits_for_the_groups_that_complete_the_batch_not_the_oldest():
+    # s = 1, B = 4: the run-ahead bound admits 8 groups of version 0, and any 4 of them complete its batch (the
+    # rest can go into the next one). Once three run-ahead groups are done the batch waits for one more group —
+    # where a batch of the 4 oldest would still wait for groups 0-3
+    c = coordinator(staleness=1.0)
+    placed = where(c.handle(P.Started(0.0)))
+    for t, g in ((1.0, 4), (1.5, 5), (2.0, 6)):
+        c.handle(P.GroupFinished(t, placed[g], done_group(g)))
+    groups, q = c._rollout_work()
+    assert q == 1 and sum(g.needed for g in groups) == 1
+    assert c.buffer.deficit(0) == 4
+
+
 @pytest.mark.parametrize("allocation_left, admitted", [(0.0, True), (3.0, True), (10.0, False)])
 def test_the_rollout_gate_charges_what_is_left_of_the_first_switch_allocation(allocation_left, admitted):
     # the trainer engines reserve the first switch's pinned buffer in the background from their load at t = 0:

@@ -173,7 +173,7 @@ def test_the_coordinator_estimates_progress_over_the_load_its_worker_had():
     # Timed on the present load alone the 20 s read 1,000.
     c.handle(P.GroupFinished(10.0, R0, P.GroupState(second, 10, (10_000, 10_000), (True, True), 0)))
     c._now = 20.0
-    work = {g.group_id: g for g in c._rollout_work()}
+    work = {g.group_id: g for g in c._rollout_work()[0]}
     # int() of a float sum within a few ulps of 750: 749 or 750
     assert work[first].progress[0] in (749, 750) and work[first].progress == (work[first].progress[0],) * 2
     assert not work[first].prefilling

@@ -144,3 +144,69 @@ def test_streamed_local_batches_keep_the_rule_and_lose_nothing(staleness, local,
     assert len(consumed) == len(set(consumed))
     live = set(buf.groups)
     assert set(consumed) | live == set(range(buf.next_group_id))
+
+
+def test_the_lookahead_batch_waits_for_the_groups_expected_to_end_first_not_the_oldest():
+    rule = StalenessRule(1, 3)
+    buf = RolloutBuffer(rule)
+    for _ in range(6):
+        buf.admit(0, "w")
+    # at s = 1 any three of the six groups of version 0 complete its batch (the other three can still go into the
+    # next one): it waits for the three expected to end first, where a batch of the oldest waits for 0, 1 and 2
+    ends_first = {5: 0, 4: 1, 3: 2, 2: 3, 1: 4, 0: 5}
+    waited, unadmitted = buf.waited_for(0, lambda r: ends_first[r.group_id])
+    assert sorted(r.group_id for r in waited) == [3, 4, 5] and unadmitted == 0
+    assert [r.group_id for r in buf.needed()] == [0, 1, 2] and buf.deficit(0) == 3
+    for g in (3, 4, 5):
+        buf.commit(_state(g, 0))
+    assert buf.select_batch(0) == [3, 4, 5]
+    buf.consume([3, 4, 5])
+    for _ in range(buf.admissible(1)):
+        buf.admit(1, "w")
+    # at version 1 the three groups of version 0 left are too stale for the next batch: it waits for all three,
+    # however soon the newer ones are expected to end
+    waited, unadmitted = buf.waited_for(1, lambda r: -r.group_id)
+    assert sorted(r.group_id for r in waited) == [0, 1, 2] and unadmitted == 0
+
+
+def test_the_lookahead_wait_counts_groups_not_admitted_yet():
+    buf = RolloutBuffer(StalenessRule(0, 3))
+    buf.admit(0, "w")
+    buf.admit(0, "w")
+    waited, unadmitted = buf.waited_for(0, lambda r: 0)
+    assert sorted(r.group_id for r in waited) == [0, 1] and unadmitted == 1
+    # a streamed step's local batch of 1 group, with room for 2 more of this version: either group completes it
+    waited, unadmitted = buf.waited_for(0, lambda r: -r.group_id, size=1, room=2)
+    assert [r.group_id for r in waited] == [1] and unadmitted == 0
+
+
+@settings(max_examples=150)
+@given(staleness=st.sampled_from([0, 0.25, 0.5, 1, 1.5, 2, 4]), batch=st.integers(1, 6), data=st.data())
+def test_completing_the_groups_the_lookahead_batch_waits_for_forms_it(staleness, batch, data):
+    """Whatever the state and the expected finishing order, once every group :meth:`RolloutBuffer.waited_for`
+    names is complete (and nothing else changed) the look-ahead batch forms: the wait it predicts is enough."""
+    import copy
+    rule = StalenessRule(staleness, batch)
+    buf = RolloutBuffer(rule)
+    version = 0
+    for _ in range(data.draw(st.integers(1, 25))):
+        for _ in range(buf.admissible(version)):
+            buf.admit(version, "w")
+        running = sorted(g for g, r in buf.groups.items() if r.status == "running")
+        if running:
+            gid = data.draw(st.sampled_from(running))
+            buf.commit(_state(gid, buf.groups[gid].version))
+        batch_ids = buf.select_batch(version)
+        if batch_ids is not None:
+            buf.consume(batch_ids)
+            version += 1
+    for _ in range(buf.admissible(version)):
+        buf.admit(version, "w")
+    order = data.draw(st.permutations(sorted(buf.groups)))
+    rank = {g: i for i, g in enumerate(order)}
+    waited, unadmitted = buf.waited_for(version, lambda r: rank[r.group_id])
+    assert unadmitted == 0                       # everything the run-ahead bound allows is admitted
+    done = copy.deepcopy(buf)
+    for r in waited:
+        done.commit(_state(r.group_id, r.version))
+    assert done.select_batch(version) is not None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import heapq
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from bidirl.core.protocol import GroupState
 from bidirl.core.staleness import StalenessRule
@@ -248,14 +248,52 @@ class RolloutBuffer:
         return chosen
 
     def deficit(self, trainer_version: int) -> int:
-        """Q_r: groups still generating among the ``B`` oldest live ones (what the next batch waits for)."""
+        """Q_r: groups still generating among the ``B`` oldest live ones (what a batch that takes the oldest live
+        groups waits for; the look-ahead batch's is :meth:`waited_for`'s)."""
         live = self._oldest()
         missing = sum(1 for r in live if r.status != "complete")
         return missing + max(0, self.rule.batch - len(live))
 
     def needed(self) -> list:
-        """The records of the groups the next batch waits for: not complete among the ``B`` oldest live ones."""
+        """The records of the groups a batch of the ``B`` oldest live ones waits for: not complete among them."""
         return [r for r in self._oldest() if r.status != "complete"]
+
+    def waited_for(self, trainer_version: int, finish_first: Callable[[GroupRecord], Any],
+                   size: Optional[int] = None, room: int = 0) -> tuple:
+        """What the look-ahead batch for ``trainer_version`` (:meth:`_select_lookahead`, ``size``/``room`` as
+        there) waits for: ``(records, unadmitted)``, the unfinished groups expected to complete it and how many
+        groups not admitted yet it still needs; ``len(records) + unadmitted`` is Q_r (§5.2).
+
+        The batch forms once ``size`` groups are complete and taking the oldest of them leaves what stays behind
+        consumable: for every ``k = 0 … ceil(s)`` at least ``live(≤ x_k) − (k·B + room)`` groups with a tag
+        ``≤ x_k = v_t + k − ceil(s)`` complete (k = 0: every group too stale for the next batch). Past those,
+        any group completes it: at ``s ≥ 1`` a batch need not wait for the oldest groups still generating. So for
+        each ``k`` in turn the unfinished groups of those tags expected to complete first (``finish_first``, a sort
+        key: smaller first) are taken until the count holds, then any until ``size`` would be complete."""
+        B = self.rule.batch if size is None else int(size)
+        lag = self.rule.max_lag
+        unfinished = sorted((r for r in self.groups.values() if r.status != "complete"),
+                            key=lambda r: (finish_first(r), r.version, r.group_id))
+        chosen, chosen_tags = {}, collections.Counter()
+
+        def up_to(counts, x):
+            return sum(n for tag, n in counts.items() if tag <= x)
+
+        def take(n, x=None):
+            for r in unfinished:
+                if n <= 0:
+                    return
+                if r.group_id not in chosen and (x is None or r.version <= x):
+                    chosen[r.group_id] = r
+                    chosen_tags[r.version] += 1
+                    n -= 1
+
+        for k in range(lag + 1):
+            x = trainer_version + k - lag
+            take(up_to(self.tags, x) - (k * self.rule.batch + room) - up_to(self.complete_tags, x)
+                 - up_to(chosen_tags, x), x)
+        take(B - len(self.complete) - len(chosen))
+        return list(chosen.values()), max(0, B - len(self.complete) - len(chosen))
 
     def _oldest(self, n: Optional[int] = None) -> list:
         """The ``n`` (default ``B``) oldest live groups, by tag then id."""

@@ -9,11 +9,15 @@ coordinator's state (its fields are declared there) and append commands to ``sel
 from __future__ import annotations
 
 import heapq
+import math
+
+import numpy as np
 
 from bidirl.core import gates
 from bidirl.core import protocol as P
 from bidirl.core.phase import Phase
 from bidirl.core.progress import ResponseEnds
+from bidirl.core.schedule import SCHEDULE_RULE
 
 ROT = P.ROLLOUT_ON_TRAINER_POOL
 
@@ -133,7 +137,7 @@ class RolloutSide:
         if (not self.policy.rollout_on_trainer_pool or key in self.evaluated or self.phase is not Phase.WAITING
                 or not self.leases[P.TRAINER_POOL].primary or not self.topology.aux_rollout_replicas):
             return
-        q = self.buffer.deficit(self.trainer_version)
+        groups, q = self._rollout_work()
         if q <= 0:
             return
         self.evaluated.add(key)
@@ -148,7 +152,6 @@ class RolloutSide:
         def replica_times(request_sets):
             return [scales[("r", P.PRIMARY)] * t for t in self._many("replica_times", "replica_time", request_sets)]
 
-        groups = self._rollout_work()
         gate = gates.rollout_gate(groups, primaries, d_a, gates.rollout_dispatch(q, d_p, d_a), replica_time,
                                   self.profiler.response_sample(self.prior), costs, self.policy.gated,
                                   replica_times=replica_times, prior=self.prior[1])
@@ -156,12 +159,12 @@ class RolloutSide:
                      {"deficit": q, "load": len(groups), "q_a": gate.q_a, "d_p": d_p, "d_a": d_a,
                       "t_no": gate.t_primary, "t_joint": gate.t_joint, "step": self.trainer_version})
 
-    def _rollout_work(self) -> list:
-        """Every unfinished group on (or waiting for) the primary rollouters, with its estimated progress: the
-        prefix it came back with, plus one token per decode iteration its worker is estimated to have run since the
-        group joined it — replayed over the load the worker had meanwhile (:class:`bidirl.core.progress.
-        DecodeProgress`), each iteration and prefill wave timed by the predictor scaled as the gate scales it."""
-        needed = {r.group_id for r in self.buffer.needed()}
+    def _rollout_work(self) -> tuple:
+        """``(groups, Q_r)``: every unfinished group on (or waiting for) the primary rollouters, with its estimated
+        progress — the prefix it came back with, plus one token per decode iteration its worker is estimated to
+        have run since the group joined it, replayed over the load the worker had meanwhile
+        (:class:`bidirl.core.progress.DecodeProgress`), each iteration and prefill wave timed by the predictor
+        scaled as the gate scales it — and whether the next batch waits for it (:meth:`_waited_for`)."""
         prompt = self.profiler.typical_prompt(self.prior)
         mine = {}
         for gid, rec in self.buffer.groups.items():
@@ -181,7 +184,7 @@ class RolloutSide:
         for w in self._alive(self.topology.rollouters):
             if self.buffer.running_count(w):
                 grown_by.update(self.decode.iterations(w, self._now, iteration_time, prefill_time, lengths))
-        out = []
+        work = {}
         for gid, rec in mine.items():
             st = rec.state
             p = st.prompt_len if st is not None else prompt
@@ -191,9 +194,33 @@ class RolloutSide:
             if rec.status == "running":
                 grown = int(grown_by.get(gid, 0.0))
                 held, done = _ended(held, done, grown, lengths)
-            out.append(gates.GroupWork(gid, rec.worker if rec.status == "running" else None, p, held, done,
-                                       gid in needed, (rec.version, -gid), prefilling=grown == 0))
-        return out
+            work[gid] = (rec, p, held, done, grown)
+        needed, q = self._waited_for({gid: (held, done) for gid, (_, _, held, done, _) in work.items()})
+        return [gates.GroupWork(gid, rec.worker if rec.status == "running" else None, p, held, done,
+                                gid in needed, (rec.version, -gid), prefilling=grown == 0)
+                for gid, (rec, p, held, done, grown) in work.items()], q
+
+    def _waited_for(self, progress: dict) -> tuple:
+        """``(ids, Q_r)``: the unfinished groups the next batch is expected to wait for, and how many groups it
+        still needs (§5.2's deficit, "the rollout groups required to start training under the staleness bound").
+        Under the look-ahead rule the batch need not wait for the oldest groups still generating
+        (:meth:`bidirl.core.buffer.RolloutBuffer.waited_for`): it waits for the groups its tags require, those
+        expected to complete first — the smallest expected longest remaining length
+        (:meth:`bidirl.core.gates.RemainingLengths.expected_max`) of ``progress`` (gid -> (tokens held, done)),
+        a group without an estimate last. Under the other rules, the ``B`` oldest live groups."""
+        rule = SCHEDULE_RULE if self.settings.reproducible else self.policy.batch_rule
+        if rule != "lookahead":
+            return {r.group_id for r in self.buffer.needed()}, self.buffer.deficit(self.trainer_version)
+        ids = list(progress)
+        lengths = gates.RemainingLengths.of([h for g in ids for h in progress[g][0]],
+                                            [d for g in ids for d in progress[g][1]],
+                                            self.profiler.response_sample(self.prior), self.prior[1])
+        ends = np.cumsum([len(progress[g][0]) for g in ids])
+        expected = {g: lengths.expected_max(np.arange(e - len(progress[g][0]), e)) for g, e in zip(ids, ends)}
+        size, room = self._batch_shape()
+        records, unadmitted = self.buffer.waited_for(self.trainer_version,
+                                                     lambda r: expected.get(r.group_id, math.inf), size, room)
+        return {r.group_id for r in records}, len(records) + unadmitted
 
     def _many(self, batched: str, single: str, items: list) -> list:
         """The predictor's ``batched`` method on ``items`` where it has one (one vectorised pass), else its
@@ -206,7 +233,7 @@ class RolloutSide:
 
     def _start_aux_rollout(self):
         """Eq. 4: Q_a = round(d_a / (d_p + d_a) · Q_r) groups go to the auxiliary rollouters."""
-        q = self.buffer.deficit(self.trainer_version)
+        groups, q = self._rollout_work()
         d_a = len(self._active_rollouters(P.TRAINER_POOL))
         q_a = gates.rollout_dispatch(q, len(self._alive(self.topology.rollouters)), d_a) if d_a else 0
         if q_a <= 0 or self._batch() is not None:
@@ -216,7 +243,7 @@ class RolloutSide:
             return
         # the groups the batch waits for move, parked ones first, then those with the least progress (latest
         # admitted) among the ones running on primaries — the order the gate assumed (gates.rollout_gate)
-        needed = [r for r in self.buffer.needed() if r.group_id not in self.migrating]
+        needed = [self.buffer.groups[g.group_id] for g in groups if g.needed and g.group_id not in self.migrating]
         order = lambda r: (r.version, -r.group_id)  # noqa: E731
         parked = sorted((r for r in needed if r.status == "partial"), key=order)
         running = sorted((r for r in needed if r.status == "running" and r.worker and P.is_primary(r.worker)

@@ -46,13 +46,20 @@ class TrainerSide:
     def _batch(self) -> Optional[list]:
         """The next batch: the step's whole batch, or with streaming consumption (``updates_per_sync`` = U) the
         next local update's ``B/U`` groups, the step still having room for the rest of its local batches."""
-        s = self.settings
-        rule = SCHEDULE_RULE if s.reproducible else self.policy.batch_rule
-        if s.updates_per_sync == 1:
+        rule = SCHEDULE_RULE if self.settings.reproducible else self.policy.batch_rule
+        if self.settings.updates_per_sync == 1:
             return self.buffer.select_batch(self.trainer_version, rule)
+        size, room = self._batch_shape()
+        return self.buffer.select_batch(self.trainer_version, rule, size=size, room=room)
+
+    def _batch_shape(self) -> tuple:
+        """``(size, room)`` of the next batch: the whole batch ``B`` and no room, or with streaming consumption the
+        next local update's ``B/U`` groups and the groups of this version the step's later local updates take."""
+        s = self.settings
+        if s.updates_per_sync == 1:
+            return s.batch, 0
         size = s.batch // s.updates_per_sync
-        return self.buffer.select_batch(self.trainer_version, rule, size=size,
-                                        room=s.batch - size * (self.local_update + 1))
+        return size, s.batch - size * (self.local_update + 1)
 
     def _last_local(self) -> bool:
         """Whether the local update under way is the step's last (always, without streaming consumption)."""
