@@ -230,6 +230,13 @@ class Coordinator(RolloutSide, TrainerSide, Lending):
         self._dispatch_rollouts()
         self._try_start_step()
 
+    def _on_Resumed(self, ev: P.Resumed):
+        """The resumed run's workers reserve their first switches' pinned buffers from ``ev.t``: expect, and let
+        the gates charge, what is left of them from then on (``Profiler.charged``)."""
+        self.profiler.first_switch = {(direction, "c_" + phase): float(seconds)
+                                      for (direction, phase), seconds in ev.first_switch if seconds > 0}
+        self.profiler.loaded_at = float(ev.t)
+
     def _on_GroupFinished(self, ev: P.GroupFinished):
         self.decode.leave(ev.worker, ev.t, (ev.group.group_id,))
         self._commit(ev.group)
