@@ -235,8 +235,9 @@ def test_a_resumed_run_reserves_its_first_switches_pinned_buffers_from_its_bound
     (direction, phase), alloc = max(resumed.switch_times.first.items(), key=lambda kv: kv[1])
     assert alloc > 0
     assert resumed.switch_times.take(direction, phase, t + alloc / 4)[1] == pytest.approx(alloc * 3 / 4)
-    # the coordinator expects, and its gates charge, the same from the boundary on (the checkpoint's profiler
-    # counted from the original start, and had no allocation left)
+    # the coordinator, told of the fresh workers before the boundary, expects (and its gates charge) the same from
+    # the boundary on (the checkpoint's profiler counted from the original start, and had no allocation left)
+    resumed.coordinator.handle(P.Resumed(t, tuple(resumed.assembly.first_switch.items())))
     profiler = resumed.coordinator.profiler
     assert profiler.loaded_at == t
     assert profiler.allocation_left(direction, "c_" + phase, t + alloc / 4) == pytest.approx(alloc * 3 / 4)

@@ -352,6 +352,9 @@ class PoolDriver(WorkerFailures, resume.Resumable, Driver):
                 if self.boundary is None:
                     self.feed(P.Started(self.now()))
                 else:
+                    # the coordinator expects (and its gates charge) what is left of the fresh workers' first-switch
+                    # allocations from the boundary on, as the workers reserve them
+                    self.feed(P.Resumed(self.clock_start, tuple(sorted(self.assembly.first_switch.items()))))
                     self.feed(self.boundary)
                     # workers that were being restarted when the checkpoint was written are fresh ones now
                     for w in self.coordinator.view().failed:

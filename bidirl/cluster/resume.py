@@ -69,10 +69,6 @@ def load(d) -> None:
         # the resumed run's workers start anew at its boundary: their trainers reserve the first switches' pinned
         # buffers from then on (SwitchTimes.take charges what is left of that from the boundary)
         d.switch_times.loaded_at = d.clock_start
-    # and the coordinator expects (and its gates charge) what is left of those allocations from the boundary on
-    d.coordinator.profiler.first_switch = {(direction, "c_" + phase): seconds
-                                           for (direction, phase), seconds in d.assembly.first_switch.items()}
-    d.coordinator.profiler.loaded_at = d.clock_start
     if d.writer is not None and Path(d.writer.root).resolve() == found.path.parent.resolve():
         newer = [p for p in checkpoints.step_folders(d.writer.root) if checkpoints.step_of(p) > found.step]
         if newer:

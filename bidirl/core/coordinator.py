@@ -108,6 +108,9 @@ class Settings:
     # (bidirl.core.aux_weights); None: the gang is never refreshed, so it runs only the segments on the version's weights
     aux_refresh_seconds: Optional[float] = None
     reproducible: bool = False     # batches, versions and chunks fixed by rule, not by timing (bidirl.core.schedule)
+    # indices (0-based, in decision order) of gate decisions taken the other way: a counterfactual that measures the
+    # gates (bidirl.experiments.gate_regret); empty in every run that is not such a measurement
+    flipped_decisions: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,7 @@ class Coordinator(RolloutSide, TrainerSide, Lending):
     batches: list = field(default_factory=list)       # (step, version, [group ids])
     merge_log: list = field(default_factory=list)     # (step, [(segment, first unit) in merge order])
     decode: DecodeProgress = field(default_factory=DecodeProgress)  # when groups joined and left each rollouter
+    decisions_made: int = 0                           # gate decisions so far (Settings.flipped_decisions counts them)
 
     def __post_init__(self):
         s = self.settings
@@ -182,6 +186,7 @@ class Coordinator(RolloutSide, TrainerSide, Lending):
             self.decode = DecodeProgress()  # just started (no tokens grown) until they leave their workers
         if "repro" not in state:
             self.repro = Reproducibility.of(self.settings, self.topology, self.policy)
+        self.__dict__.setdefault("decisions_made", 0)   # written before decisions were counted
 
     # =============================================================================================
     # the protocol entry point and the read-only view
@@ -224,6 +229,13 @@ class Coordinator(RolloutSide, TrainerSide, Lending):
         self.step_start = ev.t
         self._dispatch_rollouts()
         self._try_start_step()
+
+    def _on_Resumed(self, ev: P.Resumed):
+        """The resumed run's workers reserve their first switches' pinned buffers from ``ev.t``: expect, and let
+        the gates charge, what is left of them from then on (``Profiler.charged``)."""
+        self.profiler.first_switch = {(direction, "c_" + phase): float(seconds)
+                                      for (direction, phase), seconds in ev.first_switch if seconds > 0}
+        self.profiler.loaded_at = float(ev.t)
 
     def _on_GroupFinished(self, ev: P.GroupFinished):
         self.decode.leave(ev.worker, ev.t, (ev.group.group_id,))

@@ -16,7 +16,11 @@ class Lending:
     """Lend, revoke and yield a pool (methods of the coordinator; no state of their own)."""
 
     def _decide(self, direction: str, admitted: bool, gain: float, cost: float, detail: dict) -> None:
-        """Report a borrowing decision; if admitted, lend the pool (lease: lend, ``Switch`` in)."""
+        """Report a borrowing decision; if admitted, lend the pool (lease: lend, ``Switch`` in). A decision listed in
+        ``Settings.flipped_decisions`` is taken the other way (a counterfactual, ``bidirl.experiments.gate_regret``)."""
+        if self.decisions_made in getattr(self.settings, "flipped_decisions", ()):
+            admitted = not admitted
+        self.decisions_made += 1
         self._out.append(P.Decided(P.Decision(t=self._now, direction=direction, admitted=admitted,
                                               predicted_gain=gain, cost=cost, detail=detail)))
         if admitted:

@@ -456,6 +456,15 @@ class Started:
 
 
 @dataclass(frozen=True)
+class Resumed:
+    """A run resumed from a checkpoint started its workers anew at ``t`` (fed before its boundary): their trainers
+    reserve the first switches' pinned buffers from then on, ``first_switch`` the seconds of each,
+    ``((direction, "in" | "out"), seconds)`` pairs (:func:`bidirl.perf.costs.first_switch_allocation`)."""
+    t: float
+    first_switch: tuple = ()
+
+
+@dataclass(frozen=True)
 class GroupFinished:
     """Every response of ``group`` finished on ``worker``."""
     t: float
@@ -561,6 +570,6 @@ class WeightsRefreshed:
     elapsed: float
 
 
-EVENTS: tuple = (Started, GroupFinished, GenerationStopped, ChunkStarted, ChunkFinished, ChunkCancelled,
+EVENTS: tuple = (Started, Resumed, GroupFinished, GenerationStopped, ChunkStarted, ChunkFinished, ChunkCancelled,
                  SwitchFinished, SyncFinished, GradientsMerged, OptimizerStepped, WorkerFailed, WorkerRestarted,
                  RolloutRecord, WeightsRefreshed)

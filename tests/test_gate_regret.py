@@ -1,0 +1,57 @@
+"""The gates' decision-regret counterfactual (bidirl.experiments.gate_regret): a flipped decision is the only
+change to the run up to it, and the summary counts what the rows say."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from bidirl.core import protocol as P
+from bidirl.experiments import gate_regret
+from bidirl.job import config as cfgmod
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return cfgmod.load("tiny-cpu")
+
+
+def test_a_flipped_decision_is_the_only_change_up_to_it(cfg):
+    base = gate_regret._simulate(cfg, None).log.decisions
+    assert len(base) >= 2
+    k = 1
+    flipped = gate_regret._simulate(cfg, k).log.decisions
+    assert flipped[:k] == base[:k]
+    assert flipped[k].admitted is (not base[k].admitted)
+    assert (flipped[k].t, flipped[k].direction, flipped[k].predicted_gain) == \
+        (base[k].t, base[k].direction, base[k].predicted_gain)
+
+
+def test_the_regret_rows_and_their_summary(cfg):
+    rows = gate_regret.run_regret(cfg, "p", "x")
+    frame = pd.DataFrame(rows, columns=list(gate_regret.COLUMNS))
+    assert len(frame) == len(gate_regret._simulate(cfg, None).log.decisions)
+    rot = frame[frame["direction"] == P.ROLLOUT_ON_TRAINER_POOL]
+    assert rot["realized_no"].notna().all() and rot["wait_with"].notna().all()
+    s = gate_regret.summarize(frame)
+    for direction in P.DIRECTIONS:
+        part = frame[frame["direction"] == direction]
+        wrong = part[part["flip_ratio"] > 1.0]
+        assert s[direction]["decisions"] == len(part) and s[direction]["wrong"] == len(wrong)
+        # a sum of the same float64 logs in the same order: equal to the last bit
+        assert s[direction]["regret_log_sum"] == sum(math.log(r) for r in wrong["flip_ratio"])
+
+
+def test_the_summary_on_hand_made_rows():
+    rows = [dict(direction=P.ROLLOUT_ON_TRAINER_POOL, admitted=False, flip_ratio=1.02, t_no=10.0, wait_with=12.0,
+                 realized_no=9.0, realized_with=8.0),
+            dict(direction=P.ROLLOUT_ON_TRAINER_POOL, admitted=True, flip_ratio=0.99, t_no=20.0, wait_with=15.0,
+                 realized_no=21.0, realized_with=15.5),
+            dict(direction=P.TRAINER_ON_ROLLOUT_POOL, admitted=True, flip_ratio=1.01)]
+    s = gate_regret.summarize(pd.DataFrame(rows))
+    rot, tor = s[P.ROLLOUT_ON_TRAINER_POOL], s[P.TRAINER_ON_ROLLOUT_POOL]
+    assert (rot["decisions"], rot["admitted"], rot["wrong"], rot["wrong_refusals"]) == (2, 1, 1, 1)
+    assert (tor["wrong"], tor["wrong_refusals"]) == (1, 0)
+    # |errors| of the wait with the window: 4 and 0.5 → median 2.25; signed mean (4 − 0.5) / 2
+    assert rot["wait_with_abs_median_s"] == 2.25 and rot["wait_with_mean_s"] == 1.75
+    assert rot["t_no_abs_median_s"] == 1.0 and rot["regret_max"] == 1.02
