@@ -3,9 +3,9 @@
 
 * ``gate_regret``: per direction (``rot``: Rollouter-on-TrainerPool, ``tor``: Trainer-on-RolloutPool) the decisions,
   the wrong ones (a flip raises the run's total-run throughput), the wrong refusals, their summed log gain and the
-  largest flip ratio; for ``rot`` the median / p90 |error| and mean signed error (s) of the predicted wait with the
-  window (C_in + T_joint + C_out) and without it (T_no) against what the run or its flip realized. ``--quick``:
-  the ablation panels' quick points only.
+  largest flip ratio; the median / p90 |error| and mean signed error (s) of the predicted wait with the window
+  (``rot``: C_in + T_joint + C_out to the batch; ``tor``: T_borrow to the workload's optimizer step) and without it
+  (T_no) against what the run or its flip realized. ``--quick``: the ablation panels' quick points only.
 
 Simulated, not measured (it measures the gates against the simulator); counts and seconds, not wall time.
 """

@@ -431,6 +431,27 @@ def test_trainer_on_rollout_pool_rejected_by_the_gate():
     assert not of(P.Switch, out) and c.view().leases[P.ROLLOUT_POOL] == "primary"
 
 
+def test_the_trainer_gate_times_the_workload_from_now_leaving_out_what_a_running_chunk_has_run():
+    # s = 1: the batch of groups 0-3 starts training while the rollouters still generate the run-ahead groups
+    # 4-7; the rollout pool idles only when they are done, 0.04 s into the first chunk (predicted 2 × 110 tokens
+    # at 1 ms on 2 replicas, 0.11 s). T_no is the step's 8 chunks less what the running one has run
+    c = coordinator("tor-only", staleness=1.0)
+    placed = where(c.handle(P.Started(0.0)))
+    out = []
+    for g in range(4):
+        out = c.handle(P.GroupFinished(1.0 + g, placed[g], done_group(g)))
+    (first,) = of(P.RunChunk, out)
+    assert not of(P.Decided, out)                  # the rollouters are busy with 4-7: no window to consider
+    c.handle(P.ChunkStarted(5.0, P.PRIMARY_TRAINER, first.chunk.chunk_id))
+    for k, g in enumerate(range(4, 8)):
+        out = c.handle(P.GroupFinished(5.01 + 0.01 * k, placed[g], done_group(g)))
+    (decided,) = of(P.Decided, out)
+    d = decided.decision
+    assert d.direction == TOR and d.t == pytest.approx(5.04)
+    # 8 · 0.11 − (5.04 − 5.0): a handful of float sums of numbers below 10, each exact to ~1e-15
+    assert d.detail["t_no"] == pytest.approx(8 * 0.11 - 0.04, abs=1e-12)
+
+
 def test_a_group_that_completes_while_its_migration_is_in_flight_is_not_waited_for():
     c = coordinator("rot-only", staleness=1.0)
     placed = where(c.handle(P.Started(0.0)))

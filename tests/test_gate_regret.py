@@ -55,3 +55,39 @@ def test_the_summary_on_hand_made_rows():
     # |errors| of the wait with the window: 4 and 0.5 → median 2.25; signed mean (4 − 0.5) / 2
     assert rot["wait_with_abs_median_s"] == 2.25 and rot["wait_with_mean_s"] == 1.75
     assert rot["t_no_abs_median_s"] == 1.0 and rot["regret_max"] == 1.02
+
+
+def test_the_trainer_gate_rows_carry_both_realized_waits(cfg):
+    rows = pd.DataFrame(gate_regret.run_regret(cfg, "p", "x"), columns=list(gate_regret.COLUMNS))
+    tor = rows[rows["direction"] == P.TRAINER_ON_ROLLOUT_POOL]
+    assert len(tor) and tor["realized_no"].notna().all() and tor["realized_with"].notna().all()
+    base = gate_regret._simulate(cfg, None)
+    for row in tor.itertuples():
+        d = base.log.decisions[row.decision]
+        assert row.t_no == d.detail["t_no"] and row.wait_with == d.detail["t_borrow"]
+        # the run realizes the side it took: its own optimizer step (less its duration) after the decision
+        spans = base.log.spans_df()
+        opt = spans[(spans["kind"] == "optimizer") & (spans["step"] == d.detail["step"]) & (spans["start"] >= d.t)]
+        realized = row.realized_with if d.admitted else row.realized_no
+        assert realized >= float(opt["start"].min()) - d.t
+
+
+def test_the_trainer_gate_workload_end_on_a_hand_made_log():
+    from types import SimpleNamespace
+
+    from bidirl.results.trace import EventLog, Span
+    log = EventLog()
+    for worker, pool, kind, start, end, detail in (
+            ("trainer_pool/trainer", "trainer_pool", "chunk", 0.0, 8.0, {}),
+            ("trainer_pool/trainer", "trainer_pool", "optimizer", 9.0, 11.0, {}),
+            ("rollout_pool/rollouter/0", "rollout_pool", "switch_out", 7.0, 12.5,
+             {"direction": P.TRAINER_ON_ROLLOUT_POOL}),
+            ("trainer_pool/trainer", "trainer_pool", "optimizer", 20.0, 21.0, {})):
+        log.add_span(Span(worker, pool, "primary", kind, start, end, step=0, version=0, detail=detail))
+    run = SimpleNamespace(log=log)
+    # the switch back ends after the first optimizer step: 12.5 less its 2 s
+    assert gate_regret._workload_done(run, 0, 1.0, last=False) == 10.5
+    # the last optimizer step of the step (refreshed auxiliary gang) ends later than the switch back: its start
+    assert gate_regret._workload_done(run, 0, 1.0, last=True) == 20.0
+    # nothing after the decision: NaN
+    assert math.isnan(gate_regret._workload_done(run, 0, 30.0, last=False))

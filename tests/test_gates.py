@@ -237,13 +237,13 @@ def run_time(first, end, d):
 
 def test_workload_time_and_drain_prefix():
     stages = ["old_logprob"] * 8 + ["actor_update"] * 8
-    total, drained = gates.workload_time(stages, run_time, d=2, micro_batch_per_device=2)
+    total, drained, _ = gates.workload_time(stages, run_time, d=2, micro_batch_per_device=2)
     assert total == pytest.approx(0.8) and drained == 0
     # DrainPrefix: chunks of 4 units take 0.2 s on 2 replicas, so one finishes within 0.25 s, two within 0.41 s
-    total, drained = gates.workload_time(stages, run_time, d=2, micro_batch_per_device=2, drain=0.25)
-    assert drained == 4
-    _, drained = gates.workload_time(stages, run_time, d=2, micro_batch_per_device=2, drain=0.41)
-    assert drained == 8
+    total, drained, at = gates.workload_time(stages, run_time, d=2, micro_batch_per_device=2, drain=0.25)
+    assert drained == 4 and at == pytest.approx(0.2)
+    _, drained, at = gates.workload_time(stages, run_time, d=2, micro_batch_per_device=2, drain=0.41)
+    assert drained == 8 and at == pytest.approx(0.4)
 
 
 def test_trainer_gate_is_algorithm_2():
@@ -254,6 +254,37 @@ def test_trainer_gate_is_algorithm_2():
     assert g.t_no == pytest.approx(0.8) and g.drained == 4 and g.t_joint == pytest.approx(0.3)
     assert g.t_borrow == pytest.approx(0.2 + 0.3 + 0.1 + 0.05) and g.admitted
     assert g.gain == pytest.approx(0.5) and g.cost == pytest.approx(0.35)
+
+
+def test_trainer_gate_leaves_out_what_the_running_chunk_has_run():
+    stages = ["old_logprob"] * 8 + ["actor_update"] * 8
+    costs = SwitchCosts(c_in=0.1, c_out=0.1, c_grad=0.05)
+    fresh = gates.trainer_gate(stages, run_time, d_p=2, d_a=2, micro_batch_per_device=2, costs=costs)
+    # nothing started: T_no = 0.8 and no 0.2 s chunk ends within C_in = 0.1
+    assert fresh.t_no == pytest.approx(0.8, abs=1e-12) and fresh.drained == 0
+    # 0.15 s into the first chunk: T_no is 0.8 − 0.15, and that chunk ends 0.05 s from now, within C_in, so
+    # DrainPrefix takes it; the primaries then run 0.05 s of the next chunk before C_in ends, which the joint
+    # workload (12 units on 4 replicas, 0.3 s) no longer holds: 0.3 − 0.05·2/4. Sums of a few decimals: 1e-12
+    run = gates.trainer_gate(stages, run_time, d_p=2, d_a=2, micro_batch_per_device=2, costs=costs, ran=0.15)
+    assert run.t_no == pytest.approx(0.65, abs=1e-12) and run.drained == 4
+    assert run.t_joint == pytest.approx(0.275, abs=1e-12)
+    assert run.t_borrow == pytest.approx(0.1 + 0.275 + 0.1 + 0.05, abs=1e-12)
+
+
+def test_trainer_gate_credits_the_primaries_part_of_the_chunk_they_run_when_c_in_ends():
+    """The fluid reading of DrainPrefix: what the primaries have done by the end of C_in is done, whole chunks or
+    not; the rest is shared by d_p + d_a replicas."""
+    stages = ["actor_update"] * 16
+    # C_in = 0.25: one 0.2 s chunk drains, then 0.05 s of the next: T_joint = 12 units on 4 replicas (0.3 s)
+    # less 0.05·2/4. Sums of a few decimals: 1e-12
+    g = gates.trainer_gate(stages, run_time, 2, 2, 2, SwitchCosts(c_in=0.25, c_out=0.1, c_grad=0.05))
+    assert g.drained == 4 and g.t_joint == pytest.approx(0.3 - 0.025, abs=1e-12)
+    # 0.05 s into a chunk that does not end within C_in = 0.1: nothing drains, and the primaries have run 0.15 s of
+    # it when C_in ends. Fluid check: 0.75 primary-seconds left from now, 0.65 after C_in, over 4 replicas
+    # instead of 2: 0.325 = 0.4 (16 units on 4 replicas) − 0.15·2/4
+    g = gates.trainer_gate(stages, run_time, 2, 2, 2, SwitchCosts(c_in=0.1, c_out=0.1, c_grad=0.05), ran=0.05)
+    assert g.drained == 0 and g.t_no == pytest.approx(0.75, abs=1e-12)
+    assert g.t_joint == pytest.approx(0.325, abs=1e-12)
 
 
 def test_trainer_gate_charges_c_grad_only_for_update_work_and_rejects_short_windows():

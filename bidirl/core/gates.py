@@ -19,7 +19,7 @@ import dataclasses
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -424,24 +424,36 @@ def chunk_runs(stages: Sequence[str], size: int, chunk_len: Optional[Callable[[i
     return runs
 
 
+class Workload(NamedTuple):
+    """:func:`workload_time`'s answer: ``seconds`` from now until the workload is done, the leading units
+    ``drained`` within the drain time, and when, from now, the last of them ends (``drained_at``: the start of
+    the first chunk, ``−ran``, when none is)."""
+    seconds: float
+    drained: int
+    drained_at: float
+
+
 def workload_time(stages: Sequence[str], run_time: Callable[[int, int, int], float], d: int,
                   micro_batch_per_device: int, drain: Optional[float] = None, rho: int = 1,
-                  chunk_len: Optional[Callable[[int, int, int], int]] = None, sequence_parallel: int = 1) -> tuple:
+                  chunk_len: Optional[Callable[[int, int, int], int]] = None, sequence_parallel: int = 1,
+                  ran: float = 0.0) -> Workload:
     """M_t(U, d) of units with these ``stages``: chunks of :func:`~bidirl.core.protocol.chunk_size` units (one
-    micro-batch on each device of ``d`` replicas of ``rho`` devices), summed.
+    micro-batch on each device of ``d`` replicas of ``rho`` devices), summed, less the ``ran`` seconds the
+    replicas have already spent on the leading chunk (one running when the workload is timed).
 
-    ``run_time(first, end, d)`` predicts the chunk of units ``[first, end)`` on ``d`` replicas. Returns
-    ``(seconds, drained)``; with ``drain``, ``drained`` counts the leading units the ``d`` replicas finish
-    within ``drain`` seconds (DrainPrefix: the work primaries do while auxiliaries are prepared).
-    ``chunk_len(first, end, d)``: token-budget chunk lengths (:func:`chunk_runs`).
+    ``run_time(first, end, d)`` predicts the chunk of units ``[first, end)`` on ``d`` replicas. With ``drain``,
+    ``drained`` counts the leading units the ``d`` replicas finish within ``drain`` seconds (DrainPrefix: the
+    work primaries do while auxiliaries are prepared). ``chunk_len(first, end, d)``: token-budget chunk lengths
+    (:func:`chunk_runs`).
     """
-    total, drained = 0.0, 0
+    total = drained_at = -float(ran)
+    drained = 0
     cut = None if chunk_len is None else (lambda a, b: chunk_len(a, b, d))
     for first, end in chunk_runs(stages, chunk_size(micro_batch_per_device, rho, d, sequence_parallel), cut):
         total += run_time(first, end, d)
         if drain is not None and total <= drain:
-            drained = end
-    return total, drained
+            drained, drained_at = end, total
+    return Workload(total, drained, drained_at)
 
 
 @dataclass(frozen=True)
@@ -493,7 +505,7 @@ def window_tail(t_joint: float, d_p: int, d_a: int, c_out: float, c_grad: float,
 def trainer_gate(stages: Sequence[str], run_time: Callable[[int, int, int], float], d_p: int, d_a: int,
                  micro_batch_per_device: int, costs: SwitchCosts, gated: bool = True, rho: int = 1,
                  optimizer: float = 0.0, chunk_len: Optional[Callable[[int, int, int], int]] = None,
-                 sequence_parallel: int = 1) -> TrainerGate:
+                 sequence_parallel: int = 1, ran: float = 0.0) -> TrainerGate:
     """Algorithm 2, lines 1-6: ``U' = DrainPrefix(U, C_in)``, ``T_no = M_t(U, d_p)``,
     ``T_borrow = C_in + M_t(U', d_p + d_a) + C_out + C_grad``; admitted when ``T_borrow < T_no`` (always when
     there is work left, when not ``gated``). C_grad is charged only if U' holds actor-update work.
@@ -507,14 +519,29 @@ def trainer_gate(stages: Sequence[str], run_time: Callable[[int, int, int], floa
     :func:`window_tail` gives, not ``C_out + C_grad`` after ``T_joint``. With ``optimizer`` 0 (not predicted)
     the tail is Algorithm 2's ``C_out + C_grad``. ``stages`` is the stage of each remaining unit in order;
     ``run_time(first, end, d)`` as in :func:`workload_time`.
+
+    Two refinements time the work from now, as the runtime does it:
+
+    * ``ran``: seconds the primaries have already run of U's leading chunk, sent and started before the decision
+      (U holds every unfinished unit, a running chunk's too). T_no and the drain leave that part out; counted
+      in full, it made T_no exactly that much too long (0.8 s median, up to 5.5 s, on the refused decisions of
+      the runs ``bidirl reproduce`` simulates).
+    * DrainPrefix takes whole chunks, but when C_in ends the primaries are part-way into the next one
+      (``C_in − drained_at`` seconds of it, ``ran`` included when nothing drained), and that work is done: the
+      joint workload, which JointTailSplit balances over the ``d_p + d_a`` replicas, is that many primary
+      replica-seconds smaller, so T_joint is ``M_t(U', d_p + d_a)`` less ``(C_in − drained_at)·d_p/(d_p + d_a)``.
+      Left out, it made T_borrow about half a chunk too long.
     """
-    t_no, drained = workload_time(stages, run_time, d_p, micro_batch_per_device, drain=costs.c_in, rho=rho,
-                                  chunk_len=chunk_len, sequence_parallel=sequence_parallel)
+    no = workload_time(stages, run_time, d_p, micro_batch_per_device, drain=costs.c_in, rho=rho,
+                       chunk_len=chunk_len, sequence_parallel=sequence_parallel, ran=ran)
+    t_no, drained = no.seconds, no.drained
     rest = stages[drained:]
     shifted = None if chunk_len is None else (lambda a, b, d: chunk_len(a + drained, b + drained, d))
-    t_joint, _ = workload_time(rest, lambda a, b, d: run_time(a + drained, b + drained, d), d_p + d_a,
-                               micro_batch_per_device, rho=rho, chunk_len=shifted,
-                               sequence_parallel=sequence_parallel)
+    t_joint = workload_time(rest, lambda a, b, d: run_time(a + drained, b + drained, d), d_p + d_a,
+                            micro_batch_per_device, rho=rho, chunk_len=shifted,
+                            sequence_parallel=sequence_parallel).seconds
+    if rest:      # the primaries' part of the chunk they run when C_in ends (less than that chunk: it did not drain)
+        t_joint = max(0.0, t_joint - (costs.c_in - no.drained_at) * d_p / (d_p + d_a))
     c_grad = costs.c_grad if any(s in UPDATE_STAGES for s in rest) else 0.0
     if optimizer > 0:
         tail = window_tail(t_joint, d_p, d_a, costs.c_out, c_grad, optimizer)

@@ -205,6 +205,12 @@ class TrainerSide:
         costs = self.profiler.charged(TOR, self._now)
         return max(0.0, costs.c_out - costs.c_grad - self.settings.optimizer_seconds)
 
+    def _ran(self, side: str) -> float:
+        """Predicted seconds ``side`` has already run of the chunks it started and has not finished (each at most
+        its predicted time): what :meth:`_ready_in` leaves out of them."""
+        return sum(min(max(0.0, self._now - c.started), c.predicted)
+                   for c in self.step.live(side) if c.started is not None)
+
     def _ready_in(self, side: str) -> float:
         """Predicted seconds from now until ``side`` has run every chunk it was sent."""
         ready = 0.0
@@ -306,7 +312,8 @@ class TrainerSide:
                                   self.settings.micro_batch_per_device, self.profiler.charged(TOR, self._now),
                                   self.policy.gated,
                                   rho=self.topology.trainer_layout, optimizer=self.settings.optimizer_seconds,
-                                  chunk_len=chunk_len, sequence_parallel=self.settings.sequence_parallel)
+                                  chunk_len=chunk_len, sequence_parallel=self.settings.sequence_parallel,
+                                  ran=self._ran(P.PRIMARY))
         if step.aux_refresh:
             gate = gates.charge_refreshes(gate, step.refreshes_from(step.segment_index),
                                           self.settings.aux_refresh_seconds, self._gang(P.PRIMARY),
