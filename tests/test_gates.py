@@ -240,10 +240,14 @@ def test_workload_time_and_drain_prefix():
     total, drained, _ = gates.workload_time(stages, run_time, d=2, micro_batch_per_device=2)
     assert total == pytest.approx(0.8) and drained == 0
     # DrainPrefix: chunks of 4 units take 0.2 s on 2 replicas, so one finishes within 0.25 s, two within 0.41 s
+    # drained_at: when the last drained chunk ends, 0.2 and 0.4 s (sums of two float products below 1: 1e-12)
     total, drained, at = gates.workload_time(stages, run_time, d=2, micro_batch_per_device=2, drain=0.25)
-    assert drained == 4 and at == pytest.approx(0.2)
+    assert drained == 4 and at == pytest.approx(0.2, abs=1e-12)
     _, drained, at = gates.workload_time(stages, run_time, d=2, micro_batch_per_device=2, drain=0.41)
-    assert drained == 8 and at == pytest.approx(0.4)
+    assert drained == 8 and at == pytest.approx(0.4, abs=1e-12)
+    # nothing drains: the start of the first chunk, less what has run of it
+    assert gates.workload_time(stages, run_time, d=2, micro_batch_per_device=2, drain=0.1, ran=0.05).drained_at \
+        == -0.05
 
 
 def test_trainer_gate_is_algorithm_2():

@@ -35,28 +35,25 @@ COLUMNS = ("panel", "point", "decision", "direction", "t", "step", "admitted", "
            "flip_ratio", "t_no", "wait_with", "realized_no", "realized_with")
 
 
-def _simulate(cfg, flip: Optional[int]):
+def _driver(cfg, flip: Optional[int]):
+    """The simulation of ``cfg``'s BiDiRL run, decision ``flip`` (if any) taken the other way; not run yet."""
     from bidirl.sim import SimDriver
     driver = SimDriver(cfg, "bidirl", cfg.workload.steps, cfg.seed)
     if flip is not None:
         settings = driver.coordinator.settings
         driver.coordinator.settings = dataclasses.replace(settings, flipped_decisions=frozenset({int(flip)}))
-    return driver.run()
+    return driver
 
 
-def _aux_refreshed(cfg) -> bool:
-    """Whether ``cfg``'s run refreshes the auxiliary trainer gang between optimizer mini-batches."""
-    from bidirl.sim import SimDriver
-    return SimDriver(cfg, "bidirl", cfg.workload.steps, cfg.seed).coordinator.settings.aux_refresh_seconds \
-        is not None
+def _simulate(cfg, flip: Optional[int]):
+    return _driver(cfg, flip).run()
 
 
-def _workload_done(result, step: int, t: float, last: bool) -> float:
+def _workload_done(spans: pd.DataFrame, step: int, t: float, last: bool) -> float:
     """When the Trainer-on-RolloutPool workload of step ``step`` timed at ``t`` was done, as the gate times it
-    (module doc): the end of the optimizer step that follows it (the step's first after ``t``, or its ``last``)
-    or of a Trainer-on-RolloutPool switch back of the step after ``t`` if later, less that optimizer step's
-    duration; NaN if no optimizer step follows."""
-    spans = result.log.spans_df()
+    (module doc), from a run's ``spans`` (``EventLog.spans_df``): the end of the optimizer step that follows it
+    (the step's first after ``t``, or its ``last``) or of a Trainer-on-RolloutPool switch back of the step after
+    ``t`` if later, less that optimizer step's duration; NaN if no optimizer step follows."""
     mine = spans[(spans["step"] == step) & (spans["start"] >= t)]
     opt = mine[mine["kind"] == "optimizer"].sort_values("start", kind="stable")
     if not len(opt):
@@ -78,8 +75,10 @@ def _consume_start(result, step: int) -> float:
 def run_regret(cfg, panel: str = "", point: str = "") -> list:
     """One row per gate decision of ``cfg``'s BiDiRL run (:data:`COLUMNS`): the decision, the flipped run's
     total-run throughput over the run's (``flip_ratio``), and the predicted and realized waits (module doc)."""
-    base = _simulate(cfg, None)
-    refreshed = _aux_refreshed(cfg)
+    driver = _driver(cfg, None)
+    refreshed = driver.coordinator.settings.aux_refresh_seconds is not None    # U ends with the step's last update
+    base = driver.run()
+    base_spans = base.log.spans_df()
     base_throughput = total_run_throughput(base.log.steps_df())
     rows = []
     for k, d in enumerate(base.log.decisions):
@@ -93,8 +92,8 @@ def run_regret(cfg, panel: str = "", point: str = "") -> list:
             here, there = _consume_start(base, step) - d.t, _consume_start(flipped, step) - d.t
             predicted_with = d.detail["t_joint"] + d.cost
         else:
-            here = _workload_done(base, step, d.t, refreshed) - d.t
-            there = _workload_done(flipped, step, d.t, refreshed) - d.t
+            here = _workload_done(base_spans, step, d.t, refreshed) - d.t
+            there = _workload_done(flipped.log.spans_df(), step, d.t, refreshed) - d.t
             predicted_with = d.detail["t_borrow"]
         row.update(t_no=d.detail["t_no"], wait_with=predicted_with,
                    realized_no=there if d.admitted else here, realized_with=here if d.admitted else there)
